@@ -1,0 +1,62 @@
+"""A causal LM together with its KV cache and the tokens that cache holds.
+
+`advance_to(context)` is the only way in: it keeps the longest cached prefix of `context`, crops the
+rest (rollback after a rejection is just the next call with a shorter context) and feeds what is
+missing in one forward. The last token is always fed, so the caller always gets its logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [n_fed, V] float32: row i predicts the token after fed token i
+    hidden: torch.Tensor | None  # [n_fed, H] last-layer hidden states, when asked for
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class CachedLM:
+    def __init__(self, model: PreTrainedModel, with_hidden: bool = False) -> None:
+        self.model = model
+        self.with_hidden = with_hidden
+        self.cache = DynamicCache(config=model.config)
+        self.tokens: list[int] = []
+        self.forward_calls = 0
+
+    def rollback(self, length: int) -> None:
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.cache.crop(-drop)  # transformers 5.23: crop takes a negative count (tokens to drop)
+            del self.tokens[length:]
+
+    @torch.inference_mode()
+    def advance_to(self, context: list[int]) -> ForwardOutput:
+        """Make the cache hold `context`; return outputs for the tokens fed (at least the last one)."""
+        if not context:
+            raise ValueError("context must hold at least one token")
+        keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
+        self.rollback(keep)
+        new_tokens = context[keep:]
+        out = self.model(
+            input_ids=torch.tensor([new_tokens]),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.with_hidden,
+        )
+        self.tokens.extend(new_tokens)
+        self.forward_calls += 1
+        hidden = out.hidden_states[-1][0] if self.with_hidden else None
+        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)

@@ -1,0 +1,119 @@
+"""Load draft and target models: offline presets, tiny random models, any Hugging Face id or directory.
+
+A model spec is a preset name, a Hugging Face id or a local directory, optionally followed by
+`:layers=N` to keep only the first N decoder layers (a cheap self-draft: same vocabulary, same
+embeddings, many rejections). GGUF presets are dequantised once and cached as bf16 safetensors under
+`cache_root()`, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from common.presets import GGUF_PRESETS, TINY_PRESETS, build_tiny_model, gguf_path, keep_first_layers
+
+log = logging.getLogger(__name__)
+
+
+class ModelPairError(ValueError):
+    """Draft and target cannot work together (different vocabularies)."""
+
+
+@dataclass
+class LoadedModel:
+    spec: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+
+def cache_root() -> Path:
+    """Where converted weights live: $SPRINTER_CACHE, else the user's cache directory."""
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("SPRINTER_CACHE") or user_cache_dir("sprinter"))
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'name:layers=N' -> ('name', N); 'name' -> ('name', None)."""
+    name, sep, option = spec.rpartition(":layers=")
+    if not sep:
+        return spec, None
+    if not option.isdigit() or int(option) < 1:
+        raise ValueError(f"bad model spec {spec!r}: ':layers=' takes a positive integer")
+    return name, int(option)
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    name, n_layers = parse_spec(spec)
+    if name in TINY_PRESETS:
+        model, tokenizer = build_tiny_model(name)
+    else:
+        source = _dense_dir(name) if name in GGUF_PRESETS else name
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if n_layers is not None:
+        keep_first_layers(model, n_layers)
+    model.eval()
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def load_pair(target_spec: str, draft_spec: str, dtype: torch.dtype = torch.bfloat16) -> tuple[LoadedModel, LoadedModel]:
+    target = load_model(target_spec, dtype)
+    draft = target if draft_spec == target_spec else load_model(draft_spec, dtype)
+    check_pair(target, draft)
+    return target, draft
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculative decoding compares distributions token by token: the vocabularies must be identical."""
+    if vocab_fingerprint(target.tokenizer) != vocab_fingerprint(draft.tokenizer) or target.vocab_size != draft.vocab_size:
+        raise ModelPairError(
+            f"draft {draft.spec!r} and target {target.spec!r} have different vocabularies "
+            f"({len(draft.tokenizer)} tokens / {draft.vocab_size} logits vs {len(target.tokenizer)} / {target.vocab_size}); "
+            "speculative decoding needs a draft that shares the target's tokenizer"
+        )
+
+
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 over the token -> id table: equal fingerprints mean token ids mean the same text."""
+    table = "\n".join(f"{token}\t{idx}" for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+    return hashlib.sha256(table.encode()).hexdigest()
+
+
+def _dense_dir(preset: str) -> Path:
+    """The preset's dense bf16 copy, converted from its GGUF on first use."""
+    target = cache_root() / "models" / preset
+    if (target / "config.json").exists():
+        return target
+    source = gguf_path(preset, cache_root())
+    log.info("converting %s from GGUF to dense bf16 once (30-60 s); cached in %s", preset, target)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.bfloat16)
+    # save_pretrained refuses a model that still looks GGUF-quantised; its weights are already dense.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target

@@ -1,0 +1,77 @@
+"""From logits to the distributions that decoding samples from and verification compares.
+
+Temperature 0 means greedy: the distribution is one-hot on the argmax, so the same verification
+rules serve greedy and sampled decoding. Top-k and top-p truncate the support; `SparseDistribution`
+carries just that support, which is exact (not an approximation) for truncated sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Distributions [..., V] (float32) after temperature, top-k and top-p, as the sampler uses them."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from a distribution [V]."""
+    return int(torch.multinomial(probs.float(), 1, generator=generator).item())
+
+
+@dataclass(frozen=True)
+class SparseDistribution:
+    """The nonzero part of a distribution: `token_ids` [n] and their `probs` [n]."""
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def from_dense(cls, probs: torch.Tensor, max_support: int | None = None) -> "SparseDistribution":
+        """Exact when the support is at most `max_support` (always true after top-k); else the top mass, renormalised."""
+        support = torch.nonzero(probs > 0).flatten()
+        if max_support is not None and len(support) > max_support:
+            support = torch.topk(probs, max_support).indices
+        kept = probs[support]
+        return cls(token_ids=support, probs=kept / kept.sum())
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        return torch.zeros(vocab_size, dtype=torch.float32).index_put_((self.token_ids,), self.probs.float())

@@ -1,0 +1,81 @@
+"""Decoding statistics, in the design's measurement vocabulary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    mode: str
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    target_calls: int
+    target_calls_per_token: float
+    tokens_per_call: float | None  # block efficiency; None when the target is never called
+    accepted_len_mean: float | None  # draft tokens kept per verification
+    accept_rate_by_position: list[float]  # P(token i of a block kept | block had a token i)
+    drafted_tokens: int
+    draft_forwards: int
+    ttft_ms: float | None
+    itl_ms_p50: float | None
+    itl_ms_p99: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class StatsRecorder:
+    """Collects one generation's events; `finish()` turns them into DecodeStats."""
+
+    mode: str
+    started: float = field(default_factory=time.perf_counter)
+    emitted_at: list[float] = field(default_factory=list)
+    target_calls: int = 0
+    draft_forwards: int = 0
+    block_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    def emitted(self, n_tokens: int) -> None:
+        now = time.perf_counter()
+        self.emitted_at.extend([now] * n_tokens)
+
+    def verified(self, block_length: int, n_accepted: int) -> None:
+        self.target_calls += 1
+        self.block_lengths.append(block_length)
+        self.accepted_lengths.append(n_accepted)
+
+    def finish(self, new_tokens: int) -> DecodeStats:
+        wall_s = time.perf_counter() - self.started
+        del self.emitted_at[new_tokens:]  # tokens cut at EOS or the length limit were never delivered
+        gaps = [(b - a) * 1e3 for a, b in zip(self.emitted_at, self.emitted_at[1:])]
+        longest = max(self.block_lengths, default=0)
+        accept_rate_by_position = [
+            sum(n > i for n in self.accepted_lengths) / sum(g > i for g in self.block_lengths) for i in range(longest)
+        ]
+        return DecodeStats(
+            mode=self.mode,
+            new_tokens=new_tokens,
+            wall_s=wall_s,
+            tokens_per_s=new_tokens / wall_s if wall_s > 0 else 0.0,
+            target_calls=self.target_calls,
+            target_calls_per_token=self.target_calls / new_tokens if new_tokens else 0.0,
+            tokens_per_call=new_tokens / self.target_calls if self.target_calls else None,
+            accepted_len_mean=(sum(self.accepted_lengths) / len(self.accepted_lengths)) if self.accepted_lengths else None,
+            accept_rate_by_position=accept_rate_by_position,
+            drafted_tokens=sum(self.block_lengths),
+            draft_forwards=self.draft_forwards,
+            ttft_ms=(self.emitted_at[0] - self.started) * 1e3 if self.emitted_at else None,
+            itl_ms_p50=_percentile(gaps, 0.5),
+            itl_ms_p99=_percentile(gaps, 0.99),
+        )

@@ -1,0 +1,107 @@
+"""Verification rules of the four papers, as pure functions over probability tensors.
+
+Every rule has the same signature:
+
+    rule(draft_tokens [g], p_draft [g, V], p_target [g + 1, V], generator) -> (n_accepted, next_token)
+
+`p_draft[i]` is the distribution the draft sampled `draft_tokens[i]` from; `p_target[i]` is the
+target's distribution at the same position, and `p_target[g]` the one after the whole block. The
+first `n_accepted` draft tokens are kept and `next_token` follows them, so one call always yields
+`n_accepted + 1` tokens. Under greedy decoding the distributions are one-hot and every lossless rule
+reduces to `greedy_verify`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from common.sampling import sample
+
+VerifyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
+
+
+def residual(p_target: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
+    """norm(max(p_target - p_draft, 0)); p_target itself where the two are equal (never sampled then)."""
+    mass = torch.clamp(p_target - p_draft, min=0.0)
+    total = mass.sum()
+    return mass / total if total > 0 else p_target
+
+
+def _uniform(generator: torch.Generator) -> float:
+    return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+
+def greedy_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
+                  generator: torch.Generator) -> tuple[int, int]:
+    """Keep draft tokens while they equal the target's argmax; then emit the target's argmax."""
+    target_argmax = p_target.argmax(dim=-1)
+    matches = (target_argmax[: len(draft_tokens)] == draft_tokens).long()
+    n_accepted = int(matches.cumprod(dim=0).sum().item())
+    return n_accepted, int(target_argmax[n_accepted].item())
+
+
+def token_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
+                 generator: torch.Generator) -> tuple[int, int]:
+    """Standard speculative sampling: accept x_i with prob min(1, p_t(x_i) / p_d(x_i)), stop at the first rejection."""
+    for i, x in enumerate(draft_tokens.tolist()):
+        if _uniform(generator) * p_draft[i, x].item() > p_target[i, x].item():
+            return i, sample(residual(p_target[i], p_draft[i]), generator)
+    return len(draft_tokens), sample(p_target[-1], generator)
+
+
+def block_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
+                 generator: torch.Generator) -> tuple[int, int]:
+    """Block verification (Sun et al., ICLR 2025): lossless and optimal in tokens per target call.
+
+    p_i is the running (capped) likelihood ratio of the prefix, h_i the probability of stopping
+    "at least this far", and tau the LAST position whose coin passes, not the first failure.
+    """
+    g = len(draft_tokens)
+    p_t = p_target.double()
+    p_d = p_draft.double()
+    positions = torch.arange(g)
+    log_ratio = (p_t[positions, draft_tokens].log() - p_d[positions, draft_tokens].log()).tolist()
+
+    p = [1.0]  # p_0 = 1; p_i = min(p_{i-1} * M_b(X_i) / M_s(X_i), 1), accumulated in log space
+    log_p_i = 0.0
+    for i in range(g):
+        log_p_i = min(log_p_i + log_ratio[i], 0.0)
+        p.append(math.exp(log_p_i))
+
+    h = [0.0]  # h[0] unused: positions are 1-based as in the paper
+    for i in range(1, g):
+        r_i = torch.clamp(p[i] * p_t[i] - p_d[i], min=0.0).sum().item()
+        denominator = r_i + 1.0 - p[i]
+        h.append(r_i / denominator if denominator > 0 else 1.0)
+    h.append(p[g])
+
+    eta = torch.rand(g, generator=generator, dtype=torch.float64).tolist()
+    tau = max((i for i in range(1, g + 1) if eta[i - 1] <= h[i]), default=0)
+    if tau == g:
+        return g, sample(p_target[g], generator)
+    y_mass = torch.clamp(p[tau] * p_t[tau] - p_d[tau], min=0.0)
+    y_dist = y_mass / y_mass.sum() if y_mass.sum() > 0 else p_t[tau]
+    return tau, sample(y_dist, generator)
+
+
+def sprinter_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
+                    generator: torch.Generator) -> tuple[int, int]:
+    """SPRINTER (Zhong et al.): the verifier passed x_1..x_{g-1} already; only the flagged x_g is checked.
+
+    The earlier tokens are never checked by the target: that is the approximation, bounded by
+    TV(p_target, p_SPRINTER) = eta_FP * TV(p_target, p_draft).
+    """
+    last = len(draft_tokens) - 1
+    n_accepted, next_token = token_verify(draft_tokens[last:], p_draft[last:], p_target[last:], generator)
+    return last + n_accepted, next_token
+
+
+VERIFY_RULES: dict[str, VerifyRule] = {
+    "greedy": greedy_verify,
+    "token": token_verify,
+    "block": block_verify,
+    "sprinter": sprinter_verify,
+}
