@@ -68,10 +68,10 @@ class SparseDistribution:
     def from_dense(cls, probs: torch.Tensor, max_support: int | None = None) -> "SparseDistribution":
         """Exact when the support is at most `max_support` (always true after top-k); else the top mass, renormalised."""
         support = torch.nonzero(probs > 0).flatten()
-        if max_support is not None and len(support) > max_support:
-            support = torch.topk(probs, max_support).indices
-        kept = probs[support]
-        return cls(token_ids=support, probs=kept / kept.sum())
+        if max_support is None or len(support) <= max_support:
+            return cls(token_ids=support, probs=probs[support])
+        kept = torch.topk(probs, max_support)
+        return cls(token_ids=kept.indices, probs=kept.values / kept.values.sum())
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
         return torch.zeros(vocab_size, dtype=torch.float32).index_put_((self.token_ids,), self.probs.float())

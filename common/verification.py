@@ -94,6 +94,8 @@ def sprinter_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target:
     The earlier tokens are never checked by the target: that is the approximation, bounded by
     TV(p_target, p_SPRINTER) = eta_FP * TV(p_target, p_draft).
     """
+    if len(draft_tokens) == 0:
+        raise ValueError("sprinter_verify needs the flagged token: the block is empty")
     last = len(draft_tokens) - 1
     n_accepted, next_token = token_verify(draft_tokens[last:], p_draft[last:], p_target[last:], generator)
     return last + n_accepted, next_token

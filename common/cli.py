@@ -1,0 +1,31 @@
+"""`sprinter`: one console script; each package contributes its subcommands through entry points.
+
+Subcommands are found in the `sprinter.commands` entry-point group (see pyproject.toml), so this
+module, like the rest of `common`, never imports `edge` or `cloud`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib.metadata import entry_points
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sprinter", description="Edge-cloud speculative decoding.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for entry in sorted(entry_points(group="sprinter.commands"), key=lambda e: e.name):
+        entry.load()(subcommands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
