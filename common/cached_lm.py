@@ -15,8 +15,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [n_fed, V] float32: row i predicts the token after fed token i
-    hidden: torch.Tensor | None  # [n_fed, H] last-layer hidden states, when asked for
+    logits: torch.Tensor  # [n, V] float32: row i predicts the token after the i-th of the last n positions
+    hidden: torch.Tensor | None  # [n, H] last-layer hidden states there, when asked for
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -43,8 +43,11 @@ class CachedLM:
             del self.tokens[length:]
 
     @torch.inference_mode()
-    def advance_to(self, context: list[int]) -> ForwardOutput:
-        """Make the cache hold `context`; return outputs for the tokens fed (at least the last one)."""
+    def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:
+        """Make the cache hold `context`; return logits (and hidden states) of its last `n_logits` positions.
+
+        Only those positions go through the LM head: on a long prompt that head is most of the cost.
+        """
         if not context:
             raise ValueError("context must hold at least one token")
         keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
@@ -55,8 +58,9 @@ class CachedLM:
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=self.with_hidden,
+            logits_to_keep=n_logits,
         )
         self.tokens.extend(new_tokens)
         self.forward_calls += 1
-        hidden = out.hidden_states[-1][0] if self.with_hidden else None
+        hidden = out.hidden_states[-1][0, -n_logits:] if self.with_hidden else None
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)

@@ -60,6 +60,13 @@ def verify_rule(mode: str, sampling: SamplingParams) -> VerifyRule:
     return VERIFY_RULES["token" if mode == "sd" else "block"]
 
 
+def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """Pick a token from logits [V]; also return the distribution it was picked from."""
+    probs = logits_to_probs(logits, sampling)
+    # Greedy: the argmax directly; multinomial over a one-hot of 150k entries costs milliseconds.
+    return (int(probs.argmax()) if sampling.greedy else sample(probs, generator)), probs
+
+
 @dataclass
 class PendingBlock:
     tokens: list[int] = field(default_factory=list)
@@ -117,7 +124,7 @@ class LocalEngine:
                 recorder.target_calls += 1
             else:
                 recorder.draft_forwards += 1
-            new_tokens.append(sample(logits_to_probs(logits, settings.sampling), generator))
+            new_tokens.append(next_token(logits, settings.sampling, generator)[0])
             recorder.emitted(1)
             new_tokens, done = self._finished(new_tokens, settings.max_new_tokens)
         return new_tokens
@@ -134,7 +141,7 @@ class LocalEngine:
             budget = settings.max_new_tokens - len(new_tokens)
             block = self._draft_block(draft_lm, context, budget, settings, generator, recorder)
             g = len(block.tokens)
-            target_logits = target_lm.advance_to(context + block.tokens).logits[-(g + 1):]
+            target_logits = target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits
             p_target = logits_to_probs(target_logits, settings.sampling)
             n_accepted, next_token = rule(torch.tensor(block.tokens), torch.stack(block.p_draft), p_target, generator)
             recorder.verified(g, n_accepted)
@@ -152,8 +159,7 @@ class LocalEngine:
         while len(block.tokens) < limit:
             out = draft_lm.advance_to(context + block.tokens)
             recorder.draft_forwards += 1
-            p_draft = logits_to_probs(out.logits[-1], settings.sampling)
-            token = sample(p_draft, generator)
+            token, p_draft = next_token(out.logits[-1], settings.sampling, generator)
             block.tokens.append(token)
             block.p_draft.append(p_draft)
             if token in self.eos_token_ids:
