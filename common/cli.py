@@ -17,7 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for entry in sorted(entry_points(group="sprinter.commands"), key=lambda e: e.name):
-        entry.load()(subcommands)
+        try:
+            register = entry.load()
+        except ImportError as err:  # one broken subcommand must not take the others down
+            print(f"sprinter: subcommand {entry.name!r} is unavailable: {err}", file=sys.stderr)
+            continue
+        register(subcommands)
     return parser
 
 

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the cloud service, on their own registry, served by a tiny asyncio endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CloudMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.sessions_open = Gauge("sprinter_cloud_sessions_open", "Sessions holding a KV cache", registry=r)
+        self.kv_cache_bytes = Gauge("sprinter_cloud_kv_cache_bytes", "KV cache held by all sessions", registry=r)
+        self.sessions_evicted = Counter("sprinter_cloud_sessions_evicted", "Sessions evicted (KV budget or limit)", registry=r)
+        self.verify_calls = Counter("sprinter_cloud_verify_calls", "Verify frames answered with a verdict", ["method"], registry=r)
+        self.tokens_verified = Counter("sprinter_cloud_tokens_verified", "Draft tokens verified", registry=r)
+        self.tokens_accepted = Counter("sprinter_cloud_tokens_accepted", "Draft tokens accepted", registry=r)
+        self.tokens_generated = Counter("sprinter_cloud_tokens_generated", "Tokens generated in target mode", registry=r)
+        self.cloud_batch_size = Histogram("sprinter_cloud_batch_size", "Requests per target forward", registry=r,
+                                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+        self.target_forward_seconds = Histogram("sprinter_cloud_target_forward_seconds", "Target forward latency",
+                                                registry=r, buckets=(.01, .025, .05, .1, .2, .4, .8, 1.6, 3.2, 6.4))
+        self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
+
+    def observe_batch(self, batch_size: int, forward_s: float) -> None:
+        self.cloud_batch_size.observe(batch_size)
+        self.target_forward_seconds.observe(forward_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def serve_metrics(metrics: CloudMetrics, host: str, port: int) -> asyncio.Server:
+    """GET /metrics (any path, in fact) answers the Prometheus text format."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            body = metrics.exposition()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE_LATEST.encode() +
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, host, port)
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return server

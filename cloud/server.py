@@ -1,0 +1,171 @@
+"""Assemble and run the cloud service: TargetService, health checking, reflection, TLS, metrics.
+
+Health reports NOT_SERVING while the model loads and SERVING after. On SIGTERM (or SIGINT) the
+service stops taking new sessions, lets open streams finish for up to `drain_s`, then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from cloud.auth import EdgeAuthenticator
+from cloud.batcher import Batcher
+from cloud.frames import ServiceLimits
+from cloud.metrics import CloudMetrics, serve_metrics
+from cloud.service import TargetBackend, TargetServicer
+from cloud.sessions import SessionLimits, SessionStore
+from common.models import LoadedModel, load_model, vocab_fingerprint
+from sprinter.v1 import decoding_pb2 as pb
+from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+@dataclass(frozen=True)
+class CloudSettings:
+    target: str = "tiny-random"
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_tokens: Path | None = None
+    max_sessions: int = 64
+    kv_budget_mb: int = 2048
+    max_block: int = 32
+    max_context: int = 4096
+    idle_timeout_s: float = 300.0
+    batch_window_ms: float = 5.0
+    max_batch: int = 8
+    metrics_port: int | None = None
+    drain_s: float = 30.0
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+class CloudServer:
+    """`async with CloudServer(settings) as server:` serves until `server.stop()` or a signal."""
+
+    def __init__(self, settings: CloudSettings, target: LoadedModel | None = None) -> None:
+        self.settings = settings
+        self.preloaded_target = target  # tests hand in a model; the CLI loads it after the port is up
+        self.metrics = CloudMetrics()
+        self.health = health_aio.HealthServicer()
+        self.servicer = TargetServicer(EdgeAuthenticator.from_file(settings.auth_tokens), self.metrics)
+        self.limits = ServiceLimits(max_block=settings.max_block, max_context=settings.max_context,
+                                    max_message_bytes=4 << 20)
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
+            ("grpc.max_send_message_length", self.limits.max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ])
+        self.port = 0
+        self._stopping = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "CloudServer":
+        pb_grpc.add_TargetServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                             reflection.SERVICE_NAME), self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._bind()
+        await self.server.start()
+        if self.settings.metrics_port is not None:
+            self._metrics_server = await serve_metrics(self.metrics, self.settings.host, self.settings.metrics_port)
+        self._tasks.append(asyncio.create_task(self._load_and_serve(), name="cloud-main"))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.settings.metrics_port is not None:
+            self._metrics_server.close()
+
+    def _bind(self) -> int:
+        address = f"{self.settings.host}:{self.settings.port}"
+        if self.settings.tls_cert or self.settings.tls_key:
+            if not (self.settings.tls_cert and self.settings.tls_key):
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            credentials = grpc.ssl_server_credentials([(Path(self.settings.tls_key).read_bytes(),
+                                                        Path(self.settings.tls_cert).read_bytes())])
+            return self.server.add_secure_port(address, credentials)
+        return self.server.add_insecure_port(address)
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _load_and_serve(self) -> None:
+        settings = self.settings
+        target = self.preloaded_target
+        if target is None:
+            log.info("loading target %s (%s)", settings.target, settings.dtype)
+            dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
+            target = await asyncio.to_thread(load_model, settings.target, dtype)
+        store = SessionStore(
+            SessionLimits(settings.max_sessions, settings.kv_budget_mb << 20, settings.idle_timeout_s),
+            kv_bytes_per_token(target.model),
+            on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
+        )
+        async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
+                           on_batch=self.metrics.observe_batch, demand=lambda: self.servicer.open_streams) as batcher:
+            self.servicer.backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store,
+                                                  batcher, self.metrics)
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._ready.set()
+            log.info("serving %s on %s:%d", target.spec, settings.host, self.port)
+            sweeper = asyncio.create_task(self._expire_idle(store))
+            await self._stopping.wait()
+            await self._drain()
+            sweeper.cancel()
+
+    async def _expire_idle(self, store: SessionStore) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.idle_timeout_s / 4))
+            if store.expire_idle():
+                self.servicer.backend._update_gauges()
+
+    async def _drain(self) -> None:
+        log.info("draining: no new sessions; waiting up to %.0f s for %d open streams",
+                 self.settings.drain_s, self.servicer.open_streams)
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_s
+        while self.servicer.open_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=1.0)
+        log.info("stopped")
+
+
+async def run_until_signalled(settings: CloudSettings) -> None:
+    async with CloudServer(settings) as server:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.stop)
+        await server._tasks[0]
