@@ -28,6 +28,9 @@ test: $(VENV)/.models-smollm2 $(STUBS)
 bench-local: $(VENV)/.models-qwen
 	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
 
+bench-cloud: $(VENV)/.models-qwen $(VENV)/.models-smollm2 $(STUBS)
+	$(PY) -m sim.bench_cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud
+
 setup: $(VENV)/.project $(STUBS)
 
 # gRPC stubs are generated from the contract, never committed (tests/test_proto.py fails if stale).
