@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from common.cached_lm import CachedLM
+from common.drafting import PendingBlock, draft_tokens, next_token
 from common.models import LoadedModel, check_pair
-from common.sampling import SamplingParams, logits_to_probs, sample
+from common.sampling import SamplingParams, logits_to_probs
 from common.stats import DecodeStats, StatsRecorder
 from common.verification import VERIFY_RULES, VerifyRule
-from common.verifier import ConfidenceVerifier, DraftStep, Verifier, flags
+from common.verifier import ConfidenceVerifier, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +59,6 @@ def verify_rule(mode: str, sampling: SamplingParams) -> VerifyRule:
     if sampling.greedy:
         return VERIFY_RULES["greedy"]  # every lossless rule reduces to it on one-hot distributions
     return VERIFY_RULES["token" if mode == "sd" else "block"]
-
-
-def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor]:
-    """Pick a token from logits [V]; also return the distribution it was picked from."""
-    probs = logits_to_probs(logits, sampling)
-    # Greedy: the argmax directly; multinomial over a one-hot of 150k entries costs milliseconds.
-    return (int(probs.argmax()) if sampling.greedy else sample(probs, generator)), probs
-
-
-@dataclass
-class PendingBlock:
-    tokens: list[int] = field(default_factory=list)
-    p_draft: list[torch.Tensor] = field(default_factory=list)  # the distributions each token was sampled from
 
 
 class LocalEngine:
@@ -134,37 +122,22 @@ class LocalEngine:
         target_lm = CachedLM(self._model("target").model)
         draft_lm = CachedLM(self._model("draft").model, with_hidden=self.verifier.needs_hidden)
         rule = verify_rule(settings.mode, settings.sampling)
+        sprinter = settings.mode in ("sprinter", "sprinter-exact")  # drafting stops at the verifier's flag
         new_tokens: list[int] = []
         done = False
         while not done:
             context = prompt_ids + new_tokens
             budget = settings.max_new_tokens - len(new_tokens)
-            block = self._draft_block(draft_lm, context, budget, settings, generator, recorder)
-            g = len(block.tokens)
+            limit = min(settings.max_run_length if sprinter else settings.k, budget)
+            block = PendingBlock(list(draft_tokens(draft_lm, context, limit, settings.sampling, generator,
+                                                   self.eos_token_ids, self.verifier if sprinter else None)))
+            recorder.draft_forwards += len(block)
+            g = len(block)
             target_logits = target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits
             p_target = logits_to_probs(target_logits, settings.sampling)
-            n_accepted, next_token = rule(torch.tensor(block.tokens), torch.stack(block.p_draft), p_target, generator)
+            n_accepted, next_token = rule(torch.tensor(block.tokens), block.p_draft, p_target, generator)
             recorder.verified(g, n_accepted)
             new_tokens.extend(block.tokens[:n_accepted] + [next_token])
             recorder.emitted(n_accepted + 1)
             new_tokens, done = self._finished(new_tokens, settings.max_new_tokens)
         return new_tokens
-
-    def _draft_block(self, draft_lm: CachedLM, context: list[int], budget: int, settings: DecodeSettings,
-                     generator: torch.Generator, recorder: StatsRecorder) -> PendingBlock:
-        """Draft until the mode's trigger: k tokens (sd modes), or a flag / the run-length cap (sprinter modes)."""
-        sprinter = settings.mode in ("sprinter", "sprinter-exact")
-        limit = min(settings.max_run_length if sprinter else settings.k, budget)
-        block = PendingBlock()
-        while len(block.tokens) < limit:
-            out = draft_lm.advance_to(context + block.tokens)
-            recorder.draft_forwards += 1
-            token, p_draft = next_token(out.logits[-1], settings.sampling, generator)
-            block.tokens.append(token)
-            block.p_draft.append(p_draft)
-            if token in self.eos_token_ids:
-                break
-            step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None)
-            if sprinter and flags(self.verifier, step):
-                break
-        return block
