@@ -7,6 +7,7 @@ what to change, so an edge developer can act on the message alone.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) 
     if not prompt_ids:
         raise _invalid("open.prompt_ids is empty: a session starts from at least one token")
     if len(prompt_ids) >= limits.max_context:
-        raise _invalid(f"prompt has {len(prompt_ids)} tokens; this service holds at most {limits.max_context} per session")
+        raise _invalid(f"prompt has {len(prompt_ids)} tokens; prompts may have at most {limits.max_context - 1} "
+                       f"(the context limit is {limits.max_context}, and the first generated token needs a place)")
     check_token_ids(prompt_ids, vocab_size, "open.prompt_ids")
 
 
@@ -106,6 +108,9 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         if len(dist.token_ids) > limits.max_sparse_support:
             raise _invalid(f"{where}: {len(dist.token_ids)} entries; the limit is {limits.max_sparse_support}")
         check_token_ids(list(dist.token_ids), vocab_size, where)
+        repeated = [t for t, n in Counter(dist.token_ids).items() if n > 1]
+        if repeated:
+            raise _invalid(f"{where}: token id {repeated[0]} appears more than once; list each id once")
         total = sum(dist.probs)
         if any(p < 0 or not math.isfinite(p) for p in dist.probs) or abs(total - 1.0) > PROBABILITY_SUM_TOLERANCE:
             raise _invalid(f"{where}: probabilities must be >= 0 and sum to 1 (they sum to {total:.6f})")

@@ -88,9 +88,13 @@ class TargetBackend:
             g = len(draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
             result = await self.batcher.forward(session.cache, new_tokens, n_logits=g + 1)
-            session.cached_tokens += len(new_tokens)
             started = time.perf_counter()
-            n_accepted, next_token = decide(frame, result.logits, session.sampling, session.generator)
+            try:
+                n_accepted, next_token = decide(frame, result.logits, session.sampling, session.generator)
+            except BaseException:  # keep cache and tokens in step: drop what this forward appended
+                session.cache.crop(-len(new_tokens))
+                raise
+            session.cached_tokens += len(new_tokens)
             # Roll the cache back to the accepted prefix; next_token is fed with the next block.
             keep = session.length + n_accepted
             if session.cached_tokens > keep:
@@ -155,8 +159,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'")
         if self.backend is None:
+            self.metrics.errors.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the target model is still loading; retry shortly")
         if self.draining:
+            self.metrics.errors.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; connect to another replica")
         return identity, self.backend
 
@@ -203,6 +209,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         raise FrameError("INVALID_ARGUMENT", "empty frame: set one of open, verify or close")
                 except (FrameError, SessionError) as err:
                     yield self._error_frame(err, session if session and backend.store.contains(session.session_id) else None)
+                except Exception as err:  # a bug of ours: say so on this frame, keep the stream and the server up
+                    log.exception("internal error on a %s frame", kind)
+                    yield self._error_frame(FrameError("INTERNAL", f"internal error: {err}"), None)
         finally:
             self.open_streams -= 1
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from common.generate_command import encode_prompt
+from common.prompting import encode_prompt
 from common.local_engine import DecodeSettings, LocalEngine
 from common.models import load_model
 from sim.bench_local import PROMPTS_FILE

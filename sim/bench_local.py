@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.generate_command import DTYPES, encode_prompt
+from common.prompting import DTYPES, encode_prompt
 from common.local_engine import DecodeSettings, LocalEngine
 from common.models import LoadedModel, load_pair
 from common.sampling import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.generate_command import encode_prompt
+from common.prompting import encode_prompt
 from common.local_engine import MODES, DecodeSettings, LocalEngine
 from common.models import ModelPairError, check_pair, load_model
 from common.sampling import SamplingParams

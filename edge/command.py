@@ -1,0 +1,46 @@
+"""`sprinter edge serve`: the edge daemon (OpenAI-compatible HTTP API on localhost)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from common.local_engine import MODES
+from edge.generate_command import add_cloud_arguments
+
+log = logging.getLogger(__name__)
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    edge = subcommands.add_parser("edge", help="the edge daemon").add_subparsers(dest="edge_command", required=True)
+    p = edge.add_parser("serve", help="serve the OpenAI-compatible API backed by the draft and the cloud",
+                        description="Run the draft (and verifier) here; verify on the cloud; serve /v1 on localhost.")
+    p.add_argument("--draft", default="tiny-random-draft")
+    p.add_argument("--verifier", default="confidence:0.5")
+    p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
+    p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_cloud_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from edge.daemon import create_app
+    from edge.node import EdgeNode, EdgeNodeSettings
+
+    host, _, port = args.listen.rpartition(":")
+    async with EdgeNode(EdgeNodeSettings.from_args(args)) as node:
+        app = create_app(node, args.mode, args.model_name or args.draft)
+        server = uvicorn.Server(uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
+                                               lifespan="off"))
+        log.info("edge daemon on http://%s/v1 (mode %s, cloud %s)", args.listen, args.mode, args.cloud)
+        await server.serve()

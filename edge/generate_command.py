@@ -1,0 +1,108 @@
+"""`sprinter generate`: one generation, with both models in this process or against a cloud service.
+
+Without `--cloud` the local engine runs draft and target here (the reference). With
+`--cloud HOST:PORT` this process is an edge: it runs the draft (and verifier) and asks the cloud's
+target to verify, exactly as the edge daemon does for each request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from common.local_engine import MODES, DecodeSettings, LocalEngine
+from common.models import load_model
+from common.prompting import DTYPES, encode_prompt
+from common.sampling import SamplingParams
+from common.stats import DecodeStats
+
+
+def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=5, help="block length of sd and sd-block")
+    p.add_argument("--max-run-length", type=int, default=20, help="sprinter modes: cap on the pending block")
+    p.add_argument("--verifier", default="confidence:0.5",
+                   help="sprinter modes: 'confidence:THRESHOLD' or a learned verifier's .json metadata file")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+
+
+def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cloud", metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
+    p.add_argument("--cloud-ca", type=Path, help="PEM root certificate: speak TLS to the cloud")
+    p.add_argument("--cloud-token", help="bearer token of this edge (or env SPRINTER_CLOUD_TOKEN)")
+    p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"], help="with --cloud")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser("generate", help="generate text in one of the decoding modes",
+                               description="Generate text with a draft/target pair in one of the decoding modes.")
+    p.add_argument("--target", default="tiny-random", help="preset, Hugging Face id or directory (':layers=N' truncates)")
+    p.add_argument("--draft", default="tiny-random-draft", help="same forms as --target; must share its vocabulary")
+    p.add_argument("--mode", default="sd", choices=MODES)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--adaptive-k", action="store_true", help="sd modes over a cloud: adapt the block length")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, mode and stats")
+    add_decoding_arguments(p)
+    add_cloud_arguments(p)
+    p.set_defaults(run=run)
+
+
+def decode_settings(args: argparse.Namespace) -> DecodeSettings:
+    return DecodeSettings(mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
+                          max_run_length=args.max_run_length,
+                          sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
+
+
+def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stats: DecodeStats, **extra: object) -> None:
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "mode": args.mode, "stats": stats.to_dict(), **extra}))
+        return
+    print(text)
+    calls = "-" if stats.tokens_per_call is None else f"{stats.tokens_per_call:.2f}"
+    notes = "".join(f", {k} {v}" for k, v in extra.items())
+    print(f"\n[{stats.mode}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tok/s), "
+          f"target calls {stats.target_calls} ({stats.target_calls_per_token:.3f} per token), "
+          f"tokens per call {calls}{notes}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edge.verifier_runtime import load_verifier
+
+    try:
+        settings = decode_settings(args)
+    except ValueError as err:
+        print(f"sprinter generate: {err}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    if args.cloud:
+        return asyncio.run(_run_on_cloud(args, settings))
+    target = load_model(args.target, dtype) if args.mode != "draft" else None
+    draft = None
+    if args.mode != "target":
+        draft = target if args.draft == args.target and target is not None else load_model(args.draft, dtype)
+    model = target or draft
+    verifier = load_verifier(args.verifier, model.tokenizer)
+    engine = LocalEngine(target, draft, verifier)
+    result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
+    print_result(args, result.text, result.token_ids, result.stats)
+    return 0
+
+
+async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
+    from edge.node import EdgeNode, EdgeNodeSettings
+
+    node_settings = EdgeNodeSettings.from_args(args)
+    async with EdgeNode(node_settings) as node:
+        prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
+        result = await node.decoder.generate(prompt_ids, node.edge_settings(settings, adaptive_k=args.adaptive_k))
+    print_result(args, result.text, result.token_ids, result.stats, degraded=result.degraded)
+    return 0

@@ -1,0 +1,91 @@
+"""An edge node: the draft runtime, the verifier and the cloud connection, set up once per process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.cached_lm import CachedLM
+from common.local_engine import DecodeSettings
+from common.models import LoadedModel, load_model, vocab_fingerprint
+from common.prompting import DTYPES
+from edge.cloud_client import CloudClient, CloudEndpoint, CloudUnavailable
+from edge.decoder import EdgeDecoder, EdgeSettings
+from edge.verifier_runtime import load_verifier
+
+log = logging.getLogger(__name__)
+
+
+class CloudMismatch(RuntimeError):
+    """The cloud serves a target whose vocabulary differs from the draft's."""
+
+
+@dataclass(frozen=True)
+class EdgeNodeSettings:
+    draft: str = "tiny-random-draft"
+    verifier: str = "confidence:0.5"
+    cloud: str | None = None
+    cloud_ca: Path | None = None
+    cloud_token: str | None = None
+    draft_runtime: str = "onnx"  # or "torch": the reference and fallback
+    threads: int | None = None
+    dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EdgeNodeSettings":
+        return cls(draft=args.draft, verifier=args.verifier, cloud=args.cloud, cloud_ca=args.cloud_ca,
+                   cloud_token=args.cloud_token or os.environ.get("SPRINTER_CLOUD_TOKEN"),
+                   draft_runtime=args.draft_runtime, threads=args.threads, dtype=args.dtype)
+
+
+class EdgeNode:
+    """`async with EdgeNode(settings) as node:` then `node.decoder.generate(...)` per request."""
+
+    def __init__(self, settings: EdgeNodeSettings, draft: LoadedModel | None = None) -> None:
+        self.settings = settings
+        self.draft = draft or load_model(settings.draft, DTYPES[settings.dtype])
+        self.cloud: CloudClient | None = None
+        self.target_id: str | None = None
+        self.decoder: EdgeDecoder | None = None
+
+    async def __aenter__(self) -> "EdgeNode":
+        if self.settings.cloud:
+            endpoint = CloudEndpoint(self.settings.cloud, tls_ca=self.settings.cloud_ca, token=self.settings.cloud_token)
+            self.cloud = await CloudClient(endpoint).__aenter__()
+            await self.check_cloud()
+        verifier = load_verifier(self.settings.verifier, self.draft.tokenizer, self.settings.draft, self.target_id)
+        self.decoder = EdgeDecoder(self.draft, self._draft_lm_factory(verifier.needs_hidden), verifier, self.cloud)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.cloud is not None:
+            await self.cloud.__aexit__(*exc)
+
+    async def check_cloud(self) -> bool:
+        """Refuse a cloud with another vocabulary; a cloud that is down only degrades us. True if reachable."""
+        try:
+            info = await self.cloud.info()
+        except CloudUnavailable as err:
+            log.warning("cloud %s is not reachable yet (%s); decoding degrades to the draft until it is",
+                        self.settings.cloud, err)
+            return False
+        if info.vocab_fingerprint != vocab_fingerprint(self.draft.tokenizer):
+            raise CloudMismatch(f"cloud {self.settings.cloud} serves {info.model_id}, whose vocabulary differs from "
+                                f"draft {self.settings.draft}'s: pair the draft with a target that shares its tokenizer")
+        self.target_id = info.model_id
+        return True
+
+    def _draft_lm_factory(self, with_hidden: bool):
+        if self.settings.draft_runtime == "torch":
+            return lambda: CachedLM(self.draft.model, with_hidden=with_hidden)
+        from edge.onnx_draft import OnnxDraftModel
+
+        onnx_model = OnnxDraftModel.for_model(self.draft, threads=self.settings.threads)
+        return lambda: onnx_model.new_lm(with_hidden=with_hidden)
+
+    def edge_settings(self, decode: DecodeSettings, adaptive_k: bool = False) -> EdgeSettings:
+        return EdgeSettings(decode=decode, adaptive_k=adaptive_k)
+

@@ -1,0 +1,107 @@
+"""Learned SPRINTER verifiers on ONNX Runtime: an ONNX model plus a JSON metadata file.
+
+The metadata names the model pair the verifier was trained for, its input features, its threshold
+and its training metrics. A verifier trained for another pair is refused: its scores would be
+meaningless. The ONNX model maps features [n, F] (float32) to acceptance scores [n] in [0, 1].
+
+    {"format": "sprinter-verifier/1", "onnx": "verifier.onnx",
+     "pair": {"draft": "qwen2.5-coder-0.5b", "target": "qwen2.5-coder-1.5b", "vocab_fingerprint": "..."},
+     "features": ["hidden", "token_prob", "max_prob", "entropy"], "hidden_size": 896,
+     "threshold": 0.5, "metrics": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from transformers import PreTrainedTokenizerBase
+
+from common.models import vocab_fingerprint
+from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, parse_verifier
+
+log = logging.getLogger(__name__)
+
+FORMAT = "sprinter-verifier/1"
+CONFIDENCE_FEATURES = ("token_prob", "max_prob", "entropy")
+KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES)
+
+
+class VerifierMismatch(ValueError):
+    """The verifier was trained for another model pair."""
+
+
+def providers() -> list[str]:
+    """CUDA when this onnxruntime build has it, else the CPU."""
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+def step_features(step: DraftStep, names: tuple[str, ...]) -> np.ndarray:
+    """The feature vector a verifier with these input names reads for one drafted token."""
+    parts: list[np.ndarray] = []
+    confidence = dict(zip(CONFIDENCE_FEATURES, draft_confidence_features(step)))
+    for name in names:
+        if name == "hidden":
+            parts.append(step.hidden.float().numpy().reshape(-1))
+        else:
+            parts.append(np.array([confidence[name]], dtype=np.float32))
+    return np.concatenate(parts).astype(np.float32)
+
+
+@dataclass
+class LearnedVerifier:
+    """A trained verifier: `score` is the predicted probability that the target accepts the token."""
+
+    metadata: dict
+    session: ort.InferenceSession
+    threshold: float
+
+    @property
+    def needs_hidden(self) -> bool:
+        return "hidden" in self.metadata["features"]
+
+    @classmethod
+    def load(cls, metadata_path: Path, threads: int = 1) -> "LearnedVerifier":
+        metadata = json.loads(Path(metadata_path).read_text())
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{metadata_path}: not a sprinter verifier (format {metadata.get('format')!r}, expected {FORMAT!r})")
+        unknown = set(metadata["features"]) - set(KNOWN_FEATURES)
+        if unknown:
+            raise ValueError(f"{metadata_path}: unknown features {sorted(unknown)}")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads  # a dot product per token: more threads only add overhead
+        session = ort.InferenceSession(str(Path(metadata_path).parent / metadata["onnx"]), options, providers=providers())
+        return cls(metadata, session, float(metadata["threshold"]))
+
+    def check_pair(self, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
+                   target_id: str | None = None) -> None:
+        pair = self.metadata["pair"]
+        if pair["vocab_fingerprint"] != vocab_fingerprint(draft_tokenizer):
+            raise VerifierMismatch(f"this verifier was trained for {pair['draft']} -> {pair['target']}, "
+                                   "whose vocabulary differs from this draft's")
+        for role, actual in (("draft", draft_spec), ("target", target_id)):
+            if actual is not None and actual != pair[role]:
+                raise VerifierMismatch(f"this verifier was trained with {role} {pair[role]!r}, not {actual!r}: "
+                                       "train one for this pair (sprinter verifier train)")
+
+    def score(self, step: DraftStep) -> float:
+        features = step_features(step, tuple(self.metadata["features"]))[None, :]
+        return float(self.session.run(None, {self.session.get_inputs()[0].name: features})[0].reshape(-1)[0])
+
+
+def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
+                  target_id: str | None = None) -> Verifier:
+    """'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair)."""
+    if spec.endswith(".json"):
+        verifier = LearnedVerifier.load(Path(spec))
+        verifier.check_pair(draft_tokenizer, draft_spec, target_id)
+        return verifier
+    return parse_verifier(spec)
+
+
+__all__ = ["ConfidenceVerifier", "LearnedVerifier", "VerifierMismatch", "load_verifier", "step_features"]
