@@ -15,12 +15,9 @@ STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.
 
 .PHONY: demo test bench-local bench-cloud setup proto models-smollm2 models-qwen clean
 
+# The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
-	@echo "== sprinter demo: $(DRAFT) drafts, $(TARGET) verifies (bf16, CPU). First run converts the weights once. =="
-	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sd \
-	    --prompt "Write a Python function that checks whether a string is a palindrome." --max-new-tokens 64
-	$(VENV)/bin/sprinter --log-level WARNING generate --target $(TARGET) --draft $(DRAFT) --chat --mode sprinter \
-	    --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 48
+	$(PY) -m sim.demo --target $(TARGET) --draft $(DRAFT)
 
 test: $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m pytest -q

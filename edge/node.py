@@ -31,6 +31,7 @@ class EdgeNodeSettings:
     cloud_ca: Path | None = None
     cloud_token: str | None = None
     draft_runtime: str = "onnx"  # or "torch": the reference and fallback
+    draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
     threads: int | None = None
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
 
@@ -38,7 +39,8 @@ class EdgeNodeSettings:
     def from_args(cls, args: argparse.Namespace) -> "EdgeNodeSettings":
         return cls(draft=args.draft, verifier=args.verifier, cloud=args.cloud, cloud_ca=args.cloud_ca,
                    cloud_token=args.cloud_token or os.environ.get("SPRINTER_CLOUD_TOKEN"),
-                   draft_runtime=args.draft_runtime, threads=args.threads, dtype=args.dtype)
+                   draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
+                   dtype=args.dtype)
 
 
 class EdgeNode:
@@ -83,7 +85,8 @@ class EdgeNode:
             return lambda: CachedLM(self.draft.model, with_hidden=with_hidden)
         from edge.onnx_draft import OnnxDraftModel
 
-        onnx_model = OnnxDraftModel.for_model(self.draft, threads=self.settings.threads)
+        onnx_model = OnnxDraftModel.for_model(self.draft, threads=self.settings.threads,
+                                              weights=self.settings.draft_weights)
         return lambda: onnx_model.new_lm(with_hidden=with_hidden)
 
     def edge_settings(self, decode: DecodeSettings, adaptive_k: bool = False) -> EdgeSettings:

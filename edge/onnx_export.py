@@ -19,17 +19,26 @@ Choices (see the module docstring of `edge.onnx_draft` for the runtime side):
 - Exporter: `torch.onnx.export(dynamo=True)` (torch.export + onnxscript). The TorchScript exporter
   also runs, but it traces Python branches in transformers' mask code with the example shapes; the
   dynamo exporter keeps `n` and `past` symbolic, so one graph serves prefill, decode and past = 0.
-- Dtype: float32. ONNX Runtime's CPU provider has no bfloat16 MatMul and its float16 MatMul is no
-  faster than float32 on x86 (measured: 0.55 ms both for a 896x4864 matvec), so lower precision
-  would only add Casts. A bf16-loaded model is upcast (exactly) to float32 for export.
+- Dtype: float32. ONNX Runtime's CPU provider has no bfloat16 MatMul (NOT_IMPLEMENTED) and its
+  float16 MatMul is slower than float32 on this x86 CPU (a [1,896]x[896,65536] MatMul: ~5 ms float32,
+  ~6 ms float16; see `sim/bench_draft.py`), so half precision would cost accuracy and Casts for
+  nothing. A bf16-loaded model is upcast (exactly) to a float32 copy for export and verification.
+- Optional weight-only quantisation (`weights="int8"`): MatMul weights become ORT
+  MatMulNBits blocks (32 values per scale, symmetric, int8 compute). A draft step reads every weight
+  once, so it is memory-bandwidth bound and smaller weights are the only big lever left; but the
+  logits then differ from the torch model (a different draft, not a faster copy of the same one), so
+  the default stays float32 (Qwen2.5-0.5B: ~3% relative logit error, ~2.5x faster). Derived from the
+  float32 export, cached next to it as `<key>-int8`.
 - Post-processing: onnxscript's ORT fusions (RMSNorm, skip-RMSNorm, rotary, attention ->
-  com.microsoft ops). On CPU they cut Qwen2.5-0.5B decode from ~85 to ~55 ms/token: the graph is
-  thousands of tiny nodes, and per-node overhead is a real share of a 1-token step.
+  com.microsoft ops; CUDA has them too). Measured interleaved on CPU: SmolLM2-135M 15.8 -> 14.1
+  ms/token (30 layers of small matrices: per-node overhead is a visible share), Qwen2.5-0.5B no
+  change (~39.6 ms both: weight bandwidth dominates). Modest, but free at run time; `fuse=False`
+  skips it (and its ~10 s at export).
 - Cache key: sha256 over the export format version, torch/transformers/onnxscript versions, the
-  fusion flag, the model config JSON and every state-dict entry (name, dtype, shape and all of its
-  bytes). Hashing every byte is ~1 s for 0.5B parameters, cheap next to a 60 s export, and it changes
-  whenever any weight changes. The same checkpoint loaded in bf16 and in float32 hashes differently
-  (different bytes) and is exported twice; harmless.
+  fusion flag, the model config (minus its dtype) and every state-dict entry (name, shape and all of
+  its bytes as float32). Hashing every byte takes ~1.5 s for Qwen2.5-0.5B, cheap next to a 60 s
+  export, and the key changes whenever any weight changes; a checkpoint loaded in bf16 or in float32
+  maps to the same export. `int8` exports live next to their source under `<key>-int8`.
 - Atomicity: everything is written to a sibling temporary directory, which is renamed into place;
   a directory that exists under the final name is complete. A concurrent exporter that loses the
   rename race discards its copy.
@@ -62,6 +71,10 @@ EXPORT_FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)
 INFO_FILE = "export.json"
+# int4 (RTN, block 32) was tried: 2-3x faster again than int8 on a MatMul, but logits off by ~40%.
+WEIGHT_FORMATS = ("float32", "int8")
+# Relative error `verify_export` accepts: float32 differs from torch by summation order only.
+_TOLERANCE = {"float32": 1e-3, "int8": 0.1}
 # Example sizes for tracing: all distinct and > 1, so torch.export specialises none of them.
 _EXAMPLE_NEW, _EXAMPLE_PAST, _EXAMPLE_KEEP = 3, 7, 2
 
@@ -105,7 +118,11 @@ def kv_shape(model: PreTrainedModel) -> tuple[int, int]:
 
 
 def model_fingerprint(model: PreTrainedModel, fuse: bool = True) -> str:
-    """Cache key of the export: changes with the config, any weight, the exporter versions or options."""
+    """Cache key of the export: changes with the config, any weight, the exporter versions or options.
+
+    Weights are hashed as float32 (what the export holds) and the config without its dtype, so a
+    bf16 checkpoint loaded in bf16 or in float32 maps to the same export.
+    """
     import onnxscript
     import transformers
 
@@ -113,11 +130,13 @@ def model_fingerprint(model: PreTrainedModel, fuse: bool = True) -> str:
     header = dict(format=EXPORT_FORMAT_VERSION, torch=torch.__version__, transformers=transformers.__version__,
                   onnxscript=onnxscript.__version__, fuse=fuse)
     digest.update(json.dumps(header, sort_keys=True).encode())
-    digest.update(model.config.to_json_string(use_diff=False).encode())
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        # uint8 view: numpy has no bfloat16, and hashlib wants a contiguous buffer.
-        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        values = tensor.detach().float() if tensor.is_floating_point() else tensor.detach()
+        digest.update(f"{name}|{values.dtype}|{tuple(values.shape)}".encode())
+        # A uint8 view: hashlib wants a contiguous buffer of bytes.
+        digest.update(values.contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:32]
 
 
@@ -125,12 +144,17 @@ def export_dir(model: PreTrainedModel, fuse: bool = True) -> Path:
     return cache_root() / "onnx" / model_fingerprint(model, fuse)
 
 
-def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True) -> Path:
+def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, weights: str = "float32") -> Path:
     """Path of the model's ONNX export, exporting it on first use (Qwen2.5-0.5B: about a minute).
 
     `fuse` applies ONNX Runtime's fused ops (RMSNorm, rotary, attention); `verify` compares one
-    prefill and one decode step against torch before the file is cached.
+    prefill and one decode step against torch before the file is cached; `weights` other than
+    float32 quantises the MatMul weights of the float32 export (lossy; see the module docstring).
     """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, not {weights!r}")
+    if weights != "float32":
+        return _quantized_export(loaded, fuse, verify, weights)
     started = time.perf_counter()
     target = export_dir(loaded.model, fuse)
     path = target / MODEL_FILE
@@ -141,14 +165,61 @@ def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True) ->
     log.info("exporting %s to ONNX once (float32, fuse=%s); cached in %s", loaded.spec, fuse, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _staging_dir(target) as staging, _quiet_exporter_logs():
-        stages = _export_to(loaded.model, staging / MODEL_FILE, fuse)
-        if verify:
-            with _stage("verify against torch", stages):
-                verify_export(loaded.model, staging / MODEL_FILE)
-        _write_info(staging / INFO_FILE, loaded, fuse, stages)
+        fp32 = float32_model(loaded.model)
+        stages = _export_to(fp32, staging / MODEL_FILE, fuse)
+        errors = _verify_stage(fp32, staging / MODEL_FILE, "float32", stages) if verify else None
+        _write_info(staging / INFO_FILE, loaded, fuse, stages, "float32", errors)
         _publish(staging, target)
     log.info("ONNX export of %s done in %.1f s: %s", loaded.spec, time.perf_counter() - started, path)
     return path
+
+
+def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: str) -> Path:
+    """The float32 export with its MatMul weights quantised to `weights`, made on first use."""
+    source = export_draft(loaded, fuse, verify)
+    target = source.parent.with_name(f"{source.parent.name}-{weights}")
+    path = target / MODEL_FILE
+    if path.exists():
+        log.info("ONNX draft for %s (%s weights): cached at %s", loaded.spec, weights, path)
+        return path
+    log.info("quantising the ONNX draft of %s to %s weights once; cached in %s", loaded.spec, weights, target)
+    stages: dict[str, float] = {}
+    with _staging_dir(target) as staging, _quiet_exporter_logs():
+        with _stage(f"quantise MatMul weights to {weights}", stages):
+            quantize_weights(source, staging / MODEL_FILE, bits=int(weights[3:]))
+        errors = _verify_stage(float32_model(loaded.model), staging / MODEL_FILE, weights, stages) if verify else None
+        _write_info(staging / INFO_FILE, loaded, fuse, stages, weights, errors)
+        _publish(staging, target)
+    return path
+
+
+def float32_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The model itself if it is float32, else a float32 copy (exact for bf16 and fp16 weights)."""
+    if all(p.dtype == torch.float32 for p in model.parameters()):
+        return model
+    log.info("making a float32 copy of the model for export")
+    return copy.deepcopy(model).float()
+
+
+def _verify_stage(model: PreTrainedModel, path: Path, weights: str, stages: dict[str, float]) -> dict[str, float]:
+    with _stage("verify against torch", stages):
+        return verify_export(model, path, _TOLERANCE[weights])
+
+
+def quantize_weights(source: Path, destination: Path, bits: int, block_size: int = 32) -> None:
+    """Rewrite every MatMul with a constant weight as MatMulNBits (symmetric, `block_size` per scale).
+
+    accuracy_level 4 lets the CPU kernel quantise activations to int8 and use VNNI dot products;
+    without it the 8-bit kernel dequantises weights on every call and is slower than float32.
+    """
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), bits=bits, block_size=block_size, is_symmetric=True,
+                                     accuracy_level=4)
+    quantizer.process()
+    # location is relative to the model file, so the directory can be renamed afterwards.
+    onnx.save(quantizer.model.model, str(destination), save_as_external_data=True, location=DATA_FILE)
 
 
 def _check_supported(model: PreTrainedModel) -> None:
@@ -164,7 +235,8 @@ def _check_supported(model: PreTrainedModel) -> None:
 def _quiet_exporter_logs() -> Iterator[None]:
     """The exporter's libraries log every pass at INFO (onnx_ir with stack traces) and warn about
     deprecations and torchvision; our stage lines are the progress report, so raise theirs to ERROR."""
-    loggers = [logging.getLogger(name) for name in ("onnx_ir", "onnxscript", "torch.onnx", "torch.export")]
+    names = ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "onnxruntime.quantization")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
@@ -193,10 +265,8 @@ def _export_to(model: PreTrainedModel, path: Path, fuse: bool) -> dict[str, floa
     import onnx_ir as ir
 
     stages: dict[str, float] = {}
-    with _stage("prepare float32 copy", stages):
-        fp32 = model if all(p.dtype == torch.float32 for p in model.parameters()) else copy.deepcopy(model).float()
-        wrapper = _FlatCacheLM(fp32).eval()
-        args, dynamic_shapes = _example_inputs(fp32)
+    wrapper = _FlatCacheLM(model).eval()
+    args, dynamic_shapes = _example_inputs(model)
     n_layers = wrapper.n_layers
     with _stage("torch.export + translate to ONNX", stages), torch.no_grad():
         program = torch.onnx.export(
@@ -228,7 +298,7 @@ def _example_inputs(model: PreTrainedModel) -> tuple[tuple, tuple]:
     return (input_ids, logits_index, *past), dynamic_shapes
 
 
-def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -> None:
+def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -> dict[str, float]:
     """Prefill 5 tokens then decode 1 through ONNX Runtime and torch; raise if logits or hidden differ.
 
     The tolerance is relative to the largest logit: fused kernels sum in a different order.
@@ -239,20 +309,27 @@ def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -
     torch_lm, onnx_lm = CachedLM(model, with_hidden=True), OnnxCachedLM(path, with_hidden=True)
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, model.config.vocab_size, (6,), generator=generator).tolist()
+    errors: dict[str, float] = {}
     for length in (5, 6):
         ref, got = torch_lm.advance_to(context[:length], 2), onnx_lm.advance_to(context[:length], 2)
         for what, a, b in (("logits", ref.logits, got.logits), ("hidden", ref.hidden.float(), got.hidden)):
             error = float((a - b).abs().max() / a.abs().max().clamp(min=1e-6))
-            if not error <= tolerance:
-                raise DraftExportError(f"ONNX export disagrees with torch on {what}: relative error {error:.2e}")
+            errors[what] = max(errors.get(what, 0.0), error)
+    log.info("ONNX vs torch, max relative error: %s", ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    for what, error in errors.items():
+        if not error <= tolerance:
+            raise DraftExportError(f"ONNX export disagrees with torch on {what}: relative error {error:.2e} > {tolerance}")
+    return errors
 
 
-def _write_info(path: Path, loaded: LoadedModel, fuse: bool, stages: dict[str, float]) -> None:
+def _write_info(path: Path, loaded: LoadedModel, fuse: bool, stages: dict[str, float], weights: str,
+                errors: dict[str, float] | None) -> None:
     kv_heads, head_dim = kv_shape(loaded.model)
     info = dict(
-        spec=loaded.spec, format=EXPORT_FORMAT_VERSION, dtype="float32", fuse=fuse, torch=torch.__version__,
+        spec=loaded.spec, format=EXPORT_FORMAT_VERSION, dtype="float32", weights=weights, fuse=fuse, torch=torch.__version__,
         n_layers=loaded.model.config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
         hidden_size=loaded.model.config.hidden_size, vocab_size=loaded.vocab_size, export_seconds=stages,
+        verify_relative_error=errors,
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     path.write_text(json.dumps(info, indent=2))
@@ -269,6 +346,10 @@ def _staging_dir(target: Path) -> Iterator[Path]:
 
 
 def _publish(staging: Path, target: Path) -> None:
+    # mkdtemp (and onnx.save's data file) are private; the cache is as readable as the rest of cache_root().
+    staging.chmod(0o755)
+    for file in staging.iterdir():
+        file.chmod(0o644)
     try:
         os.rename(staging, target)
     except OSError:

@@ -1,0 +1,226 @@
+"""The ONNX draft runtime against the torch reference: export, cache, logits, hidden states, rollback.
+
+The tiny model exports into a temporary SPRINTER_CACHE (a few seconds); SmolLM2 uses the real cache,
+so its export (about a minute) happens once per machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from common.cached_lm import CachedLM
+from common.models import LoadedModel
+from edge import onnx_export
+from edge.onnx_draft import OnnxCachedLM, OnnxDraftModel, load_draft_runtime
+from edge.onnx_export import DraftExportError, export_draft, model_fingerprint, read_export_info, verify_export
+
+GREEDY_STEPS = 32
+
+
+def relative_error(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Largest absolute difference over the largest reference magnitude: scale-free, so one tolerance fits all."""
+    assert reference.shape == candidate.shape, (reference.shape, candidate.shape)
+    return float((reference.float() - candidate.float()).abs().max() / reference.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sprinter-cache")
+
+
+@pytest.fixture
+def isolated_cache(tiny_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPRINTER_CACHE", str(tiny_cache))
+    return tiny_cache
+
+
+@pytest.fixture
+def tiny_onnx(tiny_target: LoadedModel, isolated_cache: Path) -> Path:
+    return export_draft(tiny_target)
+
+
+def greedy_compare(loaded: LoadedModel, onnx_lm: OnnxCachedLM, prompt: list[int], tolerance: float) -> list[int]:
+    """Decode greedily with both runtimes; every step's logits and hidden states must agree."""
+    torch_lm = CachedLM(loaded.model, with_hidden=True)
+    context = list(prompt)
+    for step in range(GREEDY_STEPS):
+        ref, got = torch_lm.advance_to(context), onnx_lm.advance_to(context)
+        assert got.logits.dtype == torch.float32 and got.hidden is not None
+        assert relative_error(ref.logits, got.logits) < tolerance, f"logits differ at step {step}"
+        assert relative_error(ref.hidden, got.hidden) < tolerance, f"hidden states differ at step {step}"
+        token = int(ref.logits[-1].argmax())
+        assert int(got.logits[-1].argmax()) == token, f"greedy token differs at step {step}"
+        context.append(token)
+    assert onnx_lm.tokens == torch_lm.tokens == context[:-1]
+    assert onnx_lm.forward_calls == torch_lm.forward_calls == GREEDY_STEPS
+    return context[len(prompt):]
+
+
+def rollback_compare(loaded: LoadedModel, onnx_lm: OnnxCachedLM, base: list[int], tolerance: float) -> None:
+    """Long context, then a shorter one, then a divergent one: both runtimes and a cold start agree."""
+    torch_lm = CachedLM(loaded.model, with_hidden=True)
+    diverged = base[:-4] + [base[-1], base[-2], base[0]]
+    for context, n_logits in ((base, 3), (base[:-5], 1), (diverged, 2), (diverged[:-1], 1)):
+        ref, got = torch_lm.advance_to(context, n_logits), onnx_lm.advance_to(context, n_logits)
+        assert onnx_lm.tokens == torch_lm.tokens == context
+        assert got.logits.shape == ref.logits.shape == (n_logits, ref.logits.shape[-1])
+        assert relative_error(ref.logits, got.logits) < tolerance
+        assert relative_error(ref.hidden, got.hidden) < tolerance
+    # A rolled-back cache must give what a cache that never saw the longer context gives.
+    cold = OnnxCachedLM(onnx_lm.onnx_path, with_hidden=True)
+    cold_out, warm_out = cold.advance_to(diverged), onnx_lm.advance_to(diverged)
+    assert onnx_lm.forward_calls == 5 and cold.forward_calls == 1
+    assert relative_error(cold_out.logits, warm_out.logits) < tolerance
+    assert relative_error(cold_out.hidden, warm_out.hidden) < tolerance
+
+
+# --- tiny random model: export, cache, agreement -------------------------------------------------
+
+
+def test_export_layout_and_cache_location(tiny_target: LoadedModel, tiny_onnx: Path, isolated_cache: Path) -> None:
+    assert tiny_onnx == isolated_cache / "onnx" / model_fingerprint(tiny_target.model) / "model.onnx"
+    assert (tiny_onnx.parent / "model.onnx.data").exists()
+    assert not [p for p in tiny_onnx.parent.parent.iterdir() if ".partial" in p.name]
+    graph = onnx.load(str(tiny_onnx), load_external_data=False).graph
+    n_layers = tiny_target.model.config.num_hidden_layers
+    assert [i.name for i in graph.input] == onnx_export.input_names(n_layers)
+    assert [o.name for o in graph.output] == onnx_export.output_names(n_layers)
+    past_dims = [d.dim_param or d.dim_value for d in graph.input[2].type.tensor_type.shape.dim]
+    assert past_dims[0] == 1 and isinstance(past_dims[2], str)  # past length is symbolic
+    info = read_export_info(tiny_onnx)
+    assert info["dtype"] == "float32" and info["n_layers"] == n_layers and info["verify_relative_error"]["logits"] < 1e-3
+
+
+def test_second_export_reuses_cache(tiny_target: LoadedModel, tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    mtime = tiny_onnx.stat().st_mtime_ns
+
+    def must_not_export(*_: object, **__: object) -> None:
+        raise AssertionError("exported again although the cache holds this model")
+
+    monkeypatch.setattr(onnx_export, "_export_to", must_not_export)
+    with caplog.at_level(logging.INFO, logger="edge.onnx_export"):
+        assert export_draft(tiny_target) == tiny_onnx
+    assert tiny_onnx.stat().st_mtime_ns == mtime
+    assert "cached at" in caplog.text
+
+
+def test_fingerprint_follows_weights_and_config(tiny_target: LoadedModel) -> None:
+    model = tiny_target.model
+    assert model_fingerprint(model) == model_fingerprint(model)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3
+    assert model_fingerprint(changed) != model_fingerprint(model)
+    reconfigured = copy.deepcopy(model)
+    reconfigured.config.rms_norm_eps = 1e-3
+    assert model_fingerprint(reconfigured) != model_fingerprint(model)
+    assert model_fingerprint(model, fuse=False) != model_fingerprint(model)
+
+
+def test_bf16_and_float32_loads_share_one_export(tiny_target: LoadedModel, isolated_cache: Path) -> None:
+    """A bf16 model exports as float32 and verifies against its float32 copy, not its bf16 self."""
+    bf16 = copy.deepcopy(tiny_target.model).to(torch.bfloat16)
+    widened = copy.deepcopy(bf16).float()  # float32 holding exactly the bf16 values
+    assert model_fingerprint(bf16) == model_fingerprint(widened) != model_fingerprint(tiny_target.model)
+    path = export_draft(LoadedModel("tiny-random-bf16", bf16, tiny_target.tokenizer))
+    assert export_draft(LoadedModel("tiny-random-widened", widened, tiny_target.tokenizer)) == path
+    assert read_export_info(path)["verify_relative_error"]["logits"] < 1e-3
+
+
+def test_tiny_greedy_logits_and_hidden_match_torch(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    onnx_lm = OnnxCachedLM(tiny_onnx, with_hidden=True)
+    tokens = greedy_compare(tiny_target, onnx_lm, [5, 17, 99, 3, 42], tolerance=1e-4)
+    assert len(set(tokens)) > 1  # a constant sequence would prove little
+
+
+def test_tiny_rollback_matches_torch(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    rollback_compare(tiny_target, OnnxCachedLM(tiny_onnx, with_hidden=True), list(range(40, 72)), tolerance=1e-4)
+
+
+def test_n_logits_semantics_match_torch(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    """More logits than fed tokens gives all fed positions, and 0 means all, as in CachedLM."""
+    context = list(range(60, 70))
+    for n_logits, rows in ((4, 4), (25, 10), (0, 10)):
+        ref = CachedLM(tiny_target.model, with_hidden=True).advance_to(context, n_logits)
+        got = OnnxCachedLM(tiny_onnx, with_hidden=True).advance_to(context, n_logits)
+        assert got.logits.shape[0] == ref.logits.shape[0] == rows
+        assert relative_error(ref.logits, got.logits) < 1e-4 and relative_error(ref.hidden, got.hidden) < 1e-4
+
+
+def test_io_binding_path_matches_plain_run(tiny_onnx: Path) -> None:
+    bound, plain = OnnxCachedLM(tiny_onnx, threads=1, io_binding=True), OnnxCachedLM(tiny_onnx, threads=1)
+    assert bound.io_binding and not plain.io_binding  # CPU default: plain session.run
+    for context in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9]):
+        a, b = bound.advance_to(context, 2), plain.advance_to(context, 2)
+        assert a.hidden is None and b.hidden is None
+        assert torch.equal(a.logits, b.logits)
+
+
+def test_verify_export_rejects_a_graph_of_other_weights(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    other = copy.deepcopy(tiny_target.model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)
+    with pytest.raises(DraftExportError, match="disagrees"):
+        verify_export(other, tiny_onnx)
+
+
+def test_int8_weights_are_a_separate_close_export(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    path = export_draft(tiny_target, weights="int8")
+    assert path.parent.name == tiny_onnx.parent.name + "-int8"
+    ops = {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops
+    context = list(range(30, 50))
+    ref = CachedLM(tiny_target.model).advance_to(context, 4)
+    got = OnnxCachedLM(path).advance_to(context, 4)
+    assert 0 < relative_error(ref.logits, got.logits) < 0.1  # lossy: int8 weights and activations
+
+
+def test_load_draft_runtime_picks_runtime(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    assert isinstance(load_draft_runtime(tiny_target, "torch", with_hidden=True), CachedLM)
+    onnx_lm = load_draft_runtime(tiny_target, "onnx", threads=1, with_hidden=True)
+    assert isinstance(onnx_lm, OnnxCachedLM) and onnx_lm.onnx_path == tiny_onnx and onnx_lm.with_hidden
+    assert onnx_lm.session.get_session_options().intra_op_num_threads == 1
+    with pytest.raises(ValueError, match="unknown draft runtime"):
+        load_draft_runtime(tiny_target, "tflite")
+
+
+def test_caches_sharing_one_session_stay_independent(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
+    shared = OnnxDraftModel.for_model(tiny_target, threads=1)
+    first, second = shared.new_lm(with_hidden=True), shared.new_lm()
+    assert first.session is second.session
+    a_context, b_context = list(range(10, 30)), list(range(90, 95))
+    first.advance_to(a_context)
+    b_out = second.advance_to(b_context)
+    a_out = first.advance_to(a_context + [7])
+    assert first.tokens == a_context + [7] and second.tokens == b_context
+    torch_a = CachedLM(tiny_target.model).advance_to(a_context + [7])
+    torch_b = CachedLM(tiny_target.model).advance_to(b_context)
+    assert relative_error(torch_a.logits, a_out.logits) < 1e-4 and relative_error(torch_b.logits, b_out.logits) < 1e-4
+    assert a_out.hidden is not None and b_out.hidden is None
+
+
+# --- SmolLM2-135M in float32 (real cache: exported once per machine) -----------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_onnx(smollm2: LoadedModel) -> Path:
+    return export_draft(smollm2)
+
+
+def test_smollm2_greedy_logits_and_hidden_match_torch(smollm2: LoadedModel, smollm2_onnx: Path) -> None:
+    prompt = smollm2.tokenizer("def fibonacci(n: int) -> int:\n    ")["input_ids"]
+    onnx_lm = OnnxCachedLM(smollm2_onnx, with_hidden=True)
+    tokens = greedy_compare(smollm2, onnx_lm, prompt, tolerance=1e-3)
+    assert len(set(tokens)) > 3
+
+
+def test_smollm2_rollback_matches_torch(smollm2: LoadedModel, smollm2_onnx: Path) -> None:
+    base = smollm2.tokenizer("The quick brown fox jumps over the lazy dog, and then it runs away.")["input_ids"]
+    rollback_compare(smollm2, OnnxCachedLM(smollm2_onnx, with_hidden=True), base, tolerance=1e-3)
