@@ -13,7 +13,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: demo test bench-local bench-cloud setup proto models-smollm2 models-qwen clean
+.PHONY: demo test bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -27,6 +27,9 @@ bench-local: $(VENV)/.models-qwen
 
 bench-cloud: $(VENV)/.models-qwen $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m sim.bench_cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud
+
+bench-draft: $(VENV)/.models-qwen $(STUBS)
+	$(PY) -m sim.bench_draft
 
 setup: $(VENV)/.project $(STUBS)
 

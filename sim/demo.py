@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sim.processes import cloud_process, free_port
+from sim.processes import cloud_process, free_port, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,7 @@ def edge_daemon(args: list[str], port: int, log_path: Path, timeout_s: float = 9
                     time.sleep(0.5)
             yield base
         finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process(process, signal.SIGINT, 30)  # uvicorn stops on SIGINT
 
 
 def agreement(text: str, reference: str) -> float:

@@ -42,6 +42,16 @@ def wait_until_serving(address: str, timeout_s: float, process: subprocess.Popen
     raise TimeoutError(f"{address} was not SERVING after {timeout_s:.0f} s")
 
 
+def stop_process(process: subprocess.Popen, sig: int, grace_s: float) -> None:
+    """Ask politely (`sig` lets it drain), then kill after `grace_s`."""
+    process.send_signal(sig)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextmanager
 def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | None = None,
                   startup_timeout_s: float = 300.0, cpus: set[int] | None = None) -> Iterator[str]:
@@ -57,11 +67,6 @@ def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | No
         wait_until_serving(address, startup_timeout_s, process)
         yield address
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, signal.SIGTERM, 60)
         if log_path:
             log_file.close()
