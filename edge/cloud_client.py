@@ -166,7 +166,7 @@ class CloudSession:
                 # a stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call
                 code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in TRANSIENT:
-                    raise CloudRefused(code.value[0], getattr(err, "details", lambda: str(err))() or "") from err
+                    raise CloudRefused(code.value[0], err.details() or "") from err  # only an AioRpcError gets here
                 last_error = err
                 await self._reset()
                 await asyncio.sleep(self.client.endpoint.backoff_s * 2 ** attempt)

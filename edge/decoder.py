@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from common.drafting import DraftLM, PendingBlock, draft_tokens, next_token
+from common.drafting import DraftLM, PendingBlock, draft_tokens
 from common.local_engine import DecodeSettings
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SparseDistribution

@@ -12,7 +12,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 
 from cloud.server import CloudSettings
