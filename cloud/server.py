@@ -121,6 +121,10 @@ class CloudServer:
     def stop(self) -> None:
         self._stopping.set()
 
+    async def wait_stopped(self) -> None:
+        """Until the service has drained and stopped (after `stop()` or a failure while loading)."""
+        await self._tasks[0]
+
     async def _load_and_serve(self) -> None:
         settings = self.settings
         target = self.preloaded_target
@@ -149,7 +153,7 @@ class CloudServer:
         while True:
             await asyncio.sleep(min(1.0, self.settings.idle_timeout_s / 4))
             if store.expire_idle():
-                self.servicer.backend._update_gauges()
+                self.servicer.backend.update_gauges()
 
     async def _drain(self) -> None:
         log.info("draining: no new sessions; waiting up to %.0f s for %d open streams",
@@ -168,4 +172,4 @@ async def run_until_signalled(settings: CloudSettings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
-        await server._tasks[0]
+        await server.wait_stopped()

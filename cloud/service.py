@@ -75,7 +75,7 @@ class TargetBackend:
         finally:
             session.busy = False
         self.store.enforce_budget()
-        self._update_gauges()
+        self.update_gauges()
         return session, False
 
     async def verify(self, session: Session, frame: pb.VerifyBlock) -> pb.Verdict:
@@ -108,7 +108,7 @@ class TargetBackend:
         self.metrics.tokens_verified.inc(g)
         self.metrics.tokens_accepted.inc(n_accepted)
         self.store.enforce_budget()
-        self._update_gauges()
+        self.update_gauges()
         return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
                           verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
                           queue_ms=result.queue_ms, cloud_batch_size=result.batch_size)
@@ -135,7 +135,7 @@ class TargetBackend:
             new_tokens = [token]
         yield pb.GenerateChunk(finished=True)
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
 
@@ -203,7 +203,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     elif kind == "close":
                         if session is not None:
                             backend.store.close(session.session_id)
-                            backend._update_gauges()
+                            backend.update_gauges()
                         return
                     else:
                         raise FrameError("INVALID_ARGUMENT", "empty frame: set one of open, verify or close")

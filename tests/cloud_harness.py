@@ -17,11 +17,15 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 
 class ServerThread:
-    """Runs `CloudServer` on its own event loop in a background thread (port 0: any free port)."""
+    """Runs `CloudServer` on its own event loop in a background thread (port 0: any free port).
 
-    def __init__(self, settings: CloudSettings, target: LoadedModel) -> None:
+    With `wait_ready=False` it is usable as soon as the port is bound, before the model is loaded.
+    """
+
+    def __init__(self, settings: CloudSettings, target: LoadedModel | None, wait_ready: bool = True) -> None:
         self.settings = replace(settings, port=0) if settings.port == 50051 else settings
         self.target = target
+        self.wait_ready = wait_ready
         self.server: CloudServer | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -35,8 +39,10 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self.server.stop)
+        if self.server is not None:
+            self._loop.call_soon_threadsafe(self.server.stop)
         self._thread.join(30)
+        assert not self._thread.is_alive(), "the server did not stop"
 
     @property
     def address(self) -> str:
@@ -53,9 +59,10 @@ class ServerThread:
     async def _main(self) -> None:
         async with CloudServer(self.settings, self.target) as server:
             self.server = server
-            await server.wait_ready()
+            if self.wait_ready:
+                await server.wait_ready()
             self._ready.set()
-            await server._tasks[0]
+            await server.wait_stopped()
 
 
 class SessionStream:

@@ -6,7 +6,6 @@ grpc_reflection's descriptor database), so any off-the-shelf tool that speaks th
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import threading
 import time
@@ -21,7 +20,6 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 import cloud.server
 from cloud.server import SERVICE_NAME, CloudServer, CloudSettings
 from cloud_harness import ServerThread, SessionStream
-from common.models import LoadedModel
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -233,48 +231,6 @@ def test_health_of_an_unknown_service_is_not_found(plain_channel):
     assert caught.value.code() == S.NOT_FOUND
 
 
-class BackgroundServer:
-    """A CloudServer in a thread, usable as soon as its port is bound (before the model is loaded)."""
-
-    def __init__(self, settings: CloudSettings, target: LoadedModel | None = None) -> None:
-        self.settings, self.target = settings, target
-        self.server: CloudServer | None = None
-        self.error: BaseException | None = None
-        self._bound = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="cloud-server-loading", daemon=True)
-
-    def start(self) -> "BackgroundServer":
-        self._thread.start()
-        assert self._bound.wait(30) and self.error is None, f"the server did not bind: {self.error!r}"
-        return self
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self._loop.call_soon_threadsafe(self.server.stop)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the server did not stop"
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._main())
-        except BaseException as err:  # noqa: BLE001 - surfaced by start()
-            self.error = err
-        finally:
-            self._bound.set()
-
-    async def _main(self) -> None:
-        async with CloudServer(self.settings, self.target) as server:
-            self.server = server
-            self._bound.set()
-            await server._tasks[0]
-
-
 def test_not_serving_and_unavailable_while_the_model_loads(tiny_target, monkeypatch):
     release = threading.Event()
     loads: list[str] = []
@@ -285,41 +241,41 @@ def test_not_serving_and_unavailable_while_the_model_loads(tiny_target, monkeypa
         return tiny_target
 
     monkeypatch.setattr(cloud.server, "load_model", slow_load)
-    background = BackgroundServer(CloudSettings(target="tiny-random", port=0, batch_window_ms=1)).start()
-    try:
-        with grpc.insecure_channel(background.address) as channel:
-            for service in ("", SERVICE_NAME):
-                assert health_status(channel, service) == NOT_SERVING
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                                              timeout=TIMEOUT)
-            assert next(watch).status == NOT_SERVING
+    settings = CloudSettings(target="tiny-random", port=0, batch_window_ms=1)
+    with ServerThread(settings, None, wait_ready=False) as background:
+        try:
+            with grpc.insecure_channel(background.address) as channel:
+                for service in ("", SERVICE_NAME):
+                    assert health_status(channel, service) == NOT_SERVING
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                                  timeout=TIMEOUT)
+                assert next(watch).status == NOT_SERVING
 
-            stub = pb_grpc.TargetServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as caught:
-                stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT)
-            assert_call_fails(caught.value, S.UNAVAILABLE, "still loading", "retry")
-            stream = SessionStream(channel)
-            with pytest.raises(grpc.RpcError) as caught:
-                stream.open([1, 2, 3])
-            assert_call_fails(caught.value, S.UNAVAILABLE, "still loading")
-            stream.abandon()
-            with pytest.raises(grpc.RpcError) as caught:
-                generated_tokens(channel)
-            assert_call_fails(caught.value, S.UNAVAILABLE, "still loading")
-            deadline = time.monotonic() + 10
-            while not loads and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert loads == ["tiny-random"]
+                stub = pb_grpc.TargetServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT)
+                assert_call_fails(caught.value, S.UNAVAILABLE, "still loading", "retry")
+                stream = SessionStream(channel)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stream.open([1, 2, 3])
+                assert_call_fails(caught.value, S.UNAVAILABLE, "still loading")
+                stream.abandon()
+                with pytest.raises(grpc.RpcError) as caught:
+                    generated_tokens(channel)
+                assert_call_fails(caught.value, S.UNAVAILABLE, "still loading")
+                deadline = time.monotonic() + 10
+                while not loads and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert loads == ["tiny-random"]
 
-            release.set()
-            assert next(watch).status == SERVING  # the standard Watch sees the switch
-            watch.cancel()
-            assert health_status(channel, "") == SERVING
-            assert stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT).model_id == "tiny-random"
-            one_verify(channel)
-    finally:
-        release.set()
-        background.stop()
+                release.set()
+                assert next(watch).status == SERVING  # the standard Watch sees the switch
+                watch.cancel()
+                assert health_status(channel, "") == SERVING
+                assert stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT).model_id == "tiny-random"
+                one_verify(channel)
+        finally:
+            release.set()  # never leave the load thread waiting
 
 
 # ------------------------------------------------------------------------------------------ reflection
