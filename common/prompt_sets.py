@@ -129,3 +129,12 @@ def _allocate(total: int, fractions: tuple[float, ...]) -> list[int]:
     while sum(counts) > total:
         counts[max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: (counts[i] - ideal[i], -i))] -= 1
     return counts
+
+
+def interleave_categories(records: Sequence[PromptRecord]) -> list[PromptRecord]:
+    """One prompt of each category in turn (file order within a category): any prefix is balanced."""
+    by_category: dict[str, list[PromptRecord]] = {}
+    for record in records:
+        by_category.setdefault(record.category, []).append(record)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]

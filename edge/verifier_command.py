@@ -1,0 +1,170 @@
+"""`sprinter verifier collect | train | eval`: make a learned verifier for a draft/target pair.
+
+    sprinter verifier train --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out verifiers/qwen
+collects decoding data (resumable, in OUT/data unless --data says otherwise), trains the linear and
+the MLP verifier, calibrates, and writes OUT/verifier.onnx + OUT/verifier.json (the edge's format),
+OUT/metrics.md and OUT/reliability.png.
+    sprinter verifier eval --target ... --draft ... --verifier OUT/verifier.json --out OUT/eval
+decodes the held-out prompts with sprinter / sprinter-exact (learned vs confidence) and writes
+eval.json, eval.md and tradeoff.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from common.prompting import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    verifier = subcommands.add_parser("verifier", help="train and evaluate a learned SPRINTER verifier")
+    commands = verifier.add_subparsers(dest="verifier_command", required=True)
+
+    collect = commands.add_parser("collect", help="record decoding data for training (resumable)")
+    _add_pair_arguments(collect)
+    _add_collect_arguments(collect)
+    collect.add_argument("--data", type=Path, required=True, help="directory for the shards")
+    collect.set_defaults(run=run_collect)
+
+    train = commands.add_parser("train", help="collect if needed, train, calibrate and export a verifier")
+    _add_pair_arguments(train)
+    _add_collect_arguments(train)
+    train.add_argument("--data", type=Path, help="collected data (default OUT/data; collected or resumed there)")
+    train.add_argument("--out", type=Path, required=True, help="directory for verifier.onnx and verifier.json")
+    train.add_argument("--model", default="mlp", choices=["mlp", "linear"], help="which verifier to export")
+    train.add_argument("--label", default="auto", choices=["auto", "greedy", "paper"],
+                       help="greedy: target argmax == draft token; paper: p_draft(x) <= p_target(x) (auto: by temperature)")
+    train.add_argument("--max-fpr", type=float, default=0.05, help="threshold: at most this false-positive rate on held-out prompts")
+    train.add_argument("--epochs", type=int, default=40)
+    train.add_argument("--hidden-units", type=int, default=32)
+    train.set_defaults(run=run_train)
+
+    evaluate = commands.add_parser("eval", help="decode held-out prompts: learned verifier vs confidence baseline")
+    _add_pair_arguments(evaluate)
+    evaluate.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
+    evaluate.add_argument("--out", type=Path, required=True)
+    evaluate.add_argument("--limit", type=int, help="evaluate on the first N held-out prompts only")
+    evaluate.add_argument("--max-new-tokens", type=int, default=48)
+    evaluate.add_argument("--temperature", type=float, default=0.0)
+    evaluate.set_defaults(run=run_eval)
+
+
+def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="tiny-random")
+    p.add_argument("--draft", default="tiny-random-draft")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--prompts", type=Path, help="JSONL of prompts (default: the project's 320-prompt set)")
+    p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"],
+                   help="train on the hidden states of the runtime the edge will run")
+    p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"])
+    p.add_argument("--threads", type=int, help="ONNX Runtime threads (default: every core)")
+
+
+def _add_collect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=int, help="use N prompts only, taken from every category in turn")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens decoded per prompt")
+    p.add_argument("--segment", type=int, default=0,
+                   help="0: the target scores the draft's whole continuation in one forward; K: speculative "
+                        "decoding with blocks of K (context follows the target's corrections)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _runtime_name(args: argparse.Namespace) -> str:
+    return "torch" if args.draft_runtime == "torch" else f"onnx-{args.draft_weights}"
+
+
+def _draft_lm_factory(draft, args: argparse.Namespace):
+    """`with_hidden -> DraftLM` over the runtime the edge runs (one ONNX session shared by all caches)."""
+    from common.cached_lm import CachedLM
+
+    if args.draft_runtime == "torch":
+        return lambda with_hidden=True: CachedLM(draft.model, with_hidden=with_hidden)
+    from edge.onnx_draft import OnnxDraftModel
+
+    onnx_model = OnnxDraftModel.for_model(draft, threads=args.threads, weights=args.draft_weights)
+    return lambda with_hidden=True: onnx_model.new_lm(with_hidden=with_hidden)
+
+
+def _prompts(args: argparse.Namespace):
+    from common.prompt_sets import interleave_categories, load_prompts
+
+    prompts = load_prompts(args.prompts)
+    return interleave_categories(prompts)[: args.limit] if args.limit else prompts
+
+
+def _collect(args: argparse.Namespace, data_dir: Path) -> None:
+    from common.models import load_pair
+    from edge.verifier_data import CollectSettings, collect
+
+    settings = CollectSettings(max_new_tokens=args.max_new_tokens, segment=args.segment, temperature=args.temperature,
+                               seed=args.seed, draft_runtime=_runtime_name(args))
+    target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
+    collect(target, draft, _draft_lm_factory(draft, args), _prompts(args), data_dir, settings)
+
+
+def run_collect(args: argparse.Namespace) -> int:
+    _collect(args, args.data)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from edge.verifier_data import load_dataset
+    from edge.verifier_train import TrainSettings, export, plot_reliability, train
+
+    data_dir = args.data or args.out / "data"
+    _collect(args, data_dir)  # resumes: finished shards are kept
+    dataset = load_dataset(data_dir)
+    settings = TrainSettings(model=args.model, label=args.label, max_fpr=args.max_fpr, epochs=args.epochs,
+                             hidden_units=args.hidden_units, seed=args.seed)
+    report = train(dataset, settings)
+    path = export(report, dataset, args.out)
+    try:
+        plot_reliability(report, args.out / "reliability.png")
+    except ImportError:
+        log.warning("matplotlib is not installed: no reliability plot (pip install 'sprinter[bench]')")
+    print(report.table())
+    print(f"\nverifier: {path}  (threshold {report.verifiers[args.model].threshold:.4f} for FPR <= {args.max_fpr:.0%} "
+          f"on held-out prompts; label {report.label})")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from common.models import load_pair
+    from common.prompt_sets import load_prompts
+    from edge.verifier_eval import EvalSettings, evaluate, matched, plot_tradeoff, table, to_dicts
+    from edge.verifier_runtime import LearnedVerifier
+
+    learned = LearnedVerifier.load(args.verifier)
+    held_out = set(learned.metadata["training"]["held_out_prompt_ids"])
+    prompts = [p for p in load_prompts(args.prompts) if p.id in held_out]
+    if not prompts:
+        raise SystemExit(f"none of the verifier's held-out prompts are in {args.prompts or 'the default prompt set'}")
+    prompts = prompts[: args.limit] if args.limit else prompts
+    target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
+    learned.check_pair(draft.tokenizer, args.draft, args.target)
+    settings = EvalSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    rows = evaluate(target, draft, _draft_lm_factory(draft, args), learned, prompts, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    comparison = {q: matched(rows, "sprinter", q) for q in ("agreement_with_target", "target_nll_per_token")}
+    (args.out / "eval.json").write_text(json.dumps({"prompts": len(prompts), "settings": asdict(settings), "rows": to_dicts(rows),
+                                                    "matched": comparison}, indent=1, default=list))
+    markdown = table(rows)
+    (args.out / "eval.md").write_text(markdown + "\n")
+    try:
+        plot_tradeoff(rows, args.out / "tradeoff.png")
+    except ImportError:
+        log.warning("matplotlib is not installed: no trade-off plot (pip install 'sprinter[bench]')")
+    print(markdown)
+    print("\nat matched target calls per token (confidence baseline interpolated on its threshold sweep):")
+    for quality, points in comparison.items():
+        for p in points:
+            print(f"  {p['method']}: calls/token {p['target_calls_per_token']:.3f}, {quality} {p[quality]:.3f} "
+                  f"vs confidence {'-' if p[f'confidence_{quality}'] is None else format(p[f'confidence_{quality}'], '.3f')}")
+    return 0

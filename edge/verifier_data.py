@@ -1,0 +1,196 @@
+"""Training data for the SPRINTER verifier, recorded on the pair's own decoding path.
+
+For every prompt the draft decodes a continuation, recording per token its last hidden state and
+its confidence features, and the target scores drafted tokens in as few forwards as possible:
+    segment = 0 (default): the draft writes the whole continuation and the target scores it in ONE
+        forward (teacher forcing). Labels after the first rejection are judged on a prefix holding
+        a draft mistake, which is what sprinter's own contexts look like (its passed tokens are
+        never corrected); they are marked `on_path` False.
+    segment = K: lossless speculative decoding with blocks of K: one target forward per block, the
+        context moves on with the accepted tokens plus the target's correction (the paper's
+        procedure, "extend with the draft token if accepted, else the target's token", with the
+        target's work batched). Costs a target forward per K drafted tokens.
+
+Per drafted token x the shards hold everything any label needs:
+    hidden [n, H] float16, confidence [n, 3] (token_prob, max_prob, entropy of the draft at T=1),
+    p_draft / p_target: both models' probability of x under the sampling settings,
+    target_argmax_match: the target's greedy choice is x (the greedy label),
+    on_path, position, prompt_index.
+Shards of `shard_size` prompts are written atomically; a rerun skips the finished ones (resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from common.cached_lm import CachedLM
+from common.drafting import DraftLM, PendingBlock, draft_tokens
+from common.local_engine import verify_rule
+from common.models import LoadedModel, vocab_fingerprint
+from common.prompt_sets import PromptRecord
+from common.prompting import encode_prompt
+from common.sampling import SamplingParams, logits_to_probs
+from common.verifier import draft_confidence_features
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DATA_FORMAT = "sprinter-verifier-data/1"
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    max_new_tokens: int = 48  # per prompt
+    segment: int = 0  # draft tokens per target forward; 0: the whole continuation in one forward
+    temperature: float = 0.0
+    seed: int = 0
+    shard_size: int = 16  # prompts per shard: the unit of resumption
+    draft_runtime: str = "onnx-int8"  # recorded: hidden states depend on the runtime that made them
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.segment < 0 or self.shard_size < 1:
+            raise ValueError("max_new_tokens and shard_size must be >= 1, segment >= 0")
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    hidden: np.ndarray
+    confidence: tuple[float, float, float]
+    p_draft: float
+    p_target: float
+    target_argmax_match: bool
+    on_path: bool
+    position: int
+
+
+def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[int], settings: CollectSettings,
+                      eos_token_ids: frozenset[int]) -> list[TokenRecord]:
+    """Decode one prompt (see the module docstring for `segment`), recording every drafted token."""
+    sampling = SamplingParams(temperature=settings.temperature, seed=settings.seed)
+    generator = torch.Generator().manual_seed(settings.seed)
+    rule = verify_rule("sd", sampling)
+    records: list[TokenRecord] = []
+    new_tokens: list[int] = []
+    while len(new_tokens) < settings.max_new_tokens:
+        context = prompt_ids + new_tokens
+        limit = min(settings.segment or settings.max_new_tokens, settings.max_new_tokens - len(new_tokens))
+        block = PendingBlock(list(draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids)))
+        g = len(block)
+        target_logits = target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits
+        p_target = logits_to_probs(target_logits, sampling)
+        greedy_match = [int(target_logits[i].argmax()) == block.tokens[i] for i in range(g)]
+        if settings.segment == 0:
+            n_accepted = next((i for i, ok in enumerate(greedy_match) if not ok), g)  # on the target's greedy path
+        else:
+            n_accepted, next_token = rule(torch.tensor(block.tokens), block.p_draft, p_target, generator)
+        for i, drafted in enumerate(block.drafted):
+            x = drafted.token
+            records.append(TokenRecord(
+                hidden=drafted.step.hidden.float().numpy().astype(np.float16),
+                confidence=draft_confidence_features(drafted.step),
+                p_draft=float(drafted.p_draft[x]), p_target=float(p_target[i, x]),
+                target_argmax_match=greedy_match[i], on_path=i <= n_accepted,
+                position=len(new_tokens) + i))
+        if settings.segment == 0:
+            break
+        new_tokens.extend(block.tokens[:n_accepted] + [next_token])
+        if any(t in eos_token_ids for t in new_tokens):
+            break
+    return records
+
+
+def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarray]:
+    rows = [(index, r) for index, records in records_by_prompt.items() for r in records]
+    return {
+        "hidden": np.stack([r.hidden for _, r in rows]),
+        "confidence": np.asarray([r.confidence for _, r in rows], dtype=np.float32),
+        "p_draft": np.asarray([r.p_draft for _, r in rows], dtype=np.float32),
+        "p_target": np.asarray([r.p_target for _, r in rows], dtype=np.float32),
+        "target_argmax_match": np.asarray([r.target_argmax_match for _, r in rows], dtype=bool),
+        "on_path": np.asarray([r.on_path for _, r in rows], dtype=bool),
+        "position": np.asarray([r.position for _, r in rows], dtype=np.int32),
+        "prompt_index": np.asarray([i for i, _ in rows], dtype=np.int32),
+    }
+
+
+def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    partial = path.with_suffix(".partial.npz")
+    np.savez(partial, **arrays)
+    os.replace(partial, path)
+
+
+def _manifest(target: LoadedModel, draft: LoadedModel, prompts: list[PromptRecord], settings: CollectSettings) -> dict:
+    return {"format": DATA_FORMAT, "target": target.spec, "draft": draft.spec,
+            "vocab_fingerprint": vocab_fingerprint(draft.tokenizer), "settings": asdict(settings),
+            "prompts": [asdict(p) for p in prompts]}
+
+
+def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM],
+            prompts: list[PromptRecord], out_dir: Path, settings: CollectSettings) -> Path:
+    """Record every prompt's drafted tokens into `out_dir`; finished shards from an earlier run are kept."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest(target, draft, prompts, settings)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.exists():
+        previous = json.loads(manifest_path.read_text())
+        if previous != manifest:
+            raise ValueError(f"{out_dir} holds data collected with other models, prompts or settings; "
+                             "use another --data directory or delete it")
+    else:
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+    shards = [range(start, min(start + settings.shard_size, len(prompts)))
+              for start in range(0, len(prompts), settings.shard_size)]
+    todo = [(n, shard) for n, shard in enumerate(shards) if not (out_dir / f"shard-{n:05d}.npz").exists()]
+    if len(todo) < len(shards):
+        log.info("resuming: %d of %d shards already collected in %s", len(shards) - len(todo), len(shards), out_dir)
+    target_lm = CachedLM(target.model)
+    draft_lm = make_draft_lm()
+    done_prompts = sum(len(s) for s in shards) - sum(len(s) for _, s in todo)
+    with tqdm(total=len(prompts), initial=done_prompts, desc="collecting", unit="prompt") as progress:
+        for n, shard in todo:
+            records_by_prompt: dict[int, list[TokenRecord]] = {}
+            for index in shard:
+                prompt = prompts[index]
+                prompt_ids = encode_prompt(draft.tokenizer, prompt.prompt, prompt.chat)
+                records_by_prompt[index] = decode_and_record(target_lm, draft_lm, prompt_ids, settings,
+                                                             target.eos_token_ids | draft.eos_token_ids)
+                progress.update(1)
+            _write_atomically(out_dir / f"shard-{n:05d}.npz", _pack(records_by_prompt))
+    return out_dir
+
+
+@dataclass(frozen=True)
+class VerifierDataset:
+    """All shards of one collection, concatenated; `prompts[prompt_index[i]]` made token i."""
+
+    manifest: dict
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def prompts(self) -> list[PromptRecord]:
+        return [PromptRecord(**p) for p in self.manifest["prompts"]]
+
+    def __len__(self) -> int:
+        return len(self.arrays["p_draft"])
+
+
+def load_dataset(data_dir: Path) -> VerifierDataset:
+    manifest_path = data_dir / MANIFEST
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{data_dir} has no {MANIFEST}: collect data first (sprinter verifier collect)")
+    manifest = json.loads(manifest_path.read_text())
+    paths = sorted(data_dir.glob("shard-*[0-9].npz"))
+    if not paths:
+        raise FileNotFoundError(f"{data_dir} has no shards yet")
+    shards = [dict(np.load(p)) for p in paths]
+    arrays = {key: np.concatenate([s[key] for s in shards]) for key in shards[0]}
+    return VerifierDataset(manifest, arrays)
