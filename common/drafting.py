@@ -2,19 +2,23 @@
 
 `draft_tokens` is a generator so that each caller decides what happens between steps: the local
 engine just collects the block; the edge streams verifier-passed tokens to its client as they come
-and runs each step off its event loop.
+and runs each step off its event loop. Where the block ends is the call policy's decision
+(common/call_policy.py): after each token it sees a_1..a_g, each token's estimated probability that
+the target accepts it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
 
 from common.cached_lm import ForwardOutput
+from common.call_policy import CallPolicy, CostModel
 from common.sampling import SamplingParams, logits_to_probs, sample
-from common.verifier import DraftStep, Verifier, flags
+from common.verifier import DraftStep, Verifier, draft_confidence_features
 
 
 class DraftLM(Protocol):
@@ -34,8 +38,8 @@ def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.
 class DraftedToken:
     step: DraftStep  # token, raw logits, hidden state: what the verifier judged
     p_draft: torch.Tensor  # [V] the distribution the token was sampled from
-    flagged: bool  # the verifier does not trust it
-    ends_block: bool  # flagged, the cap, the budget or EOS: the block goes to the target now
+    flagged: bool  # the verifier does not trust it (score < threshold)
+    ends_block: bool  # the policy says send, the cap or EOS: the block goes to the target now
 
     @property
     def token(self) -> int:
@@ -59,17 +63,32 @@ class PendingBlock:
 
 
 def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: SamplingParams,
-                 generator: torch.Generator, eos_token_ids: frozenset[int],
-                 verifier: Verifier | None = None) -> Iterator[DraftedToken]:
-    """Draft up to `limit` tokens after `context`; with a verifier, stop after the first flagged one."""
+                 generator: torch.Generator, eos_token_ids: frozenset[int], verifier: Verifier | None = None,
+                 policy: CallPolicy | None = None, cost_model: CostModel | None = None) -> Iterator[DraftedToken]:
+    """Draft after `context` until `policy.should_send(a_1..a_g, cap=limit)`, EOS, or `limit` tokens.
+
+    a_i is the verifier's score (the learned verifier's is a calibrated acceptance probability), else
+    the draft's probability of its token at T=1 (not the sampling distribution's: under greedy that
+    is one-hot). Without a policy the block runs to `limit` or EOS. `cost_model`, when given, learns
+    the time of a draft step: forward, sampling and scoring, all that one more token costs the edge.
+    """
     block: list[int] = []
+    accept_probs: list[float] = []
     while len(block) < limit:
+        started = time.perf_counter()
         out = draft_lm.advance_to(context + block)
         token, p_draft = next_token(out.logits[-1], sampling, generator)
         block.append(token)
         step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None)
-        flagged = verifier is not None and flags(verifier, step)
-        ends_block = flagged or len(block) == limit or token in eos_token_ids
+        score = verifier.score(step) if verifier is not None else None
+        flagged = score is not None and score < verifier.threshold
+        if policy is not None:
+            accept_probs.append(score if score is not None else draft_confidence_features(step)[0])
+        if cost_model is not None:
+            cost_model.observe_draft_step((time.perf_counter() - started) * 1e3)
+        # The limit is checked here too: every policy sends at the cap, but the budget must hold regardless.
+        ends_block = (len(block) >= limit or token in eos_token_ids
+                      or (policy is not None and policy.should_send(accept_probs, cap=limit)))
         yield DraftedToken(step, p_draft, flagged, ends_block)
         if ends_block:
             return

@@ -9,12 +9,14 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class DecodeStats:
     mode: str
+    policy: str | None  # the call policy's spec, e.g. "fixed:5"; None in modes draft and target
     new_tokens: int
     wall_s: float
     tokens_per_s: float
     target_calls: int
     target_calls_per_token: float
     tokens_per_call: float | None  # block efficiency; None when the target is never called
+    block_length_mean: float | None  # draft tokens sent per verification (what the call policy chose)
     accepted_len_mean: float | None  # draft tokens kept per verification
     accept_rate_by_position: list[float]  # P(token i of a block kept | block had a token i)
     drafted_tokens: int
@@ -25,6 +27,10 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _mean(values: list[int]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -39,6 +45,7 @@ class StatsRecorder:
     """Collects one generation's events; `finish()` turns them into DecodeStats."""
 
     mode: str
+    policy: str | None = None
     started: float = field(default_factory=time.perf_counter)
     emitted_at: list[float] = field(default_factory=list)
     target_calls: int = 0
@@ -65,13 +72,15 @@ class StatsRecorder:
         ]
         return DecodeStats(
             mode=self.mode,
+            policy=self.policy,
             new_tokens=new_tokens,
             wall_s=wall_s,
             tokens_per_s=new_tokens / wall_s if wall_s > 0 else 0.0,
             target_calls=self.target_calls,
             target_calls_per_token=self.target_calls / new_tokens if new_tokens else 0.0,
             tokens_per_call=new_tokens / self.target_calls if self.target_calls else None,
-            accepted_len_mean=(sum(self.accepted_lengths) / len(self.accepted_lengths)) if self.accepted_lengths else None,
+            block_length_mean=_mean(self.block_lengths),
+            accepted_len_mean=_mean(self.accepted_lengths),
             accept_rate_by_position=accept_rate_by_position,
             drafted_tokens=sum(self.block_lengths),
             draft_forwards=self.draft_forwards,

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from common.local_engine import MODES
-from edge.generate_command import add_cloud_arguments
+from edge.generate_command import add_cloud_arguments, add_policy_argument
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +17,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = edge.add_parser("serve", help="serve the OpenAI-compatible API backed by the draft and the cloud",
                         description="Run the draft (and verifier) here; verify on the cloud; serve /v1 on localhost.")
     p.add_argument("--draft", default="tiny-random-draft")
-    p.add_argument("--verifier", default="confidence:0.5")
+    p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T or a verifier.json")
     p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
+    add_policy_argument(p, " (default for requests; a request may set its own)")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
     p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -39,8 +40,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     host, _, port = args.listen.rpartition(":")
     async with EdgeNode(EdgeNodeSettings.from_args(args)) as node:
-        app = create_app(node, args.mode, args.model_name or args.draft)
+        app = create_app(node, args.mode, args.model_name or args.draft, args.policy)
         server = uvicorn.Server(uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
                                                lifespan="off"))
-        log.info("edge daemon on http://%s/v1 (mode %s, cloud %s)", args.listen, args.mode, args.cloud)
+        log.info("edge daemon on http://%s/v1 (mode %s, policy %s, cloud %s)", args.listen, args.mode,
+                 args.policy or "the mode's default", args.cloud)
         await server.serve()

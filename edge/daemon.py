@@ -1,8 +1,9 @@
 """The edge daemon's HTTP API: OpenAI-compatible completions and chat completions, health and metrics.
 
 Any OpenAI client can point its base URL at `http://127.0.0.1:8000/v1`. Each response carries the
-usual `usage` plus a `sprinter` object (mode, target_calls, tokens_per_call, degraded and the
-full stats). Requests may set `mode`, `k` and `adaptive_k` as extra body fields.
+usual `usage` plus a `sprinter` object (mode, policy, target_calls, tokens_per_call,
+block_length_mean, degraded and the full stats). Requests may set `mode`, `k` and `policy` (a call
+policy spec, e.g. "goodput") as extra body fields.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field
 
-from common.local_engine import MODES, DecodeSettings
+from common.call_policy import CostModel
+from common.local_engine import MODES, POLICY_MODES, DecodeSettings
 from common.prompting import encode_chat, encode_prompt
 from common.sampling import SamplingParams
 from edge.decoder import EdgeResult, EdgeSettings
@@ -46,7 +48,7 @@ class SamplingFields(BaseModel):
     # sprinter extensions
     mode: str | None = None
     k: int | None = Field(default=None, ge=1, le=32)
-    adaptive_k: bool = False
+    policy: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -62,9 +64,14 @@ def openai_error(status: int, message: str, param: str | None = None, kind: str 
 
 
 class EdgeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, cost_model: CostModel) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Read at scrape time: the cost model learns between scrapes, from every request.
+        estimates = Gauge("sprinter_edge_cost_model", "The call policy's cost model: learned draft, link and "
+                          "verify costs (ms) and observation counts", ["estimate"], registry=r)
+        for key in cost_model.snapshot():
+            estimates.labels(key).set_function(lambda key=key: cost_model.snapshot()[key])
         self.requests = Counter("sprinter_edge_requests", "Generation requests", ["mode"], registry=r)
         self.tokens = Counter("sprinter_edge_tokens_generated", "Tokens returned to clients", ["mode"], registry=r)
         self.target_calls = Counter("sprinter_edge_target_calls", "Cloud verifications", ["mode"], registry=r)
@@ -84,8 +91,8 @@ class EdgeMetrics:
 
 def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
-    return {"mode": s.mode, "target_calls": s.target_calls, "tokens_per_call": s.tokens_per_call,
-            "degraded": result.degraded, "stats": s.to_dict()}
+    return {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls, "tokens_per_call": s.tokens_per_call,
+            "block_length_mean": s.block_length_mean, "degraded": result.degraded, "stats": s.to_dict()}
 
 
 def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
@@ -110,9 +117,10 @@ class IncrementalText:
         return delta
 
 
-def create_app(node: EdgeNode, default_mode: str, model_name: str) -> FastAPI:
+def create_app(node: EdgeNode, default_mode: str, model_name: str, default_policy: str | None = None) -> FastAPI:
+    """`default_policy` applies to requests in modes that take a policy and name none."""
     app = FastAPI(title="sprinter edge", version="0.1.0")
-    metrics = EdgeMetrics()
+    metrics = EdgeMetrics(node.decoder.cost_model)
     tokenizer = node.draft.tokenizer
 
     @app.exception_handler(RequestValidationError)
@@ -127,8 +135,13 @@ def create_app(node: EdgeNode, default_mode: str, model_name: str) -> FastAPI:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
         sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed or 0)
-        decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or 5)
-        return EdgeSettings(decode=decode, adaptive_k=body.adaptive_k)
+        policy = body.policy or (default_policy if mode in POLICY_MODES else None)
+        try:
+            decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or 5,
+                                    policy=policy)
+        except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
+            return openai_error(400, str(err), "policy")
+        return EdgeSettings(decode=decode)
 
     async def respond(body: SamplingFields, prompt_ids: list[int], chat: bool) -> Any:
         settings = decode_settings(body)
@@ -200,7 +213,8 @@ def create_app(node: EdgeNode, default_mode: str, model_name: str) -> FastAPI:
         cloud = None
         if node.cloud is not None:
             cloud = "reachable" if await node.check_cloud() else "unreachable"
-        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "default_mode": default_mode}
+        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "default_mode": default_mode,
+                "default_policy": default_policy, "cost_model": node.decoder.cost_model.snapshot()}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -1,9 +1,11 @@
 """The edge decoding loop: draft locally, pay a cloud round trip only when the mode says so.
 
 Modes (design.md): `draft` never calls the cloud; `target` streams from the cloud alone; `sd` and
-`sd-block` send every k drafted tokens (k adapts when asked); `sprinter` streams the tokens its
-verifier passes at once and sends the pending block when a token is flagged; `sprinter-exact`
-sends on the same trigger but releases tokens only once the cloud block-verified them.
+`sd-block` send the pending block when their call policy says so (every k drafted tokens by
+default); `sprinter` streams the tokens its verifier passes at once and sends the pending block
+when a token is flagged; `sprinter-exact` releases tokens only once the cloud block-verified them
+and sends when its policy says so (goodput by default). The costs goodput weighs are learned by one
+`CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
 If the cloud becomes unreachable the loop keeps going from the draft alone, marks the result
 degraded, and tries the cloud again after `cloud_retry_s`.
@@ -19,8 +21,9 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from common.call_policy import CallPolicy, CostModel
 from common.drafting import DraftLM, PendingBlock, draft_tokens
-from common.local_engine import DecodeSettings
+from common.local_engine import SPECULATIVE_MODES, DecodeSettings, call_policy
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SparseDistribution
 from common.stats import DecodeStats, StatsRecorder
@@ -37,8 +40,6 @@ METHOD_BY_MODE = {"sd": pb.METHOD_TOKEN, "sd-block": pb.METHOD_BLOCK, "sprinter"
 @dataclass(frozen=True)
 class EdgeSettings:
     decode: DecodeSettings
-    adaptive_k: bool = False  # sd modes: grow k after a fully accepted block, shrink after a rejection
-    max_k: int = 12
     cloud_retry_s: float = 2.0  # while degraded, how often to try the cloud again
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
 
@@ -50,18 +51,6 @@ class EdgeResult:
     stats: DecodeStats
     degraded: bool
     cloud_reopens: int = 0
-
-
-@dataclass
-class AdaptiveK:
-    """Heuristic block length: +1 after a fully accepted block, -1 after a rejection."""
-
-    k: int
-    max_k: int
-    min_k: int = 1
-
-    def update(self, block_length: int, n_accepted: int) -> None:
-        self.k = min(self.max_k, self.k + 1) if n_accepted == block_length else max(self.min_k, self.k - 1)
 
 
 @dataclass
@@ -92,11 +81,14 @@ class Generation:
 
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
-                 cloud: CloudClient | None) -> None:
+                 cloud: CloudClient | None, cost_model: CostModel | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
         self.verifier = verifier
         self.cloud = cloud
+        # Shared by every generation, so it keeps learning across requests. Concurrent generations
+        # update it from worker threads too; a lost update under that race costs one sample of an EWMA.
+        self.cost_model = cost_model or CostModel()
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
         self.eos_token_ids = draft.eos_token_ids
 
@@ -158,24 +150,28 @@ class EdgeDecoder:
         if mode != "draft" and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
             generation.degraded = True
-        sprinter = mode in ("sprinter", "sprinter-exact")
         # On the wire a sampled draft distribution travels sparse; sampling from the capped support keeps it exact.
         sampling = decode.sampling
         if not sampling.greedy:
             sampling = replace(sampling, top_k=min(sampling.top_k or settings.max_sparse_support, settings.max_sparse_support))
         generator = torch.Generator().manual_seed(sampling.seed)
         draft_lm = self.make_draft_lm()
-        adaptive = AdaptiveK(decode.k, settings.max_k)
+        policy: CallPolicy | None = None
+        if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
+            policy = call_policy(decode, self.verifier, self.cost_model)
+            generation.recorder.policy = policy.describe()
         session = None if draft_only else self.cloud.session(decode.sampling, self.vocab_fingerprint)
         try:
             while not self._finished(generation):
                 context = generation.context
                 budget = decode.max_new_tokens - len(generation.new_tokens)
                 uses_cloud = not draft_only and self._cloud_worth_trying(generation)
-                limit = min((decode.max_run_length if sprinter else adaptive.k) if uses_cloud else 8, budget)
+                limit = min(decode.block_cap if uses_cloud else 8, budget)
                 block = PendingBlock()
+                # The first block's first step prefills the prompt (a fresh draft runtime): not a draft step's cost.
+                learn = self.cost_model if len(context) > len(generation.prompt_ids) else None
                 steps = draft_tokens(draft_lm, context, limit, sampling, generator, self.eos_token_ids,
-                                     self.verifier if sprinter and uses_cloud else None)
+                                     self.verifier if uses_cloud else None, policy if uses_cloud else None, learn)
                 while (drafted := await asyncio.to_thread(next, steps, None)) is not None:
                     block.drafted.append(drafted)
                     generation.recorder.draft_forwards += 1
@@ -189,8 +185,7 @@ class EdgeDecoder:
                         n_accepted, next_tok = verdict
                         del generation.new_tokens[len(context) - len(generation.prompt_ids):]
                         generation.new_tokens.extend(block.tokens[:n_accepted] + [next_tok])
-                        if settings.adaptive_k and not sprinter:
-                            adaptive.update(len(block), n_accepted)
+                        policy.observe_verdict(len(block), n_accepted)
                         self._finished(generation)
                         generation.release()
                         continue
@@ -217,6 +212,9 @@ class EdgeDecoder:
             rows = block.drafted[-1:] if mode == "sprinter" else block.drafted
             dists = [SparseDistribution.from_dense(d.p_draft, generation.settings.max_sparse_support) for d in rows]
         probs = [float(d.p_draft[d.token]) for d in block.drafted]
+        # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
+        # not what one more round trip costs, so the cost model does not learn from it.
+        steady, reopens, started = session.session_id is not None, session.reopens, time.perf_counter()
         try:
             verdict = await session.verify(context, block.tokens, METHOD_BY_MODE[mode], probs, dists)
         except CloudUnavailable as err:
@@ -228,5 +226,7 @@ class EdgeDecoder:
         if generation.cloud_down_since is not None:
             log.info("cloud is back")
             generation.cloud_down_since = None
+        if steady and session.reopens == reopens:
+            self.cost_model.observe_round_trip((time.perf_counter() - started) * 1e3, verdict.verify_ms, len(block))
         generation.recorder.verified(len(block), verdict.n_accepted)
         return verdict.n_accepted, verdict.next_token

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from common.local_engine import MODES, DecodeSettings, LocalEngine
+from common.call_policy import POLICY_FORMS, parse_policy
+from common.local_engine import MODES, POLICY_MODES, DecodeSettings, LocalEngine
 from common.models import load_model
 from common.prompting import DTYPES, encode_prompt
 from common.sampling import SamplingParams
@@ -27,10 +28,28 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=5, help="block length of sd and sd-block")
-    p.add_argument("--max-run-length", type=int, default=20, help="sprinter modes: cap on the pending block")
-    p.add_argument("--verifier", default="confidence:0.5",
-                   help="sprinter modes: 'confidence:THRESHOLD' or a learned verifier's .json metadata file")
+    p.add_argument("--max-run-length", type=int, default=20,
+                   help="cap on the pending block (sprinter modes, and sd modes under --policy)")
+    p.add_argument("--verifier", default="auto",
+                   help="sprinter modes and the call policy's acceptance estimates: 'auto' (the verifier shipped for this pair, else confidence:0.5), "
+                        "'confidence:THRESHOLD' or a learned verifier's .json metadata file")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+
+
+def policy_spec(spec: str) -> str:
+    """argparse type of --policy: a bad spec is a usage error now, not a failure mid-request."""
+    try:
+        parse_policy(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return spec
+
+
+def add_policy_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
+    p.add_argument("--policy", type=policy_spec, metavar="SPEC",
+                   help=f"call policy{scope} of modes {', '.join(POLICY_MODES)}: when to send the pending block "
+                        f"({' | '.join(POLICY_FORMS)}; 'flag' alone uses the verifier's threshold). "
+                        "Default: fixed:K for sd modes, goodput for sprinter-exact")
 
 
 def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,16 +70,16 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="sd", choices=MODES)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--adaptive-k", action="store_true", help="sd modes over a cloud: adapt the block length")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, mode and stats")
     add_decoding_arguments(p)
+    add_policy_argument(p)
     add_cloud_arguments(p)
     p.set_defaults(run=run)
 
 
 def decode_settings(args: argparse.Namespace) -> DecodeSettings:
     return DecodeSettings(mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
-                          max_run_length=args.max_run_length,
+                          max_run_length=args.max_run_length, policy=args.policy,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
 
 
@@ -70,8 +89,11 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
         return
     print(text)
     calls = "-" if stats.tokens_per_call is None else f"{stats.tokens_per_call:.2f}"
+    if stats.block_length_mean is not None:
+        extra = {"block length mean": f"{stats.block_length_mean:.2f}", **extra}
     notes = "".join(f", {k} {v}" for k, v in extra.items())
-    print(f"\n[{stats.mode}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tok/s), "
+    policy = f" {stats.policy}" if stats.policy else ""
+    print(f"\n[{stats.mode}{policy}] {stats.new_tokens} tokens in {stats.wall_s:.2f} s ({stats.tokens_per_s:.1f} tok/s), "
           f"target calls {stats.target_calls} ({stats.target_calls_per_token:.3f} per token), "
           f"tokens per call {calls}{notes}", file=sys.stderr)
 
@@ -92,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode != "target":
         draft = target if args.draft == args.target and target is not None else load_model(args.draft, dtype)
     model = target or draft
-    verifier = load_verifier(args.verifier, model.tokenizer)
+    verifier = load_verifier(args.verifier, model.tokenizer, args.draft, args.target)
     engine = LocalEngine(target, draft, verifier)
     result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
     print_result(args, result.text, result.token_ids, result.stats)
@@ -105,6 +127,6 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
     node_settings = EdgeNodeSettings.from_args(args)
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        result = await node.decoder.generate(prompt_ids, node.edge_settings(settings, adaptive_k=args.adaptive_k))
+        result = await node.decoder.generate(prompt_ids, node.edge_settings(settings))
     print_result(args, result.text, result.token_ids, result.stats, degraded=result.degraded)
     return 0

@@ -26,7 +26,7 @@ class CloudMismatch(RuntimeError):
 @dataclass(frozen=True)
 class EdgeNodeSettings:
     draft: str = "tiny-random-draft"
-    verifier: str = "confidence:0.5"
+    verifier: str = "auto"
     cloud: str | None = None
     cloud_ca: Path | None = None
     cloud_token: str | None = None
@@ -89,6 +89,6 @@ class EdgeNode:
                                               weights=self.settings.draft_weights)
         return lambda: onnx_model.new_lm(with_hidden=with_hidden)
 
-    def edge_settings(self, decode: DecodeSettings, adaptive_k: bool = False) -> EdgeSettings:
-        return EdgeSettings(decode=decode, adaptive_k=adaptive_k)
+    def edge_settings(self, decode: DecodeSettings) -> EdgeSettings:
+        return EdgeSettings(decode=decode)
 

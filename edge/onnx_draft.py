@@ -55,6 +55,10 @@ def make_session(onnx_path: Path, threads: int | None = None, optimization: str 
     options.intra_op_num_threads = threads or available_cores()
     options.inter_op_num_threads = 1  # one sequential graph: a second pool would only compete for cores
     options.graph_optimization_level = _OPT_LEVELS[optimization]
+    # Idle ORT workers spin for a while after each run; beside torch (the target in the same process,
+    # or the cloud on the same cores) that spinning steals the cores the target needs. Measured on
+    # the Qwen pair in one process: target forwards ran ~5x slower with spinning on.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(str(onnx_path), options, providers=providers or default_providers())
     log.info("ONNX Runtime session on %s (%d threads, optimization %s)", session.get_providers()[0],
              options.intra_op_num_threads, optimization)

@@ -37,7 +37,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _add_collect_arguments(train)
     train.add_argument("--data", type=Path, help="collected data (default OUT/data; collected or resumed there)")
     train.add_argument("--out", type=Path, required=True, help="directory for verifier.onnx and verifier.json")
-    train.add_argument("--model", default="mlp", choices=["mlp", "linear"], help="which verifier to export")
+    train.add_argument("--model", default="auto", choices=["auto", "linear", "mlp", "confidence-mlp"],
+                       help="which verifier to export: linear (the paper's, on the hidden state), mlp (hidden state + "
+                            "draft confidence), confidence-mlp (confidence only); auto: best ROC AUC on calibration prompts")
     train.add_argument("--label", default="auto", choices=["auto", "greedy", "paper"],
                        help="greedy: target argmax == draft token; paper: p_draft(x) <= p_target(x) (auto: by temperature)")
     train.add_argument("--max-fpr", type=float, default=0.05, help="threshold: at most this false-positive rate on held-out prompts")
@@ -126,24 +128,26 @@ def run_train(args: argparse.Namespace) -> int:
     report = train(dataset, settings)
     path = export(report, dataset, args.out)
     try:
-        plot_reliability(report, args.out / "reliability.png")
+        plot_reliability({kind: v.reliability for kind, v in report.verifiers.items()}, report.label,
+                         args.out / "reliability.png")
     except ImportError:
         log.warning("matplotlib is not installed: no reliability plot (pip install 'sprinter[bench]')")
     print(report.table())
-    print(f"\nverifier: {path}  (threshold {report.verifiers[args.model].threshold:.4f} for FPR <= {args.max_fpr:.0%} "
-          f"on held-out prompts; label {report.label})")
+    print(f"\nverifier: {path}  ({report.chosen.kind}, threshold {report.chosen.threshold:.4f} for FPR <= "
+          f"{args.max_fpr:.0%} on held-out prompts; label {report.label})")
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
     from common.models import load_pair
-    from common.prompt_sets import load_prompts
+    from common.prompt_sets import interleave_categories, load_prompts
     from edge.verifier_eval import EvalSettings, evaluate, matched, plot_tradeoff, table, to_dicts
     from edge.verifier_runtime import LearnedVerifier
+    from edge.verifier_train import plot_reliability
 
     learned = LearnedVerifier.load(args.verifier)
     held_out = set(learned.metadata["training"]["held_out_prompt_ids"])
-    prompts = [p for p in load_prompts(args.prompts) if p.id in held_out]
+    prompts = interleave_categories([p for p in load_prompts(args.prompts) if p.id in held_out])
     if not prompts:
         raise SystemExit(f"none of the verifier's held-out prompts are in {args.prompts or 'the default prompt set'}")
     prompts = prompts[: args.limit] if args.limit else prompts
@@ -159,6 +163,8 @@ def run_eval(args: argparse.Namespace) -> int:
     (args.out / "eval.md").write_text(markdown + "\n")
     try:
         plot_tradeoff(rows, args.out / "tradeoff.png")
+        plot_reliability({"learned": learned.metadata["reliability"]}, learned.metadata["label"],
+                         args.out / "reliability.png")
     except ImportError:
         log.warning("matplotlib is not installed: no trade-off plot (pip install 'sprinter[bench]')")
     print(markdown)

@@ -39,8 +39,8 @@ class EvalSettings:
     max_run_length: int = 20
     learned_fprs: tuple[str, ...] = ("0.02", "0.05", "0.1", "0.2")  # thresholds from the verifier's metadata
     confidence_thresholds: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
-    exact_learned_fprs: tuple[str, ...] = ("0.05", "0.2")
-    exact_confidence_thresholds: tuple[float, ...] = (0.3, 0.5)
+    exact_learned_fprs: tuple[str, ...] = ("0.05",)
+    exact_confidence_thresholds: tuple[float, ...] = (0.5,)
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Method:
     mode: str
     verifier: str  # "learned", "confidence" or "-"
     threshold: float | None = None
+    policy: str | None = None  # sprinter-exact only: "flag" (the paper's loop) or "goodput"
 
 
 @dataclass
@@ -66,11 +67,18 @@ class EvalRow:
 
 
 def methods(learned_thresholds: dict[str, float], settings: EvalSettings) -> list[Method]:
+    """target, sd, then each verifier's threshold sweep in the paper's loop (send at the first flag),
+    then sprinter-exact under the goodput policy, which reads the verifier's scores as acceptance
+    probabilities (its default since the call-policy issue)."""
     chosen: list[Method] = [Method("target", "target", "-"), Method(f"sd k={settings.k}", "sd", "-")]
     for mode, fprs, confidences in (("sprinter", settings.learned_fprs, settings.confidence_thresholds),
                                     ("sprinter-exact", settings.exact_learned_fprs, settings.exact_confidence_thresholds)):
-        chosen += [Method(f"{mode} learned@FPR{f}", mode, "learned", learned_thresholds[f]) for f in fprs]
-        chosen += [Method(f"{mode} confidence:{t:g}", mode, "confidence", t) for t in confidences]
+        chosen += [Method(f"{mode} learned@FPR{f}", mode, "learned", learned_thresholds[f], "flag") for f in fprs]
+        chosen += [Method(f"{mode} confidence:{t:g}", mode, "confidence", t, "flag") for t in confidences]
+    chosen += [Method("sprinter-exact learned goodput", "sprinter-exact", "learned",
+                      learned_thresholds[settings.exact_learned_fprs[0]], "goodput"),
+               Method("sprinter-exact confidence goodput", "sprinter-exact", "confidence",
+                      settings.exact_confidence_thresholds[0], "goodput")]
     return chosen
 
 
@@ -89,7 +97,8 @@ def evaluate(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[b
                         else ConfidenceVerifier(method.threshold if method.threshold is not None else 0.5))
             engine = LocalEngine(target, draft, verifier, make_draft_lm)
             decode = DecodeSettings(mode=method.mode, max_new_tokens=settings.max_new_tokens, sampling=sampling,
-                                    k=settings.k, max_run_length=settings.max_run_length)
+                                    k=settings.k, max_run_length=settings.max_run_length,
+                                    policy=method.policy if method.mode == "sprinter-exact" else None)
             outputs, stats = [], []
             for ids in prompt_ids:
                 result = engine.generate(ids, decode)
@@ -162,7 +171,7 @@ def plot_tradeoff(rows: list[EvalRow], path) -> None:
         for mode, verifier, style in (("sprinter", "learned", "o-"), ("sprinter", "confidence", "s--"),
                                       ("sprinter-exact", "learned", "^-"), ("sprinter-exact", "confidence", "v--")):
             points = sorted((r.target_calls_per_token, getattr(r, key)) for r in rows
-                            if r.mode == mode and r.verifier == verifier)
+                            if r.mode == mode and r.verifier == verifier and "goodput" not in r.method)
             if points:
                 ax.plot(*zip(*points), style, label=f"{mode} ({verifier})")
         for r in rows:

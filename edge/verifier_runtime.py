@@ -94,9 +94,38 @@ class LearnedVerifier:
         return float(self.session.run(None, {self.session.get_inputs()[0].name: features})[0].reshape(-1)[0])
 
 
+SHIPPED_DIR = Path(__file__).parent / "verifiers"
+AUTO_FALLBACK = "confidence:0.5"
+
+
+def shipped_verifier(draft_spec: str | None, target_id: str | None) -> Path | None:
+    """The verifier this project ships for the pair (trained with `sprinter verifier train`), if any.
+
+    With the target unknown (cloud not reachable yet), a verifier shipped for this draft is taken
+    only when it is the draft's only one.
+    """
+    if draft_spec is None:
+        return None
+    candidates = [p for p in sorted(SHIPPED_DIR.glob("*/verifier.json"))
+                  if json.loads(p.read_text())["pair"]["draft"] == draft_spec]
+    if target_id is not None:
+        candidates = [p for p in candidates if json.loads(p.read_text())["pair"]["target"] == target_id]
+    return candidates[0] if len(candidates) == 1 else None
+
+
 def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
                   target_id: str | None = None) -> Verifier:
-    """'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair)."""
+    """'auto', 'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair).
+
+    'auto' takes the verifier shipped for this draft/target pair, else the confidence baseline.
+    """
+    if spec == "auto":
+        shipped = shipped_verifier(draft_spec, target_id)
+        if shipped is None:
+            log.info("no shipped verifier for %s -> %s: using %s", draft_spec, target_id, AUTO_FALLBACK)
+            return parse_verifier(AUTO_FALLBACK)
+        log.info("using the shipped verifier %s", shipped)
+        spec = str(shipped)
     if spec.endswith(".json"):
         verifier = LearnedVerifier.load(Path(spec))
         verifier.check_pair(draft_tokenizer, draft_spec, target_id)

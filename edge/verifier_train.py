@@ -29,14 +29,15 @@ from edge.verifier_runtime import CONFIDENCE_FEATURES, FORMAT
 log = logging.getLogger(__name__)
 
 LABELS = ("greedy", "paper")
-MODELS = {"linear": ("hidden",), "mlp": ("hidden", *CONFIDENCE_FEATURES)}
+MODELS = {"linear": ("hidden",), "mlp": ("hidden", *CONFIDENCE_FEATURES), "confidence-mlp": CONFIDENCE_FEATURES}
+LOG_FEATURES = ("token_prob", "max_prob")  # probabilities enter as logs: their useful range spans decades
 SPLITS = ("train", "calibration", "test")
 CALIBRATION_FPRS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    model: str = "mlp"  # the one exported
+    model: str = "auto"  # the one exported; auto: the best ROC AUC on the calibration prompts
     label: str = "auto"  # greedy when the data was decoded greedily, else the paper's
     hidden_units: int = 32
     epochs: int = 40
@@ -48,8 +49,8 @@ class TrainSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown verifier model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.model not in (*MODELS, "auto"):
+            raise ValueError(f"unknown verifier model {self.model!r}; choose auto or one of {', '.join(MODELS)}")
         if self.label not in (*LABELS, "auto"):
             raise ValueError(f"unknown label {self.label!r}; choose auto or one of {', '.join(LABELS)}")
         if not 0.0 < self.max_fpr < 1.0:
@@ -57,11 +58,13 @@ class TrainSettings:
 
 
 class VerifierNet(nn.Module):
-    """Standardise features -> linear layer or MLP -> logit z -> sigmoid(scale * z + bias)."""
+    """log of probability features -> standardise -> linear layer or MLP -> logit z -> sigmoid(scale * z + bias)."""
 
-    def __init__(self, mean: torch.Tensor, std: torch.Tensor, hidden_units: int = 0) -> None:
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, hidden_units: int = 0,
+                 log_mask: torch.Tensor | None = None) -> None:
         super().__init__()
         n_features = mean.numel()
+        self.register_buffer("log_mask", log_mask if log_mask is not None else torch.zeros(n_features, dtype=torch.bool))
         self.register_buffer("mean", mean)
         self.register_buffer("std", std)
         self.body = (nn.Linear(n_features, 1) if hidden_units == 0 else
@@ -70,7 +73,10 @@ class VerifierNet(nn.Module):
         self.register_buffer("calibration_bias", torch.tensor(0.0))
 
     def logit(self, features: torch.Tensor) -> torch.Tensor:
-        return self.body((features - self.mean) / self.std).squeeze(-1)
+        return self.body((self.transform(features) - self.mean) / self.std).squeeze(-1)
+
+    def transform(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.log_mask, torch.log(features.clamp_min(1e-6)), features)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.calibration_scale * self.logit(features) + self.calibration_bias)
@@ -133,14 +139,20 @@ def _bce(net: VerifierNet, x: torch.Tensor, y: torch.Tensor) -> float:
         return float(nn.functional.binary_cross_entropy_with_logits(net.logit(x), y))
 
 
+def log_mask(features: tuple[str, ...], hidden_size: int) -> torch.Tensor:
+    return torch.tensor([flag for name in features
+                         for flag in ([False] * hidden_size if name == "hidden" else [name in LOG_FEATURES])])
+
+
 def fit(x: np.ndarray, y: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, hidden_units: int,
-        settings: TrainSettings) -> VerifierNet:
+        settings: TrainSettings, mask: torch.Tensor) -> VerifierNet:
     """Adam on BCE; keeps the epoch with the lowest calibration-split loss (early stopping)."""
     torch.manual_seed(settings.seed)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     xv, yv = torch.from_numpy(x_val), torch.from_numpy(y_val)
-    mean, std = xt.mean(0), xt.std(0).clamp_min(1e-4)
-    net = VerifierNet(mean, std, hidden_units)
+    transformed = torch.where(mask, torch.log(xt.clamp_min(1e-6)), xt)
+    mean, std = transformed.mean(0), transformed.std(0).clamp_min(1e-4)
+    net = VerifierNet(mean, std, hidden_units, mask)
     optimiser = torch.optim.Adam(net.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     best_loss, best_state, stale = float("inf"), None, 0
     for epoch in range(settings.epochs):
@@ -192,7 +204,8 @@ def train_one(kind: str, dataset: VerifierDataset, labels: np.ndarray, masks: di
     features = MODELS[kind]
     x = feature_matrix(dataset, features)
     net = fit(x[masks["train"]], labels[masks["train"]], x[masks["calibration"]], labels[masks["calibration"]],
-              0 if kind == "linear" else settings.hidden_units, settings)
+              0 if kind == "linear" else settings.hidden_units, settings,
+              log_mask(features, dataset.arrays["hidden"].shape[1]))
     fit_platt(net, torch.from_numpy(x[masks["calibration"]]), torch.from_numpy(labels[masks["calibration"]]))
     calibration_scores = score(net, x[masks["calibration"]])
     threshold = threshold_for_fpr(calibration_scores, labels[masks["calibration"]], settings.max_fpr)
@@ -221,10 +234,17 @@ class TrainingReport:
     split_prompts: dict[str, int]
     held_out_prompt_ids: list[str]
 
+    @property
+    def chosen(self) -> TrainedVerifier:
+        """The exported verifier: the one asked for, or the best ROC AUC on the calibration prompts."""
+        if self.settings.model != "auto":
+            return self.verifiers[self.settings.model]
+        return max(self.verifiers.values(), key=lambda v: v.metrics["calibration"]["roc_auc"])
+
     def table(self) -> str:
         """Markdown: every verifier's test-split metrics side by side."""
         rows = [("confidence (token prob)", self.confidence["test"])]
-        rows += [(f"{kind} ({', '.join(v.features)})".replace("token_prob, max_prob, entropy", "+3 confidence"),
+        rows += [(f"{kind} ({', '.join(v.features)})",
                   v.metrics["test"]) for kind, v in self.verifiers.items()]
         fprs = " | ".join(f"TPR@FPR {f:.0%}" for f in REPORTED_FPRS)
         lines = [f"| verifier | test tokens | base rate | accuracy | ROC AUC | {fprs} | threshold (calibrated) | test FPR | test TPR |",
@@ -253,7 +273,7 @@ def train(dataset: VerifierDataset, settings: TrainSettings) -> TrainingReport:
 
 def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> Path:
     """Write verifier.onnx + verifier.json (the edge's format) for `report.settings.model`; returns the JSON."""
-    chosen = report.verifiers[report.settings.model]
+    chosen = report.chosen
     out_dir.mkdir(parents=True, exist_ok=True)
     n_features = chosen.net.mean.numel()
     torch.onnx.export(chosen.net, (torch.zeros(1, n_features),), str(out_dir / "verifier.onnx"),
@@ -268,6 +288,7 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
         "hidden_size": int(dataset.arrays["hidden"].shape[1]),
         "threshold": chosen.threshold,
         "score": "calibrated probability that the target accepts the token (Platt scaling, calibration split)",
+        "model": chosen.kind,
         "label": report.label,
         "max_fpr": report.settings.max_fpr,
         "thresholds_at_fpr": chosen.thresholds_at_fpr,
@@ -285,7 +306,8 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
     return path
 
 
-def plot_reliability(report: TrainingReport, path: Path) -> None:
+def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:
+    """Reliability diagram: predicted acceptance probability vs the observed rate, per verifier."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,12 +315,11 @@ def plot_reliability(report: TrainingReport, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
-    for kind, verifier in report.verifiers.items():
-        table = verifier.reliability
-        ax.plot([r["predicted"] for r in table], [r["observed"] for r in table], marker="o", label=kind)
+    for name, table in tables.items():
+        ax.plot([r["predicted"] for r in table], [r["observed"] for r in table], marker="o", label=name)
     ax.set_xlabel("predicted acceptance probability")
     ax.set_ylabel("observed acceptance rate (test prompts)")
-    ax.set_title(f"verifier reliability ({report.label} label)")
+    ax.set_title(f"verifier reliability ({label} label)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

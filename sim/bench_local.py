@@ -23,6 +23,7 @@ from tqdm import tqdm
 from common.prompting import DTYPES, encode_prompt
 from common.local_engine import DecodeSettings, LocalEngine
 from common.models import LoadedModel, load_pair
+from common.quality import agreement
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,6 @@ class ForwardCounter:
 
     def close(self) -> None:
         self._handle.remove()
-
-
-def agreement(tokens: list[int], reference: list[int]) -> float:
-    if not reference:
-        return 1.0
-    return sum(a == b for a, b in zip(tokens, reference)) / len(reference)
 
 
 def run_assisted(target: LoadedModel, draft: LoadedModel, prompt_ids: list[int], config: AssistedConfig,

@@ -35,7 +35,7 @@ def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("verifier")
     prompts = _prompt_file(out)
     assert main(["verifier", "train", *PAIR, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16",
-                 "--draft-weights", "float32", "--epochs", "8", "--threads", "1"]) == 0
+                 "--draft-weights", "float32", "--epochs", "8", "--threads", "1", "--model", "mlp"]) == 0
     return out
 
 
@@ -45,7 +45,7 @@ def test_train_writes_the_edge_format_with_metrics(trained):
     assert metadata["pair"]["draft"] == "tiny-random-draft" and metadata["pair"]["target"] == "tiny-random"
     assert metadata["features"] == ["hidden", "token_prob", "max_prob", "entropy"]
     assert metadata["draft_runtime"] == "onnx-float32" and metadata["label"] == "greedy"
-    for kind in ("linear", "mlp", "confidence"):
+    for kind in ("linear", "mlp", "confidence-mlp", "confidence"):
         test = metadata["metrics"][kind]["test"]
         assert 0.0 <= test["roc_auc"] <= 1.0 and set(test["tpr_at_fpr"]) == {"0.01", "0.02", "0.05", "0.1"}
     # The threshold holds the requested false-positive rate on the prompts it was calibrated on.
