@@ -24,6 +24,10 @@ class DecodeStats:
     ttft_ms: float | None
     itl_ms_p50: float | None
     itl_ms_p99: float | None
+    # The raw record behind the means: one entry per target call, and each delivered token's time.
+    block_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    token_times_ms: list[float] = field(default_factory=list)  # since the request started
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,4 +91,24 @@ class StatsRecorder:
             ttft_ms=(self.emitted_at[0] - self.started) * 1e3 if self.emitted_at else None,
             itl_ms_p50=_percentile(gaps, 0.5),
             itl_ms_p99=_percentile(gaps, 0.99),
+            block_lengths=list(self.block_lengths),
+            accepted_lengths=list(self.accepted_lengths),
+            token_times_ms=[round((t - self.started) * 1e3, 3) for t in self.emitted_at],
         )
+
+
+def oracle_calls_per_token(block_lengths: list[int], accepted_lengths: list[int], cap: int = 20) -> float | None:
+    """The call rate of a perfect verifier in the SPRINTER loop, from a run's acceptance record.
+
+    A perfect verifier sends the block exactly at the first draft token the target rejects (or at
+    the cap), so every call yields its accepted run plus the target's token. Each examined draft
+    token survives with the run's observed rate p = accepted / (accepted + rejections); taking runs
+    as geometric, a call yields (1 - p^(cap+1)) / (1 - p) tokens (cap accepted + 1 at most).
+    """
+    accepted = sum(accepted_lengths)
+    rejections = sum(n < g for g, n in zip(block_lengths, accepted_lengths))
+    if accepted + rejections == 0:
+        return None
+    p = accepted / (accepted + rejections)
+    tokens_per_call = cap + 1 if p == 1 else (1 - p ** (cap + 1)) / (1 - p)
+    return 1 / tokens_per_call

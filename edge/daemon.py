@@ -92,7 +92,8 @@ class EdgeMetrics:
 def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
     return {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls, "tokens_per_call": s.tokens_per_call,
-            "block_length_mean": s.block_length_mean, "degraded": result.degraded, "stats": s.to_dict()}
+            "block_length_mean": s.block_length_mean, "degraded": result.degraded, "token_ids": result.token_ids,
+            "stats": s.to_dict()}
 
 
 def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
