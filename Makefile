@@ -13,7 +13,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: demo test bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
+.PHONY: demo test bench bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -21,6 +21,15 @@ demo: $(VENV)/.models-qwen $(STUBS)
 
 test: $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m pytest -q
+
+# The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
+# 8 held-out prompts x 64 tokens; RTTs 0/50/100 ms for time on this machine (about 20-30 min on 2 cores).
+# Then the summary table goes into README.md between the bench markers.
+BENCH_RTTS ?= 0,50,100
+bench: $(VENV)/.models-qwen $(STUBS)
+	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
+	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 8 --max-new-tokens 64 --out results/bench
+	$(PY) -m sim.bench_readme --out results/bench --readme README.md
 
 bench-local: $(VENV)/.models-qwen
 	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local

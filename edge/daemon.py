@@ -117,6 +117,12 @@ class IncrementalText:
         delta, self.sent = text[len(self.sent):], text
         return delta
 
+    def flush(self) -> str:
+        """The rest, even a character the generation ended in the middle of (as the non-streamed text has it)."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
 
 def create_app(node: EdgeNode, default_mode: str, model_name: str, default_policy: str | None = None) -> FastAPI:
     """`default_policy` applies to requests in modes that take a policy and name none."""
@@ -185,7 +191,7 @@ def create_app(node: EdgeNode, default_mode: str, model_name: str, default_polic
         async for item in node.decoder.stream(prompt_ids, settings):
             if isinstance(item, EdgeResult):
                 metrics.observe(item)
-                tail = text.push([])  # anything held back as a partial character
+                tail = text.flush()  # anything held back as a partial character
                 if tail:
                     yield event(tail, None)
                 yield event(None, finish_reason(item, settings), usage=usage(len(prompt_ids), item),

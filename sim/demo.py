@@ -10,16 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from sim.processes import cloud_process, free_port, stop_process
+from sim.processes import cloud_process, edge_daemon, free_port
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +23,6 @@ PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
 )
 MODES = ("target", "sd-block", "sprinter", "sprinter-exact")
-
-
-@contextmanager
-def edge_daemon(args: list[str], port: int, log_path: Path, timeout_s: float = 900) -> Iterator[str]:
-    command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "edge", "serve",
-               "--listen", f"127.0.0.1:{port}", *args]
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"edge daemon exited with {process.returncode}; see {log_path}")
-                try:
-                    urllib.request.urlopen(f"{base}/healthz", timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"edge daemon did not come up; see {log_path}")
-                    time.sleep(0.5)
-            yield base
-        finally:
-            stop_process(process, signal.SIGINT, 30)  # uvicorn stops on SIGINT
 
 
 def agreement(text: str, reference: str) -> float:
@@ -66,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--verifier", default="confidence:0.5")
+    parser.add_argument("--verifier", default="auto")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("results/demo"))
     args = parser.parse_args(argv)

@@ -1,0 +1,65 @@
+"""`make bench`'s last step: the sweep's summary into README.md, between the bench markers.
+
+    python -m sim.bench_readme --out results/bench --readme README.md
+
+Everything between `<!-- bench:start -->` and `<!-- bench:end -->` is replaced by the date, the
+machine (`uname -m` and its cores), the commit and OUT/summary.md; the rest of the README is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def commit() -> str:
+    """Short hash of HEAD, marked when the tree has uncommitted changes (the numbers are not HEAD's)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_block(out: Path) -> str:
+    summary = (out / "summary.md").read_text().strip()
+    when = datetime.date.today().isoformat()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    return (f"{START}\nMeasured {when} on {machine}, commit {commit()} (`make bench`; plots and per-request "
+            f"results in `{out}/`):\n\n{summary}\n{END}")
+
+
+def update_readme(readme: Path, out: Path) -> None:
+    text = readme.read_text()
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"{readme} has no {START} ... {END} markers")
+    readme.write_text(pattern.sub(lambda _: bench_block(out), text, count=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="the sweep's output directory")
+    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    update_readme(args.readme, args.out)
+    log.info("updated %s from %s/summary.md", args.readme, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""The sweep's PNG plots: tokens/s vs RTT, target calls per token, quality vs cloud cost, ITL CDF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sim.simulate_report import SummaryRow, gaps_by_mode, itl_rtt, mode_rank
+
+
+def _modes(rows: list[SummaryRow]) -> list[str]:
+    return sorted({r.mode for r in rows}, key=lambda m: (mode_rank(m), m))
+
+
+def _color(mode: str) -> str:  # the same colour for a mode in every plot
+    return f"C{mode_rank(mode)}"
+
+
+def _series(rows: list[SummaryRow], mode: str, metric: str) -> tuple[list[float], list[float]]:
+    points = sorted((r.rtt_ms, getattr(r, metric)) for r in rows if r.mode == mode and getattr(r, metric) is not None)
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+
+    modes = _modes(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in modes:
+        xs, ys = _series(rows, mode, "tokens_per_s")
+        ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
+    ax.set(xlabel="round-trip time (ms)", ylabel="tokens/s (client wall time)", title="Speed vs network latency")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "tokens_per_s_vs_rtt.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in modes:
+        xs, ys = _series(rows, mode, "target_calls_per_token")
+        ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
+    ax.set(xlabel="round-trip time (ms)", ylabel="target calls per token", title="Cloud calls per generated token")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "target_calls_per_token.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in modes:
+        points = [(r.target_calls_per_token, r.target_nll_per_token) for r in rows
+                  if r.mode == mode and r.target_nll_per_token is not None]
+        if points:
+            ax.scatter(*zip(*points), color=_color(mode), label=mode)
+    ax.set(xlabel="cloud cost: target calls per token", ylabel="target NLL per token (nats, lower is better)",
+           title="Quality vs cloud cost (one point per RTT)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "quality_vs_cloud_cost.png")
+
+    rtt = itl_rtt(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if rtt is not None:
+        by_mode = gaps_by_mode(records, rtt)
+        for mode in (m for m in modes if m in by_mode):
+            gaps = by_mode[mode]
+            ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post", color=_color(mode), label=mode)
+        ax.set_xscale("symlog", linthresh=1.0)  # many gaps are 0 (a block released at once), some are round trips
+        ax.set_title(f"Inter-token latency CDF at RTT {rtt:g} ms")
+    ax.set(xlabel="gap between consecutive tokens (ms)", ylabel="fraction of gaps")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "itl_cdf.png")
+    return paths

@@ -1,0 +1,241 @@
+"""The measuring half of `sprinter simulate`: processes, the emulated link, streamed requests, results.jsonl.
+
+One `SweepSystem` holds the cloud process, a `LinkProxy` in this event loop and the edge daemon,
+whose `--cloud` is the proxy. Changing the RTT replaces the proxy by a new one on the same port:
+the edge's gRPC channel sees its connection drop and reconnects through the new link, so one unrecorded
+warm-up request follows every switch (it also lets the edge's cost model learn the new round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from common.prompt_sets import PromptRecord
+from sim.link import LinkProxy, LinkSettings
+from sim.processes import cloud_process, edge_daemon_async, free_port
+from sim.simulate import SimulateSettings
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 1800.0  # one generation on a slow CPU at a long RTT; a hung daemon still ends
+WARM_UP_TRIES = 5
+
+
+def result_key(record: dict[str, Any]) -> tuple[float, str, str]:
+    return float(record["rtt_ms"]), record["mode"], record["prompt_id"]
+
+
+class ResultStore:
+    """OUT/results.jsonl: one line per (rtt_ms, mode, prompt_id), appended as each request finishes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._repair()
+
+    def _repair(self) -> None:
+        """A sweep killed mid-write leaves a partial last line: cut it, so the next append starts clean."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            log.warning("%s: dropping a partial last line (an interrupted write)", self.path)
+            self.path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def done(self) -> set[tuple[float, str, str]]:
+        return {result_key(r) for r in self.records()}
+
+    def append(self, record: dict[str, Any], path: Path | None = None) -> None:
+        with open(path or self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def cpu_plan(settings: SimulateSettings) -> tuple[set[int] | None, set[int] | None]:
+    """(cloud cores, edge cores): one core each when pinning, else unpinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not settings.pin_cpus or len(cores) < 2:
+        if settings.pin_cpus:
+            log.warning("--pin-cpus needs 2 cores, this process may use %d: not pinning", len(cores))
+        return None, None
+    return {cores[0]}, {cores[1]}
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    # torch sizes its pool from the machine, not the affinity mask: a pinned process must be told.
+    return {"OMP_NUM_THREADS": str(threads)} if threads else {}
+
+
+def link_settings(settings: SimulateSettings, rtt_ms: float) -> LinkSettings:
+    return LinkSettings(delay_ms=rtt_ms / 2, jitter_ms=settings.jitter_ms,
+                        jitter_distribution=settings.jitter_distribution,  # type: ignore[arg-type]
+                        bandwidth_mbps=settings.bandwidth_mbps, loss=settings.loss, seed=settings.seed)
+
+
+class SweepSystem:
+    """Cloud process <- LinkProxy (this event loop) <- edge daemon process, with the RTT switchable."""
+
+    def __init__(self, settings: SimulateSettings) -> None:
+        self.settings = settings
+        self.port = free_port()
+        self.link: LinkProxy | None = None
+        self.rtt_ms: float | None = None
+        self.upstream: tuple[str, int] | None = None
+        self.base = ""
+        self._stack = AsyncExitStack()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0))
+
+    async def __aenter__(self) -> SweepSystem:
+        s = self.settings
+        cloud_cpus, edge_cpus = cpu_plan(s)
+        threads_cloud = s.threads or (len(cloud_cpus) if cloud_cpus else None)
+        threads_edge = s.threads or (len(edge_cpus) if edge_cpus else None)
+        self._stack.push_async_callback(self.client.aclose)
+        try:
+            # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
+            address = self._stack.enter_context(cloud_process(
+                "--target", s.target, "--dtype", s.dtype, "--drain-s", "2", log_path=s.out / "cloud.log",
+                startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))
+            host, _, port = address.rpartition(":")
+            self.upstream = (host, int(port))
+            self._stack.push_async_callback(self._close_link)
+            await self.set_rtt(s.rtt_ms[0])
+            edge_args = ["--draft", s.draft, "--verifier", s.verifier, "--cloud", f"127.0.0.1:{self.port}",
+                         "--mode", "sprinter-exact", "--dtype", s.dtype, "--model-name", f"{s.draft}+{s.target}"]
+            edge_args += ["--policy", s.policy] if s.policy else []
+            edge_args += ["--threads", str(threads_edge)] if threads_edge else []
+            # The edge asks the cloud (through the link, in this loop) while it starts: wait without blocking.
+            self.base = await self._stack.enter_async_context(edge_daemon_async(
+                edge_args, free_port(), s.out / "edge.log", cpus=edge_cpus, env=thread_env(threads_edge)))
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _close_link(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+            self.link = None
+
+    async def set_rtt(self, rtt_ms: float) -> None:
+        """Replace the link by one with this RTT, on the same port (the edge keeps its --cloud)."""
+        if self.rtt_ms == rtt_ms and self.link is not None:
+            return
+        await self._close_link()
+        self.link = LinkProxy(link_settings(self.settings, rtt_ms), self.upstream, listen=("127.0.0.1", self.port))
+        await self.link.__aenter__()
+        self.rtt_ms = rtt_ms
+        log.info("link: rtt %.0f ms", rtt_ms)
+
+    async def healthz(self) -> dict[str, Any]:
+        response = await self.client.get(f"{self.base}/healthz", timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    async def warm_up(self, prompt: PromptRecord) -> None:
+        """Reconnect through the new link and let the cost model see its round trips; not recorded."""
+        for attempt in range(WARM_UP_TRIES):
+            if (await self.healthz()).get("cloud") == "reachable":
+                record = await stream_request(self.client, self.base, prompt, "sd", self.settings,
+                                              max_tokens=min(16, self.settings.max_new_tokens))
+                if not record["degraded"]:
+                    return
+            await asyncio.sleep(0.5 * (attempt + 1))
+        log.warning("the cloud stayed unreachable through the link at rtt %s ms: results may be degraded", self.rtt_ms)
+
+    async def request(self, prompt: PromptRecord, mode: str) -> dict[str, Any]:
+        record = await stream_request(self.client, self.base, prompt, mode, self.settings)
+        return {"rtt_ms": float(self.rtt_ms), **record}
+
+
+async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRecord, mode: str,
+                         settings: SimulateSettings, max_tokens: int | None = None) -> dict[str, Any]:
+    """One streamed generation through the OpenAI API, timed at the client."""
+    body: dict[str, Any] = {"model": "sprinter", "max_tokens": max_tokens or settings.max_new_tokens,
+                            "temperature": settings.temperature, "seed": settings.seed, "stream": True, "mode": mode}
+    if prompt.chat:  # the daemon applies the chat template, as common.prompting.encode_prompt(chat=True) does
+        url, body["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": prompt.prompt}]
+    else:
+        url, body["prompt"] = f"{base}/v1/completions", prompt.prompt
+    text, event_ms, final, usage, finish = [], [], None, {}, None
+    ttft_ms = None
+    started = time.perf_counter()
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:500]
+            raise RuntimeError(f"{mode} request for prompt {prompt.id} failed: HTTP {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload.strip() == "[DONE]":
+                break
+            event = json.loads(payload)
+            now_ms = (time.perf_counter() - started) * 1e3
+            choice = event["choices"][0]
+            delta = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if delta:
+                ttft_ms = now_ms if ttft_ms is None else ttft_ms
+                event_ms.append(now_ms)
+                text.append(delta)
+            finish = choice.get("finish_reason") or finish
+            if "sprinter" in event:
+                final, usage = event["sprinter"], event.get("usage", {})
+    wall_ms = (time.perf_counter() - started) * 1e3
+    if final is None:
+        raise RuntimeError(f"{mode} request for prompt {prompt.id}: the stream ended without its final event")
+    return {"mode": mode, "prompt_id": prompt.id, "category": prompt.category, "chat": prompt.chat,
+            "ttft_ms": ttft_ms, "wall_ms": wall_ms, "text": "".join(text),
+            "token_ids": final.get("token_ids"),  # None until the daemon sends them: quality then tokenizes
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens", 0),
+            "finish_reason": finish, "degraded": bool(final.get("degraded")), "client_event_ms": event_ms,
+            "sprinter": final}
+
+
+async def run_sweep(settings: SimulateSettings, prompts: list[PromptRecord], progress: bool = True) -> int:
+    """Every (rtt, mode, prompt) not yet in OUT/results.jsonl; returns how many ran."""
+    store = ResultStore(settings.out / "results.jsonl")
+    done = store.done()
+    todo = {rtt: [(m, p) for m in settings.modes for p in prompts if (float(rtt), m, p.id) not in done]
+            for rtt in settings.rtt_ms}
+    total = sum(map(len, todo.values()))
+    if total == 0:
+        log.info("every (rtt, mode, prompt) is already in %s: nothing to measure", store.path)
+        return 0
+    log.info("measuring %d requests (%d already done); starting the cloud and the edge", total, len(done))
+    with tqdm(total=total, desc="simulate", unit="req", disable=not progress) as bar:
+        async with SweepSystem(settings) as system:
+            for rtt, combos in todo.items():
+                if not combos:
+                    continue
+                await system.set_rtt(rtt)
+                await system.warm_up(prompts[0])
+                for i, (mode, prompt) in enumerate(combos):
+                    bar.set_postfix_str(f"rtt {rtt:g} ms, {mode}")
+                    record = await system.request(prompt, mode)
+                    if record["degraded"]:
+                        log.warning("degraded response: rtt %g ms, %s, prompt %s", rtt, mode, prompt.id)
+                    store.append(record)
+                    bar.update()
+                    if i + 1 == len(combos) or combos[i + 1][0] != mode:  # the mode's last request at this RTT
+                        snapshot = {"rtt_ms": float(rtt), "mode": mode,
+                                    "cost_model": (await system.healthz()).get("cost_model")}
+                        store.append(snapshot, settings.out / "cost_model.jsonl")
+    return total

@@ -1,0 +1,115 @@
+"""`sprinter simulate`: a tiny sweep through the real cloud and edge processes over the link emulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import sim.simulate_run
+from sim.simulate import SimulateSettings, register, settings_from_args, simulate
+from sim.simulate_report import read_csv
+
+PLOTS = ("tokens_per_s_vs_rtt.png", "target_calls_per_token.png", "quality_vs_cloud_cost.png", "itl_cdf.png")
+
+
+def tiny_settings(out: Path) -> SimulateSettings:
+    # float32: the lossless modes then reproduce the target token for token (README, Exactness)
+    return SimulateSettings(out=out, target="tiny-random", draft="tiny-random-draft", dtype="float32",
+                            modes=("target", "sd", "sprinter-exact"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=8)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> SimulateSettings:
+    settings = tiny_settings(tmp_path_factory.mktemp("sweep"))
+    simulate(settings, progress=False)
+    return settings
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_writes_results_summary_and_plots(sweep: SimulateSettings) -> None:
+    results = lines(sweep.out / "results.jsonl")
+    assert len(results) == 2 * 3 * 2  # rtt x mode x prompt
+    assert {(r["rtt_ms"], r["mode"]) for r in results} == {(rtt, m) for rtt in (0.0, 40.0) for m in sweep.modes}
+    for r in results:
+        assert r["completion_tokens"] >= 1 and r["wall_ms"] > 0 and r["ttft_ms"] > 0
+        assert r["degraded"] is False
+        assert r["sprinter"]["mode"] == r["mode"] and "stats" in r["sprinter"]
+    rows = read_csv(sweep.out / "summary.csv")
+    assert len(rows) == 6
+    for row in rows:
+        assert row.tokens_per_s > 0 and row.target_nll_per_token > 0 and row.degraded == 0
+        assert row.itl_ms_p50 is not None and row.ttft_ms_p50 is not None
+        if row.mode == "target":
+            assert row.target_calls_per_token == 1.0
+        # lossless at T=0 in float32: token for token the target's output
+        assert row.exact_match_rate == 1.0 and row.agreement_with_target == 1.0, row
+    summary = (sweep.out / "summary.md").read_text()
+    assert "| 40 | sprinter-exact |" in summary and "sprinter-exact/sd" in summary
+    for name in PLOTS:
+        assert (sweep.out / name).stat().st_size > 1000
+    assert "within" in (sweep.out / "fleet_validation.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_longer_round_trip_makes_every_call_slower(sweep: SimulateSettings) -> None:
+    results = lines(sweep.out / "results.jsonl")
+
+    def ms_per_call(rtt: float, mode: str) -> float:
+        group = [r for r in results if r["rtt_ms"] == rtt and r["mode"] == mode]
+        return sum(r["wall_ms"] for r in group) / sum(r["sprinter"]["target_calls"] for r in group)
+
+    for mode in ("sd", "sprinter-exact"):
+        # each call pays the 40 ms round trip (and each request one more, to open its session)
+        assert ms_per_call(40.0, mode) > ms_per_call(0.0, mode) + 30, mode
+
+
+@pytest.mark.slow
+def test_a_finished_sweep_reruns_without_measuring(sweep: SimulateSettings, monkeypatch) -> None:
+    before = (sweep.out / "results.jsonl").read_text()
+
+    def no_processes(*args, **kwargs):
+        raise AssertionError("every combination is done: nothing should start")
+
+    monkeypatch.setattr(sim.simulate_run, "SweepSystem", no_processes)
+    simulate(sweep, progress=False)
+    assert (sweep.out / "results.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_measures_only_what_is_missing(sweep: SimulateSettings, tmp_path: Path) -> None:
+    settings = replace(sweep, out=tmp_path, fleet_validation=False)
+    kept = (sweep.out / "results.jsonl").read_text().splitlines(keepends=True)[:-1]
+    (tmp_path / "results.jsonl").write_text("".join(kept) + '{"rtt_ms": 40.0, "mode": "sprin')  # killed mid-write
+    (tmp_path / "config.json").write_text((sweep.out / "config.json").read_text())
+    simulate(settings, progress=False)
+    results = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    assert results[:-1] == kept  # done lines untouched, the partial one dropped
+    assert len(results) == 12
+    assert json.loads(results[-1])["mode"] == "sprinter-exact"
+
+
+def test_resuming_with_other_result_settings_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"identity": tiny_settings(tmp_path).identity()}))
+    with pytest.raises(ValueError, match="temperature"):
+        simulate(replace(tiny_settings(tmp_path), temperature=1.0), progress=False)
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "sweep.json"
+    config.write_text(json.dumps({"out": str(tmp_path / "out"), "rtt-ms": [0, 25], "modes": "sd,sprinter",
+                                  "max_new_tokens": 16, "pin_cpus": False}))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    settings = settings_from_args(parser.parse_args(["simulate", "--config", str(config), "--max-new-tokens", "32"]))
+    assert settings.rtt_ms == (0.0, 25.0) and settings.modes == ("sd", "sprinter")
+    assert settings.max_new_tokens == 32 and settings.pin_cpus is False and settings.limit == 8
+    with pytest.raises(ValueError, match="unknown setting"):
+        SimulateSettings.from_mapping({"out": "x", "rtts": "0"})
