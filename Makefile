@@ -13,7 +13,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: demo test bench bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
+.PHONY: demo test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -30,6 +30,15 @@ bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
 	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 8 --max-new-tokens 64 --out results/bench
 	$(PY) -m sim.bench_readme --out results/bench --readme README.md
+
+# Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
+POLICIES := fixed:3 fixed:5 fixed:8 heuristic flag goodput
+comma := ,
+POLICY_METHODS := $(subst $(eval) ,$(comma),$(foreach p,$(POLICIES),sprinter-exact@$(p)))
+bench-policy: $(VENV)/.models-qwen $(STUBS)
+	for t in 0 1; do $(PY) -m common.cli simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms 0,50,100,200 \
+	    --modes $(POLICY_METHODS) --temperature $$t --limit 4 --max-new-tokens 48 --no-fleet-validation \
+	    --out results/bench-policy/T$$t || exit 1; done
 
 bench-local: $(VENV)/.models-qwen
 	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from common.local_engine import MODES
+from common.local_engine import MODES, DecodeSettings
 from common.prompt_sets import (
     PromptRecord,
     interleave_categories,
@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
 # What a finished result depends on: resuming into OUT with any of these changed would mix two runs.
+def base_mode(method: str) -> str:
+    """'sprinter-exact@goodput' -> 'sprinter-exact': a sweep's method is a mode, optionally with its call policy."""
+    return method.partition("@")[0]
+
+
 # rtt_ms, modes and limit may change between runs: new combinations are added, done ones kept.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
                    "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed")
@@ -62,9 +67,14 @@ class SimulateSettings:
     fleet_validation: bool = True
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.modes if m not in MODES]
+        unknown = [m for m in self.modes if base_mode(m) not in MODES]
         if unknown or not self.modes:
-            raise ValueError(f"modes must be a non-empty list of {', '.join(MODES)}; unknown: {unknown}")
+            raise ValueError(f"modes must be a non-empty list of {', '.join(MODES)} (a mode that takes a call "
+                             f"policy may name one: sprinter-exact@goodput); unknown: {unknown}")
+        for method in self.modes:
+            mode, _, policy = method.partition("@")
+            if policy:
+                DecodeSettings(mode=mode, policy=policy)  # raises ValueError naming what is wrong
         if not self.rtt_ms or any(r < 0 for r in self.rtt_ms):
             raise ValueError(f"rtt_ms must be a non-empty list of values >= 0, got {self.rtt_ms}")
         if self.limit < 1 or self.max_new_tokens < 1:

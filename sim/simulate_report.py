@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from common.stats import oracle_calls_per_token
 from sim.simulate import SimulateSettings
 from sim.simulate_quality import Quality
 from sim.simulate_run import result_key
@@ -48,6 +49,7 @@ class SummaryRow:
     agreement_with_target: float | None
     exact_match_rate: float | None
     degraded: int
+    oracle_calls_per_token: float | None = None  # a perfect verifier's call rate on this run's acceptance record
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -88,6 +90,8 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
         tokens = sum(r["completion_tokens"] for r in group)
         wall_s = sum(r["wall_ms"] for r in group) / 1e3
         blocks, calls = [], 0
+        accepted = [n for r in group for n in r["sprinter"].get("stats", {}).get("accepted_lengths") or []]
+        called = [g for r in group for g in r["sprinter"].get("stats", {}).get("block_lengths") or []]
         for r in group:
             b, c = _calls(r)
             blocks += b
@@ -113,7 +117,8 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             target_nll_per_token=nll_sum / weight if weight else None,
             agreement_with_target=_mean(agreements),
             exact_match_rate=_mean(exact),
-            degraded=sum(bool(r["degraded"]) for r in group)))
+            degraded=sum(bool(r["degraded"]) for r in group),
+            oracle_calls_per_token=oracle_calls_per_token(called, accepted) if called else None))
     return rows
 
 
@@ -142,13 +147,14 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def markdown_table(rows: list[SummaryRow]) -> str:
     lines = ["| RTT ms | mode | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
-             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | oracle calls/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.rtt_ms:g} | {r.mode} | {_fmt(r.tokens_per_s, 2)} | {_fmt(r.target_calls_per_token, 3)} | "
                      f"{_fmt(r.tokens_per_call, 2)} | {_fmt(r.block_length_mean, 2)} | {_fmt(r.ttft_ms_p50, 0)} | "
                      f"{_fmt(r.itl_ms_p50, 1)} | {_fmt(r.itl_ms_p99, 1)} | {_fmt(r.target_nll_per_token, 3)} | "
-                     f"{_fmt(r.agreement_with_target, 3)} | {_fmt(r.exact_match_rate, 2)} | {r.degraded} |")
+                     f"{_fmt(r.agreement_with_target, 3)} | {_fmt(r.exact_match_rate, 2)} | {r.degraded} | "
+                     f"{_fmt(r.oracle_calls_per_token, 3)} |")
     return "\n".join(lines)
 
 
@@ -176,7 +182,7 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
     speedups = speedup_lines(rows)
     if speedups:
         parts += ["", "tokens/s relative to sd:", *speedups]
-    lossy = sorted({r.mode for r in rows if r.exact_match_rate is not None and r.mode in LOSSLESS
+    lossy = sorted({r.mode for r in rows if r.exact_match_rate is not None and r.mode.partition("@")[0] in LOSSLESS
                     and r.exact_match_rate < 1.0})
     if lossy:
         parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "

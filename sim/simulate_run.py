@@ -169,7 +169,10 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
                          settings: SimulateSettings, max_tokens: int | None = None) -> dict[str, Any]:
     """One streamed generation through the OpenAI API, timed at the client."""
     body: dict[str, Any] = {"model": "sprinter", "max_tokens": max_tokens or settings.max_new_tokens,
-                            "temperature": settings.temperature, "seed": settings.seed, "stream": True, "mode": mode}
+                            "temperature": settings.temperature, "seed": settings.seed, "stream": True,
+                            "mode": mode.partition("@")[0]}
+    if "@" in mode:  # a method like sprinter-exact@fixed:3: the mode with that call policy
+        body["policy"] = mode.partition("@")[2]
     if prompt.chat:  # the daemon applies the chat template, as common.prompting.encode_prompt(chat=True) does
         url, body["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": prompt.prompt}]
     else:

@@ -19,7 +19,7 @@ PLOTS = ("tokens_per_s_vs_rtt.png", "target_calls_per_token.png", "quality_vs_cl
 def tiny_settings(out: Path) -> SimulateSettings:
     # float32: the lossless modes then reproduce the target token for token (README, Exactness)
     return SimulateSettings(out=out, target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                            modes=("target", "sd", "sprinter-exact"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=8)
+                            modes=("target", "sd", "sprinter-exact", "sprinter-exact@fixed:3"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=8)
 
 
 def lines(path: Path) -> list[dict]:
@@ -36,19 +36,23 @@ def sweep(tmp_path_factory) -> SimulateSettings:
 @pytest.mark.slow
 def test_a_tiny_sweep_writes_results_summary_and_plots(sweep: SimulateSettings) -> None:
     results = lines(sweep.out / "results.jsonl")
-    assert len(results) == 2 * 3 * 2  # rtt x mode x prompt
+    assert len(results) == 2 * 4 * 2  # rtt x method x prompt
     assert {(r["rtt_ms"], r["mode"]) for r in results} == {(rtt, m) for rtt in (0.0, 40.0) for m in sweep.modes}
     for r in results:
         assert r["completion_tokens"] >= 1 and r["wall_ms"] > 0 and r["ttft_ms"] > 0
         assert r["degraded"] is False
-        assert r["sprinter"]["mode"] == r["mode"] and "stats" in r["sprinter"]
+        assert r["sprinter"]["mode"] == r["mode"].partition("@")[0] and "stats" in r["sprinter"]
+        if r["mode"] == "sprinter-exact@fixed:3":  # a method: the mode with the call policy it names
+            assert r["sprinter"]["policy"] == "fixed:3" and max(r["sprinter"]["stats"]["block_lengths"]) <= 3
     rows = read_csv(sweep.out / "summary.csv")
-    assert len(rows) == 6
+    assert len(rows) == 8
     for row in rows:
         assert row.tokens_per_s > 0 and row.target_nll_per_token > 0 and row.degraded == 0
         assert row.itl_ms_p50 is not None and row.ttft_ms_p50 is not None
         if row.mode == "target":
             assert row.target_calls_per_token == 1.0
+        else:  # the oracle bound comes from the run's own acceptance record
+            assert 0 < row.oracle_calls_per_token <= 1
         # lossless at T=0 in float32: token for token the target's output
         assert row.exact_match_rate == 1.0 and row.agreement_with_target == 1.0, row
     summary = (sweep.out / "summary.md").read_text()
