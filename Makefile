@@ -23,12 +23,12 @@ test: $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m pytest -q
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
-# 8 held-out prompts x 64 tokens; RTTs 0/50/100 ms for time on this machine (about 20-30 min on 2 cores).
+# 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
 # Then the summary table goes into README.md between the bench markers.
 BENCH_RTTS ?= 0,50,100
 bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
-	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 8 --max-new-tokens 64 --out results/bench
+	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench
 	$(PY) -m sim.bench_readme --out results/bench --readme README.md
 
 # Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
@@ -37,7 +37,7 @@ comma := ,
 POLICY_METHODS := $(subst $(eval) ,$(comma),$(foreach p,$(POLICIES),sprinter-exact@$(p)))
 bench-policy: $(VENV)/.models-qwen $(STUBS)
 	for t in 0 1; do $(PY) -m common.cli simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms 0,50,100,200 \
-	    --modes $(POLICY_METHODS) --temperature $$t --limit 4 --max-new-tokens 48 --no-fleet-validation \
+	    --modes $(POLICY_METHODS) --temperature $$t --limit 4 --max-new-tokens 40 --no-fleet-validation \
 	    --out results/bench-policy/T$$t || exit 1; done
 
 bench-local: $(VENV)/.models-qwen

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from common.cached_lm import ForwardOutput
 from common.call_policy import CallPolicy, CostModel
 from common.sampling import SamplingParams, logits_to_probs, sample
 from common.verifier import DraftStep, Verifier, draft_confidence_features
+
+if TYPE_CHECKING:  # common.companion builds on DraftLM below
+    from common.companion import Companion
 
 
 class DraftLM(Protocol):
@@ -64,13 +67,15 @@ class PendingBlock:
 
 def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: SamplingParams,
                  generator: torch.Generator, eos_token_ids: frozenset[int], verifier: Verifier | None = None,
-                 policy: CallPolicy | None = None, cost_model: CostModel | None = None) -> Iterator[DraftedToken]:
+                 policy: CallPolicy | None = None, cost_model: CostModel | None = None,
+                 companion: Companion | None = None) -> Iterator[DraftedToken]:
     """Draft after `context` until `policy.should_send(a_1..a_g, cap=limit)`, EOS, or `limit` tokens.
 
     a_i is the verifier's score (the learned verifier's is a calibrated acceptance probability), else
     the draft's probability of its token at T=1 (not the sampling distribution's: under greedy that
     is one-hot). Without a policy the block runs to `limit` or EOS. `cost_model`, when given, learns
     the time of a draft step: forward, sampling and scoring, all that one more token costs the edge.
+    `companion`, when given, adds its (S, A) features to every step (so its forward counts as drafting cost).
     """
     block: list[int] = []
     accept_probs: list[float] = []
@@ -78,8 +83,9 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
         started = time.perf_counter()
         out = draft_lm.advance_to(context + block)
         token, p_draft = next_token(out.logits[-1], sampling, generator)
+        signals = companion.features(context + block, out.logits[-1], token) if companion is not None else None
         block.append(token)
-        step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None)
+        step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None, signals)
         score = verifier.score(step) if verifier is not None else None
         flagged = score is not None and score < verifier.threshold
         if policy is not None:

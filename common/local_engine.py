@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,6 +26,9 @@ from common.sampling import SamplingParams, logits_to_probs
 from common.stats import DecodeStats, StatsRecorder
 from common.verification import VERIFY_RULES, VerifyRule
 from common.verifier import ConfidenceVerifier, Verifier
+
+if TYPE_CHECKING:  # common.companion imports common.drafting, as this module does
+    from common.companion import Companion
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +96,12 @@ def verify_rule(mode: str, sampling: SamplingParams) -> VerifyRule:
 
 class LocalEngine:
     def __init__(self, target: LoadedModel | None, draft: LoadedModel | None,
-                 verifier: Verifier | None = None, make_draft_lm: Callable[[bool], DraftLM] | None = None) -> None:
-        """`make_draft_lm(with_hidden)` swaps the draft's runtime (e.g. the edge's ONNX export); torch by default."""
+                 verifier: Verifier | None = None, make_draft_lm: Callable[[bool], DraftLM] | None = None,
+                 make_companion: Callable[[], Companion] | None = None) -> None:
+        """`make_draft_lm(with_hidden)` swaps the draft's runtime (e.g. the edge's ONNX export); torch by default.
+
+        `make_companion`, when given, makes one companion (own KV cache) per generation: its signals feed the verifier.
+        """
         if target is None and draft is None:
             raise ValueError("need at least one model")
         if target is not None and draft is not None:
@@ -104,6 +111,7 @@ class LocalEngine:
         self.verifier: Verifier = verifier or ConfidenceVerifier()
         self.tokenizer = (target or draft).tokenizer
         self.eos_token_ids = (target or draft).eos_token_ids
+        self.make_companion = make_companion
         self.make_draft_lm = make_draft_lm or (lambda with_hidden: CachedLM(self._model("draft").model, with_hidden))
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings) -> GenerationResult:
@@ -153,6 +161,7 @@ class LocalEngine:
                      recorder: StatsRecorder) -> list[int]:
         target_lm = CachedLM(self._model("target").model)
         draft_lm = self.make_draft_lm(self.verifier.needs_hidden)
+        companion = self.make_companion() if self.make_companion is not None else None
         rule = verify_rule(settings.mode, settings.sampling)
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
         policy = call_policy(settings, self.verifier, cost_model)
@@ -165,7 +174,7 @@ class LocalEngine:
             # The first round prefills the prompt in both models: not what a draft step or a verify costs.
             learn = cost_model if new_tokens else None
             block = PendingBlock(list(draft_tokens(draft_lm, context, limit, settings.sampling, generator,
-                                                   self.eos_token_ids, self.verifier, policy, learn)))
+                                                   self.eos_token_ids, self.verifier, policy, learn, companion)))
             recorder.draft_forwards += len(block)
             g = len(block)
             started = time.perf_counter()

@@ -2,7 +2,8 @@
 
 A verifier sees what the draft computed anyway (its logits and last hidden state at the position
 that produced the token) and returns a score, the predicted probability that the target accepts
-the token. Tokens scoring below the threshold are flagged. The learned verifier (ONNX, on the edge)
+the token (and, when a companion model runs beside the draft, its overlap signals: common/companion.py).
+Tokens scoring below the threshold are flagged. The learned verifier (ONNX, on the edge)
 implements the same protocol; `ConfidenceVerifier` is the baseline that needs no training.
 """
 
@@ -19,6 +20,7 @@ class DraftStep:
     token: int
     logits: torch.Tensor  # [V] the draft's raw logits (before temperature and truncation)
     hidden: torch.Tensor | None  # [H] the draft's last hidden state at this position
+    companion: tuple[float, float] | None = None  # (S, A) of common/companion.py, when a companion runs
 
 
 class Verifier(Protocol):
@@ -33,6 +35,11 @@ class Verifier(Protocol):
 def flags(verifier: Verifier, step: DraftStep) -> bool:
     """True when the verifier does not trust the token: the pending block goes to the cloud."""
     return verifier.score(step) < verifier.threshold
+
+
+def needs_companion(verifier: Verifier) -> bool:
+    """True when the verifier reads companion features; `needs_companion` is optional on a verifier (False)."""
+    return bool(getattr(verifier, "needs_companion", False))
 
 
 def draft_confidence_features(step: DraftStep) -> tuple[float, float, float]:

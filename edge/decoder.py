@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from common.call_policy import CallPolicy, CostModel
+from common.companion import Companion
 from common.drafting import DraftLM, PendingBlock, draft_tokens
 from common.local_engine import SPECULATIVE_MODES, DecodeSettings, call_policy
 from common.models import LoadedModel, vocab_fingerprint
@@ -81,9 +82,11 @@ class Generation:
 
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
-                 cloud: CloudClient | None, cost_model: CostModel | None = None) -> None:
+                 cloud: CloudClient | None, cost_model: CostModel | None = None,
+                 make_companion: Callable[[], Companion] | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
+        self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
         self.verifier = verifier
         self.cloud = cloud
         # Shared by every generation, so it keeps learning across requests. Concurrent generations
@@ -156,6 +159,7 @@ class EdgeDecoder:
             sampling = replace(sampling, top_k=min(sampling.top_k or settings.max_sparse_support, settings.max_sparse_support))
         generator = torch.Generator().manual_seed(sampling.seed)
         draft_lm = self.make_draft_lm()
+        companion = self.make_companion() if self.make_companion is not None else None
         policy: CallPolicy | None = None
         if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(decode, self.verifier, self.cost_model)
@@ -171,7 +175,8 @@ class EdgeDecoder:
                 # The first block's first step prefills the prompt (a fresh draft runtime): not a draft step's cost.
                 learn = self.cost_model if len(context) > len(generation.prompt_ids) else None
                 steps = draft_tokens(draft_lm, context, limit, sampling, generator, self.eos_token_ids,
-                                     self.verifier if uses_cloud else None, policy if uses_cloud else None, learn)
+                                     self.verifier if uses_cloud else None, policy if uses_cloud else None, learn,
+                                     companion if uses_cloud else None)  # only the verifier reads its signals
                 while (drafted := await asyncio.to_thread(next, steps, None)) is not None:
                     block.drafted.append(drafted)
                     generation.recorder.draft_forwards += 1

@@ -37,9 +37,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _add_collect_arguments(train)
     train.add_argument("--data", type=Path, help="collected data (default OUT/data; collected or resumed there)")
     train.add_argument("--out", type=Path, required=True, help="directory for verifier.onnx and verifier.json")
-    train.add_argument("--model", default="auto", choices=["auto", "linear", "mlp", "confidence-mlp"],
+    train.add_argument("--model", default="auto", choices=["auto", "linear", "mlp", "confidence-mlp", "companion-mlp"],
                        help="which verifier to export: linear (the paper's, on the hidden state), mlp (hidden state + "
-                            "draft confidence), confidence-mlp (confidence only); auto: best ROC AUC on calibration prompts")
+                            "draft confidence), confidence-mlp (confidence only), companion-mlp (confidence + companion "
+                            "signals; needs --companion); auto: best ROC AUC on calibration prompts")
     train.add_argument("--label", default="auto", choices=["auto", "greedy", "paper"],
                        help="greedy: target argmax == draft token; paper: p_draft(x) <= p_target(x) (auto: by temperature)")
     train.add_argument("--max-fpr", type=float, default=0.05, help="threshold: at most this false-positive rate on held-out prompts")
@@ -76,6 +77,9 @@ def _add_collect_arguments(p: argparse.ArgumentParser) -> None:
                         "decoding with blocks of K (context follows the target's corrections)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--companion", metavar="SPEC",
+                   help="also record Speculative Verification's companion signals (S, A) from this model (same "
+                        "tokenizer, draft-sized; torch runtime, one extra forward per drafted token)")
 
 
 def _runtime_name(args: argparse.Namespace) -> str:
@@ -102,13 +106,17 @@ def _prompts(args: argparse.Namespace):
 
 
 def _collect(args: argparse.Namespace, data_dir: Path) -> None:
+    from common.companion import companion_factory, load_companion
     from common.models import load_pair
     from edge.verifier_data import CollectSettings, collect
 
     settings = CollectSettings(max_new_tokens=args.max_new_tokens, segment=args.segment, temperature=args.temperature,
-                               seed=args.seed, draft_runtime=_runtime_name(args))
+                               seed=args.seed, draft_runtime=_runtime_name(args), companion=args.companion)
     target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
-    collect(target, draft, _draft_lm_factory(draft, args), _prompts(args), data_dir, settings)
+    make_companion = None
+    if args.companion:
+        make_companion = companion_factory(load_companion(args.companion, draft, DTYPES[args.dtype], (target, draft)))
+    collect(target, draft, _draft_lm_factory(draft, args), _prompts(args), data_dir, settings, make_companion)
 
 
 def run_collect(args: argparse.Namespace) -> int:
@@ -146,6 +154,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from edge.verifier_train import plot_reliability
 
     learned = LearnedVerifier.load(args.verifier)
+    if learned.needs_companion:
+        raise SystemExit("sprinter verifier eval does not run a companion model yet: evaluate companion verifiers "
+                         "with sprinter generate --companion SPEC")
     held_out = set(learned.metadata["training"]["held_out_prompt_ids"])
     prompts = interleave_categories([p for p in load_prompts(args.prompts) if p.id in held_out])
     if not prompts:

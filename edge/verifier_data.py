@@ -15,7 +15,8 @@ Per drafted token x the shards hold everything any label needs:
     hidden [n, H] float16, confidence [n, 3] (token_prob, max_prob, entropy of the draft at T=1),
     p_draft / p_target: both models' probability of x under the sampling settings,
     target_argmax_match: the target's greedy choice is x (the greedy label),
-    on_path, position, prompt_index.
+    on_path, position, prompt_index;
+    companion [n, 2] (S, A of common/companion.py), only when a companion ran (`--companion SPEC`).
 Shards of `shard_size` prompts are written atomically; a rerun skips the finished ones (resume).
 """
 
@@ -33,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from common.cached_lm import CachedLM
+from common.companion import Companion
 from common.drafting import DraftLM, PendingBlock, draft_tokens
 from common.local_engine import verify_rule
 from common.models import LoadedModel, vocab_fingerprint
@@ -55,6 +57,7 @@ class CollectSettings:
     seed: int = 0
     shard_size: int = 16  # prompts per shard: the unit of resumption
     draft_runtime: str = "onnx-int8"  # recorded: hidden states depend on the runtime that made them
+    companion: str | None = None  # the companion model's spec, when its signals are recorded
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.segment < 0 or self.shard_size < 1:
@@ -70,10 +73,11 @@ class TokenRecord:
     target_argmax_match: bool
     on_path: bool
     position: int
+    companion: tuple[float, float] | None = None
 
 
 def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[int], settings: CollectSettings,
-                      eos_token_ids: frozenset[int]) -> list[TokenRecord]:
+                      eos_token_ids: frozenset[int], companion: Companion | None = None) -> list[TokenRecord]:
     """Decode one prompt (see the module docstring for `segment`), recording every drafted token."""
     sampling = SamplingParams(temperature=settings.temperature, seed=settings.seed)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -83,7 +87,8 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
     while len(new_tokens) < settings.max_new_tokens:
         context = prompt_ids + new_tokens
         limit = min(settings.segment or settings.max_new_tokens, settings.max_new_tokens - len(new_tokens))
-        block = PendingBlock(list(draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids)))
+        block = PendingBlock(list(draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids,
+                                                 companion=companion)))
         g = len(block)
         target_logits = target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits
         p_target = logits_to_probs(target_logits, sampling)
@@ -99,7 +104,7 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
                 confidence=draft_confidence_features(drafted.step),
                 p_draft=float(drafted.p_draft[x]), p_target=float(p_target[i, x]),
                 target_argmax_match=greedy_match[i], on_path=i <= n_accepted,
-                position=len(new_tokens) + i))
+                position=len(new_tokens) + i, companion=drafted.step.companion))
         if settings.segment == 0:
             break
         new_tokens.extend(block.tokens[:n_accepted] + [next_token])
@@ -110,7 +115,7 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
 
 def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarray]:
     rows = [(index, r) for index, records in records_by_prompt.items() for r in records]
-    return {
+    arrays = {
         "hidden": np.stack([r.hidden for _, r in rows]),
         "confidence": np.asarray([r.confidence for _, r in rows], dtype=np.float32),
         "p_draft": np.asarray([r.p_draft for _, r in rows], dtype=np.float32),
@@ -120,6 +125,9 @@ def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarr
         "position": np.asarray([r.position for _, r in rows], dtype=np.int32),
         "prompt_index": np.asarray([i for i, _ in rows], dtype=np.int32),
     }
+    if rows[0][1].companion is not None:  # a collection records companion signals for every token or none
+        arrays["companion"] = np.asarray([r.companion for _, r in rows], dtype=np.float32)
+    return arrays
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -129,14 +137,23 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _manifest(target: LoadedModel, draft: LoadedModel, prompts: list[PromptRecord], settings: CollectSettings) -> dict:
+    recorded = asdict(settings)
+    if recorded["companion"] is None:  # absent, not null: data collected before companions keeps resuming
+        del recorded["companion"]
     return {"format": DATA_FORMAT, "target": target.spec, "draft": draft.spec,
-            "vocab_fingerprint": vocab_fingerprint(draft.tokenizer), "settings": asdict(settings),
+            "vocab_fingerprint": vocab_fingerprint(draft.tokenizer), "settings": recorded,
             "prompts": [asdict(p) for p in prompts]}
 
 
 def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM],
-            prompts: list[PromptRecord], out_dir: Path, settings: CollectSettings) -> Path:
-    """Record every prompt's drafted tokens into `out_dir`; finished shards from an earlier run are kept."""
+            prompts: list[PromptRecord], out_dir: Path, settings: CollectSettings,
+            make_companion: Callable[[], Companion] | None = None) -> Path:
+    """Record every prompt's drafted tokens into `out_dir`; finished shards from an earlier run are kept.
+
+    `make_companion` (required iff `settings.companion` names one) adds the companion's signals to the data.
+    """
+    if (make_companion is None) != (settings.companion is None):
+        raise ValueError("settings.companion names the companion model and make_companion runs it: give both or neither")
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(target, draft, prompts, settings)
     manifest_path = out_dir / MANIFEST
@@ -154,6 +171,7 @@ def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[],
         log.info("resuming: %d of %d shards already collected in %s", len(shards) - len(todo), len(shards), out_dir)
     target_lm = CachedLM(target.model)
     draft_lm = make_draft_lm()
+    companion = make_companion() if make_companion is not None else None
     done_prompts = sum(len(s) for s in shards) - sum(len(s) for _, s in todo)
     with tqdm(total=len(prompts), initial=done_prompts, desc="collecting", unit="prompt") as progress:
         for n, shard in todo:
@@ -162,7 +180,7 @@ def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[],
                 prompt = prompts[index]
                 prompt_ids = encode_prompt(draft.tokenizer, prompt.prompt, prompt.chat)
                 records_by_prompt[index] = decode_and_record(target_lm, draft_lm, prompt_ids, settings,
-                                                             target.eos_token_ids | draft.eos_token_ids)
+                                                             target.eos_token_ids | draft.eos_token_ids, companion)
                 progress.update(1)
             _write_atomically(out_dir / f"shard-{n:05d}.npz", _pack(records_by_prompt))
     return out_dir

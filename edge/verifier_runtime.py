@@ -8,6 +8,9 @@ meaningless. The ONNX model maps features [n, F] (float32) to acceptance scores 
      "pair": {"draft": "qwen2.5-coder-0.5b", "target": "qwen2.5-coder-1.5b", "vocab_fingerprint": "..."},
      "features": ["hidden", "token_prob", "max_prob", "entropy"], "hidden_size": 896,
      "threshold": 0.5, "metrics": {...}}
+
+A verifier whose features include "companion_overlap" / "companion_ratio" also names the companion
+model it was trained with ("companion": SPEC) and runs only with that companion beside the draft.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "sprinter-verifier/1"
 CONFIDENCE_FEATURES = ("token_prob", "max_prob", "entropy")
-KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES)
+COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of common/companion.py, in that order
+KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES)
 
 
 class VerifierMismatch(ValueError):
@@ -48,6 +52,11 @@ def step_features(step: DraftStep, names: tuple[str, ...]) -> np.ndarray:
     for name in names:
         if name == "hidden":
             parts.append(step.hidden.float().numpy().reshape(-1))
+        elif name in COMPANION_FEATURES:
+            if step.companion is None:
+                raise ValueError(f"this verifier reads {name}, but no companion model runs beside the draft: "
+                                 "configure one with --companion SPEC (the one the verifier was trained with)")
+            parts.append(np.array([step.companion[COMPANION_FEATURES.index(name)]], dtype=np.float32))
         else:
             parts.append(np.array([confidence[name]], dtype=np.float32))
     return np.concatenate(parts).astype(np.float32)
@@ -64,6 +73,10 @@ class LearnedVerifier:
     @property
     def needs_hidden(self) -> bool:
         return "hidden" in self.metadata["features"]
+
+    @property
+    def needs_companion(self) -> bool:
+        return any(name in COMPANION_FEATURES for name in self.metadata["features"])
 
     @classmethod
     def load(cls, metadata_path: Path, threads: int = 1) -> "LearnedVerifier":
@@ -88,6 +101,17 @@ class LearnedVerifier:
             if actual is not None and actual != pair[role]:
                 raise VerifierMismatch(f"this verifier was trained with {role} {pair[role]!r}, not {actual!r}: "
                                        "train one for this pair (sprinter verifier train)")
+
+    def check_companion(self, companion_spec: str | None) -> None:
+        """Refuse to run without the companion this verifier reads, or with another one than it was trained with."""
+        if not self.needs_companion:
+            return
+        trained_with = self.metadata.get("companion")
+        if companion_spec is None:
+            raise ValueError(f"this verifier reads companion features ({', '.join(COMPANION_FEATURES)}): "
+                             f"run a companion model beside the draft with --companion {trained_with or 'SPEC'}")
+        if trained_with is not None and companion_spec != trained_with:
+            raise VerifierMismatch(f"this verifier was trained with companion {trained_with!r}, not {companion_spec!r}")
 
     def score(self, step: DraftStep) -> float:
         features = step_features(step, tuple(self.metadata["features"]))[None, :]
@@ -114,10 +138,11 @@ def shipped_verifier(draft_spec: str | None, target_id: str | None) -> Path | No
 
 
 def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
-                  target_id: str | None = None) -> Verifier:
+                  target_id: str | None = None, companion_spec: str | None = None) -> Verifier:
     """'auto', 'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair).
 
-    'auto' takes the verifier shipped for this draft/target pair, else the confidence baseline.
+    'auto' takes the verifier shipped for this draft/target pair, else the confidence baseline. A learned
+    verifier that reads companion features is refused unless `companion_spec` (--companion) names a companion.
     """
     if spec == "auto":
         shipped = shipped_verifier(draft_spec, target_id)
@@ -129,6 +154,7 @@ def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spe
     if spec.endswith(".json"):
         verifier = LearnedVerifier.load(Path(spec))
         verifier.check_pair(draft_tokenizer, draft_spec, target_id)
+        verifier.check_companion(companion_spec)
         return verifier
     return parse_verifier(spec)
 

@@ -1,9 +1,12 @@
 """Train, calibrate and export the SPRINTER verifier.
 
-Two verifiers are trained on the same split (by prompt, never by token, so the held-out tokens come
+The verifiers are trained on the same split (by prompt, never by token, so the held-out tokens come
 from texts the verifier never saw):
-    linear: the paper's verifier, one linear layer + sigmoid on the draft's last hidden state;
-    mlp:    a small MLP on the hidden state plus the draft's confidence (token prob, max prob, entropy).
+    linear:         the paper's verifier, one linear layer + sigmoid on the draft's last hidden state;
+    mlp:            a small MLP on the hidden state plus the draft's confidence (token prob, max prob, entropy);
+    confidence-mlp: a small MLP on the draft's confidence alone;
+    companion-mlp:  a small MLP on the confidence plus Speculative Verification's companion signals (S, A),
+                    trained only when the data was collected with a companion (`--companion SPEC`).
 Prompts split three ways: `train` fits the weights, `calibration` picks the epoch, fits Platt
 scaling (so scores are acceptance probabilities, which the call policy needs) and sets the
 threshold for `--max-fpr`; `test` measures. The confidence baseline is measured on the same test
@@ -24,12 +27,13 @@ from torch import nn
 from common.prompt_sets import split_by_prompt
 from edge.verifier_data import VerifierDataset
 from edge.verifier_metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
-from edge.verifier_runtime import CONFIDENCE_FEATURES, FORMAT
+from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT
 
 log = logging.getLogger(__name__)
 
 LABELS = ("greedy", "paper")
-MODELS = {"linear": ("hidden",), "mlp": ("hidden", *CONFIDENCE_FEATURES), "confidence-mlp": CONFIDENCE_FEATURES}
+MODELS = {"linear": ("hidden",), "mlp": ("hidden", *CONFIDENCE_FEATURES), "confidence-mlp": CONFIDENCE_FEATURES,
+          "companion-mlp": (*CONFIDENCE_FEATURES, *COMPANION_FEATURES)}
 LOG_FEATURES = ("token_prob", "max_prob")  # probabilities enter as logs: their useful range spans decades
 SPLITS = ("train", "calibration", "test")
 CALIBRATION_FPRS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
@@ -107,11 +111,19 @@ def resolved_label(dataset: VerifierDataset, label: str) -> str:
     return "greedy" if dataset.manifest["settings"]["temperature"] == 0 else "paper"
 
 
+def available_models(dataset: VerifierDataset) -> tuple[str, ...]:
+    """The verifier kinds this data can train: companion features exist only if a companion ran at collection."""
+    return tuple(kind for kind in MODELS
+                 if "companion" in dataset.arrays or not set(MODELS[kind]) & set(COMPANION_FEATURES))
+
+
 def feature_matrix(dataset: VerifierDataset, features: tuple[str, ...]) -> np.ndarray:
     parts = []
     for name in features:
         if name == "hidden":
             parts.append(dataset.arrays["hidden"].astype(np.float32))
+        elif name in COMPANION_FEATURES:
+            parts.append(dataset.arrays["companion"][:, COMPANION_FEATURES.index(name)][:, None])
         else:
             parts.append(dataset.arrays["confidence"][:, CONFIDENCE_FEATURES.index(name)][:, None])
     return np.concatenate(parts, axis=1)
@@ -257,6 +269,10 @@ class TrainingReport:
 
 
 def train(dataset: VerifierDataset, settings: TrainSettings) -> TrainingReport:
+    kinds = available_models(dataset)
+    if settings.model not in (*kinds, "auto"):
+        raise ValueError(f"--model {settings.model} needs companion signals, and this data has none: "
+                         "collect it with --companion SPEC")
     labels = labels_for(dataset, settings.label)
     masks = split_masks(dataset, settings.split, settings.seed)
     for split in SPLITS:
@@ -264,7 +280,7 @@ def train(dataset: VerifierDataset, settings: TrainSettings) -> TrainingReport:
             raise ValueError(f"the {split} split has no tokens or only one label: collect more prompts")
     log.info("training on %d tokens (%d train / %d calibration / %d test), label %s, base rate %.3f",
              len(dataset), *(int(masks[s].sum()) for s in SPLITS), resolved_label(dataset, settings.label), labels.mean())
-    verifiers = {kind: train_one(kind, dataset, labels, masks, settings) for kind in MODELS}
+    verifiers = {kind: train_one(kind, dataset, labels, masks, settings) for kind in kinds}
     split_sizes = dict(zip(SPLITS, (len(p) for p in split_by_prompt(dataset.prompts, settings.split, settings.seed))))
     return TrainingReport(resolved_label(dataset, settings.label), settings, verifiers,
                           confidence_baseline(dataset, labels, masks, settings.max_fpr), split_sizes,
@@ -298,6 +314,8 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
         "training": {"settings": asdict(report.settings), "tokens": len(dataset), "prompts": report.split_prompts,
                      "collection": manifest["settings"], "held_out_prompt_ids": report.held_out_prompt_ids},
     }
+    if set(chosen.features) & set(COMPANION_FEATURES):  # the edge refuses to run it without this companion
+        metadata["companion"] = manifest["settings"]["companion"]
     path = out_dir / "verifier.json"
     path.write_text(json.dumps(metadata, indent=1))
     (out_dir / "metrics.md").write_text(report.table() + "\n")
