@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from common.local_engine import MODES
-from edge.generate_command import add_cloud_arguments, add_policy_argument
+from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +18,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         description="Run the draft (and verifier) here; verify on the cloud; serve /v1 on localhost.")
     p.add_argument("--draft", default="tiny-random-draft")
     p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T or a verifier.json")
+    add_companion_argument(p)
     p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
     add_policy_argument(p, " (default for requests; a request may set its own)")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")

@@ -36,6 +36,12 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
 
 
+def add_companion_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--companion", metavar="SPEC",
+                   help="a companion model (same tokenizer, draft-sized) for a learned verifier trained on its signals "
+                        "(Speculative Verification); runs on torch, one extra forward per drafted token")
+
+
 def policy_spec(spec: str) -> str:
     """argparse type of --policy: a bad spec is a usage error now, not a failure mid-request."""
     try:
@@ -72,6 +78,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, mode and stats")
     add_decoding_arguments(p)
+    add_companion_argument(p)
     add_policy_argument(p)
     add_cloud_arguments(p)
     p.set_defaults(run=run)
@@ -99,6 +106,7 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.companion import companion_for
     from edge.verifier_runtime import load_verifier
 
     try:
@@ -114,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
     if args.mode != "target":
         draft = target if args.draft == args.target and target is not None else load_model(args.draft, dtype)
     model = target or draft
-    verifier = load_verifier(args.verifier, model.tokenizer, args.draft, args.target)
-    engine = LocalEngine(target, draft, verifier)
+    verifier = load_verifier(args.verifier, model.tokenizer, args.draft, args.target, args.companion)
+    make_companion = None
+    if draft is not None and target is not None:  # the verifier runs in speculative modes only
+        make_companion = companion_for(verifier, args.companion, draft, dtype, (target, draft))
+    engine = LocalEngine(target, draft, verifier, make_companion=make_companion)
     result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
     print_result(args, result.text, result.token_ids, result.stats)
     return 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cached_lm import CachedLM
+from common.companion import companion_for
 from common.local_engine import DecodeSettings
 from common.models import LoadedModel, load_model, vocab_fingerprint
 from common.prompting import DTYPES
@@ -34,13 +35,14 @@ class EdgeNodeSettings:
     draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
     threads: int | None = None
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
+    companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EdgeNodeSettings":
         return cls(draft=args.draft, verifier=args.verifier, cloud=args.cloud, cloud_ca=args.cloud_ca,
                    cloud_token=args.cloud_token or os.environ.get("SPRINTER_CLOUD_TOKEN"),
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
-                   dtype=args.dtype)
+                   dtype=args.dtype, companion=args.companion)
 
 
 class EdgeNode:
@@ -58,8 +60,13 @@ class EdgeNode:
             endpoint = CloudEndpoint(self.settings.cloud, tls_ca=self.settings.cloud_ca, token=self.settings.cloud_token)
             self.cloud = await CloudClient(endpoint).__aenter__()
             await self.check_cloud()
-        verifier = load_verifier(self.settings.verifier, self.draft.tokenizer, self.settings.draft, self.target_id)
-        self.decoder = EdgeDecoder(self.draft, self._draft_lm_factory(verifier.needs_hidden), verifier, self.cloud)
+        verifier = load_verifier(self.settings.verifier, self.draft.tokenizer, self.settings.draft, self.target_id,
+                                 self.settings.companion)
+        # The companion runs on torch beside the draft: a forward per drafted token (see common/companion.py).
+        make_companion = companion_for(verifier, self.settings.companion, self.draft, DTYPES[self.settings.dtype],
+                                       (self.draft,))
+        self.decoder = EdgeDecoder(self.draft, self._draft_lm_factory(verifier.needs_hidden), verifier, self.cloud,
+                                   make_companion=make_companion)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

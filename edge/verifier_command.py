@@ -2,8 +2,9 @@
 
     sprinter verifier train --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out verifiers/qwen
 collects decoding data (resumable, in OUT/data unless --data says otherwise), trains the linear and
-the MLP verifier, calibrates, and writes OUT/verifier.onnx + OUT/verifier.json (the edge's format),
-OUT/metrics.md and OUT/reliability.png.
+the MLP verifiers (with --companion SPEC also companion-mlp, on Speculative Verification's signals),
+calibrates, and writes OUT/verifier.onnx + OUT/verifier.json (the edge's format), OUT/metrics.md and
+OUT/reliability.png.
     sprinter verifier eval --target ... --draft ... --verifier OUT/verifier.json --out OUT/eval
 decodes the held-out prompts with sprinter / sprinter-exact (learned vs confidence) and writes
 eval.json, eval.md and tradeoff.png.
