@@ -68,7 +68,9 @@ def rtt_model(settings: SimulateSettings, rtt_ms: float) -> RttModel:
 def _groups(records: list[dict[str, Any]]) -> dict[tuple[float, str], list[dict[str, Any]]]:
     groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for r in records:
-        if not r["degraded"]:  # a degraded request measured the draft, not the system
+        # A degraded request measured the draft, not the system; a 'mode@policy' method has no fleet
+        # profile of its own (the simulator models each mode with its default policy).
+        if not r["degraded"] and "@" not in r["mode"]:
             groups.setdefault((r["rtt_ms"], r["mode"]), []).append(r)
     return groups
 
