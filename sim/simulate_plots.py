@@ -36,23 +36,19 @@ def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -
         paths.append(out / name)
 
     modes = _modes(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in modes:
-        xs, ys = _series(rows, mode, "tokens_per_s")
-        ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
-    ax.set(xlabel="round-trip time (ms)", ylabel="tokens/s (client wall time)", title="Speed vs network latency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "tokens_per_s_vs_rtt.png")
+    def per_rtt(metric: str, ylabel: str, title: str, name: str) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode in modes:
+            xs, ys = _series(rows, mode, metric)
+            ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
+        ax.set(xlabel="round-trip time (ms)", ylabel=ylabel, title=title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, name)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in modes:
-        xs, ys = _series(rows, mode, "target_calls_per_token")
-        ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
-    ax.set(xlabel="round-trip time (ms)", ylabel="target calls per token", title="Cloud calls per generated token")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "target_calls_per_token.png")
+    per_rtt("tokens_per_s", "tokens/s (client wall time)", "Speed vs network latency", "tokens_per_s_vs_rtt.png")
+    per_rtt("target_calls_per_token", "target calls per token", "Cloud calls per generated token",
+            "target_calls_per_token.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in modes:

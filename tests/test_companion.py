@@ -14,12 +14,12 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
 from common.cli import main
+from prompt_files import short_prompt_file
 from common.companion import Companion, companion_factory, companion_features, load_companion
 from common.drafting import draft_tokens
 from common.local_engine import DecodeSettings, LocalEngine
 from common.models import LoadedModel
 from common.presets import build_tiny_tokenizer
-from common.prompt_sets import interleave_categories, load_prompts
 from common.sampling import SamplingParams
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -79,18 +79,10 @@ def test_a_companion_with_another_vocabulary_is_refused(tiny_draft):
         load_companion("other", tiny_draft, loaded=(other,))
 
 
-def _prompt_file(directory: Path, n: int = 12) -> Path:
-    path = directory / "prompts.jsonl"
-    picked = interleave_categories(load_prompts())[:n]  # every category in turn: each split gets one of each
-    path.write_text("".join(json.dumps({"id": p.id, "category": p.category, "chat": False, "prompt": p.prompt[:60]}) + "\n"
-                            for p in picked))
-    return path
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("companion-verifier")
-    prompts = _prompt_file(out)
+    prompts = short_prompt_file(out, 12)
     assert main(["verifier", "train", *PAIR, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "8",
                  "--draft-runtime", "torch", "--epochs", "8", "--companion", COMPANION, "--model", "companion-mlp"]) == 0
     return out
@@ -109,7 +101,7 @@ def test_collection_records_the_signals_and_training_exports_them(trained):
 
 def test_data_without_a_companion_has_no_signals_and_cannot_train_companion_mlp(tmp_path):
     out = tmp_path / "plain"
-    prompts = _prompt_file(tmp_path)
+    prompts = short_prompt_file(tmp_path, 12)
     with pytest.raises(ValueError, match="collect it with --companion"):
         main(["verifier", "train", *PAIR, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4",
               "--draft-runtime", "torch", "--epochs", "2", "--model", "companion-mlp"])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.cli import main
+from prompt_files import short_prompt_file
 from common.local_engine import DecodeSettings, LocalEngine
 from common.prompt_sets import load_prompts
 from edge.onnx_draft import OnnxDraftModel
@@ -19,20 +20,11 @@ from edge.verifier_runtime import LearnedVerifier, load_verifier
 PAIR = ["--target", "tiny-random", "--draft", "tiny-random-draft", "--dtype", "float32"]
 
 
-def _prompt_file(directory: Path, n: int = 40) -> Path:
-    path = directory / "prompts.jsonl"
-    shipped = load_prompts()
-    picked = [p for i, p in enumerate(shipped) if i % (len(shipped) // n) == 0][:n]  # every category
-    path.write_text("".join(json.dumps({"id": p.id, "category": p.category, "chat": False, "prompt": p.prompt[:60]}) + "\n"
-                            for p in picked))
-    return path
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """One training run shared by the tests below (a few seconds)."""
     out = tmp_path_factory.mktemp("verifier")
-    prompts = _prompt_file(out)
+    prompts = short_prompt_file(out, 40)
     assert main(["verifier", "train", *PAIR, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16",
                  "--draft-weights", "float32", "--epochs", "8", "--threads", "1", "--model", "mlp"]) == 0
     return out
