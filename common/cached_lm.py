@@ -8,6 +8,7 @@ missing in one forward. The last token is always fed, so the caller always gets 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -17,6 +18,12 @@ from transformers import DynamicCache, PreTrainedModel
 class ForwardOutput:
     logits: torch.Tensor  # [n, V] float32: row i predicts the token after the i-th of the last n positions
     hidden: torch.Tensor | None  # [n, H] last-layer hidden states there, when asked for
+
+
+class DraftLM(Protocol):
+    """What drafting needs of a runtime: the torch `CachedLM` and the edge's ONNX runtime both fit."""
+
+    def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput: ...
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -21,6 +21,9 @@ from common.presets import GGUF_PRESETS, TINY_PRESETS, build_tiny_model, gguf_pa
 
 log = logging.getLogger(__name__)
 
+# The dtypes every command accepts for torch models (ONNX Runtime runs the draft in float32).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
 
 class ModelPairError(ValueError):
     """Draft and target cannot work together (different vocabularies)."""

@@ -1,11 +1,8 @@
-"""Turning a user's prompt into token ids, and the dtypes the CLIs accept."""
+"""Turning a user's prompt into token ids."""
 
 from __future__ import annotations
 
-import torch
 from transformers import PreTrainedTokenizerBase
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:

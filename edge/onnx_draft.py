@@ -2,7 +2,7 @@
 
 `OnnxCachedLM.advance_to(context, n_logits)` keeps the longest cached prefix of `context`, rolls the
 KV cache back past it and feeds the rest in one `session.run`, exactly like the torch `CachedLM`
-(which stays as the reference and the fallback: `load_draft_runtime(..., runtime="torch")`).
+(which stays as the reference and the fallback: `edge.draft_runtime.load_draft_runtime(..., runtime="torch")`).
 
 The KV cache stays in ONNX Runtime's hands between calls: numpy arrays on CPU (ORT reads numpy
 inputs in place, and its outputs come back without a further copy), `OrtValue`s bound through IO
@@ -15,54 +15,16 @@ small next to the weights a step reads. Rollback slices the past length; it copi
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
-from common.cached_lm import CachedLM, ForwardOutput, common_prefix_length
-from common.models import LoadedModel
+from common.cached_lm import ForwardOutput, common_prefix_length
+from edge.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
-
-RUNTIMES = ("onnx", "torch")
-_OPT_LEVELS = {
-    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
-
-
-def default_providers() -> list[str]:
-    """CUDA when this onnxruntime build has it (onnxruntime-gpu), with CPU for the ops it lacks."""
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def available_cores() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def make_session(onnx_path: Path, threads: int | None = None, optimization: str = "all",
-                 providers: list[str] | None = None) -> ort.InferenceSession:
-    """An InferenceSession with `threads` intra-op threads (default: every core)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or available_cores()
-    options.inter_op_num_threads = 1  # one sequential graph: a second pool would only compete for cores
-    options.graph_optimization_level = _OPT_LEVELS[optimization]
-    # Idle ORT workers spin for a while after each run; beside torch (the target in the same process,
-    # or the cloud on the same cores) that spinning steals the cores the target needs. Measured on
-    # the Qwen pair in one process: target forwards ran ~5x slower with spinning on.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(onnx_path), options, providers=providers or default_providers())
-    log.info("ONNX Runtime session on %s (%d threads, optimization %s)", session.get_providers()[0],
-             options.intra_op_num_threads, optimization)
-    return session
 
 
 class OnnxCachedLM:
@@ -165,14 +127,6 @@ class OnnxDraftModel:
         self.session = make_session(self.onnx_path, threads, optimization, providers)
         self.io_binding = io_binding
 
-    @classmethod
-    def for_model(cls, loaded: LoadedModel, threads: int | None = None, weights: str = "float32",
-                  **options: object) -> OnnxDraftModel:
-        """The model's export (made on first use, then cached on disk) in a new session."""
-        from edge.onnx_export import export_draft
-
-        return cls(export_draft(loaded, weights=weights), threads=threads, **options)
-
     def new_lm(self, with_hidden: bool = False) -> OnnxCachedLM:
         """A fresh, empty KV cache over the shared session."""
         return OnnxCachedLM(self.onnx_path, with_hidden=with_hidden, io_binding=self.io_binding, session=self.session)
@@ -180,21 +134,3 @@ class OnnxDraftModel:
 
 def _as_numpy(value: ort.OrtValue | np.ndarray) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else value.numpy()
-
-
-def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int | None = None,
-                       with_hidden: bool = False, weights: str = "float32",
-                       **onnx_options: object) -> CachedLM | OnnxCachedLM:
-    """The draft's cached runtime: ONNX Runtime (exported on first use) or the torch reference.
-
-    `threads`: ONNX Runtime's intra-op pool (default every core); for torch, when given, it calls
-    `torch.set_num_threads`, which is process-wide. `weights="int8"` selects the quantised export
-    (faster, but a slightly different draft); `onnx_options` go to `OnnxCachedLM`.
-    """
-    if runtime == "torch":
-        if threads is not None:
-            torch.set_num_threads(threads)
-        return CachedLM(loaded.model, with_hidden=with_hidden)
-    if runtime != "onnx":
-        raise ValueError(f"unknown draft runtime {runtime!r}; expected one of {RUNTIMES}")
-    return OnnxDraftModel.for_model(loaded, threads=threads, weights=weights, **onnx_options).new_lm(with_hidden)

@@ -1,0 +1,52 @@
+"""The draft's runtime, chosen once per process: ONNX Runtime over a cached export, or torch (the reference).
+
+This module sits above both the exporter (edge/onnx_export/) and the ONNX runtime (edge/onnx_draft.py),
+so that neither needs the other's help: the export is checked with the runtime, and the runtime
+never exports.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from common.cached_lm import CachedLM, DraftLM
+from common.models import LoadedModel
+from edge.onnx_draft import OnnxCachedLM, OnnxDraftModel
+from edge.onnx_export.export import export_draft
+
+RUNTIMES = ("onnx", "torch")
+
+
+def exported_draft(loaded: LoadedModel, threads: int | None = None, weights: str = "float32",
+                   **options: object) -> OnnxDraftModel:
+    """The model's export (made on first use, then cached on disk) in a new session."""
+    return OnnxDraftModel(export_draft(loaded, weights=weights), threads=threads, **options)
+
+
+def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int | None = None,
+                       with_hidden: bool = False, weights: str = "float32",
+                       **onnx_options: object) -> CachedLM | OnnxCachedLM:
+    """The draft's cached runtime: ONNX Runtime (exported on first use) or the torch reference.
+
+    `threads`: ONNX Runtime's intra-op pool (default every core); for torch, when given, it calls
+    `torch.set_num_threads`, which is process-wide. `weights="int8"` selects the quantised export
+    (faster, but a slightly different draft); `onnx_options` go to `OnnxDraftModel`.
+    """
+    if runtime == "torch":
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return CachedLM(loaded.model, with_hidden=with_hidden)
+    if runtime != "onnx":
+        raise ValueError(f"unknown draft runtime {runtime!r}; expected one of {RUNTIMES}")
+    return exported_draft(loaded, threads=threads, weights=weights, **onnx_options).new_lm(with_hidden)
+
+
+def draft_lm_factory(loaded: LoadedModel, runtime: str, with_hidden: bool, threads: int | None = None,
+                     weights: str = "float32") -> Callable[[], DraftLM]:
+    """Fresh draft runtimes (one KV cache each, one per generation) sharing one set of weights."""
+    if runtime == "torch":
+        return lambda: CachedLM(loaded.model, with_hidden=with_hidden)
+    onnx_model = exported_draft(loaded, threads=threads, weights=weights)
+    return lambda: onnx_model.new_lm(with_hidden=with_hidden)

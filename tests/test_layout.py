@@ -1,0 +1,146 @@
+"""The house rules, read from the source with `ast`: no import cycles, who may import whom, unit sizes.
+
+- No import cycle at all, lazy (function-level) and TYPE_CHECKING imports included.
+- common/ imports none of edge/, cloud/, sim/; edge/ and cloud/ never import each other (they meet
+  in proto/); nothing outside sim/ imports sim/.
+- No module over 400 lines, no function over 60 lines (tests excluded).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "edge", "cloud", "sim")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+FORBIDDEN = {  # importer package -> packages it must never import
+    "common": {"edge", "cloud", "sim"},
+    "edge": {"cloud", "sim"},
+    "cloud": {"edge", "sim"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Project modules `name` imports, anywhere in its body."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            candidates = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            # the longest project module that the imported name lies in
+            parts = candidate.split(".")
+            for end in range(len(parts), 0, -1):
+                prefix = ".".join(parts[:end])
+                if prefix in MODULES:
+                    if prefix != name:
+                        found.add(prefix)
+                    break
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_packages_import_only_what_the_house_rules_allow() -> None:
+    broken = []
+    for importer, imported in GRAPH.items():
+        forbidden = FORBIDDEN.get(importer.split(".")[0], set())
+        broken += [f"{importer} imports {m}" for m in sorted(imported) if m.split(".")[0] in forbidden]
+    assert broken == []
+
+
+def test_modules_stay_short() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_functions_stay_short() -> None:
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {length} lines")
+    assert long == []
+
+
+def test_the_checker_sees_cycles_and_forbidden_imports() -> None:
+    """The rules above would catch what they claim to (a checker that finds nothing proves nothing)."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    assert len(MODULES) > 30 and any(GRAPH.values())
+
+
+@pytest.mark.parametrize("program", ["generate", "cloud", "edge", "verifier", "simulate", "bench", "fleet", "link", "demo"])
+def test_every_program_is_a_sprinter_subcommand(program: str) -> None:
+    from common.cli import build_parser
+
+    subcommands = next(a for a in build_parser()._actions if a.dest == "command")
+    assert program in subcommands.choices
