@@ -69,10 +69,6 @@ class Batcher:
         await self._queue.put(request)
         return await request.future
 
-    async def run_exclusive(self, fn: Callable, *args: object) -> object:
-        """Run other model work (a prefill, a load) on the model thread, in order with the batches."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-
     def _batch_limit(self) -> int:
         return self.max_batch if self.demand is None else max(1, min(self.max_batch, self.demand()))
 

@@ -10,21 +10,15 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import grpc
 import torch
 
+from cloud.errors import CloudError, invalid
+from common.decoding.modes import VERIFY_METHODS, verify_rule
 from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
-from common.verification import VERIFY_RULES, VerifyRule
 from sprinter.v1 import decoding_pb2 as pb
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
-
-
-class FrameError(Exception):
-    """A frame the cloud refuses; the stream and the session stay usable."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -39,83 +33,80 @@ class ServiceLimits:
                          max_message_bytes=self.max_message_bytes, max_sparse_support=self.max_sparse_support)
 
 
-def _invalid(message: str) -> FrameError:
-    return FrameError("INVALID_ARGUMENT", message)
-
-
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
-        raise _invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def sampling_from_proto(sampling: pb.SamplingSettings) -> SamplingParams:
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise _invalid(f"sampling.temperature must be a finite number >= 0, got {sampling.temperature}")
+        raise invalid(f"sampling.temperature must be a finite number >= 0, got {sampling.temperature}")
     if sampling.top_k < 0:
-        raise _invalid(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
+        raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
     if not 0.0 < top_p <= 1.0:
-        raise _invalid(f"sampling.top_p must be in (0, 1] (leave it unset to disable), got {top_p}")
+        raise invalid(f"sampling.top_p must be in (0, 1] (leave it unset to disable), got {top_p}")
     return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=sampling.seed)
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) -> None:
     if not prompt_ids:
-        raise _invalid("open.prompt_ids is empty: a session starts from at least one token")
+        raise invalid("open.prompt_ids is empty: a session starts from at least one token")
     if len(prompt_ids) >= limits.max_context:
-        raise _invalid(f"prompt has {len(prompt_ids)} tokens; prompts may have at most {limits.max_context - 1} "
+        raise invalid(f"prompt has {len(prompt_ids)} tokens; prompts may have at most {limits.max_context - 1} "
                        f"(the context limit is {limits.max_context}, and the first generated token needs a place)")
     check_token_ids(prompt_ids, vocab_size, "open.prompt_ids")
 
 
-VERIFY_METHODS = {pb.METHOD_TOKEN: "token", pb.METHOD_BLOCK: "block", pb.METHOD_SPRINTER: "sprinter"}
+# The .proto's Method values of the verify methods of common/decoding/modes.py (METHOD_BLOCK -> "block").
+METHOD_NAMES = {pb.Method.Value(f"METHOD_{method.upper()}"): method for method in VERIFY_METHODS}
 
 
 def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingParams, vocab_size: int,
                  limits: ServiceLimits) -> None:
     """Refuse a verify frame before it costs a target forward."""
     g = len(frame.draft_tokens)
-    if frame.method not in VERIFY_METHODS:
-        raise _invalid("verify.method is unset: choose METHOD_TOKEN, METHOD_BLOCK or METHOD_SPRINTER")
+    if frame.method not in METHOD_NAMES:
+        raise invalid("verify.method is unset: choose METHOD_TOKEN, METHOD_BLOCK or METHOD_SPRINTER")
     if g == 0:
-        raise _invalid("verify.draft_tokens is empty: send at least one draft token")
+        raise invalid("verify.draft_tokens is empty: send at least one draft token")
     if g > limits.max_block:
-        raise _invalid(f"verify block has {g} tokens; the limit is {limits.max_block} (ServiceInfo.limits.max_block)")
+        raise invalid(f"verify block has {g} tokens; the limit is {limits.max_block} (ServiceInfo.limits.max_block)")
     if frame.start_position != session_length:
-        raise FrameError("FAILED_PRECONDITION",
+        raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
                          f"verify.start_position is {frame.start_position} but the cloud's session holds "
                          f"{session_length} tokens: resync by reopening with the full context")
     if session_length + g + 1 > limits.max_context:
-        raise FrameError("OUT_OF_RANGE", f"session would exceed the context limit of {limits.max_context} tokens")
+        raise CloudError(grpc.StatusCode.OUT_OF_RANGE, f"session would exceed the context limit of {limits.max_context} tokens")
     check_token_ids(list(frame.draft_tokens), vocab_size, "verify.draft_tokens")
     if frame.draft_token_probs and len(frame.draft_token_probs) != g:
-        raise _invalid(f"verify.draft_token_probs has {len(frame.draft_token_probs)} entries for {g} draft tokens")
+        raise invalid(f"verify.draft_token_probs has {len(frame.draft_token_probs)} entries for {g} draft tokens")
     if any(not 0.0 < p <= 1.0 + PROBABILITY_SUM_TOLERANCE for p in frame.draft_token_probs):
-        raise _invalid("verify.draft_token_probs must lie in (0, 1]: the draft sampled these tokens")
+        raise invalid("verify.draft_token_probs must lie in (0, 1]: the draft sampled these tokens")
     if sampling.greedy:
         return
     needed = 1 if frame.method == pb.METHOD_SPRINTER else g
     if len(frame.draft_dists) not in (needed, g):
-        raise _invalid(f"verify.draft_dists has {len(frame.draft_dists)} distributions; sampling with this method "
+        raise invalid(f"verify.draft_dists has {len(frame.draft_dists)} distributions; sampling with this method "
                        f"needs {needed} (one per draft token{', or just the last' if needed == 1 else ''})")
     first_row = g - len(frame.draft_dists)
     for i, dist in enumerate(frame.draft_dists):
         where = f"verify.draft_dists[{i}]"
         token = frame.draft_tokens[first_row + i]
         if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
-            raise _invalid(f"{where}: token_ids and probs must be non-empty and of equal length")
+            raise invalid(f"{where}: token_ids and probs must be non-empty and of equal length")
         if len(dist.token_ids) > limits.max_sparse_support:
-            raise _invalid(f"{where}: {len(dist.token_ids)} entries; the limit is {limits.max_sparse_support}")
+            raise invalid(f"{where}: {len(dist.token_ids)} entries; the limit is {limits.max_sparse_support}")
         check_token_ids(list(dist.token_ids), vocab_size, where)
         repeated = [t for t, n in Counter(dist.token_ids).items() if n > 1]
         if repeated:
-            raise _invalid(f"{where}: token id {repeated[0]} appears more than once; list each id once")
+            raise invalid(f"{where}: token id {repeated[0]} appears more than once; list each id once")
         total = sum(dist.probs)
         if any(p < 0 or not math.isfinite(p) for p in dist.probs) or abs(total - 1.0) > PROBABILITY_SUM_TOLERANCE:
-            raise _invalid(f"{where}: probabilities must be >= 0 and sum to 1 (they sum to {total:.6f})")
+            raise invalid(f"{where}: probabilities must be >= 0 and sum to 1 (they sum to {total:.6f})")
         if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
-            raise _invalid(f"{where} gives its draft token {token} probability 0, so the draft cannot have sampled it")
+            raise invalid(f"{where} gives its draft token {token} probability 0, so the draft cannot have sampled it")
 
 
 def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_size: int) -> torch.Tensor:
@@ -136,18 +127,11 @@ def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_s
     return p_draft
 
 
-def rule_for(method: int, sampling: SamplingParams) -> VerifyRule:
-    name = VERIFY_METHODS[method]
-    if sampling.greedy and name != "sprinter":
-        return VERIFY_RULES["greedy"]
-    return VERIFY_RULES[name]
-
-
 def decide(frame: pb.VerifyBlock, target_logits: torch.Tensor, sampling: SamplingParams,
            generator: torch.Generator) -> tuple[int, int]:
     """(n_accepted, next_token) for a checked frame, given the target's logits [g + 1, V] along the block."""
     vocab_size = target_logits.shape[-1]
     p_draft = draft_distributions(frame, sampling, vocab_size)
     p_target = logits_to_probs(target_logits, sampling)
-    rule = rule_for(frame.method, sampling)
+    rule = verify_rule(METHOD_NAMES[frame.method], sampling)
     return rule(torch.tensor(list(frame.draft_tokens)), p_draft, p_target, generator)

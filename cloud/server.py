@@ -24,7 +24,7 @@ from cloud.frames import ServiceLimits
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.service import TargetBackend, TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
-from common.models import LoadedModel, load_model, vocab_fingerprint
+from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -130,8 +130,7 @@ class CloudServer:
         target = self.preloaded_target
         if target is None:
             log.info("loading target %s (%s)", settings.target, settings.dtype)
-            dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
-            target = await asyncio.to_thread(load_model, settings.target, dtype)
+            target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
         store = SessionStore(
             SessionLimits(settings.max_sessions, settings.kv_budget_mb << 20, settings.idle_timeout_s),
             kv_bytes_per_token(target.model),

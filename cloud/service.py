@@ -19,9 +19,10 @@ from transformers import DynamicCache
 
 from cloud.auth import EdgeAuthenticator
 from cloud.batcher import Batcher
-from cloud.frames import FrameError, ServiceLimits, VERIFY_METHODS, check_prompt, check_verify, decide, sampling_from_proto
+from cloud.errors import CloudError
+from cloud.frames import METHOD_NAMES, ServiceLimits, check_prompt, check_verify, decide, sampling_from_proto
 from cloud.metrics import CloudMetrics
-from cloud.sessions import Session, SessionError, SessionStore
+from cloud.sessions import Session, SessionStore
 from common.models import LoadedModel
 from common.sampling import logits_to_probs, sample
 from sprinter.v1 import decoding_pb2 as pb
@@ -52,7 +53,7 @@ class TargetBackend:
 
     def _check_fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.vocab_fingerprint:
-            raise FrameError("FAILED_PRECONDITION",
+            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"vocabulary fingerprint {fingerprint[:12]}... differs from this cloud's "
                              f"({self.vocab_fingerprint[:12]}..., model {self.target.spec}): the draft must share the target's tokenizer")
 
@@ -81,7 +82,7 @@ class TargetBackend:
     async def verify(self, session: Session, frame: pb.VerifyBlock) -> pb.Verdict:
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
-            raise FrameError("ABORTED", "this session is already verifying on another stream")
+            raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
         session.busy = True
         try:
             draft_tokens = list(frame.draft_tokens)
@@ -104,7 +105,7 @@ class TargetBackend:
         finally:
             session.busy = False
         session.touch()
-        self.metrics.verify_calls.labels(VERIFY_METHODS[frame.method]).inc()
+        self.metrics.verify_calls.labels(METHOD_NAMES[frame.method]).inc()
         self.metrics.tokens_verified.inc(g)
         self.metrics.tokens_accepted.inc(n_accepted)
         self.store.enforce_budget()
@@ -119,7 +120,7 @@ class TargetBackend:
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         if request.max_new_tokens < 1:
-            raise FrameError("INVALID_ARGUMENT", "max_new_tokens must be >= 1")
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
         generator = torch.Generator().manual_seed(sampling.seed)
         cache = DynamicCache(config=self.target.model.config)
@@ -138,10 +139,6 @@ class TargetBackend:
     def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    return grpc.StatusCode[name]
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
@@ -166,10 +163,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; connect to another replica")
         return identity, self.backend
 
-    def _error_frame(self, err: FrameError | SessionError, session: Session | None) -> pb.CloudFrame:
-        self.metrics.errors.labels(err.code).inc()
-        log.info("refused frame: %s %s", err.code, err)
-        return pb.CloudFrame(error=pb.Error(code=status_code(err.code).value[0], message=str(err),
+    def _error_frame(self, err: CloudError, session: Session | None) -> pb.CloudFrame:
+        self.metrics.errors.labels(err.code.name).inc()
+        log.info("refused frame: %s %s", err.code.name, err)
+        return pb.CloudFrame(error=pb.Error(code=err.code.value[0], message=str(err),
                                             context_length=session.length if session else 0))
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServiceInfo:
@@ -187,7 +184,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 try:
                     if kind == "open":
                         if self.draining:
-                            raise FrameError("UNAVAILABLE", "this cloud is shutting down; open the session elsewhere")
+                            raise CloudError(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; open the session elsewhere")
                         # shield: a client that cancels mid-prefill must not leave a half-built session
                         session, resumed = await asyncio.shield(backend.open(owner, frame.open))
                         yield pb.CloudFrame(opened=pb.SessionOpened(
@@ -195,7 +192,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             limits=backend.limits.to_proto(), resumed=resumed))
                     elif kind == "verify":
                         if session is None:
-                            raise FrameError("FAILED_PRECONDITION", "verify before open: send an open frame first")
+                            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
                         session = backend.store.get(session.session_id, owner)
                         # shield: the cache and the token list must move together even if the edge goes away
                         verdict = await asyncio.shield(backend.verify(session, frame.verify))
@@ -206,12 +203,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             backend.update_gauges()
                         return
                     else:
-                        raise FrameError("INVALID_ARGUMENT", "empty frame: set one of open, verify or close")
-                except (FrameError, SessionError) as err:
+                        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "empty frame: set one of open, verify or close")
+                except CloudError as err:
                     yield self._error_frame(err, session if session and backend.store.contains(session.session_id) else None)
                 except Exception as err:  # a bug of ours: say so on this frame, keep the stream and the server up
                     log.exception("internal error on a %s frame", kind)
-                    yield self._error_frame(FrameError("INTERNAL", f"internal error: {err}"), None)
+                    yield self._error_frame(CloudError(grpc.StatusCode.INTERNAL, f"internal error: {err}"), None)
         finally:
             self.open_streams -= 1
 
@@ -222,8 +219,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         try:
             async for chunk in backend.generate(request):
                 yield chunk
-        except FrameError as err:
-            self.metrics.errors.labels(err.code).inc()
-            await context.abort(status_code(err.code), str(err))
+        except CloudError as err:
+            self.metrics.errors.labels(err.code.name).inc()
+            await context.abort(err.code, str(err))
         finally:
             self.open_streams -= 1

@@ -14,9 +14,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import grpc
 import torch
 from transformers import DynamicCache
 
+from cloud.errors import CloudError
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,6 @@ class Session:
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
-
-
-class SessionError(Exception):
-    """A session operation the store refuses; `code` names the gRPC status."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -76,7 +70,7 @@ class SessionStore:
         if len(self._sessions) >= self.limits.max_sessions:
             self._evict_idlest(reason="session limit")
         if len(self._sessions) >= self.limits.max_sessions:
-            raise SessionError("RESOURCE_EXHAUSTED", f"all {self.limits.max_sessions} sessions are busy; retry later")
+            raise CloudError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self.limits.max_sessions} sessions are busy; retry later")
         session = Session(
             session_id=secrets.token_hex(12), owner=owner, tokens=list(prompt_ids), cache=cache, sampling=sampling,
             generator=torch.Generator().manual_seed(sampling.seed),
@@ -87,9 +81,9 @@ class SessionStore:
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionError("NOT_FOUND", f"session {session_id!r} is unknown or was evicted; reopen it with the full context")
+            raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session_id!r} is unknown or was evicted; reopen it with the full context")
         if session.owner != owner:
-            raise SessionError("PERMISSION_DENIED", f"session {session_id!r} belongs to another edge")
+            raise CloudError(grpc.StatusCode.PERMISSION_DENIED, f"session {session_id!r} belongs to another edge")
         self._sessions.move_to_end(session_id)
         session.touch()
         return session

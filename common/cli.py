@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     for entry in sorted(entry_points(group="sprinter.commands"), key=lambda e: e.name):
         try:
             register = entry.load()
-        except ImportError as err:  # one broken subcommand must not take the others down
+        except (ImportError, AttributeError) as err:  # one broken subcommand must not take the others down
             print(f"sprinter: subcommand {entry.name!r} is unavailable: {err}", file=sys.stderr)
             continue
         register(subcommands)

@@ -19,8 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from common.cached_lm import CachedLM
-from common.drafting import DraftLM
+from common.cached_lm import CachedLM, DraftLM
 from common.models import LoadedModel, ModelPairError, load_model, vocab_fingerprint
 from common.verifier import Verifier, needs_companion
 

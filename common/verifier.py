@@ -32,11 +32,6 @@ class Verifier(Protocol):
         ...
 
 
-def flags(verifier: Verifier, step: DraftStep) -> bool:
-    """True when the verifier does not trust the token: the pending block goes to the cloud."""
-    return verifier.score(step) < verifier.threshold
-
-
 def needs_companion(verifier: Verifier) -> bool:
     """True when the verifier reads companion features; `needs_companion` is optional on a verifier (False)."""
     return bool(getattr(verifier, "needs_companion", False))

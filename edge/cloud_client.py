@@ -27,19 +27,23 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
-class CloudUnavailable(Exception):
+STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+class CloudError(Exception):
+    """Whatever the cloud client raises: it carries the gRPC status that caused it."""
+
+    def __init__(self, code: grpc.StatusCode | int, message: str) -> None:
+        self.code = STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
+        super().__init__(f"{self.code.name}: {message}")
+
+
+class CloudUnavailable(CloudError):
     """The cloud could not be reached within the retries: decode from the draft alone for now."""
 
 
-STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
-
-
-class CloudRefused(Exception):
+class CloudRefused(CloudError):
     """The cloud refused a frame for a reason a retry cannot fix (a bug or a misconfiguration)."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{STATUS_NAMES.get(code, code)}: {message}")
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,8 @@ class CloudClient:
             return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.endpoint.deadline_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             if err.code() in TRANSIENT:
-                raise CloudUnavailable(f"cloud {self.endpoint.address}: {err.code().name}: {err.details()}") from err
-            raise
+                raise CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}") from err
+            raise CloudRefused(err.code(), err.details() or "") from err
 
     def session(self, sampling: SamplingParams, vocab_fingerprint: str = "") -> "CloudSession":
         return CloudSession(self, sampling, vocab_fingerprint)
@@ -107,8 +111,8 @@ class CloudClient:
                     yield token
         except grpc.aio.AioRpcError as err:
             if err.code() in TRANSIENT:
-                raise CloudUnavailable(f"cloud {self.endpoint.address}: {err.code().name}: {err.details()}") from err
-            raise CloudRefused(err.code().value[0], err.details() or "") from err
+                raise CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}") from err
+            raise CloudRefused(err.code(), err.details() or "") from err
 
 
 class CloudSession:
@@ -166,11 +170,11 @@ class CloudSession:
                 # a stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call
                 code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in TRANSIENT:
-                    raise CloudRefused(code.value[0], err.details() or "") from err  # only an AioRpcError gets here
+                    raise CloudRefused(code, err.details() or "") from err  # only an AioRpcError gets here
                 last_error = err
                 await self._reset()
                 await asyncio.sleep(self.client.endpoint.backoff_s * 2 ** attempt)
-        raise CloudUnavailable(f"cloud {self.client.endpoint.address} unreachable after "
+        raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, f"cloud {self.client.endpoint.address} unreachable after "
                                f"{self.client.endpoint.retries + 1} attempts: {last_error!r}")
 
     async def _reset(self) -> None:

@@ -7,35 +7,36 @@ when a token is flagged; `sprinter-exact` releases tokens only once the cloud bl
 and sends when its policy says so (goodput by default). The costs goodput weighs are learned by one
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
-If the cloud becomes unreachable the loop keeps going from the draft alone, marks the result
-degraded, and tries the cloud again after `cloud_retry_s`.
+Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
+the cloud session as its backend (edge/cloud_verifier.py). If the cloud becomes unreachable the
+round keeps going from the draft alone, marks the result degraded, and tries the cloud again after
+`cloud_retry_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 import torch
 
-from common.call_policy import CallPolicy, CostModel
+from common.cached_lm import DraftLM
+from common.call_policy import CostModel
 from common.companion import Companion
-from common.drafting import DraftLM, PendingBlock, draft_tokens
-from common.local_engine import SPECULATIVE_MODES, DecodeSettings, call_policy
+from common.decoding.drafting import Drafter
+from common.decoding.generation import Generation
+from common.decoding.modes import SPECULATIVE_MODES, DecodeSettings, call_policy
+from common.decoding.speculative_round import speculative_round
 from common.models import LoadedModel, vocab_fingerprint
-from common.sampling import SparseDistribution
+from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
 from edge.cloud_client import CloudClient, CloudUnavailable
-from sprinter.v1 import decoding_pb2 as pb
+from edge.cloud_verifier import CloudVerifier
 
 log = logging.getLogger(__name__)
-
-METHOD_BY_MODE = {"sd": pb.METHOD_TOKEN, "sd-block": pb.METHOD_BLOCK, "sprinter": pb.METHOD_SPRINTER,
-                  "sprinter-exact": pb.METHOD_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -54,32 +55,6 @@ class EdgeResult:
     cloud_reopens: int = 0
 
 
-@dataclass
-class Generation:
-    """One request's state: what the caller has received, and the degraded-mode bookkeeping."""
-
-    prompt_ids: list[int]
-    settings: EdgeSettings
-    recorder: StatsRecorder
-    emit: Callable[[list[int]], None]
-    new_tokens: list[int] = field(default_factory=list)
-    released: int = 0  # how many of new_tokens the caller already has
-    degraded: bool = False
-    cloud_down_since: float | None = None
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.new_tokens
-
-    def release(self, upto: int | None = None) -> None:
-        upto = len(self.new_tokens) if upto is None else upto
-        upto = min(upto, self.settings.decode.max_new_tokens)
-        if upto > self.released:
-            self.emit(self.new_tokens[self.released:upto])
-            self.recorder.emitted(upto - self.released)
-            self.released = upto
-
-
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
                  cloud: CloudClient | None, cost_model: CostModel | None = None,
@@ -95,7 +70,7 @@ class EdgeDecoder:
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
         self.eos_token_ids = draft.eos_token_ids
 
-    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int]]:
+    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int] | EdgeResult]:
         """Yield tokens as they are released; the last item is the EdgeResult."""
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self.generate(prompt_ids, settings, emit=queue.put_nowait))
@@ -110,128 +85,66 @@ class EdgeDecoder:
     async def generate(self, prompt_ids: list[int], settings: EdgeSettings,
                        emit: Callable[[list[int]], None] = lambda tokens: None) -> EdgeResult:
         mode = settings.decode.mode
-        generation = Generation(list(prompt_ids), settings, StatsRecorder(mode), emit)
-        reopens = 0
+        generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit)
         if mode == "target":
-            await self._target(generation)
+            degraded, reopens = await self._target(generation, settings), 0
         else:
-            reopens = await self._draft_and_verify(generation)
-        tokens = generation.new_tokens[: generation.released]
-        return EdgeResult(tokens, self.draft.tokenizer.decode(tokens, skip_special_tokens=True),
-                          generation.recorder.finish(len(tokens)), generation.degraded, reopens)
-
-    def _finished(self, generation: Generation) -> bool:
+            degraded, reopens = await self._speculate(generation, settings, draft_only=mode == "draft")
         tokens = generation.new_tokens
-        for i, token in enumerate(tokens[: generation.settings.decode.max_new_tokens]):
-            if token in self.eos_token_ids:
-                del tokens[i + 1:]
-                return True
-        return len(tokens) >= generation.settings.decode.max_new_tokens
+        return EdgeResult(tokens, self.draft.tokenizer.decode(tokens, skip_special_tokens=True),
+                          generation.recorder.finish(len(tokens)), degraded, reopens)
 
-    async def _target(self, generation: Generation) -> None:
-        decode = generation.settings.decode
+    async def _target(self, generation: Generation, settings: EdgeSettings) -> bool:
+        """Mode target: the cloud generates alone; from the draft alone if it cannot. True when degraded."""
+        decode = generation.settings
         if self.cloud is None:
             raise ValueError("mode 'target' needs a cloud (--cloud HOST:PORT)")
         try:
             async for token in self.cloud.generate(generation.prompt_ids, decode.sampling, decode.max_new_tokens,
                                                    self.vocab_fingerprint):
                 generation.recorder.target_calls += 1
-                generation.new_tokens.append(token)
-                generation.release()
-                if self._finished(generation):
+                generation.commit(len(generation.new_tokens), [token])
+                if generation.done:
                     break
-        except CloudUnavailable as err:  # finish from the draft alone
-            log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
-            generation.degraded = True
-            await self._draft_and_verify(generation, force_draft_only=True)
-
-    async def _draft_and_verify(self, generation: Generation, force_draft_only: bool = False) -> int:
-        settings = generation.settings
-        decode = settings.decode
-        mode = decode.mode
-        draft_only = force_draft_only or mode == "draft" or self.cloud is None
-        if mode != "draft" and self.cloud is None:
-            log.warning("no cloud configured: mode %s runs from the draft alone", mode)
-            generation.degraded = True
-        # On the wire a sampled draft distribution travels sparse; sampling from the capped support keeps it exact.
-        sampling = decode.sampling
-        if not sampling.greedy:
-            sampling = replace(sampling, top_k=min(sampling.top_k or settings.max_sparse_support, settings.max_sparse_support))
-        generator = torch.Generator().manual_seed(sampling.seed)
-        draft_lm = self.make_draft_lm()
-        companion = self.make_companion() if self.make_companion is not None else None
-        policy: CallPolicy | None = None
-        if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
-            policy = call_policy(decode, self.verifier, self.cost_model)
-            generation.recorder.policy = policy.describe()
-        session = None if draft_only else self.cloud.session(decode.sampling, self.vocab_fingerprint)
-        try:
-            while not self._finished(generation):
-                context = generation.context
-                budget = decode.max_new_tokens - len(generation.new_tokens)
-                uses_cloud = not draft_only and self._cloud_worth_trying(generation)
-                limit = min(decode.block_cap if uses_cloud else 8, budget)
-                block = PendingBlock()
-                # The first block's first step prefills the prompt (a fresh draft runtime): not a draft step's cost.
-                learn = self.cost_model if len(context) > len(generation.prompt_ids) else None
-                steps = draft_tokens(draft_lm, context, limit, sampling, generator, self.eos_token_ids,
-                                     self.verifier if uses_cloud else None, policy if uses_cloud else None, learn,
-                                     companion if uses_cloud else None)  # only the verifier reads its signals
-                while (drafted := await asyncio.to_thread(next, steps, None)) is not None:
-                    block.drafted.append(drafted)
-                    generation.recorder.draft_forwards += 1
-                    if mode == "sprinter" and not drafted.ends_block:
-                        # the verifier passed it and sprinter never checks it again: release it now
-                        generation.new_tokens.append(drafted.token)
-                        generation.release()
-                if uses_cloud:
-                    verdict = await self._verify(session, generation, context, block, mode)
-                    if verdict is not None:
-                        n_accepted, next_tok = verdict
-                        del generation.new_tokens[len(context) - len(generation.prompt_ids):]
-                        generation.new_tokens.extend(block.tokens[:n_accepted] + [next_tok])
-                        policy.observe_verdict(len(block), n_accepted)
-                        self._finished(generation)
-                        generation.release()
-                        continue
-                # draft alone (mode draft, or the cloud is down): every drafted token stands
-                del generation.new_tokens[len(context) - len(generation.prompt_ids):]
-                generation.new_tokens.extend(block.tokens)
-                self._finished(generation)
-                generation.release()
-        finally:
-            if session is not None:
-                await session.close()
-        return session.reopens if session is not None else 0
-
-    def _cloud_worth_trying(self, generation: Generation) -> bool:
-        down_since = generation.cloud_down_since
-        return down_since is None or time.monotonic() - down_since >= generation.settings.cloud_retry_s
-
-    async def _verify(self, session, generation: Generation, context: list[int], block: PendingBlock,
-                      mode: str) -> tuple[int, int] | None:
-        """The cloud's (n_accepted, next_token), or None when it is unreachable (degraded from here)."""
-        sampling = generation.settings.decode.sampling
-        dists = None
-        if not sampling.greedy:
-            rows = block.drafted[-1:] if mode == "sprinter" else block.drafted
-            dists = [SparseDistribution.from_dense(d.p_draft, generation.settings.max_sparse_support) for d in rows]
-        probs = [float(d.p_draft[d.token]) for d in block.drafted]
-        # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
-        # not what one more round trip costs, so the cost model does not learn from it.
-        steady, reopens, started = session.session_id is not None, session.reopens, time.perf_counter()
-        try:
-            verdict = await session.verify(context, block.tokens, METHOD_BY_MODE[mode], probs, dists)
         except CloudUnavailable as err:
-            if generation.cloud_down_since is None:
-                log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)
-            generation.degraded = True
-            generation.cloud_down_since = time.monotonic()
-            return None
-        if generation.cloud_down_since is not None:
-            log.info("cloud is back")
-            generation.cloud_down_since = None
-        if steady and session.reopens == reopens:
-            self.cost_model.observe_round_trip((time.perf_counter() - started) * 1e3, verdict.verify_ms, len(block))
-        generation.recorder.verified(len(block), verdict.n_accepted)
-        return verdict.n_accepted, verdict.next_token
+            log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
+            await self._speculate(generation, settings, draft_only=True)
+            return True
+        return False
+
+    async def _speculate(self, generation: Generation, settings: EdgeSettings, draft_only: bool) -> tuple[bool, int]:
+        """Speculative rounds until the generation is done; (degraded, cloud session reopens)."""
+        mode = generation.settings.mode
+        degraded = mode != "draft" and self.cloud is None
+        if degraded:
+            log.warning("no cloud configured: mode %s runs from the draft alone", mode)
+        sampling = self._draft_sampling(settings)
+        drafter = Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
+                          self.eos_token_ids, self.verifier,
+                          self.make_companion() if self.make_companion is not None else None, offload=True)
+        policy = None
+        if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
+            policy = call_policy(generation.settings, self.verifier, self.cost_model)
+            generation.recorder.policy = policy.describe()
+        backend = None
+        if not (draft_only or degraded):
+            backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
+                                    generation.settings.verify_method, generation.settings.sampling,
+                                    settings.max_sparse_support, settings.cloud_retry_s)
+        try:
+            while not generation.done:
+                await speculative_round(generation, drafter, backend, policy, self.cost_model)
+        finally:
+            if backend is not None:
+                await backend.close()
+        if backend is None:
+            return degraded, 0
+        return backend.degraded, backend.session.reopens
+
+    @staticmethod
+    def _draft_sampling(settings: EdgeSettings) -> SamplingParams:
+        """On the wire a sampled draft distribution travels sparse; sampling from the capped support keeps it exact."""
+        sampling = settings.decode.sampling
+        if sampling.greedy:
+            return sampling
+        return replace(sampling, top_k=min(sampling.top_k or settings.max_sparse_support, settings.max_sparse_support))

@@ -43,10 +43,12 @@ def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int 
     return exported_draft(loaded, threads=threads, weights=weights, **onnx_options).new_lm(with_hidden)
 
 
-def draft_lm_factory(loaded: LoadedModel, runtime: str, with_hidden: bool, threads: int | None = None,
-                     weights: str = "float32") -> Callable[[], DraftLM]:
-    """Fresh draft runtimes (one KV cache each, one per generation) sharing one set of weights."""
+def draft_lm_factory(loaded: LoadedModel, runtime: str, threads: int | None = None,
+                     weights: str = "float32") -> Callable[[bool], DraftLM]:
+    """`with_hidden -> DraftLM`: fresh runtimes (one KV cache each, one per generation) over one set of weights."""
     if runtime == "torch":
-        return lambda: CachedLM(loaded.model, with_hidden=with_hidden)
+        return lambda with_hidden: CachedLM(loaded.model, with_hidden=with_hidden)
+    if runtime != "onnx":
+        raise ValueError(f"unknown draft runtime {runtime!r}; expected one of {RUNTIMES}")
     onnx_model = exported_draft(loaded, threads=threads, weights=weights)
-    return lambda: onnx_model.new_lm(with_hidden=with_hidden)
+    return lambda with_hidden: onnx_model.new_lm(with_hidden=with_hidden)

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.local_engine import MODES, POLICY_MODES, DecodeSettings, LocalEngine
-from common.models import load_model
-from common.prompting import DTYPES, encode_prompt
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings
+from common.models import DTYPES, load_model
+from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from common.stats import DecodeStats
 
@@ -133,11 +134,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
+    from edge.decoder import EdgeSettings
     from edge.node import EdgeNode, EdgeNodeSettings
 
     node_settings = EdgeNodeSettings.from_args(args)
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        result = await node.decoder.generate(prompt_ids, node.edge_settings(settings))
+        result = await node.decoder.generate(prompt_ids, EdgeSettings(decode=settings))
     print_result(args, result.text, result.token_ids, result.stats, degraded=result.degraded)
     return 0

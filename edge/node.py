@@ -6,15 +6,14 @@ import argparse
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from common.cached_lm import CachedLM
 from common.companion import companion_for
-from common.local_engine import DecodeSettings
-from common.models import LoadedModel, load_model, vocab_fingerprint
-from common.prompting import DTYPES
+from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from edge.cloud_client import CloudClient, CloudEndpoint, CloudUnavailable
-from edge.decoder import EdgeDecoder, EdgeSettings
+from edge.decoder import EdgeDecoder
+from edge.draft_runtime import draft_lm_factory
 from edge.verifier_runtime import load_verifier
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,9 @@ class EdgeNode:
         # The companion runs on torch beside the draft: a forward per drafted token (see common/companion.py).
         make_companion = companion_for(verifier, self.settings.companion, self.draft, DTYPES[self.settings.dtype],
                                        (self.draft,))
-        self.decoder = EdgeDecoder(self.draft, self._draft_lm_factory(verifier.needs_hidden), verifier, self.cloud,
+        new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
+                                        self.settings.draft_weights)
+        self.decoder = EdgeDecoder(self.draft, partial(new_draft_lm, verifier.needs_hidden), verifier, self.cloud,
                                    make_companion=make_companion)
         return self
 
@@ -86,16 +87,3 @@ class EdgeNode:
                                 f"draft {self.settings.draft}'s: pair the draft with a target that shares its tokenizer")
         self.target_id = info.model_id
         return True
-
-    def _draft_lm_factory(self, with_hidden: bool):
-        if self.settings.draft_runtime == "torch":
-            return lambda: CachedLM(self.draft.model, with_hidden=with_hidden)
-        from edge.onnx_draft import OnnxDraftModel
-
-        onnx_model = OnnxDraftModel.for_model(self.draft, threads=self.settings.threads,
-                                              weights=self.settings.draft_weights)
-        return lambda: onnx_model.new_lm(with_hidden=with_hidden)
-
-    def edge_settings(self, decode: DecodeSettings) -> EdgeSettings:
-        return EdgeSettings(decode=decode)
-

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.models import vocab_fingerprint
 from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, parse_verifier
+from edge.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,6 @@ KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES)
 
 class VerifierMismatch(ValueError):
     """The verifier was trained for another model pair."""
-
-
-def providers() -> list[str]:
-    """CUDA when this onnxruntime build has it, else the CPU."""
-    available = ort.get_available_providers()
-    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
 def step_features(step: DraftStep, names: tuple[str, ...]) -> np.ndarray:
@@ -86,9 +81,8 @@ class LearnedVerifier:
         unknown = set(metadata["features"]) - set(KNOWN_FEATURES)
         if unknown:
             raise ValueError(f"{metadata_path}: unknown features {sorted(unknown)}")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads  # a dot product per token: more threads only add overhead
-        session = ort.InferenceSession(str(Path(metadata_path).parent / metadata["onnx"]), options, providers=providers())
+        # a dot product per token: more threads would only add overhead
+        session = make_session(Path(metadata_path).parent / metadata["onnx"], threads=threads)
         return cls(metadata, session, float(metadata["threshold"]))
 
     def check_pair(self, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,

@@ -19,7 +19,8 @@ import pytest
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
 from common.cached_lm import CachedLM
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc

@@ -11,8 +11,9 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
 from common.cached_lm import CachedLM
-from common.drafting import next_token
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.drafting import next_token
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.models import vocab_fingerprint
 from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
 from common.verification import block_verify

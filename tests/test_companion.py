@@ -16,14 +16,15 @@ from common.cached_lm import CachedLM
 from common.cli import main
 from prompt_files import short_prompt_file
 from common.companion import Companion, companion_factory, companion_features, load_companion
-from common.drafting import draft_tokens
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.drafting import draft_tokens
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
 from common.presets import build_tiny_tokenizer
 from common.sampling import SamplingParams
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
-from edge.verifier_data import load_dataset
+from edge.verifier_pipeline.collect import load_dataset
 from edge.verifier_runtime import LearnedVerifier, load_verifier
 
 # The only other tiny model with the draft's tokenizer is the target itself: as a companion it makes the

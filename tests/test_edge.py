@@ -16,7 +16,8 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.prompting import encode_prompt
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.prompting import encode_prompt
-from common.local_engine import MODES, DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import MODES, DecodeSettings
 from common.models import ModelPairError, check_pair, load_model
 from common.sampling import SamplingParams
 from common.verifier import ConfidenceVerifier

@@ -16,9 +16,10 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.models import LoadedModel
-from edge import onnx_export
-from edge.onnx_draft import OnnxCachedLM, OnnxDraftModel, load_draft_runtime
-from edge.onnx_export import DraftExportError, export_draft, model_fingerprint, read_export_info, verify_export
+from edge.onnx_export import export as onnx_export
+from edge.draft_runtime import exported_draft, load_draft_runtime
+from edge.onnx_draft import OnnxCachedLM
+from edge.onnx_export.export import DraftExportError, export_draft, model_fingerprint, read_export_info, verify_export
 
 GREEDY_STEPS = 32
 
@@ -105,7 +106,7 @@ def test_second_export_reuses_cache(tiny_target: LoadedModel, tiny_onnx: Path, m
         raise AssertionError("exported again although the cache holds this model")
 
     monkeypatch.setattr(onnx_export, "_export_to", must_not_export)
-    with caplog.at_level(logging.INFO, logger="edge.onnx_export"):
+    with caplog.at_level(logging.INFO, logger="edge.onnx_export.export"):
         assert export_draft(tiny_target) == tiny_onnx
     assert tiny_onnx.stat().st_mtime_ns == mtime
     assert "cached at" in caplog.text
@@ -192,7 +193,7 @@ def test_load_draft_runtime_picks_runtime(tiny_target: LoadedModel, tiny_onnx: P
 
 
 def test_caches_sharing_one_session_stay_independent(tiny_target: LoadedModel, tiny_onnx: Path) -> None:
-    shared = OnnxDraftModel.for_model(tiny_target, threads=1)
+    shared = exported_draft(tiny_target, threads=1)
     first, second = shared.new_lm(with_hidden=True), shared.new_lm()
     assert first.session is second.session
     a_context, b_context = list(range(10, 30)), list(range(90, 95))

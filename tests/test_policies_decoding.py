@@ -13,8 +13,9 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
 from common.call_policy import CostModel, FixedPolicy
-from common.drafting import draft_tokens
-from common.local_engine import DecodeSettings, LocalEngine, call_policy
+from common.decoding.drafting import draft_tokens
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings, call_policy
 from common.sampling import SamplingParams
 from common.verifier import DraftStep
 from edge.decoder import EdgeSettings
@@ -175,7 +176,7 @@ def test_edge_goodput_is_lossless_and_learns_the_round_trip(tiny_cloud, tiny_tar
 def test_http_api_takes_a_policy_and_refuses_a_bad_one(tiny_draft):
     from fastapi.testclient import TestClient
 
-    from edge.daemon import create_app
+    from edge.api.app import create_app
 
     node = EdgeNode(EdgeNodeSettings(draft=tiny_draft.spec, draft_runtime="torch", dtype="float32",
                                      verifier="confidence:0.3"), tiny_draft)

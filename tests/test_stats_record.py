@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.stats import oracle_calls_per_token
 
 

@@ -10,11 +10,12 @@ import pytest
 
 from common.cli import main
 from prompt_files import short_prompt_file
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.prompt_sets import load_prompts
-from edge.onnx_draft import OnnxDraftModel
-from edge.verifier_data import CollectSettings, collect, load_dataset
-from edge.verifier_metrics import evaluate_scores, roc_auc, threshold_for_fpr
+from edge.draft_runtime import exported_draft
+from edge.verifier_pipeline.collect import CollectSettings, collect, load_dataset
+from edge.verifier_pipeline.metrics import evaluate_scores, roc_auc, threshold_for_fpr
 from edge.verifier_runtime import LearnedVerifier, load_verifier
 
 PAIR = ["--target", "tiny-random", "--draft", "tiny-random-draft", "--dtype", "float32"]
@@ -57,7 +58,7 @@ def test_split_is_by_prompt(trained):
 def test_trained_verifier_loads_in_the_edge_and_decodes(trained, tiny_target, tiny_draft):
     verifier = load_verifier(str(trained / "verifier.json"), tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
     assert isinstance(verifier, LearnedVerifier) and verifier.needs_hidden
-    onnx_model = OnnxDraftModel.for_model(tiny_draft, threads=1)
+    onnx_model = exported_draft(tiny_draft, threads=1)
     engine = LocalEngine(tiny_target, tiny_draft, verifier, lambda with_hidden: onnx_model.new_lm(with_hidden))
     prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
     exact = engine.generate(prompt, DecodeSettings(mode="sprinter-exact", max_new_tokens=24))

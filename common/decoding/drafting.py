@@ -1,33 +1,26 @@
-"""Drafting a pending block, one token at a time, shared by the local engine and the edge loop.
+"""Drafting a pending block, one token at a time: the first half of every speculative round.
 
-`draft_tokens` is a generator so that each caller decides what happens between steps: the local
-engine just collects the block; the edge streams verifier-passed tokens to its client as they come
-and runs each step off its event loop. Where the block ends is the call policy's decision
-(common/call_policy.py): after each token it sees a_1..a_g, each token's estimated probability that
-the target accepts it.
+`draft_tokens` is a generator, so that `Drafter` (what the round calls) decides what happens
+between steps: the edge runs each step off its event loop and streams verifier-passed tokens to its
+client as they come; the local engine runs them inline. Where the block ends is the call policy's
+decision (common/call_policy.py): after each token it sees a_1..a_g, each token's estimated
+probability that the target accepts it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 
-from common.cached_lm import ForwardOutput
+from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
+from common.companion import Companion
 from common.sampling import SamplingParams, logits_to_probs, sample
 from common.verifier import DraftStep, Verifier, draft_confidence_features
-
-if TYPE_CHECKING:  # common.companion builds on DraftLM below
-    from common.companion import Companion
-
-
-class DraftLM(Protocol):
-    """What drafting needs of a runtime: the torch `CachedLM` and the edge's ONNX runtime both fit."""
-
-    def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput: ...
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -98,3 +91,38 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
         yield DraftedToken(step, p_draft, flagged, ends_block)
         if ends_block:
             return
+
+
+@dataclass
+class Drafter:
+    """One generation's drafting: the draft runtime (its own KV cache), the sampler, and the verifier.
+
+    `offload` runs each draft step in a worker thread, so an event loop serving other requests
+    (the edge daemon) stays responsive; the local engine runs steps inline. The verifier and the
+    companion judge tokens only in blocks headed for a target (`judged`): a block that stands as
+    drafted needs no scores.
+    """
+
+    draft_lm: DraftLM
+    sampling: SamplingParams
+    generator: torch.Generator  # shared with the local target: one seeded stream per generation
+    eos_token_ids: frozenset[int]
+    verifier: Verifier | None = None
+    companion: Companion | None = None
+    offload: bool = False
+
+    async def draft(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
+                    judged: bool = True, on_passed: Callable[[int], None] | None = None) -> PendingBlock:
+        """A pending block after `context` (see `draft_tokens`); `on_passed` sees each token that does not end it."""
+        steps = draft_tokens(self.draft_lm, context, limit, self.sampling, self.generator, self.eos_token_ids,
+                             self.verifier if judged else None, policy if judged else None, cost_model,
+                             self.companion if judged else None)
+        block = PendingBlock()
+        while (drafted := await self._next(steps)) is not None:
+            block.drafted.append(drafted)
+            if on_passed is not None and not drafted.ends_block:
+                on_passed(drafted.token)
+        return block
+
+    async def _next(self, steps: Iterator[DraftedToken]) -> DraftedToken | None:
+        return await asyncio.to_thread(next, steps, None) if self.offload else next(steps, None)

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from common.prompt_sets import split_by_prompt
-from edge.verifier_data import VerifierDataset
-from edge.verifier_metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
+from edge.verifier_pipeline.collect import VerifierDataset
+from edge.verifier_pipeline.metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
 from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT
 
 log = logging.getLogger(__name__)
@@ -322,23 +322,3 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
     log.info("wrote %s (%s verifier, threshold %.3f for FPR <= %.0f%%)", path, chosen.kind, chosen.threshold,
              100 * report.settings.max_fpr)
     return path
-
-
-def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:
-    """Reliability diagram: predicted acceptance probability vs the observed rate, per verifier."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
-    for name, table in tables.items():
-        ax.plot([r["predicted"] for r in table], [r["observed"] for r in table], marker="o", label=name)
-    ax.set_xlabel("predicted acceptance probability")
-    ax.set_ylabel("observed acceptance rate (test prompts)")
-    ax.set_title(f"verifier reliability ({label} label)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

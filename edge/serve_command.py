@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from common.local_engine import MODES
+from common.decoding.modes import MODES
+from common.models import DTYPES
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add_policy_argument(p, " (default for requests; a request may set its own)")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
     p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     add_cloud_arguments(p)
     p.set_defaults(run=run)
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from edge.daemon import create_app
+    from edge.api.app import create_app
     from edge.node import EdgeNode, EdgeNodeSettings
 
     host, _, port = args.listen.rpartition(":")

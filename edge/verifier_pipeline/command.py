@@ -17,8 +17,10 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
-from common.prompting import DTYPES
+from common.cached_lm import DraftLM
+from common.models import DTYPES, LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +89,11 @@ def _runtime_name(args: argparse.Namespace) -> str:
     return "torch" if args.draft_runtime == "torch" else f"onnx-{args.draft_weights}"
 
 
-def _draft_lm_factory(draft, args: argparse.Namespace):
+def _draft_lm_factory(draft: LoadedModel, args: argparse.Namespace) -> Callable[[bool], DraftLM]:
     """`with_hidden -> DraftLM` over the runtime the edge runs (one ONNX session shared by all caches)."""
-    from common.cached_lm import CachedLM
+    from edge.draft_runtime import draft_lm_factory  # ONNX Runtime loads only for the commands that draft
 
-    if args.draft_runtime == "torch":
-        return lambda with_hidden=True: CachedLM(draft.model, with_hidden=with_hidden)
-    from edge.onnx_draft import OnnxDraftModel
-
-    onnx_model = OnnxDraftModel.for_model(draft, threads=args.threads, weights=args.draft_weights)
-    return lambda with_hidden=True: onnx_model.new_lm(with_hidden=with_hidden)
+    return draft_lm_factory(draft, args.draft_runtime, args.threads, args.draft_weights)
 
 
 def _prompts(args: argparse.Namespace):
@@ -109,7 +106,7 @@ def _prompts(args: argparse.Namespace):
 def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     from common.companion import companion_factory, load_companion
     from common.models import load_pair
-    from edge.verifier_data import CollectSettings, collect
+    from edge.verifier_pipeline.collect import CollectSettings, collect
 
     settings = CollectSettings(max_new_tokens=args.max_new_tokens, segment=args.segment, temperature=args.temperature,
                                seed=args.seed, draft_runtime=_runtime_name(args), companion=args.companion)
@@ -117,7 +114,8 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     make_companion = None
     if args.companion:
         make_companion = companion_factory(load_companion(args.companion, draft, DTYPES[args.dtype], (target, draft)))
-    collect(target, draft, _draft_lm_factory(draft, args), _prompts(args), data_dir, settings, make_companion)
+    new_draft_lm = _draft_lm_factory(draft, args)
+    collect(target, draft, lambda: new_draft_lm(True), _prompts(args), data_dir, settings, make_companion)
 
 
 def run_collect(args: argparse.Namespace) -> int:
@@ -126,8 +124,9 @@ def run_collect(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from edge.verifier_data import load_dataset
-    from edge.verifier_train import TrainSettings, export, plot_reliability, train
+    from edge.verifier_pipeline.collect import load_dataset
+    from edge.verifier_pipeline.plots import plot_reliability
+    from edge.verifier_pipeline.train import TrainSettings, export, train
 
     data_dir = args.data or args.out / "data"
     _collect(args, data_dir)  # resumes: finished shards are kept
@@ -150,9 +149,9 @@ def run_train(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from common.models import load_pair
     from common.prompt_sets import interleave_categories, load_prompts
-    from edge.verifier_eval import EvalSettings, evaluate, matched, plot_tradeoff, table, to_dicts
+    from edge.verifier_pipeline.evaluate import EvalSettings, evaluate, matched, table, to_dicts
+    from edge.verifier_pipeline.plots import plot_reliability, plot_tradeoff
     from edge.verifier_runtime import LearnedVerifier
-    from edge.verifier_train import plot_reliability
 
     learned = LearnedVerifier.load(args.verifier)
     if learned.needs_companion:

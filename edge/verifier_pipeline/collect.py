@@ -33,14 +33,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.cached_lm import CachedLM
+from common.cached_lm import CachedLM, DraftLM
 from common.companion import Companion
-from common.drafting import DraftLM, PendingBlock, draft_tokens
-from common.local_engine import verify_rule
+from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.generation import Generation
+from common.decoding.modes import DecodeSettings
+from common.decoding.speculative_round import LocalTarget, Verdict, run_inline, speculative_round
 from common.models import LoadedModel, vocab_fingerprint
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams, logits_to_probs
+from common.stats import StatsRecorder
+from common.verification import greedy_verify
 from common.verifier import draft_confidence_features
 
 log = logging.getLogger(__name__)
@@ -81,36 +85,32 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
     """Decode one prompt (see the module docstring for `segment`), recording every drafted token."""
     sampling = SamplingParams(temperature=settings.temperature, seed=settings.seed)
     generator = torch.Generator().manual_seed(settings.seed)
-    rule = verify_rule("sd", sampling)
+    # One block per segment, judged by no verifier and sent by no policy: only its length ends it.
+    decode = DecodeSettings(mode="sd", max_new_tokens=settings.max_new_tokens, sampling=sampling,
+                            k=settings.segment or settings.max_new_tokens)
+    generation = Generation(list(prompt_ids), decode, eos_token_ids, StatsRecorder("sd"))
+    drafter = Drafter(draft_lm, sampling, generator, eos_token_ids, companion=companion)
+    # segment 0 follows the target's greedy path whatever the sampling: its labels judge the whole draft.
+    target = LocalTarget(target_lm, sampling, generator, decode.rule() if settings.segment else greedy_verify)
     records: list[TokenRecord] = []
-    new_tokens: list[int] = []
-    while len(new_tokens) < settings.max_new_tokens:
-        context = prompt_ids + new_tokens
-        limit = min(settings.segment or settings.max_new_tokens, settings.max_new_tokens - len(new_tokens))
-        block = PendingBlock(list(draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids,
-                                                 companion=companion)))
-        g = len(block)
-        target_logits = target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits
-        p_target = logits_to_probs(target_logits, sampling)
-        greedy_match = [int(target_logits[i].argmax()) == block.tokens[i] for i in range(g)]
+    while not generation.done:
+        position = len(generation.new_tokens)
+        decoded = run_inline(speculative_round(generation, drafter, target, None, None))
+        records += _token_records(decoded.block, decoded.verdict, sampling, position)
         if settings.segment == 0:
-            n_accepted = next((i for i, ok in enumerate(greedy_match) if not ok), g)  # on the target's greedy path
-        else:
-            n_accepted, next_token = rule(torch.tensor(block.tokens), block.p_draft, p_target, generator)
-        for i, drafted in enumerate(block.drafted):
-            x = drafted.token
-            records.append(TokenRecord(
-                hidden=drafted.step.hidden.float().numpy().astype(np.float16),
-                confidence=draft_confidence_features(drafted.step),
-                p_draft=float(drafted.p_draft[x]), p_target=float(p_target[i, x]),
-                target_argmax_match=greedy_match[i], on_path=i <= n_accepted,
-                position=len(new_tokens) + i, companion=drafted.step.companion))
-        if settings.segment == 0:
-            break
-        new_tokens.extend(block.tokens[:n_accepted] + [next_token])
-        if any(t in eos_token_ids for t in new_tokens):
             break
     return records
+
+
+def _token_records(block: PendingBlock, verdict: Verdict, sampling: SamplingParams, position: int) -> list[TokenRecord]:
+    p_target = logits_to_probs(verdict.target_logits, sampling)  # [g + 1, V]
+    greedy_match = (verdict.target_logits[: len(block)].argmax(dim=-1) == torch.tensor(block.tokens)).tolist()
+    return [TokenRecord(hidden=drafted.step.hidden.float().numpy().astype(np.float16),
+                        confidence=draft_confidence_features(drafted.step),
+                        p_draft=float(drafted.p_draft[drafted.token]), p_target=float(p_target[i, drafted.token]),
+                        target_argmax_match=greedy_match[i], on_path=i <= verdict.n_accepted,
+                        position=position + i, companion=drafted.step.companion)
+            for i, drafted in enumerate(block.drafted)]
 
 
 def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarray]:

@@ -17,8 +17,9 @@ from typing import Callable, Iterable
 import numpy as np
 from tqdm import tqdm
 
-from common.drafting import DraftLM
-from common.local_engine import DecodeSettings, LocalEngine
+from common.cached_lm import DraftLM
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
@@ -154,36 +155,3 @@ def table(rows: Iterable[EvalRow]) -> str:
 
 def to_dicts(rows: Iterable[EvalRow]) -> list[dict]:
     return [asdict(r) for r in rows]
-
-
-def plot_tradeoff(rows: list[EvalRow], path) -> None:
-    """Cloud calls per token vs quality, one curve per (mode, verifier)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    qualities = [("target_nll_per_token", "target NLL per token (lower is better)")]
-    if rows and rows[0].agreement_with_target is not None:
-        qualities.insert(0, ("agreement_with_target", "agreement with target (greedy)"))
-    fig, axes = plt.subplots(1, len(qualities), figsize=(5.5 * len(qualities), 4.2), squeeze=False)
-    for ax, (key, label) in zip(axes[0], qualities):
-        for mode, verifier, style in (("sprinter", "learned", "o-"), ("sprinter", "confidence", "s--"),
-                                      ("sprinter-exact", "learned", "^-"), ("sprinter-exact", "confidence", "v--")):
-            points = sorted((r.target_calls_per_token, getattr(r, key)) for r in rows
-                            if r.mode == mode and r.verifier == verifier and "goodput" not in r.method)
-            if points:
-                ax.plot(*zip(*points), style, label=f"{mode} ({verifier})")
-        for r in rows:
-            if r.verifier == "-":
-                ax.plot(r.target_calls_per_token, getattr(r, key), "k*", markersize=10)
-                ax.annotate(r.method, (r.target_calls_per_token, getattr(r, key)), textcoords="offset points",
-                            xytext=(4, 4), fontsize=8)
-        ax.set_xlabel("target calls per token (cloud cost)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("verifier trade-off on held-out prompts")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

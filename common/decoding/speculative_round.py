@@ -1,0 +1,128 @@
+"""The speculative round, written once: draft a pending block, verify it, keep what the verdict keeps.
+
+Glossary
+    context        the prompt and every committed token; a block is drafted after it
+    pending block  x_1..x_g: drafted tokens no target has checked yet (drafting.py)
+    a_i            the verifier's estimate that the target accepts x_i; the call policy reads a_1..a_g
+                   after each token and decides when the block goes to the target
+    backend        where a block is verified (`BlockVerifier`): `LocalTarget` below, in this process,
+                   or a cloud session on the edge (edge/cloud_verifier.py)
+    verdict        (n_accepted, next_token): keep x_1..x_n, then the target's own token; one round
+                   therefore yields n_accepted + 1 tokens
+    rule           the verification rule of the mode (modes.py, common/verification.py)
+
+One round, in every process that decodes (local engine, edge decoder, verifier data collection):
+    block   = draft after the context until the call policy sends, the cap, EOS or the length budget
+    verdict = backend.verify(context, block)          one target forward over the block + the rule
+    commit    x_1..x_n + [next_token]; cut at EOS or the length limit (generation.py)
+    learn     the policy sees (g, n); the cost model the round trip, except in the first round,
+              which also prefilled the prompt
+Without a reachable backend (mode draft, or a cloud that is down) the block stands as drafted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from common.cached_lm import CachedLM
+from common.call_policy import CallPolicy, CostModel
+from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.generation import Generation
+from common.sampling import SamplingParams, logits_to_probs
+from common.verification import VerifyRule
+
+T = TypeVar("T")
+
+# Tokens drafted between deliveries when no target is reachable: the client still sees text flow.
+DRAFT_ONLY_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_accepted: int  # draft tokens kept
+    next_token: int  # the target's token after them
+    verify_ms: float  # the target's forward and the rule
+    round_trip_ms: float | None  # what drafting waited; None when the call also paid for an open or a reopen
+    target_logits: torch.Tensor | None = None  # [g + 1, V] along the block (local target only)
+
+
+@dataclass(frozen=True)
+class Round:
+    block: PendingBlock  # what was drafted
+    verdict: Verdict | None  # None: no target was reached, the block stood as drafted
+
+
+class BlockVerifier(Protocol):
+    """Where pending blocks are verified: the local target, or a session on the cloud."""
+
+    def reachable(self) -> bool:
+        """Worth calling now (a cloud that just failed is retried only after a while)."""
+        ...
+
+    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
+        """The verdict on `block` drafted after `context`; None when no target could be reached."""
+        ...
+
+
+class LocalTarget:
+    """Verification in this process: one forward of the target over the block, then the mode's rule."""
+
+    def __init__(self, target_lm: CachedLM, sampling: SamplingParams, generator: torch.Generator,
+                 rule: VerifyRule) -> None:
+        self.target_lm = target_lm
+        self.sampling = sampling
+        self.generator = generator  # the drafter's: one seeded stream per generation, as the cloud has per session
+        self.rule = rule
+
+    def reachable(self) -> bool:
+        return True
+
+    async def verify(self, context: list[int], block: PendingBlock) -> Verdict:
+        started = time.perf_counter()
+        g = len(block)
+        target_logits = self.target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits  # [g + 1, V]
+        p_target = logits_to_probs(target_logits, self.sampling)  # [g + 1, V]
+        n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft, p_target, self.generator)
+        verify_ms = (time.perf_counter() - started) * 1e3
+        # In one process the round trip is the target's work alone: the cost model's rtt stays 0.
+        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits)
+
+
+async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,
+                            policy: CallPolicy | None, cost_model: CostModel | None) -> Round:
+    """One round (see the module docstring): its block and the verdict on it."""
+    context = generation.context
+    verifying = backend is not None and backend.reachable()
+    cap = generation.settings.block_cap if verifying else DRAFT_ONLY_BLOCK
+    learn = cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
+    # sprinter never checks a token its verifier passed: the client may have it at once.
+    on_passed = generation.append_final if generation.settings.mode == "sprinter" else None
+    block = await drafter.draft(context, min(cap, generation.budget), policy, learn, verifying, on_passed)
+    generation.recorder.draft_forwards += len(block)
+    verdict = await backend.verify(context, block) if verifying else None
+    if verdict is None:
+        generation.commit(len(context) - len(generation.prompt_ids), block.tokens)
+        return Round(block, None)
+    generation.recorder.verified(len(block), verdict.n_accepted)
+    if policy is not None:
+        policy.observe_verdict(len(block), verdict.n_accepted)
+    if learn is not None and verdict.round_trip_ms is not None:
+        learn.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
+    accepted = block.tokens[: verdict.n_accepted] + [verdict.next_token]
+    generation.commit(len(context) - len(generation.prompt_ids), accepted)
+    return Round(block, verdict)
+
+
+def run_inline(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends (local decoding does no I/O), without an event loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    coroutine.close()
+    raise RuntimeError("local decoding suspended: it must not wait on I/O")

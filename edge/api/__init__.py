@@ -1,0 +1,1 @@
+"""The edge daemon's HTTP API: OpenAI-compatible completions and chat completions, health, metrics."""

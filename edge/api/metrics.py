@@ -1,0 +1,34 @@
+"""The edge daemon's Prometheus metrics, in the design's measurement vocabulary."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.call_policy import CostModel
+from edge.decoder import EdgeResult
+
+
+class EdgeMetrics:
+    def __init__(self, cost_model: CostModel) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        # Read at scrape time: the cost model learns between scrapes, from every request.
+        estimates = Gauge("sprinter_edge_cost_model", "The call policy's cost model: learned draft, link and "
+                          "verify costs (ms) and observation counts", ["estimate"], registry=r)
+        for key in cost_model.snapshot():
+            estimates.labels(key).set_function(lambda key=key: cost_model.snapshot()[key])
+        self.requests = Counter("sprinter_edge_requests", "Generation requests", ["mode"], registry=r)
+        self.tokens = Counter("sprinter_edge_tokens_generated", "Tokens returned to clients", ["mode"], registry=r)
+        self.target_calls = Counter("sprinter_edge_target_calls", "Cloud verifications", ["mode"], registry=r)
+        self.degraded = Counter("sprinter_edge_degraded_requests", "Requests served partly without the cloud", registry=r)
+        self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+
+    def observe(self, result: EdgeResult) -> None:
+        mode = result.stats.mode
+        self.requests.labels(mode).inc()
+        self.tokens.labels(mode).inc(result.stats.new_tokens)
+        self.target_calls.labels(mode).inc(result.stats.target_calls)
+        self.tokens_per_s.observe(result.stats.tokens_per_s)
+        if result.degraded:
+            self.degraded.inc()

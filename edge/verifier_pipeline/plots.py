@@ -1,0 +1,55 @@
+"""The verifier pipeline's plots: the reliability diagram and the calls-vs-quality trade-off (PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.plots import pyplot
+from edge.verifier_pipeline.evaluate import EvalRow
+
+
+def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:
+    """Reliability diagram: predicted acceptance probability vs the observed rate, per verifier."""
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, table in tables.items():
+        ax.plot([r["predicted"] for r in table], [r["observed"] for r in table], marker="o", label=name)
+    ax.set_xlabel("predicted acceptance probability")
+    ax.set_ylabel("observed acceptance rate (test prompts)")
+    ax.set_title(f"verifier reliability ({label} label)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tradeoff(rows: list[EvalRow], path: Path) -> None:
+    """Cloud calls per token vs quality, one curve per (mode, verifier)."""
+    plt = pyplot()
+
+    qualities = [("target_nll_per_token", "target NLL per token (lower is better)")]
+    if rows and rows[0].agreement_with_target is not None:
+        qualities.insert(0, ("agreement_with_target", "agreement with target (greedy)"))
+    fig, axes = plt.subplots(1, len(qualities), figsize=(5.5 * len(qualities), 4.2), squeeze=False)
+    for ax, (key, label) in zip(axes[0], qualities):
+        for mode, verifier, style in (("sprinter", "learned", "o-"), ("sprinter", "confidence", "s--"),
+                                      ("sprinter-exact", "learned", "^-"), ("sprinter-exact", "confidence", "v--")):
+            points = sorted((r.target_calls_per_token, getattr(r, key)) for r in rows
+                            if r.mode == mode and r.verifier == verifier and "goodput" not in r.method)
+            if points:
+                ax.plot(*zip(*points), style, label=f"{mode} ({verifier})")
+        for r in rows:
+            if r.verifier == "-":
+                ax.plot(r.target_calls_per_token, getattr(r, key), "k*", markersize=10)
+                ax.annotate(r.method, (r.target_calls_per_token, getattr(r, key)), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("target calls per token (cloud cost)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("verifier trade-off on held-out prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
