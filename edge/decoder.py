@@ -8,15 +8,16 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
-the cloud session as its backend (edge/cloud_verifier.py). If the cloud becomes unreachable the
-round keeps going from the draft alone, marks the result degraded, and tries the cloud again after
-`cloud_retry_s`.
+the cloud session as its backend (`CloudVerifier`: a pending block becomes a verify frame, the
+cloud's answer a `Verdict`). If the cloud becomes unreachable the round keeps going from the draft
+alone, marks the result degraded, and tries the cloud again after `cloud_retry_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -25,16 +26,16 @@ import torch
 from common.cached_lm import DraftLM
 from common.call_policy import CostModel
 from common.companion import Companion
-from common.decoding.drafting import Drafter
+from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.modes import SPECULATIVE_MODES, DecodeSettings, call_policy
-from common.decoding.speculative_round import speculative_round
+from common.decoding.speculative_round import Verdict, speculative_round
 from common.models import LoadedModel, vocab_fingerprint
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, SparseDistribution
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
-from edge.cloud_client import CloudClient, CloudUnavailable
-from edge.cloud_verifier import CloudVerifier
+from edge.cloud_client import CloudClient, CloudSession, CloudUnavailable
+from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,58 @@ class EdgeResult:
     stats: DecodeStats
     degraded: bool
     cloud_reopens: int = 0
+
+
+def wire_method(method: str) -> int:
+    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
+    return pb.Method.Value(f"METHOD_{method.upper()}")
+
+
+class CloudVerifier:
+    """The speculative round's backend over one generation's cloud session; None when out of reach."""
+
+    def __init__(self, session: CloudSession, method: str, sampling: SamplingParams, max_sparse_support: int,
+                 retry_s: float) -> None:
+        self.session = session
+        self.method = method
+        self.sampling = sampling
+        self.max_sparse_support = max_sparse_support
+        self.retry_s = retry_s
+        self.degraded = False  # some block of this generation stood as drafted
+        self.down_since: float | None = None
+
+    def reachable(self) -> bool:
+        return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
+
+    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
+        probs = [float(d.p_draft[d.token]) for d in block.drafted]
+        dists = self._draft_dists(block)
+        # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
+        # not what one more round trip costs, so it reports no round trip for the cost model to learn.
+        steady, reopens, started = self.session.session_id is not None, self.session.reopens, time.perf_counter()
+        try:
+            verdict = await self.session.verify(context, block.tokens, wire_method(self.method), probs, dists)
+        except CloudUnavailable as err:
+            if self.down_since is None:
+                log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)
+            self.degraded = True
+            self.down_since = time.monotonic()
+            return None
+        if self.down_since is not None:
+            log.info("cloud is back")
+            self.down_since = None
+        round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
+        return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms)
+
+    def _draft_dists(self, block: PendingBlock) -> list[SparseDistribution] | None:
+        """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""
+        if self.sampling.greedy:
+            return None
+        rows = block.drafted[-1:] if self.method == "sprinter" else block.drafted
+        return [SparseDistribution.from_dense(d.p_draft, self.max_sparse_support) for d in rows]
+
+    async def close(self) -> None:
+        await self.session.close()
 
 
 class EdgeDecoder:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-import cloud.batched_forward as batched_forward
-from cloud.batched_forward import forward_batch
+import cloud.batcher as batcher
+from cloud.batcher import forward_batch
 
 ATOL = 1e-4
 
@@ -138,7 +138,7 @@ def test_one_forward_for_the_whole_batch(tiny_target, monkeypatch):
         assert len(calls) == 1
 
         # B == 1: a plain forward on the session's own cache, no padded copy.
-        monkeypatch.setattr(batched_forward, "_left_padded_cache", lambda *args: pytest.fail("B=1 copied the cache"))
+        monkeypatch.setattr(batcher, "_left_padded_cache", lambda *args: pytest.fail("B=1 copied the cache"))
         calls.clear()
         (logits,) = forward_batch(model, caches[:1], [[7, 8, 9]], [2])
         assert len(calls) == 1 and logits.shape == (2, model.config.vocab_size)
