@@ -17,7 +17,7 @@ STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
-	$(PY) -m sim.demo --target $(TARGET) --draft $(DRAFT)
+	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT)
 
 test: $(VENV)/.models-smollm2 $(STUBS)
 	$(PY) -m pytest -q
@@ -29,25 +29,24 @@ BENCH_RTTS ?= 0,50,100
 bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
 	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench
-	$(PY) -m sim.bench_readme --out results/bench --readme README.md
+	$(VENV)/bin/sprinter bench readme --out results/bench --readme README.md
 
 # Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
-POLICIES := fixed:3 fixed:5 fixed:8 heuristic flag goodput
-comma := ,
-POLICY_METHODS := $(subst $(eval) ,$(comma),$(foreach p,$(POLICIES),sprinter-exact@$(p)))
+# One sweep per temperature into results/bench-policy/T0 and T1 (these are `sprinter bench policy`'s defaults).
+POLICIES ?= fixed:3,fixed:5,fixed:8,heuristic,flag,goodput
 bench-policy: $(VENV)/.models-qwen $(STUBS)
-	for t in 0 1; do $(PY) -m common.cli simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms 0,50,100,200 \
-	    --modes $(POLICY_METHODS) --temperature $$t --limit 4 --max-new-tokens 40 --no-fleet-validation \
-	    --out results/bench-policy/T$$t || exit 1; done
+	$(VENV)/bin/sprinter bench policy --target $(TARGET) --draft $(DRAFT) --policies $(POLICIES) \
+	    --temperatures 0,1 --rtt-ms 0,50,100,200 --limit 4 --max-new-tokens 40 --no-fleet-validation \
+	    --out results/bench-policy
 
 bench-local: $(VENV)/.models-qwen
-	$(PY) -m sim.bench_local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
+	$(VENV)/bin/sprinter bench local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
 
 bench-cloud: $(VENV)/.models-qwen $(VENV)/.models-smollm2 $(STUBS)
-	$(PY) -m sim.bench_cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud
+	$(VENV)/bin/sprinter bench cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud
 
 bench-draft: $(VENV)/.models-qwen $(STUBS)
-	$(PY) -m sim.bench_draft
+	$(VENV)/bin/sprinter bench draft
 
 setup: $(VENV)/.project $(STUBS)
 

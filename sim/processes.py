@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,7 +55,7 @@ def stop_process(process: subprocess.Popen, sig: int, grace_s: float) -> None:
         process.wait()
 
 
-def _popen(command: list[str], log_file, cpus: set[int] | None, env: dict[str, str] | None) -> subprocess.Popen:
+def _popen(command: list[str], log_file: IO[str] | int, cpus: set[int] | None, env: dict[str, str] | None) -> subprocess.Popen:
     """Start `command`, confined to `cpus` if given, so two programs behave like two machines."""
     process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     if cpus:
@@ -87,7 +88,7 @@ def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | No
             log_file.close()
 
 
-def _start_edge(args: list[str], port: int, log_file, cpus: set[int] | None,
+def _start_edge(args: list[str], port: int, log_file: IO[str] | int, cpus: set[int] | None,
                 env: dict[str, str] | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "edge", "serve",
                "--listen", f"127.0.0.1:{port}", *args]

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.fleet import compare_with_measured, main, run_fleet
-from sim.fleet_costs import (
+from common.cli import main
+from sim.fleet.costs import (
     FleetCosts,
     ForwardModel,
     ModeProfile,
@@ -22,6 +22,8 @@ from sim.fleet_costs import (
     profiles_from_json,
     profiles_to_json,
 )
+from sim.fleet.engine import run_fleet
+from sim.fleet.result import compare_with_measured
 
 # Fixed costs, zero RTT: every number below is computed by hand from these.
 # A lone edge must never wait out the window, hence the absurd 1000 ms.
@@ -159,7 +161,7 @@ def test_compare_with_measured() -> None:
 
 
 def test_cli_writes_results_table_and_plots(tmp_path: Path) -> None:
-    assert main(["--demo", "--modes", "sd,sprinter", "--edges", "1,4", "--replicas", "1,2",
+    assert main(["fleet", "--demo", "--modes", "sd,sprinter", "--edges", "1,4", "--replicas", "1,2",
                  "--tokens-per-request", "16", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {r["profile"] for r in rows} == {"sd", "sprinter"}

@@ -15,9 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sim.link import (ChunkEvent, DelaySampler, LinkProxy, LinkSettings, TokenBucket, parse_disconnect, parse_mbps,
-                      parse_ms, parse_probability)
-from sim.netns import netem_available, netem_link
+from sim.link.netns import netem_available, netem_link
+from sim.link.proxy import ChunkEvent, LinkProxy
+from sim.link.shaping import DelaySampler, LinkSettings, TokenBucket
+from sim.link.units import parse_disconnect, parse_mbps, parse_ms, parse_probability
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Reconnect at once after the emulated disconnect instead of gRPC's default 1 s backoff.
@@ -243,7 +244,7 @@ def test_a_disconnect_resets_open_streams_then_calls_succeed_again() -> None:
 
 
 def test_the_cli_starts_and_stops_on_ctrl_c() -> None:
-    process = subprocess.Popen([sys.executable, "-m", "sim.link", "--listen", "127.0.0.1:0", "--upstream",
+    process = subprocess.Popen([sys.executable, "-m", "common.cli", "link", "--listen", "127.0.0.1:0", "--upstream",
                                 "127.0.0.1:9", "--delay-ms", "25ms", "--loss", "1%", "--disconnect", "5:1"],
                                stderr=subprocess.PIPE, text=True)
     line = process.stderr.readline()
@@ -251,7 +252,7 @@ def test_the_cli_starts_and_stops_on_ctrl_c() -> None:
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=10)
     assert process.returncode == 0, err
-    bad = subprocess.run([sys.executable, "-m", "sim.link", "--upstream", "x:1", "--loss", "2"],
+    bad = subprocess.run([sys.executable, "-m", "common.cli", "link", "--upstream", "x:1", "--loss", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "loss" in bad.stderr
 

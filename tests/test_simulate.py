@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import sim.simulate_run
-from sim.simulate import SimulateSettings, register, settings_from_args, simulate
-from sim.simulate_report import read_csv
+import sim.sweep.run
+from sim.sweep.command import register, settings_from_args
+from sim.sweep.report import read_csv
+from sim.sweep.settings import SimulateSettings
+from sim.sweep.simulate import simulate
 
 PLOTS = ("tokens_per_s_vs_rtt.png", "target_calls_per_token.png", "quality_vs_cloud_cost.png", "itl_cdf.png")
 
@@ -82,7 +84,7 @@ def test_a_finished_sweep_reruns_without_measuring(sweep: SimulateSettings, monk
     def no_processes(*args, **kwargs):
         raise AssertionError("every combination is done: nothing should start")
 
-    monkeypatch.setattr(sim.simulate_run, "SweepSystem", no_processes)
+    monkeypatch.setattr(sim.sweep.run, "SweepSystem", no_processes)
     simulate(sweep, progress=False)
     assert (sweep.out / "results.jsonl").read_text() == before
 

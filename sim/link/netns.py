@@ -1,11 +1,11 @@
 """Kernel mode of the link emulator: two network namespaces joined by a veth pair shaped by netem.
 
 Real packets, real TCP (real retransmissions on loss), at the cost of needing root, `ip`, `tc` and
-the kernel's sch_netem. `sim.link.LinkProxy` is the portable mode; this one cross-checks it.
+the kernel's sch_netem. `sim.link.proxy.LinkProxy` is the portable mode; this one cross-checks it.
 
     with netem_link(LinkSettings(delay_ms=25, jitter_ms=5)) as link:
         server = link.popen("b", sys.executable, "-m", "common.cli", "cloud", "serve", ...)
-        link.run("a", sys.executable, "-m", "sim.bench_cloud", "--cloud", f"{link.addresses[1]}:50051")
+        link.run("a", sys.executable, "-m", "common.cli", "generate", "--cloud", f"{link.addresses[1]}:50051", ...)
 
 Differences from the proxy: netem drops packets (`loss` is per packet) and TCP recovers, netem's
 jitter is its own (normal and pareto tables, symmetric around delay_ms), draws are not seeded, and
@@ -19,9 +19,10 @@ import shutil
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
-from sim.link import LinkSettings
+from sim.link.shaping import LinkSettings
 
 Side = Literal["a", "b"]
 SUBNET = "10.213.0"  # a /30 that is unlikely to collide with the host's networks
@@ -87,7 +88,7 @@ class NetnsLink:
 def netem_link(settings: LinkSettings, name: str | None = None) -> Iterator[NetnsLink]:
     """Namespaces "<name>-a" and "<name>-b" joined by a veth pair, netem on both ends; removed on exit."""
     if settings.disconnects:
-        raise ValueError("kernel mode does not emulate disconnects; use sim.link.LinkProxy")
+        raise ValueError("kernel mode does not emulate disconnects; use sim.link.proxy.LinkProxy")
     ok, reason = netem_available()
     if not ok:
         raise RuntimeError(f"kernel mode is not available: {reason}")

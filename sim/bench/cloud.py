@@ -1,6 +1,6 @@
-"""bench-cloud: how much verification one cloud process serves to N concurrent edges, batching on vs off.
+"""bench cloud: how much verification one cloud process serves to N concurrent edges, batching on vs off.
 
-    python -m sim.bench_cloud --targets smollm2-135m,qwen2.5-coder-1.5b --edges 1,2,4,8,16 --out results/bench-cloud
+    sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --edges 1,2,4,8,16 --out results/bench-cloud
 
 Each synthetic edge replays draft blocks recorded from the pair's draft model (greedy, k tokens per
 block) over its own Session stream, as fast as verdicts come back. The cloud runs as a separate
@@ -10,7 +10,6 @@ Reports verified tokens/s and p50/p99 verify latency; writes results.json, table
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -18,20 +17,38 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tqdm import tqdm
 
-from common.prompting import encode_prompt
-from common.local_engine import DecodeSettings, LocalEngine
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
 from common.models import load_model
-from sim.bench_local import PROMPTS_FILE
+from common.plots import pyplot
+from common.prompting import encode_prompt
+from sim.bench.prompts import load_bench_prompts
 from sim.processes import cloud_process
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m:layers=8", "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+@dataclass(frozen=True)
+class CloudBenchSettings:
+    targets: tuple[str, ...] = ("smollm2-135m", "qwen2.5-coder-1.5b")
+    edges: tuple[int, ...] = (1, 2, 4, 8, 16)
+    rounds: int = 8  # verify calls per edge
+    k: int = 5  # draft tokens per block
+    batch_window_ms: float = 5.0
+    max_batch: int = 16
+    dtype: str = "bfloat16"
+    out: Path = Path("results/bench-cloud")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out": str(self.out)}
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,7 @@ def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[Recorde
     model = load_model(draft)
     engine = LocalEngine(None, model)
     recorded = []
-    for line in PROMPTS_FILE.read_text().splitlines():
-        prompt = json.loads(line)
+    for prompt in load_bench_prompts():
         ids = encode_prompt(model.tokenizer, prompt["prompt"], prompt["chat"])
         tokens = engine.generate(ids, DecodeSettings(mode="draft", max_new_tokens=n_tokens)).token_ids
         tokens += [tokens[-1]] * (n_tokens - len(tokens))  # an early EOS still leaves blocks to replay
@@ -126,11 +142,7 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 def plot(rows: list[BenchRow], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     targets = list(dict.fromkeys(r.target for r in rows))
     fig, axes = plt.subplots(1, len(targets), figsize=(5 * len(targets), 4), squeeze=False)
     for ax, target in zip(axes[0], targets):
@@ -147,45 +159,36 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", default="smollm2-135m,qwen2.5-coder-1.5b")
-    parser.add_argument("--edges", default="1,2,4,8,16")
-    parser.add_argument("--rounds", type=int, default=8, help="verify calls per edge")
-    parser.add_argument("--k", type=int, default=5, help="draft tokens per block")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0)
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, default=Path("results/bench-cloud"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    edge_counts = [int(n) for n in args.edges.split(",")]
+def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edges: list[RecordedEdge]) -> list[BenchRow]:
+    """One cloud process for `target`, batching on or off (`--max-batch 1`); a row per edge count."""
+    serve_args = ["--target", target, "--dtype", settings.dtype, "--max-sessions", str(max(settings.edges) + 4),
+                  "--batch-window-ms", str(settings.batch_window_ms),
+                  "--max-batch", str(settings.max_batch if batching else 1)]
+    log_path = settings.out / f"cloud-{target}-{'batched' if batching else 'unbatched'}.log"
+    rows = []
+    with cloud_process(*serve_args, log_path=log_path) as address:
+        asyncio.run(measure(address, edges, 1, 2))  # warm-up
+        for n_edges in tqdm(settings.edges, desc=f"{target} batching {'on' if batching else 'off'}"):
+            tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, edges, n_edges, settings.rounds))
+            rows.append(BenchRow(target, n_edges, batching, tokens_per_s, statistics.median(latencies),
+                                 percentile(latencies, 0.99), statistics.fmean(batch_sizes), len(latencies)))
+    return rows
 
+
+def bench_cloud(settings: CloudBenchSettings) -> str:
+    """Every target, batching on and off, every edge count; writes OUT, returns the table."""
+    settings.out.mkdir(parents=True, exist_ok=True)
     rows: list[BenchRow] = []
-    for target in args.targets.split(","):
-        edges = record_edges(target, DEFAULT_DRAFTS.get(target, target), args.k, n_tokens=args.k * args.rounds)
+    for target in settings.targets:
+        edges = record_edges(target, DEFAULT_DRAFTS.get(target, target), settings.k,
+                             n_tokens=settings.k * settings.rounds)
         for batching in (True, False):
-            serve_args = ["--target", target, "--dtype", args.dtype, "--max-sessions", str(max(edge_counts) + 4),
-                          "--batch-window-ms", str(args.batch_window_ms),
-                          "--max-batch", str(args.max_batch if batching else 1)]
-            log_path = args.out / f"cloud-{target}-{'batched' if batching else 'unbatched'}.log"
-            with cloud_process(*serve_args, log_path=log_path) as address:
-                asyncio.run(measure(address, edges, 1, 2))  # warm-up
-                for n_edges in tqdm(edge_counts, desc=f"{target} batching {'on' if batching else 'off'}"):
-                    tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, edges, n_edges, args.rounds))
-                    rows.append(BenchRow(target, n_edges, batching, tokens_per_s, statistics.median(latencies),
-                                         percentile(latencies, 0.99), statistics.fmean(batch_sizes), len(latencies)))
+            rows += measure_cloud(settings, target, batching, edges)
     rows.sort(key=lambda r: (r.target, r.edges, not r.batching))
     table = format_table(rows)
-    print(table)
-    (args.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args) | {"out": str(args.out)},
-                                                       "rows": [asdict(r) for r in rows]}, indent=1))
-    (args.out / "table.md").write_text(table + "\n")
-    plot(rows, args.out / "verified_tokens_per_s.png")
-    print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    (settings.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                           "args": settings.to_dict(),
+                                                           "rows": [asdict(r) for r in rows]}, indent=1))
+    (settings.out / "table.md").write_text(table + "\n")
+    plot(rows, settings.out / "verified_tokens_per_s.png")
+    return table

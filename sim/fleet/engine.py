@@ -1,8 +1,6 @@
 """Fleet-scale discrete-event simulator: N edges (1 to 10,000) sharing M cloud replicas.
 
-    python -m sim.fleet --costs costs.json --profiles profiles.json --edges 1,10,100,1000,10000 \
-        --replicas 1,4 --out results/fleet
-    python -m sim.fleet --demo --out results/fleet-demo     # illustrative built-in inputs
+    result = run_fleet(demo_costs(), demo_profiles()[2], n_edges=1000, n_replicas=4)
 
 Each edge loops, one cloud call per round: draft g tokens (g x (draft_step_ms + verifier_ms in the
 sprinter modes)), send the block (half an RTT + uplink), queue at its replica, wait for the batched
@@ -19,67 +17,30 @@ min(max_batch, open sessions on the replica) are in, so a lone edge never waits 
 
 One heap event per cloud call (its arrival at the replica), one per forward, one per gathering
 window and one per generation: the edge's emissions are computed, not simulated, which keeps
-10,000 edges x a few hundred tokens to seconds per mode.
+10,000 edges x a few hundred tokens to seconds per mode. Inputs: sim.fleet.costs; the report and
+`sprinter fleet`: sim.fleet.report, sim.fleet.command.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
-import json
 import logging
 import math
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from sim.fleet_costs import FleetCosts, ModeProfile, demo_costs, demo_profiles, profiles_from_json, profiles_to_json
+from sim.fleet.costs import FleetCosts, ModeProfile
+from sim.fleet.result import FleetResult, itl_percentiles, percentile
 
 log = logging.getLogger(__name__)
 
 _ARRIVE, _DEADLINE, _DONE, _GENERATION = range(4)
 ROUTINGS = ("least-loaded", "round-robin")
-
-
-@dataclass
-class FleetResult:
-    mode: str
-    profile: str
-    n_edges: int
-    n_replicas: int
-    seed: int
-    tokens_per_request: int
-    requests: int | None
-    duration_s: float | None
-    routing: str
-    tokens: int
-    sim_s: float  # simulated time until the last token (or the duration)
-    tokens_per_s_mean: float  # per edge: its tokens / the wall time of its generations
-    tokens_per_s_p50: float
-    fleet_tokens_per_s: float  # all edges' tokens / sim_s
-    ttft_ms_p50: float | None
-    itl_ms_p50: float | None  # gaps between consecutive tokens of a generation, as the user sees them
-    itl_ms_p99: float | None
-    # a call from send to verdict, a generation's first including the session open (target: from
-    # queueing the token's forward to its arrival at the edge)
-    call_ms_p50: float | None
-    call_ms_p99: float | None
-    request_ms_p50: float | None  # one generation of tokens_per_request tokens
-    cloud_utilisation: float  # busy fraction of the replicas over sim_s
-    cloud_forwards: int
-    cloud_forwards_per_token: float
-    cloud_batch_size_mean: float | None  # requests per forward, as the cloud's histogram counts it
-    target_calls: int
-    target_calls_per_token: float
-    tokens_per_call: float | None
-    wall_s: float = field(default=0.0, compare=False)  # how long the simulation itself took
 
 
 class _Draws:
@@ -389,16 +350,6 @@ class _Simulation:
             else:
                 handlers[kind](a, b, t)
 
-    def _itl_percentiles(self) -> tuple[float | None, float | None]:
-        values = np.concatenate([[0.0, self.step_ms], np.frombuffer(self.other_gaps, dtype=float)])
-        counts = np.concatenate([[self.zero_gaps, self.step_gaps], np.ones(len(self.other_gaps))])
-        if counts.sum() == 0:
-            return None, None
-        order = np.argsort(values, kind="stable")
-        values, cumulative = values[order], np.cumsum(counts[order])
-        return tuple(float(values[np.searchsorted(cumulative, round(q * (cumulative[-1] - 1)), side="right")])
-                     for q in (0.5, 0.99))
-
     def _result(self, wall_s: float) -> FleetResult:
         tokens = sum(self.tokens)
         if math.isinf(self.horizon):
@@ -408,7 +359,7 @@ class _Simulation:
             sim_ms = self.horizon
             wall = self.horizon - np.asarray(self.starts)
         per_edge = np.asarray(self.tokens) / np.maximum(wall, 1e-9) * 1e3
-        itl_p50, itl_p99 = self._itl_percentiles()
+        itl_p50, itl_p99 = itl_percentiles(self.step_ms, self.zero_gaps, self.step_gaps, self.other_gaps)
         forwards = sum(r.forwards for r in self.replicas)
         batched = sum(r.calls for r in self.replicas)
         busy_ms = sum(r.busy_ms for r in self.replicas)
@@ -419,22 +370,14 @@ class _Simulation:
             tokens=tokens, sim_s=sim_ms / 1e3,
             tokens_per_s_mean=float(per_edge.mean()), tokens_per_s_p50=float(np.median(per_edge)),
             fleet_tokens_per_s=tokens / sim_ms * 1e3 if sim_ms > 0 else 0.0,
-            ttft_ms_p50=_percentile(self.ttft_ms, 0.5), itl_ms_p50=itl_p50, itl_ms_p99=itl_p99,
-            call_ms_p50=_percentile(self.call_ms, 0.5), call_ms_p99=_percentile(self.call_ms, 0.99),
-            request_ms_p50=_percentile(self.request_ms, 0.5),
+            ttft_ms_p50=percentile(self.ttft_ms, 0.5), itl_ms_p50=itl_p50, itl_ms_p99=itl_p99,
+            call_ms_p50=percentile(self.call_ms, 0.5), call_ms_p99=percentile(self.call_ms, 0.99),
+            request_ms_p50=percentile(self.request_ms, 0.5),
             cloud_utilisation=busy_ms / (len(self.replicas) * sim_ms) if sim_ms > 0 else 0.0,
             cloud_forwards=forwards, cloud_forwards_per_token=forwards / tokens if tokens else 0.0,
             cloud_batch_size_mean=batched / forwards if forwards else None,
             target_calls=self.calls, target_calls_per_token=self.calls / tokens if tokens else 0.0,
             tokens_per_call=tokens / self.calls if self.calls else None, wall_s=wall_s)
-
-
-def _percentile(values: array, q: float) -> float | None:
-    """Nearest rank, as common.stats does, so simulated and measured percentiles compare."""
-    if not len(values):
-        return None
-    ordered = np.sort(np.frombuffer(values, dtype=float))
-    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
 
 
 def run_fleet(costs: FleetCosts, profile: ModeProfile, n_edges: int, n_replicas: int = 1, seed: int = 0, *,
@@ -450,179 +393,3 @@ def run_fleet(costs: FleetCosts, profile: ModeProfile, n_edges: int, n_replicas:
     sim = _Simulation(costs, profile, n_edges, n_replicas, seed, tokens_per_request, requests, duration_s,
                       routing, start_spread_ms)
     return sim.run()
-
-
-def compare_with_measured(predicted: FleetResult, measured: dict, tolerance: float = 0.15) -> dict:
-    """Relative errors (predicted - measured) / measured of tokens_per_s and target_calls_per_token.
-
-    `measured` uses the design's names, e.g. a DecodeStats dict or a bench row; tokens_per_s is
-    compared with the simulated per-edge mean. `within_tolerance` is True when every error is within it.
-    """
-    pairs = {"tokens_per_s": predicted.tokens_per_s_mean, "target_calls_per_token": predicted.target_calls_per_token}
-    report: dict = {}
-    for name, value in pairs.items():
-        if measured.get(name):
-            report[name] = {"predicted": value, "measured": measured[name],
-                            "rel_error": (value - measured[name]) / measured[name]}
-    report["tolerance"] = tolerance
-    report["within_tolerance"] = bool(report) and all(abs(v["rel_error"]) <= tolerance
-                                                      for v in report.values() if isinstance(v, dict))
-    return report
-
-
-# --- sweep and report --------------------------------------------------------------------------
-
-def sweep(costs: FleetCosts, profiles: list[ModeProfile], edges: list[int], replicas: list[int], seed: int = 0,
-          progress: bool = True, **run_kwargs: object) -> list[FleetResult]:
-    """Every profile x replica count x edge count; `run_kwargs` go to run_fleet."""
-    grid = [(p, m, n) for p in profiles for m in replicas for n in edges]
-    results = []
-    for profile, m, n in tqdm(grid, desc="fleet", disable=not progress):
-        results.append(run_fleet(costs, profile, n, m, seed, **run_kwargs))
-        log.debug("%s N=%d M=%d: %.1f s", profile.name, n, m, results[-1].wall_s)
-    return results
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def format_table(results: list[FleetResult]) -> str:
-    lines = [("| mode | edges | replicas | tokens/s per edge (mean) | p50 | fleet tokens/s | ITL p50 ms | ITL p99 ms "
-             "| cloud utilisation | forwards/token | mean cloud batch | target calls/token | simulator runtime s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r.profile} | {r.n_edges} | {r.n_replicas} | {_fmt(r.tokens_per_s_mean, 2)} | "
-                     f"{_fmt(r.tokens_per_s_p50, 2)} | {_fmt(r.fleet_tokens_per_s)} | {_fmt(r.itl_ms_p50)} | "
-                     f"{_fmt(r.itl_ms_p99)} | {r.cloud_utilisation:.2f} | {r.cloud_forwards_per_token:.3f} | "
-                     f"{_fmt(r.cloud_batch_size_mean, 2)} | {r.target_calls_per_token:.3f} | {r.wall_s:.1f} |")
-    return "\n".join(lines)
-
-
-def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    charts = [("tokens_per_s_mean", "tokens/s per edge", "tokens_per_s.png", True),
-              ("itl_ms_p99", "ITL p99 (ms)", "itl_p99.png", True),
-              ("cloud_utilisation", "cloud utilisation (busy fraction)", "cloud_utilisation.png", False)]
-    profiles = list(dict.fromkeys(r.profile for r in results))
-    replica_counts = sorted({r.n_replicas for r in results})
-    styles = ["-", "--", ":", "-."]
-    paths = []
-    for metric, label, name, log_y in charts:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, profile in enumerate(profiles):
-            for j, m in enumerate(replica_counts):
-                series = sorted((r for r in results if r.profile == profile and r.n_replicas == m), key=lambda r: r.n_edges)
-                if metric == "cloud_utilisation" and series and series[0].mode == "draft":
-                    continue  # no cloud
-                ys = [getattr(r, metric) for r in series]
-                if not series or all(y is None for y in ys):
-                    continue
-                ax.plot([r.n_edges for r in series], [math.nan if y is None else y for y in ys],
-                        color=f"C{i}", linestyle=styles[j % len(styles)], marker="o", markersize=3,
-                        label=f"{profile}, {m} replica{'s' if m > 1 else ''}")
-        ax.set_xscale("log")
-        if log_y:
-            ax.set_yscale("log")
-        ax.set_xlabel("edges (N)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        if title:
-            ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        paths.append(out / name)
-    return paths
-
-
-def write_report(results: list[FleetResult], out: Path, header: str = "", title: str = "") -> None:
-    """results.jsonl (one FleetResult per line), table.md (header first) and three PNG plots (titled)."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        f.writelines(json.dumps(asdict(r)) + "\n" for r in results)
-    (out / "table.md").write_text((header + "\n\n" if header else "") + format_table(results) + "\n")
-    plot(results, out, title)
-
-
-def compare_all(results: list[FleetResult], measured_rows: list[dict], tolerance: float = 0.15) -> list[dict]:
-    """Each measured row {"mode" or "profile", "edges", "replicas" (1), tokens_per_s, target_calls_per_token}
-    against the matching simulated run."""
-    rows = []
-    for m in measured_rows:
-        name = m.get("profile", m.get("mode"))
-        match = next((r for r in results if r.profile == name and r.n_edges == m.get("edges", 1)
-                      and r.n_replicas == m.get("replicas", 1)), None)
-        if match is None:
-            log.warning("no simulated run for measured row %s", m)
-            continue
-        rows.append({"profile": name, "edges": match.n_edges, "replicas": match.n_replicas}
-                    | compare_with_measured(match, m, tolerance))
-    return rows
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--costs", type=Path, help="FleetCosts JSON (default with --demo: illustrative built-in)")
-    parser.add_argument("--profiles", type=Path, help="mode profiles JSON (default with --demo: illustrative built-in)")
-    parser.add_argument("--demo", action="store_true", help="use the built-in ILLUSTRATIVE costs/profiles for what is not given")
-    parser.add_argument("--modes", help="comma-separated profile names to run (default: all)")
-    parser.add_argument("--edges", default="1,10,100,1000,10000")
-    parser.add_argument("--replicas", default="1,4")
-    parser.add_argument("--tokens-per-request", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=1, help="generations per edge, back to back")
-    parser.add_argument("--duration-s", type=float, help="instead of --requests: simulated seconds")
-    parser.add_argument("--routing", choices=ROUTINGS, default="least-loaded")
-    parser.add_argument("--start-spread-ms", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--measured", type=Path, help="JSON list of measured rows to compare (writes comparison.json)")
-    parser.add_argument("--out", type=Path, default=Path("results/fleet"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.demo and (args.costs is None or args.profiles is None):
-        parser.error("give --costs and --profiles, or --demo for the illustrative built-in inputs")
-    costs = FleetCosts.from_json(args.costs.read_text()) if args.costs else demo_costs()
-    profiles = profiles_from_json(args.profiles.read_text()) if args.profiles else demo_profiles()
-    if args.modes:
-        wanted = args.modes.split(",")
-        profiles = [p for p in profiles if p.name in wanted]
-    illustrative = args.costs is None or args.profiles is None
-    if illustrative:
-        log.warning("using ILLUSTRATIVE built-in inputs (derived from measured figures, not a measurement)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "costs.json").write_text(costs.to_json() + "\n")  # the inputs travel with the results
-    (args.out / "profiles.json").write_text(profiles_to_json(profiles) + "\n")
-    for p in profiles:
-        log.info("%s: tokens/call %s", p.name, _fmt(p.tokens_per_call, 2))
-
-    results = sweep(costs, profiles, _int_list(args.edges), _int_list(args.replicas), args.seed,
-                    tokens_per_request=args.tokens_per_request, requests=args.requests,
-                    duration_s=args.duration_s, routing=args.routing, start_spread_ms=args.start_spread_ms)
-    header = ("**ILLUSTRATIVE inputs** (built-in; see costs.json / profiles.json notes), not measured.\n"
-              if illustrative else "")
-    header += (f"Fleet simulation, seed {args.seed}, {args.tokens_per_request} tokens per generation, "
-               + (f"{args.duration_s} s simulated" if args.duration_s else f"{args.requests} generation(s) per edge")
-               + f", routing {args.routing}, batching window {costs.window_ms} ms, max batch {costs.max_batch}.")
-    write_report(results, args.out, header, "ILLUSTRATIVE inputs (not measured)" if illustrative else "")
-    print(format_table(results))
-    if args.measured:
-        comparison = compare_all(results, json.loads(args.measured.read_text()))
-        (args.out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
-        for row in comparison:
-            print(f"{row['profile']} N={row['edges']}: within 15%: {row['within_tolerance']}  "
-                  + "  ".join(f"{k} {v['rel_error']:+.1%}" for k, v in row.items() if isinstance(v, dict)))
-    print(f"\nwrote {args.out}/results.jsonl, table.md, tokens_per_s.png, itl_p99.png, cloud_utilisation.png")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

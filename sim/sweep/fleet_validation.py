@@ -4,7 +4,7 @@ Calibration, from the same run:
 - draft step per mode: the edge's cost model (`/healthz` cost_model.t_draft_ms, an EWMA of forward +
   sampling + scoring, recorded after each mode's requests), median over RTTs; it includes the verifier,
   so `verifier_ms` is 0;
-- target forward t(b, n): fitted (sim.fleet_costs.fit_forward_model) to the cloud's per-call verify_ms
+- target forward t(b, n): fitted (sim.fleet.costs.fit_forward_model) to the cloud's per-call verify_ms
   when the daemon reports them (stats.verify_ms), else to the edge cost model's verify line at each
   (rtt, mode)'s mean block length, plus target mode's median gap between tokens (a 1-token forward)
   and its time to first token less the round trip (a prompt-sized forward);
@@ -14,7 +14,7 @@ Calibration, from the same run:
 Per-mode profiles come from the calls' block_lengths/accepted_lengths at each RTT; degraded requests
 are left out (they measured the draft alone). One edge, one
 generation per prompt, tokens per generation = the measured mean; compared with
-`sim.fleet.compare_with_measured` (tolerance 15%).
+`sim.fleet.result.compare_with_measured` (tolerance 15%).
 """
 
 from __future__ import annotations
@@ -28,16 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from cloud.server import CloudSettings
-from sim.fleet import compare_with_measured, run_fleet
-from sim.fleet_costs import (
-    FleetCosts,
-    ForwardModel,
-    ModeProfile,
-    RttModel,
-    fit_forward_model,
-)
-from sim.simulate import SimulateSettings
-from sim.simulate_report import token_gaps_ms
+from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit_forward_model
+from sim.fleet.engine import run_fleet
+from sim.fleet.result import compare_with_measured
+from sim.sweep.settings import SimulateSettings
+from sim.sweep.summary import token_gaps_ms
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +51,7 @@ class Calibration:
 
 
 def rtt_model(settings: SimulateSettings, rtt_ms: float) -> RttModel:
-    """The link's round trip: 2 x delay plus one jitter draw per direction (sim.link.DelaySampler)."""
+    """The link's round trip: 2 x delay plus one jitter draw per direction (sim.link.shaping.DelaySampler)."""
     j = settings.jitter_ms
     if j == 0:
         return RttModel(mean_ms=rtt_ms)

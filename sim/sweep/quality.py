@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from common.models import LoadedModel, load_model
+from common.models import DTYPES, LoadedModel, load_model
 from common.prompt_sets import PromptRecord
-from common.prompting import DTYPES, encode_prompt
+from common.prompting import encode_prompt
 from common.quality import agreement, target_nll_per_token
-from sim.simulate import SimulateSettings
-from sim.simulate_run import result_key
+from sim.sweep.results import result_key
+from sim.sweep.settings import SimulateSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class Quality:
     exact_match: bool | None  # greedy only: token for token the target mode's output
 
 
-def output_ids(record: dict[str, Any], tokenizer) -> list[int]:
+def output_ids(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The generated ids; a daemon that does not send them yet leaves us the text to tokenize."""
     if record.get("token_ids") is not None:
         return list(record["token_ids"])
@@ -96,4 +97,3 @@ def _nlls(settings: SimulateSettings, target: LoadedModel, by_id: dict[str, Prom
                 out.write(json.dumps({"key": cache_key, "target_nll_per_token": cache[cache_key]}) + "\n")
             result[key] = cache[cache_key]
     return result
-

@@ -1,6 +1,6 @@
 """`make bench`'s last step: the sweep's summary into README.md, between the bench markers.
 
-    python -m sim.bench_readme --out results/bench --readme README.md
+    sprinter bench readme --out results/bench --readme README.md
 
 Everything between `<!-- bench:start -->` and `<!-- bench:end -->` is replaced by the date, the
 machine (`uname -m` and its cores), the commit and OUT/summary.md; the rest of the README is kept.
@@ -8,16 +8,12 @@ machine (`uname -m` and its cores), the commit and OUT/summary.md; the rest of t
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import logging
 import os
 import platform
 import re
 import subprocess
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -48,18 +44,3 @@ def update_readme(readme: Path, out: Path) -> None:
     if not pattern.search(text):
         raise ValueError(f"{readme} has no {START} ... {END} markers")
     readme.write_text(pattern.sub(lambda _: bench_block(out), text, count=1))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="the sweep's output directory")
-    parser.add_argument("--readme", type=Path, default=Path("README.md"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    update_readme(args.readme, args.out)
-    log.info("updated %s from %s/summary.md", args.readme, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

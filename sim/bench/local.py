@@ -1,14 +1,13 @@
-"""bench-local: every local decoding mode and transformers' assisted generation, same pair, same prompts.
+"""bench local: every local decoding mode and transformers' assisted generation, same pair, same prompts.
 
-    python -m sim.bench_local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
+    sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
 
-Prints a table, writes `results.json` (every run and the summary) and `tokens_per_s.png`.
+Writes `results.json` (every run and the summary), `table.md` and `tokens_per_s.png`.
 Both models run in this one process; the network is not involved (see `sprinter simulate` for that).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import platform
@@ -16,18 +15,23 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from common.prompting import DTYPES, encode_prompt
-from common.local_engine import DecodeSettings, LocalEngine
-from common.models import LoadedModel, load_pair
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
+from common.models import DTYPES, LoadedModel, load_pair
+from common.plots import pyplot
+from common.prompting import encode_prompt
 from common.quality import agreement
 from common.sampling import SamplingParams
+from common.verifier import ConfidenceVerifier
+from sim.bench.prompts import PROMPTS_FILE, load_bench_prompts
 
 log = logging.getLogger(__name__)
-PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.jsonl"
 OUR_MODES = ("target", "sd", "sd-block", "sprinter")
 
 
@@ -46,6 +50,21 @@ ASSISTED_CONFIGS = (
     AssistedConfig("hf-assisted-default", 20, "constant", 0.4),  # transformers' defaults
     AssistedConfig("hf-assisted-heuristic", 5, "heuristic", 0.0),
 )
+
+
+@dataclass(frozen=True)
+class LocalBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    prompts: Path = PROMPTS_FILE  # JSONL with prompt, chat, category
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    k: int = 5
+    verifier_threshold: float = 0.5  # the confidence verifier of sprinter mode
+    assisted: tuple[str, ...] = tuple(c.name for c in ASSISTED_CONFIGS)  # names of the configs to run
+    seed: int = 0
+    out: Path = Path("results/bench-local")
 
 
 @dataclass
@@ -132,11 +151,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     temperatures = sorted({r["temperature"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -153,76 +168,67 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="JSONL with prompt, chat, category")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--verifier-threshold", type=float, default=0.5, help="confidence verifier for sprinter")
-    parser.add_argument("--assisted", default=",".join(c.name for c in ASSISTED_CONFIGS),
-                        help="assisted-generation configs to run (comma list; empty for none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("results/bench-local"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
-
-    from common.verifier import ConfidenceVerifier
-
-    target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
-    engine = LocalEngine(target, draft, ConfidenceVerifier(args.verifier_threshold))
-    prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    assisted = [c for c in ASSISTED_CONFIGS if c.name in args.assisted.split(",")]
-
-    # Warm-up: first calls pay for kernel selection and allocation.
-    warm_ids = encode_prompt(target.tokenizer, "warm up", True)
+def warm_up(engine: LocalEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+    """First calls pay for kernel selection and allocation: pay them outside the timings."""
+    warm_ids = encode_prompt(tokenizer, "warm up", True)
     engine.generate(warm_ids, DecodeSettings(mode="sd", max_new_tokens=8))
     engine.generate(warm_ids, DecodeSettings(mode="target", max_new_tokens=4))
 
-    records: list[RunRecord] = []
-    jobs = [(t, i) for t in temperatures for i in range(len(prompts))]
-    for temperature, index in tqdm(jobs, desc="bench-local (temperature, prompt)"):
-        prompt = prompts[index]
-        ids = encode_prompt(target.tokenizer, prompt["prompt"], prompt["chat"])
-        sampling = SamplingParams(temperature=temperature, seed=args.seed + index)
-        reference: list[int] | None = None
-        for mode in OUR_MODES:
-            result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, k=args.k))
-            if mode == "target":
-                reference = result.token_ids
-            s = result.stats
-            records.append(RunRecord(
-                index, prompt["category"], temperature, mode, s.new_tokens, s.wall_s, s.tokens_per_s, s.target_calls,
-                s.target_calls_per_token, s.tokens_per_call, s.accepted_len_mean,
-                agreement(result.token_ids, reference) if temperature == 0 else None, result.token_ids))
-        for config in assisted:
-            tokens, wall_s, calls = run_assisted(target, draft, ids, config, args.max_new_tokens, temperature, args.seed + index)
-            records.append(RunRecord(
-                index, prompt["category"], temperature, config.name, len(tokens), wall_s, len(tokens) / wall_s, calls,
-                calls / len(tokens), len(tokens) / calls, None,
-                agreement(tokens, reference) if temperature == 0 else None, tokens))
 
-    rows = summarise(records)
-    table = format_table(rows)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_prompt(engine: LocalEngine, target: LoadedModel, draft: LoadedModel, prompt: dict[str, Any], index: int,
+               temperature: float, assisted: list[AssistedConfig], settings: LocalBenchSettings) -> list[RunRecord]:
+    """Our modes (target first: the reference of agreement) and the assisted configs on one prompt."""
+    ids = encode_prompt(target.tokenizer, prompt["prompt"], prompt["chat"])
+    sampling = SamplingParams(temperature=temperature, seed=settings.seed + index)
+    records: list[RunRecord] = []
+    reference: list[int] | None = None
+    for mode in OUR_MODES:
+        result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=settings.max_new_tokens,
+                                                     sampling=sampling, k=settings.k))
+        if mode == "target":
+            reference = result.token_ids
+        s = result.stats
+        records.append(RunRecord(
+            index, prompt["category"], temperature, mode, s.new_tokens, s.wall_s, s.tokens_per_s, s.target_calls,
+            s.target_calls_per_token, s.tokens_per_call, s.accepted_len_mean,
+            agreement(result.token_ids, reference) if temperature == 0 else None, result.token_ids))
+    for config in assisted:
+        tokens, wall_s, calls = run_assisted(target, draft, ids, config, settings.max_new_tokens, temperature,
+                                             settings.seed + index)
+        records.append(RunRecord(
+            index, prompt["category"], temperature, config.name, len(tokens), wall_s, len(tokens) / wall_s, calls,
+            calls / len(tokens), len(tokens) / calls, None,
+            agreement(tokens, reference) if temperature == 0 else None, tokens))
+    return records
+
+
+def write_results(settings: LocalBenchSettings, rows: list[dict], records: list[RunRecord], table: str) -> None:
+    settings.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-        "k": args.k, "verifier": f"confidence:{args.verifier_threshold}",
+        "target": settings.target, "draft": settings.draft, "dtype": settings.dtype,
+        "max_new_tokens": settings.max_new_tokens, "k": settings.k, "verifier": f"confidence:{settings.verifier_threshold}",
     }
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": [asdict(r) for r in records]}, indent=1))
-    (args.out / "table.md").write_text(table + "\n")
-    plot(rows, args.out / "tokens_per_s.png")
-    print(f"\nwrote {args.out}/results.json, table.md, tokens_per_s.png")
-    return 0
+    (settings.out / "results.json").write_text(
+        json.dumps({"meta": meta, "summary": rows, "runs": [asdict(r) for r in records]}, indent=1))
+    (settings.out / "table.md").write_text(table + "\n")
+    plot(rows, settings.out / "tokens_per_s.png")
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def bench_local(settings: LocalBenchSettings) -> str:
+    """Every mode and assisted config on every prompt at every temperature; writes OUT, returns the table."""
+    torch.set_grad_enabled(False)
+    target, draft = load_pair(settings.target, settings.draft, DTYPES[settings.dtype])
+    engine = LocalEngine(target, draft, ConfidenceVerifier(settings.verifier_threshold))
+    prompts = load_bench_prompts(settings.prompts)
+    assisted = [c for c in ASSISTED_CONFIGS if c.name in settings.assisted]
+    warm_up(engine, target.tokenizer)
+    records: list[RunRecord] = []
+    jobs = [(t, i) for t in settings.temperatures for i in range(len(prompts))]
+    for temperature, index in tqdm(jobs, desc="bench-local (temperature, prompt)"):
+        records += run_prompt(engine, target, draft, prompts[index], index, temperature, assisted, settings)
+    rows = summarise(records)
+    table = format_table(rows)
+    write_results(settings, rows, records, table)
+    return table

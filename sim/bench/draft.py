@@ -1,6 +1,6 @@
-"""bench-draft: per-token latency of the edge's draft runtime, ONNX Runtime vs torch (float32 and bf16).
+"""bench draft: per-token latency of the edge's draft runtime, ONNX Runtime vs torch (float32 and bf16).
 
-    python -m sim.bench_draft --model qwen2.5-coder-0.5b --out results/bench-draft
+    sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
 
 Each configuration greedily decodes `--new-tokens` tokens after a `--prompt-tokens` prompt, one
 `advance_to` per token (what drafting does), `--repeats` times from an empty cache in each of
@@ -8,7 +8,7 @@ Each configuration greedily decodes `--new-tokens` tokens after a `--prompt-toke
 of them. Besides the default ONNX runtime it measures the levers that could matter on CPU: graph
 optimisation level, ORT op fusions at export, IO binding, one thread, int8 weights (lossy: a
 different draft, see "greedy agreement"), plus a probe of float16/bfloat16 MatMul in ONNX Runtime's
-CPU provider. Prints a table and writes `results.json` and `table.md` to `--out`.
+CPU provider. Writes `results.json` and `table.md` to `--out`.
 
 The host is shared: memory bandwidth drifts by tens of percent over minutes (rounds spread that over
 all configs), and other work on the cores shows as `load avg` > 2 in the table (the bench itself
@@ -17,7 +17,6 @@ keeps two threads busy).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging
@@ -26,20 +25,21 @@ import platform
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from common.cached_lm import CachedLM
 from common.models import LoadedModel, load_model
-from edge.onnx_draft import OnnxCachedLM, available_cores
-from edge.onnx_export import export_draft
+from edge.onnx_draft import OnnxCachedLM
+from edge.onnx_export.export import export_draft
+from edge.ort_sessions import available_cores
+from sim.bench.prompts import load_bench_prompts
 
 log = logging.getLogger(__name__)
-PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.jsonl"
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,18 @@ BASELINE = "torch-fp32"  # greedy agreement is measured against its tokens
 BASELINES = ("torch-fp32", "torch-bf16")
 
 
+@dataclass(frozen=True)
+class DraftBenchSettings:
+    model: str = "qwen2.5-coder-0.5b"
+    prompt_tokens: int = 40
+    new_tokens: int = 64
+    repeats: int = 2  # timed decodes per config per round
+    rounds: int = 3  # passes over all configs (each rebuilds the runtime)
+    threads: int | None = None  # intra-op threads (torch and ORT); None: the cores ONNX Runtime may use
+    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS)
+    out: Path = Path("results/bench-draft")
+
+
 @dataclass
 class Result:
     config: Config
@@ -88,7 +100,7 @@ class Result:
 
 def bench_prompt(loaded: LoadedModel, n_tokens: int) -> list[int]:
     """The first `n_tokens` tokens of the bench prompts, concatenated (code first, as drafting sees it)."""
-    texts = [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+    texts = [prompt["prompt"] for prompt in load_bench_prompts()]
     ids = loaded.tokenizer("\n".join(texts))["input_ids"]
     if len(ids) < n_tokens:
         raise ValueError(f"the bench prompts hold only {len(ids)} tokens")
@@ -135,16 +147,16 @@ def make_runtime(config: Config, spec: str, threads: int,
     return factory, time.perf_counter() - t0
 
 
-def run_config(config: Config, result: Result, prompt: list[int], args: argparse.Namespace,
+def run_config(config: Config, result: Result, prompt: list[int], settings: DraftBenchSettings,
                paths: dict[tuple[bool, str], Path]) -> None:
-    """One round of `config`: build its runtime, warm up, then `--repeats` timed decodes into `result`."""
+    """One round of `config`: build its runtime, warm up, then `repeats` timed decodes into `result`."""
     result.load_average.append(os.getloadavg()[0])
-    factory, load_s = make_runtime(config, args.model, args.threads, paths)
+    factory, load_s = make_runtime(config, settings.model, settings.threads, paths)
     result.load_s.append(load_s)
     greedy_decode(factory(), prompt[:8], 4)  # warm-up: first runs pay for allocation and kernel choice
     times = []
-    for _ in range(args.repeats):
-        prefill_ms, ms_per_token, tokens = greedy_decode(factory(), prompt, args.new_tokens)
+    for _ in range(settings.repeats):
+        prefill_ms, ms_per_token, tokens = greedy_decode(factory(), prompt, settings.new_tokens)
         result.prefill_ms.append(prefill_ms)
         times.append(ms_per_token)
         result.tokens = tokens
@@ -200,67 +212,56 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="timed decodes per config per round")
-    parser.add_argument("--rounds", type=int, default=3, help="passes over all configs (each rebuilds the runtime)")
-    parser.add_argument("--threads", type=int, default=available_cores(), help="intra-op threads (torch and ORT)")
-    parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS), help="comma list of configs to run")
-    parser.add_argument("--out", type=Path, default=Path("results/bench-draft"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_grad_enabled(False)
-
-    chosen = [c for c in CONFIGS if c.name in args.configs.split(",")]
-    prompt = bench_prompt(load_model(args.model, torch.bfloat16), args.prompt_tokens)
-    paths = export_all(args.model, chosen)
-    gc.collect()
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        log.warning("load average %.1f before the run: other processes share the cores, timings will be noisy",
-                    load_before[0])
+def measure(settings: DraftBenchSettings, chosen: list[Config], prompt: list[int],
+            paths: dict[tuple[bool, str], Path]) -> list[Result]:
     results = {c.name: Result(c) for c in chosen}
     # Rounds over all configs rather than all repeats of one config in a row: memory bandwidth on a
     # shared host drifts over minutes, and rounds spread that drift over every config alike.
-    for round_index in range(args.rounds):
-        log.info("round %d/%d", round_index + 1, args.rounds)
+    for round_index in range(settings.rounds):
+        log.info("round %d/%d", round_index + 1, settings.rounds)
         for config in chosen:
-            run_config(config, results[config.name], prompt, args, paths)
+            run_config(config, results[config.name], prompt, settings, paths)
             gc.collect()  # free this runtime's weights before the next one loads its own
-    results = list(results.values())
-    reference = next((r.tokens for r in results if r.config.name == BASELINE), None)
-    rows = [r.summary(reference) for r in results]
-    table = format_table(rows)
-    probe = probe_matmul_dtypes()
-    print(table)
-    print(f"\nONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}")
-    write_results(args, rows, results, probe, table, load_before)
-    return 0
+    return list(results.values())
 
 
-def write_results(args: argparse.Namespace, rows: list[dict], results: list[Result], probe: dict, table: str,
+def write_results(settings: DraftBenchSettings, rows: list[dict], results: list[Result], probe: dict, table: str,
                   load_before: tuple[float, ...]) -> None:
     import onnxruntime as ort
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    settings.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats, "rounds": args.rounds,
-        "threads": args.threads, "torch": torch.__version__, "onnxruntime": ort.__version__,
+        "model": settings.model, "prompt_tokens": settings.prompt_tokens, "new_tokens": settings.new_tokens,
+        "repeats": settings.repeats, "rounds": settings.rounds,
+        "threads": settings.threads, "torch": torch.__version__, "onnxruntime": ort.__version__,
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
     runs = [dict(asdict(r.config), load_s=r.load_s, prefill_ms=r.prefill_ms, ms_per_token=r.ms_per_token,
                  load_average=r.load_average, tokens=r.tokens) for r in results]
     payload = {"meta": meta, "summary": rows, "matmul_dtype_probe_ms": probe, "runs": runs}
-    (args.out / "results.json").write_text(json.dumps(payload, indent=1))
-    (args.out / "table.md").write_text(table + "\n")
-    print(f"\nwrote {args.out}/results.json and table.md")
+    (settings.out / "results.json").write_text(json.dumps(payload, indent=1))
+    (settings.out / "table.md").write_text(table + "\n")
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def bench_draft(settings: DraftBenchSettings) -> tuple[str, dict[str, float | str]]:
+    """Every chosen config, `rounds` times; writes OUT; returns the table and the MatMul dtype probe."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_grad_enabled(False)
+    settings = replace(settings, threads=settings.threads or available_cores())
+    chosen = [c for c in CONFIGS if c.name in settings.configs]
+    prompt = bench_prompt(load_model(settings.model, torch.bfloat16), settings.prompt_tokens)
+    paths = export_all(settings.model, chosen)
+    gc.collect()
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5:
+        log.warning("load average %.1f before the run: other processes share the cores, timings will be noisy",
+                    load_before[0])
+    results = measure(settings, chosen, prompt, paths)
+    reference = next((r.tokens for r in results if r.config.name == BASELINE), None)
+    rows = [r.summary(reference) for r in results]
+    table = format_table(rows)
+    probe = probe_matmul_dtypes()
+    write_results(settings, rows, results, probe, table, load_before)
+    return table, probe

@@ -67,7 +67,7 @@ def fit_forward_model(samples: list[tuple[int, int, float]]) -> ForwardModel:
 
 
 def forward_samples_from_bench_cloud(results: dict, target: str, k: int | None = None) -> list[tuple[int, int, float]]:
-    """(b, n, ms) samples from `sim.bench_cloud` results.json: batched rows, every edge sends k + 1 tokens.
+    """(b, n, ms) samples from `sprinter bench cloud` results.json (sim.bench.cloud): batched rows, every edge sends k + 1 tokens.
 
     With full batches (mean batch == edges) the p50 verify latency is about one forward.
     """

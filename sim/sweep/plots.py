@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sim.simulate_report import SummaryRow, gaps_by_mode, itl_rtt, mode_rank
+import numpy as np
+
+from common.plots import pyplot
+from sim.sweep.summary import SummaryRow, mode_rank, token_gaps_ms
+
+if TYPE_CHECKING:  # matplotlib is the optional `bench` extra: imported only when drawing
+    from matplotlib.figure import Figure
 
 
 def _modes(rows: list[SummaryRow]) -> list[str]:
@@ -21,15 +27,27 @@ def _series(rows: list[SummaryRow], mode: str, metric: str) -> tuple[list[float]
     return [x for x, _ in points], [y for _, y in points]
 
 
+def itl_rtt(rows: list[SummaryRow]) -> float | None:
+    """The RTT whose inter-token latencies are plotted: 50 ms if swept, else the middle one."""
+    rtts = sorted({r.rtt_ms for r in rows})
+    if not rtts:
+        return None
+    return 50.0 if 50.0 in rtts else rtts[len(rtts) // 2]
+
+
+def gaps_by_mode(records: list[dict[str, Any]], rtt: float) -> dict[str, np.ndarray]:
+    gaps: dict[str, list[float]] = {}
+    for r in records:
+        if r["rtt_ms"] == rtt:
+            gaps.setdefault(r["mode"], []).extend(token_gaps_ms(r))
+    return {mode: np.sort(np.asarray(v)) for mode, v in gaps.items() if v}
+
+
 def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a server
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
 
-    def save(fig, name: str) -> None:
+    def save(fig: Figure, name: str) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)

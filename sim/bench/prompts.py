@@ -1,0 +1,14 @@
+"""The bench prompts: a few varied prompts shipped with sim (data/bench_prompts.jsonl), one JSON object a line
+with `prompt`, `chat` and `category`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "bench_prompts.jsonl"
+
+
+def load_bench_prompts(path: Path = PROMPTS_FILE) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,105 @@
+r"""`sprinter fleet`: the fleet-scale discrete-event simulator over a grid of edge and replica counts.
+
+    sprinter fleet --costs costs.json --profiles profiles.json --edges 1,10,100,1000,10000 \
+        --replicas 1,4 --out results/fleet
+    sprinter fleet --demo --out results/fleet-demo     # illustrative built-in inputs
+
+N edges (1 to 10,000) share M cloud replicas; each edge drafts, sends its block, waits for the
+replica's batched target forward and emits, one cloud call per round, with (block length, emitted)
+pairs drawn from the mode's recorded profile (the model: sim.fleet.engine; the inputs:
+sim.fleet.costs). OUT gets results.jsonl, table.md, three plots, and the inputs that were used
+(costs.json, profiles.json); with --measured, comparison.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from sim.fleet.costs import FleetCosts, ModeProfile, demo_costs, demo_profiles, profiles_from_json, profiles_to_json
+from sim.fleet.engine import ROUTINGS
+from sim.fleet.report import format_table, sweep, write_report
+from sim.fleet.result import FleetResult, compare_all
+
+log = logging.getLogger(__name__)
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser("fleet", help="fleet-scale discrete-event simulator: N edges, M cloud replicas",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--costs", type=Path, help="FleetCosts JSON (default with --demo: illustrative built-in)")
+    p.add_argument("--profiles", type=Path, help="mode profiles JSON (default with --demo: illustrative built-in)")
+    p.add_argument("--demo", action="store_true", help="use the built-in ILLUSTRATIVE costs/profiles for what is not given")
+    p.add_argument("--modes", help="comma-separated profile names to run (default: all)")
+    p.add_argument("--edges", default="1,10,100,1000,10000")
+    p.add_argument("--replicas", default="1,4")
+    p.add_argument("--tokens-per-request", type=int, default=128)
+    p.add_argument("--requests", type=int, default=1, help="generations per edge, back to back")
+    p.add_argument("--duration-s", type=float, help="instead of --requests: simulated seconds")
+    p.add_argument("--routing", choices=ROUTINGS, default="least-loaded")
+    p.add_argument("--start-spread-ms", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--measured", type=Path, help="JSON list of measured rows to compare (writes comparison.json)")
+    p.add_argument("--out", type=Path, default=Path("results/fleet"))
+    # Missing inputs are a usage error: exit 2 with the usage, as argparse does.
+    p.set_defaults(run=functools.partial(run, fail=p.error))
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[FleetCosts, list[ModeProfile]]:
+    """The costs and profiles given, the illustrative built-ins for those not given; --modes filters."""
+    costs = FleetCosts.from_json(args.costs.read_text()) if args.costs else demo_costs()
+    profiles = profiles_from_json(args.profiles.read_text()) if args.profiles else demo_profiles()
+    if args.modes:
+        wanted = args.modes.split(",")
+        profiles = [p for p in profiles if p.name in wanted]
+    return costs, profiles
+
+
+def report_header(args: argparse.Namespace, costs: FleetCosts, illustrative: bool) -> str:
+    header = ("**ILLUSTRATIVE inputs** (built-in; see costs.json / profiles.json notes), not measured.\n"
+              if illustrative else "")
+    return header + (f"Fleet simulation, seed {args.seed}, {args.tokens_per_request} tokens per generation, "
+                     + (f"{args.duration_s} s simulated" if args.duration_s else f"{args.requests} generation(s) per edge")
+                     + f", routing {args.routing}, batching window {costs.window_ms} ms, max batch {costs.max_batch}.")
+
+
+def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> None:
+    comparison = compare_all(results, json.loads(measured.read_text()))
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
+    for row in comparison:
+        print(f"{row['profile']} N={row['edges']}: within 15%: {row['within_tolerance']}  "
+              + "  ".join(f"{k} {v['rel_error']:+.1%}" for k, v in row.items() if isinstance(v, dict)))
+
+
+def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
+    if not args.demo and (args.costs is None or args.profiles is None):
+        fail("give --costs and --profiles, or --demo for the illustrative built-in inputs")
+    costs, profiles = load_inputs(args)
+    illustrative = args.costs is None or args.profiles is None
+    if illustrative:
+        log.warning("using ILLUSTRATIVE built-in inputs (derived from measured figures, not a measurement)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "costs.json").write_text(costs.to_json() + "\n")  # the inputs travel with the results
+    (args.out / "profiles.json").write_text(profiles_to_json(profiles) + "\n")
+    for p in profiles:
+        log.info("%s: tokens/call %s", p.name, "-" if p.tokens_per_call is None else f"{p.tokens_per_call:.2f}")
+
+    results = sweep(costs, profiles, _int_list(args.edges), _int_list(args.replicas), args.seed,
+                    tokens_per_request=args.tokens_per_request, requests=args.requests,
+                    duration_s=args.duration_s, routing=args.routing, start_spread_ms=args.start_spread_ms)
+    write_report(results, args.out, report_header(args, costs, illustrative),
+                 "ILLUSTRATIVE inputs (not measured)" if illustrative else "")
+    print(format_table(results))
+    if args.measured:
+        print_comparison(results, args.measured, args.out)
+    print(f"\nwrote {args.out}/results.jsonl, table.md, tokens_per_s.png, itl_p99.png, cloud_utilisation.png")
+    return 0

@@ -1,0 +1,100 @@
+"""What one fleet simulation reports (`FleetResult`), and its comparison with measured runs."""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetResult:
+    mode: str
+    profile: str
+    n_edges: int
+    n_replicas: int
+    seed: int
+    tokens_per_request: int
+    requests: int | None
+    duration_s: float | None
+    routing: str
+    tokens: int
+    sim_s: float  # simulated time until the last token (or the duration)
+    tokens_per_s_mean: float  # per edge: its tokens / the wall time of its generations
+    tokens_per_s_p50: float
+    fleet_tokens_per_s: float  # all edges' tokens / sim_s
+    ttft_ms_p50: float | None
+    itl_ms_p50: float | None  # gaps between consecutive tokens of a generation, as the user sees them
+    itl_ms_p99: float | None
+    # a call from send to verdict, a generation's first including the session open (target: from
+    # queueing the token's forward to its arrival at the edge)
+    call_ms_p50: float | None
+    call_ms_p99: float | None
+    request_ms_p50: float | None  # one generation of tokens_per_request tokens
+    cloud_utilisation: float  # busy fraction of the replicas over sim_s
+    cloud_forwards: int
+    cloud_forwards_per_token: float
+    cloud_batch_size_mean: float | None  # requests per forward, as the cloud's histogram counts it
+    target_calls: int
+    target_calls_per_token: float
+    tokens_per_call: float | None
+    wall_s: float = field(default=0.0, compare=False)  # how long the simulation itself took
+
+
+def percentile(values: array, q: float) -> float | None:
+    """Nearest rank, as common.stats does, so simulated and measured percentiles compare."""
+    if not len(values):
+        return None
+    ordered = np.sort(np.frombuffer(values, dtype=float))
+    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
+
+
+def itl_percentiles(step_ms: float, zero_gaps: int, step_gaps: int, other_gaps: array) -> tuple[float | None, float | None]:
+    """p50 and p99 of the gaps between tokens: zero_gaps gaps of 0 and step_gaps of one draft step,
+    which are only counted (they are most gaps), and other_gaps as measured."""
+    values = np.concatenate([[0.0, step_ms], np.frombuffer(other_gaps, dtype=float)])
+    counts = np.concatenate([[zero_gaps, step_gaps], np.ones(len(other_gaps))])
+    if counts.sum() == 0:
+        return None, None
+    order = np.argsort(values, kind="stable")
+    values, cumulative = values[order], np.cumsum(counts[order])
+    return tuple(float(values[np.searchsorted(cumulative, round(q * (cumulative[-1] - 1)), side="right")])
+                 for q in (0.5, 0.99))
+
+
+def compare_with_measured(predicted: FleetResult, measured: dict, tolerance: float = 0.15) -> dict:
+    """Relative errors (predicted - measured) / measured of tokens_per_s and target_calls_per_token.
+
+    `measured` uses the design's names, e.g. a DecodeStats dict or a bench row; tokens_per_s is
+    compared with the simulated per-edge mean. `within_tolerance` is True when every error is within it.
+    """
+    pairs = {"tokens_per_s": predicted.tokens_per_s_mean, "target_calls_per_token": predicted.target_calls_per_token}
+    report: dict = {}
+    for name, value in pairs.items():
+        if measured.get(name):
+            report[name] = {"predicted": value, "measured": measured[name],
+                            "rel_error": (value - measured[name]) / measured[name]}
+    report["tolerance"] = tolerance
+    report["within_tolerance"] = bool(report) and all(abs(v["rel_error"]) <= tolerance
+                                                      for v in report.values() if isinstance(v, dict))
+    return report
+
+
+def compare_all(results: list[FleetResult], measured_rows: list[dict], tolerance: float = 0.15) -> list[dict]:
+    """Each measured row {"mode" or "profile", "edges", "replicas" (1), tokens_per_s, target_calls_per_token}
+    against the matching simulated run."""
+    rows = []
+    for m in measured_rows:
+        name = m.get("profile", m.get("mode"))
+        match = next((r for r in results if r.profile == name and r.n_edges == m.get("edges", 1)
+                      and r.n_replicas == m.get("replicas", 1)), None)
+        if match is None:
+            log.warning("no simulated run for measured row %s", m)
+            continue
+        rows.append({"profile": name, "edges": match.n_edges, "replicas": match.n_replicas}
+                    | compare_with_measured(match, m, tolerance))
+    return rows

@@ -1,0 +1,2 @@
+"""The network sweep (`sprinter simulate`): real cloud and edge processes over the emulated link,
+every RTT x method x prompt, then quality, a report with plots and a fleet-simulator validation."""

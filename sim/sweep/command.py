@@ -1,0 +1,77 @@
+"""`sprinter simulate`: the network-latency sweep. Real cloud and edge processes, an emulated link.
+
+    sprinter simulate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --rtt-ms 0,50,100 --out results/sim
+
+The cloud (`sprinter cloud serve`) and the edge daemon (`sprinter edge serve`) run as separate
+processes (pinned to separate cores when there are two), the edge's gRPC channel going through an
+emulated link in this process. For each RTT x mode x prompt one streamed request goes through the
+edge's OpenAI API; then, with both processes stopped, the target judges every output, and OUT gets
+summary.csv/md, plots and a fleet-simulator validation. An interrupted sweep resumes where it stopped.
+A mode that takes a call policy may name one: --modes sprinter-exact@fixed:3,sprinter-exact@goodput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from sim.sweep.report import format_summary
+from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
+from sim.sweep.simulate import simulate
+
+log = logging.getLogger(__name__)
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "simulate", help="network-latency sweep: real cloud + edge processes over an emulated link",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        # Only flags the user gives land in the namespace, so they override --config and nothing else does.
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help="JSON object with the same keys as these flags; flags override it")
+    p.add_argument("--out", type=Path, help="output directory (results.jsonl, summary.csv/md, plots); required")
+    p.add_argument("--target", help="target model spec (default qwen2.5-coder-1.5b)")
+    p.add_argument("--draft", help="draft model spec (default qwen2.5-coder-0.5b)")
+    p.add_argument("--verifier", help="the edge's --verifier (default auto)")
+    p.add_argument("--modes", help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--rtt-ms", dest="rtt_ms", help="comma-separated round-trip times (default 0,20,50,100,200)")
+    p.add_argument("--jitter-ms", dest="jitter_ms", type=float, help="one-way jitter per direction (default 0)")
+    p.add_argument("--jitter-distribution", dest="jitter_distribution", choices=["normal", "pareto"])
+    p.add_argument("--bandwidth-mbps", dest="bandwidth_mbps", type=float, help="per direction (default unlimited)")
+    p.add_argument("--loss", type=float, help="probability of a retransmission stall per chunk (default 0)")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default)")
+    p.add_argument("--seed", type=int, help="sampling seed of every request (default 0)")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt file (default: the shipped set's held-out split)")
+    p.add_argument("--limit", type=int, help="prompts, categories interleaved (default 8)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default 64")
+    p.add_argument("--policy", help="the edge's default call policy (default: each mode's own)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="of both models (default bfloat16)")
+    p.add_argument("--threads", type=int, help="intra-op threads per process (default: the cores it may use)")
+    p.add_argument("--pin-cpus", dest="pin_cpus", action=argparse.BooleanOptionalAction,
+                   help="cloud on one core, edge on another (default on with >= 2 cores)")
+    p.add_argument("--fleet-validation", dest="fleet_validation", action=argparse.BooleanOptionalAction,
+                   help="calibrate the fleet simulator from this run and compare (default on)")
+    p.set_defaults(run=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> SimulateSettings:
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command", "log_level")}
+    config = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{args.config}: expected a JSON object")
+    return SimulateSettings.from_mapping({**config, **flags})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as err:
+        raise SystemExit(f"sprinter simulate: {err}") from None
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
+    log.info("simulate: %s", settings)
+    written = simulate(settings)
+    print(format_summary(settings.out))
+    print("\nwrote " + ", ".join(str(p) for p in written.values()))
+    return 0

@@ -1,0 +1,98 @@
+"""The report of a sweep: summary.csv / summary.md from the summary rows (sim.sweep.summary), and the plots."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from sim.sweep.plots import plot_all
+from sim.sweep.quality import Quality
+from sim.sweep.settings import SimulateSettings
+from sim.sweep.summary import SummaryRow, summarize
+
+LOSSLESS = ("target", "sd", "sd-block", "sprinter-exact")
+
+
+def write_csv(rows: list[SummaryRow], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[f.name for f in fields(SummaryRow)])
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+
+
+def read_csv(path: Path) -> list[SummaryRow]:
+    def parse(name: str, text: str) -> Any:
+        if text == "":
+            return None
+        return text if name == "mode" else int(text) if name in ("requests", "tokens", "degraded") else float(text)
+
+    with open(path, newline="") as f:
+        return [SummaryRow(**{k: parse(k, v) for k, v in row.items()}) for row in csv.DictReader(f)]
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[SummaryRow]) -> str:
+    lines = ["| RTT ms | mode | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
+             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | oracle calls/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.rtt_ms:g} | {r.mode} | {_fmt(r.tokens_per_s, 2)} | {_fmt(r.target_calls_per_token, 3)} | "
+                     f"{_fmt(r.tokens_per_call, 2)} | {_fmt(r.block_length_mean, 2)} | {_fmt(r.ttft_ms_p50, 0)} | "
+                     f"{_fmt(r.itl_ms_p50, 1)} | {_fmt(r.itl_ms_p99, 1)} | {_fmt(r.target_nll_per_token, 3)} | "
+                     f"{_fmt(r.agreement_with_target, 3)} | {_fmt(r.exact_match_rate, 2)} | {r.degraded} | "
+                     f"{_fmt(r.oracle_calls_per_token, 3)} |")
+    return "\n".join(lines)
+
+
+def speedup_lines(rows: list[SummaryRow]) -> list[str]:
+    """tokens/s of the sprinter modes over sd's, per RTT."""
+    speed = {(r.rtt_ms, r.mode): r.tokens_per_s for r in rows}
+    lines = []
+    for rtt in sorted({r.rtt_ms for r in rows}):
+        sd = speed.get((rtt, "sd"))
+        parts = [f"{mode}/sd {speed[(rtt, mode)] / sd:.2f}x" for mode in ("sprinter", "sprinter-exact")
+                 if sd and (rtt, mode) in speed]
+        if parts:
+            lines.append(f"- RTT {rtt:g} ms: " + ", ".join(parts))
+    return lines
+
+
+def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
+    link = f"jitter {settings.jitter_ms:g} ms ({settings.jitter_distribution})" if settings.jitter_ms else "no jitter"
+    link += f", {settings.bandwidth_mbps:g} Mbit/s" if settings.bandwidth_mbps else ", unlimited bandwidth"
+    link += f", loss {settings.loss:g}" if settings.loss else ""
+    header = (f"Network sweep: target {settings.target}, draft {settings.draft}, verifier {settings.verifier}, "
+              f"{settings.dtype}, T={settings.temperature:g}, {settings.limit} prompts x {settings.max_new_tokens} "
+              f"tokens, {link}, CPUs {'pinned (cloud one core, edge another)' if settings.pin_cpus else 'shared'}.")
+    parts = [header, "", markdown_table(rows)]
+    speedups = speedup_lines(rows)
+    if speedups:
+        parts += ["", "tokens/s relative to sd:", *speedups]
+    lossy = sorted({r.mode for r in rows if r.exact_match_rate is not None and r.mode.partition("@")[0] in LOSSLESS
+                    and r.exact_match_rate < 1.0})
+    if lossy:
+        parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "
+                      f"({'expected in bfloat16: see README, Exactness' if settings.dtype == 'bfloat16' else 'a bug: float32 should match'})."]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(settings: SimulateSettings, records: list[dict[str, Any]],
+                 quality: dict[tuple, Quality]) -> dict[str, Path]:
+    out = settings.out
+    rows = summarize(records, quality)
+    write_csv(rows, out / "summary.csv")
+    (out / "summary.md").write_text(summary_markdown(settings, rows))
+    written = {"results": out / "results.jsonl", "summary_csv": out / "summary.csv", "summary_md": out / "summary.md"}
+    for path in plot_all(rows, records, out):
+        written[path.stem] = path
+    return written
+
+
+def format_summary(out: Path) -> str:
+    return (out / "summary.md").read_text() if (out / "summary.md").exists() else ""

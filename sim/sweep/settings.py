@@ -1,0 +1,98 @@
+"""What one network sweep measures (`SimulateSettings`): the models, the methods, the link, the prompts.
+
+A leaf: the sweep's other modules (run, quality, report, fleet_validation) and its callers import it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from common.decoding.modes import MODES, DecodeSettings
+
+DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
+
+
+def base_mode(method: str) -> str:
+    """'sprinter-exact@goodput' -> 'sprinter-exact': a sweep's method is a mode, optionally with its call policy."""
+    return method.partition("@")[0]
+
+
+# What a finished result depends on: resuming into OUT with any of these changed would mix two runs.
+# rtt_ms, modes and limit may change between runs: new combinations are added, done ones kept.
+RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
+                   "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed")
+
+
+@dataclass(frozen=True)
+class SimulateSettings:
+    out: Path
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    verifier: str = "auto"
+    modes: tuple[str, ...] = DEFAULT_MODES
+    rtt_ms: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
+    jitter_ms: float = 0.0  # one-way, per direction (sim.link.shaping.LinkSettings)
+    jitter_distribution: str = "normal"
+    bandwidth_mbps: float | None = None
+    loss: float = 0.0
+    temperature: float = 0.0
+    seed: int = 0  # sampling seed of every request (the same for all, so modes compare)
+    prompts: Path | None = None  # None: the shipped set's held-out split
+    limit: int = 8
+    max_new_tokens: int = 64
+    policy: str | None = None  # the edge's default call policy (None: each mode's own default)
+    dtype: str = "bfloat16"
+    threads: int | None = None  # intra-op threads of each process (None: the cores it may use)
+    pin_cpus: bool = field(default_factory=lambda: len(os.sched_getaffinity(0)) >= 2)
+    fleet_validation: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if base_mode(m) not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"modes must be a non-empty list of {', '.join(MODES)} (a mode that takes a call "
+                             f"policy may name one: sprinter-exact@goodput); unknown: {unknown}")
+        for method in self.modes:
+            mode, _, policy = method.partition("@")
+            if policy:
+                DecodeSettings(mode=mode, policy=policy)  # raises ValueError naming what is wrong
+        if not self.rtt_ms or any(r < 0 for r in self.rtt_ms):
+            raise ValueError(f"rtt_ms must be a non-empty list of values >= 0, got {self.rtt_ms}")
+        if self.limit < 1 or self.max_new_tokens < 1:
+            raise ValueError("limit and max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def identity(self) -> dict[str, Any]:
+        data = self.to_dict()
+        return {key: data[key] for key in RESULT_IDENTITY}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {key: str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+                for key, value in data.items()}
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> SimulateSettings:
+        """Keys as in the CLI, with dashes or underscores; lists as JSON lists or comma-separated text."""
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
+            if value is not None and name in ("modes", "rtt_ms"):
+                items = value.split(",") if isinstance(value, str) else value
+                value = tuple(str(v).strip() if name == "modes" else float(v) for v in items if str(v).strip())
+            elif value is not None and name in ("out", "prompts"):
+                value = Path(value)
+            values[name] = value
+        if "out" not in values:
+            raise ValueError("--out (or \"out\" in the config file) is required")
+        return cls(**values)

@@ -1,0 +1,112 @@
+"""A sweep's summary: one row per (rtt, method), pooled from its requests and their judged quality.
+
+tokens_per_s is total tokens / total client wall time (what a user of the API gets, link and
+prompt processing included); itl_ms pools the gaps between consecutive tokens of every request,
+from the edge's token emission times (`stats.token_times_ms`; the client's SSE arrival times when
+the daemon does not send them); ttft_ms is measured at the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.stats import oracle_calls_per_token
+from sim.sweep.quality import Quality
+from sim.sweep.results import result_key
+
+MODE_ORDER = ("target", "draft", "sd", "sd-block", "sprinter", "sprinter-exact")  # reference first, as the design lists them
+
+
+def mode_rank(mode: str) -> int:
+    return MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+
+
+@dataclass
+class SummaryRow:
+    rtt_ms: float
+    mode: str
+    requests: int
+    tokens: int
+    tokens_per_s: float
+    target_calls_per_token: float
+    tokens_per_call: float | None
+    block_length_mean: float | None
+    ttft_ms_p50: float | None
+    itl_ms_p50: float | None
+    itl_ms_p99: float | None
+    target_nll_per_token: float | None
+    agreement_with_target: float | None
+    exact_match_rate: float | None
+    degraded: int
+    oracle_calls_per_token: float | None = None  # a perfect verifier's call rate on this run's acceptance record
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile, as common.stats and the fleet simulator compute theirs."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
+
+
+def token_gaps_ms(record: dict[str, Any]) -> list[float]:
+    stats = record["sprinter"].get("stats", {})
+    times = stats.get("token_times_ms") or record.get("client_event_ms") or []
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _calls(record: dict[str, Any]) -> tuple[list[int], int]:
+    """(block lengths of every call, number of calls); block lengths may be unknown (empty)."""
+    s = record["sprinter"]
+    stats = s.get("stats", {})
+    calls = int(s.get("target_calls") or 0)
+    blocks = stats.get("block_lengths")
+    if blocks is None and s.get("block_length_mean") is not None and record["mode"] != "target":
+        blocks = [s["block_length_mean"]] * calls  # older daemons: the mean, weighted by calls
+    return list(blocks or []), calls
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> list[SummaryRow]:
+    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["rtt_ms"], r["mode"]), []).append(r)
+    rows = []
+    for (rtt, mode), group in sorted(groups.items(), key=lambda kv: (kv[0][0], mode_rank(kv[0][1]), kv[0][1])):
+        tokens = sum(r["completion_tokens"] for r in group)
+        wall_s = sum(r["wall_ms"] for r in group) / 1e3
+        blocks, calls = [], 0
+        accepted = [n for r in group for n in r["sprinter"].get("stats", {}).get("accepted_lengths") or []]
+        called = [g for r in group for g in r["sprinter"].get("stats", {}).get("block_lengths") or []]
+        for r in group:
+            b, c = _calls(r)
+            blocks += b
+            calls += c
+        gaps = [g for r in group for g in token_gaps_ms(r)]
+        judged = [(r, quality[result_key(r)]) for r in group if result_key(r) in quality]
+        # NLL per token over the group's tokens, not per request: a long output weighs more
+        nll_sum = weight = 0.0
+        for r, q in judged:
+            if q.target_nll_per_token is not None:
+                nll_sum += q.target_nll_per_token * r["completion_tokens"]
+                weight += r["completion_tokens"]
+        agreements = [q.agreement_with_target for _, q in judged if q.agreement_with_target is not None]
+        exact = [float(q.exact_match) for _, q in judged if q.exact_match is not None]
+        rows.append(SummaryRow(
+            rtt_ms=rtt, mode=mode, requests=len(group), tokens=tokens,
+            tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+            target_calls_per_token=calls / tokens if tokens else 0.0,
+            tokens_per_call=tokens / calls if calls else None,
+            block_length_mean=_mean(blocks),
+            ttft_ms_p50=nearest_rank([r["ttft_ms"] for r in group if r["ttft_ms"] is not None], 0.5),
+            itl_ms_p50=nearest_rank(gaps, 0.5), itl_ms_p99=nearest_rank(gaps, 0.99),
+            target_nll_per_token=nll_sum / weight if weight else None,
+            agreement_with_target=_mean(agreements),
+            exact_match_rate=_mean(exact),
+            degraded=sum(bool(r["degraded"]) for r in group),
+            oracle_calls_per_token=oracle_calls_per_token(called, accepted) if called else None))
+    return rows
