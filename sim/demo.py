@@ -94,7 +94,8 @@ def print_table(rows: list[DemoRow], samples: dict[str, str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
+    for name in ("httpx", "httpx2"):  # one line per request drowns the table (openai logs as httpx2)
+        logging.getLogger(name).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"starting the cloud ({args.target}) and the edge daemon ({args.draft}, verifier {args.verifier}); "
           "the first run converts and exports the models once", flush=True)

@@ -21,7 +21,7 @@ Choices (see the module docstring of `edge.onnx_draft` for the runtime side):
   dynamo exporter keeps `n` and `past` symbolic, so one graph serves prefill, decode and past = 0.
 - Dtype: float32. ONNX Runtime's CPU provider has no bfloat16 MatMul (NOT_IMPLEMENTED) and its
   float16 MatMul is slower than float32 on this x86 CPU (a [1,896]x[896,65536] MatMul: ~5 ms float32,
-  ~6 ms float16; see `sim/bench_draft.py`), so half precision would cost accuracy and Casts for
+  ~6 ms float16; see `sprinter bench draft`), so half precision would cost accuracy and Casts for
   nothing. A bf16-loaded model is upcast (exactly) to a float32 copy for export and verification.
 - Optional weight-only quantisation (`weights="int8"`): MatMul weights become ORT
   MatMulNBits blocks (32 values per scale, symmetric, int8 compute). A draft step reads every weight

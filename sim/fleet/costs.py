@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("draft", "target", "sd", "sd-block", "sprinter", "sprinter-exact")
+from common.decoding.modes import MODES
 
 
 @dataclass(frozen=True)
