@@ -44,6 +44,8 @@ class DraftedToken:
 
 @dataclass
 class PendingBlock:
+    """x_1..x_g, drafted after the context, not yet checked by any target."""
+
     drafted: list[DraftedToken] = field(default_factory=list)
 
     @property
@@ -52,6 +54,7 @@ class PendingBlock:
 
     @property
     def p_draft(self) -> torch.Tensor:
+        """[g, V]: row i is the distribution x_i was drawn from."""
         return torch.stack([d.p_draft for d in self.drafted])
 
     def __len__(self) -> int:
