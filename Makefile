@@ -13,14 +13,20 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: demo test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
+.PHONY: mosquitto demo test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT)
 
-test: $(VENV)/.models-smollm2 $(STUBS)
+test: $(VENV)/.models-smollm2 $(STUBS) mosquitto
 	$(PY) -m pytest -q
+
+# The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
+mosquitto:
+	@command -v mosquitto >/dev/null || test -x /usr/sbin/mosquitto || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q mosquitto || (apt-get update -q && apt-get install -y -q mosquitto)) >/dev/null; \
+	  else echo "the fleet plane tests need Mosquitto: run 'sudo apt-get install -y mosquitto'" >&2; exit 1; fi; }
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).

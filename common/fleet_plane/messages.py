@@ -1,0 +1,200 @@
+"""The fleet plane's messages (proto/mqtt.md): dataclasses, JSON on the wire, checked on the way in.
+
+`encode(message)` writes the JSON with its `schema` field; `decode(payload, kind)` refuses, with a
+`BadMessage` that says why, anything a reader cannot trust: over `MAX_PAYLOAD_BYTES`, not JSON, not
+an object, another schema or version, a missing field, a field of the wrong type. Extra fields are
+ignored (a newer writer within the same version). `FleetConfig.check()` and
+`VerifierArtifact.onnx_bytes()` add what a type cannot say.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+from common.call_policy import parse_policy
+from common.decoding.modes import MODES
+from common.fleet_plane.topics import check_identifier, check_sha256
+
+MAX_PAYLOAD_BYTES = 1 << 20
+STATUSES = ("online", "offline", "draining")
+MAX_BLOCK_K = 32
+
+
+class BadMessage(ValueError):
+    """A payload the reader ignores; the message says what was wrong with it."""
+
+
+@dataclass(frozen=True)
+class EdgeState:
+    SCHEMA: ClassVar[str] = "sprinter.edge.state/1"
+    status: str
+    edge_id: str
+    group: str
+    draft: str
+    target: str | None
+    verifier: dict
+    mode: str
+    policy: str | None
+    version: str
+    api: str
+    config_version: int
+    time: float
+
+
+@dataclass(frozen=True)
+class EdgeTelemetry:
+    SCHEMA: ClassVar[str] = "sprinter.edge.telemetry/1"
+    edge_id: str
+    time: float
+    interval_s: float
+    tokens_per_s: float
+    target_calls_per_token: float
+    tokens_per_call: float | None
+    active_requests: int
+    requests: int
+    degraded_requests: int
+    cost_model: dict
+    cloud: str | None
+    dropped_telemetry: int
+
+
+@dataclass(frozen=True)
+class CloudLoad:
+    SCHEMA: ClassVar[str] = "sprinter.cloud.load/1"
+    replica_id: str
+    status: str
+    model_id: str
+    vocab_fingerprint: str
+    endpoint: str
+    open_sessions: int
+    queue_depth: int
+    batch_size_mean: float
+    verify_ms_p50: float | None
+    kv_bytes_used: int
+    kv_bytes_budget: int
+    time: float
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Desired state of a group of edges; fields left None keep each edge's own setting."""
+
+    SCHEMA: ClassVar[str] = "sprinter.fleet.config/1"
+    group: str
+    version: int
+    mode: str | None = None
+    policy: str | None = None
+    k: int | None = None
+    verifier: dict | None = None
+    clouds: list | None = None
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field an edge must refuse."""
+        check_identifier(self.group, "group")
+        if self.version < 1:
+            raise ValueError(f"version must be a positive integer, got {self.version}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.policy is not None:
+            parse_policy(self.policy)
+        if self.k is not None and not 1 <= self.k <= MAX_BLOCK_K:
+            raise ValueError(f"k must be in [1, {MAX_BLOCK_K}], got {self.k}")
+        if self.verifier is not None:
+            if set(self.verifier) != {"id", "sha256"} or not isinstance(self.verifier["id"], str):
+                raise ValueError("verifier must be {\"id\": NAME, \"sha256\": HEX}")
+            check_sha256(str(self.verifier["sha256"]))
+        if self.clouds is not None:
+            for endpoint in self.clouds:
+                host, _, port = str(endpoint).rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"cloud endpoint {endpoint!r} is not HOST:PORT")
+
+
+@dataclass(frozen=True)
+class ConfigApplied:
+    SCHEMA: ClassVar[str] = "sprinter.edge.applied/1"
+    edge_id: str
+    group: str
+    version: int
+    ok: bool
+    reason: str | None
+    time: float
+
+
+@dataclass(frozen=True)
+class VerifierArtifact:
+    SCHEMA: ClassVar[str] = "sprinter.verifier.artifact/1"
+    sha256: str
+    metadata: dict
+    onnx_base64: str = field(repr=False)
+
+    @classmethod
+    def from_onnx(cls, onnx: bytes, metadata: dict) -> VerifierArtifact:
+        return cls(hashlib.sha256(onnx).hexdigest(), metadata, base64.b64encode(onnx).decode("ascii"))
+
+    def onnx_bytes(self) -> bytes:
+        """The ONNX model, checked against the digest it was published under."""
+        try:
+            onnx = base64.b64decode(self.onnx_base64, validate=True)
+        except ValueError as err:
+            raise BadMessage(f"verifier artifact: onnx_base64 is not base64 ({err})") from err
+        digest = hashlib.sha256(onnx).hexdigest()
+        if digest != self.sha256:
+            raise BadMessage(f"verifier artifact: the ONNX bytes hash to {digest[:12]}..., not {self.sha256[:12]}...")
+        return onnx
+
+
+Message = EdgeState | EdgeTelemetry | CloudLoad | FleetConfig | ConfigApplied | VerifierArtifact
+M = TypeVar("M", EdgeState, EdgeTelemetry, CloudLoad, FleetConfig, ConfigApplied, VerifierArtifact)
+
+
+def encode(message: Message) -> bytes:
+    return json.dumps({"schema": message.SCHEMA, **asdict(message)}, separators=(",", ":")).encode()
+
+
+def decode(payload: bytes | bytearray | str, kind: type[M]) -> M:
+    """The message of type `kind` in `payload`, or BadMessage."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise BadMessage(f"{kind.SCHEMA}: payload of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES} byte limit")
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadMessage(f"{kind.SCHEMA}: not JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise BadMessage(f"{kind.SCHEMA}: the payload must be a JSON object")
+    if data.get("schema") != kind.SCHEMA:
+        raise BadMessage(f"expected schema {kind.SCHEMA!r}, got {data.get('schema')!r}")
+    hints = typing.get_type_hints(kind)
+    values: dict[str, Any] = {}
+    for spec in fields(kind):
+        if spec.name not in data:
+            if spec.default is MISSING and spec.default_factory is MISSING:
+                raise BadMessage(f"{kind.SCHEMA}: field {spec.name!r} is missing")
+            continue
+        value = data[spec.name]
+        if not _has_type(value, hints[spec.name]):
+            raise BadMessage(f"{kind.SCHEMA}: field {spec.name!r} has the wrong type ({type(value).__name__})")
+        values[spec.name] = value
+    message = kind(**values)
+    if isinstance(message, (EdgeState, CloudLoad)) and message.status not in STATUSES:
+        raise BadMessage(f"{kind.SCHEMA}: status {message.status!r} is not one of {', '.join(STATUSES)}")
+    return message
+
+
+def _has_type(value: object, annotation: object) -> bool:
+    """JSON-level type check: int is not bool, a float field takes an int, `X | None` takes null."""
+    if isinstance(annotation, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)  # str, bool, dict, list
