@@ -161,7 +161,7 @@ def test_compare_with_measured() -> None:
 
 
 def test_cli_writes_results_table_and_plots(tmp_path: Path) -> None:
-    assert main(["fleet", "--demo", "--modes", "sd,sprinter", "--edges", "1,4", "--replicas", "1,2",
+    assert main(["fleet", "simulate", "--demo", "--modes", "sd,sprinter", "--edges", "1,4", "--replicas", "1,2",
                  "--tokens-per-request", "16", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {r["profile"] for r in rows} == {"sd", "sprinter"}

@@ -1,8 +1,8 @@
-r"""`sprinter fleet`: the fleet-scale discrete-event simulator over a grid of edge and replica counts.
+r"""`sprinter fleet simulate`: the fleet-scale discrete-event simulator over a grid of edge and replica counts.
 
-    sprinter fleet --costs costs.json --profiles profiles.json --edges 1,10,100,1000,10000 \
+    sprinter fleet simulate --costs costs.json --profiles profiles.json --edges 1,10,100,1000,10000 \
         --replicas 1,4 --out results/fleet
-    sprinter fleet --demo --out results/fleet-demo     # illustrative built-in inputs
+    sprinter fleet simulate --demo --out results/fleet-demo     # illustrative built-in inputs
 
 N edges (1 to 10,000) share M cloud replicas; each edge drafts, sends its block, waits for the
 replica's batched target forward and emits, one cloud call per round, with (block length, emitted)
@@ -29,8 +29,9 @@ from sim.fleet.result import FleetResult, compare_all
 log = logging.getLogger(__name__)
 
 
-def register(subcommands: argparse._SubParsersAction) -> None:
-    p = subcommands.add_parser("fleet", help="fleet-scale discrete-event simulator: N edges, M cloud replicas",
+def register(programs: argparse._SubParsersAction) -> None:
+    """Adds `simulate` to `sprinter fleet` (entry-point group sprinter.fleet_commands)."""
+    p = programs.add_parser("simulate", help="fleet-scale discrete-event simulator: N edges, M cloud replicas",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--costs", type=Path, help="FleetCosts JSON (default with --demo: illustrative built-in)")
     p.add_argument("--profiles", type=Path, help="mode profiles JSON (default with --demo: illustrative built-in)")
