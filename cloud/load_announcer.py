@@ -1,0 +1,60 @@
+"""A cloud replica on the fleet plane: its load, retained on `clouds/{replica_id}/load` (proto/mqtt.md).
+
+Published every `interval_s` and on every (re)connect; the Last Will (status `offline`) tells edges
+and operators when the process dies, and a clean stop publishes `offline` itself. Edges read the
+announcements to seed their cost model (and, with several replicas, to choose one); the broker
+being away never slows a verify: a publish without a connection is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import aiomqtt
+
+from common.fleet_plane import topics
+from common.fleet_plane.connection import BrokerSettings, FleetConnection
+from common.fleet_plane.messages import CloudLoad, encode
+
+log = logging.getLogger(__name__)
+
+LoadReader = Callable[[str], CloudLoad]  # status ("online", "draining", "offline") -> this replica's load now
+
+
+class LoadAnnouncer:
+    def __init__(self, broker: BrokerSettings, replica_id: str, read_load: LoadReader, interval_s: float = 2.0) -> None:
+        self.replica_id = replica_id
+        self.read_load = read_load
+        self.interval_s = interval_s
+        self.status = "online"
+        will = aiomqtt.Will(topics.cloud_load(replica_id), encode(read_load("offline")), qos=1, retain=True)
+        self.connection = FleetConnection(broker, f"cloud-{replica_id}", will=will, on_connect=self.announce)
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> LoadAnnouncer:
+        await self.connection.__aenter__()
+        self._task = asyncio.create_task(self._periodically(), name="cloud-load-announcer")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.status = "offline"
+        await self.announce()
+        await self.connection.__aexit__(*exc)
+
+    async def announce(self) -> None:
+        await self.connection.publish(topics.cloud_load(self.replica_id), encode(self.read_load(self.status)),
+                                      qos=1, retain=True)
+
+    async def draining(self) -> None:
+        """Say at once that this replica takes no new sessions."""
+        self.status = "draining"
+        await self.announce()
+
+    async def _periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.announce()
