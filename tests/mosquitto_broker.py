@@ -1,91 +1,23 @@
-"""A real Mosquitto broker for tests: started in the foreground on a free loopback port, stopped after.
-
-`make test` and `.ci/run` install Debian's `mosquitto`; without it these tests fail (in CI) or skip.
-"""
+"""A real Mosquitto broker for tests (sim/broker.py), or a skip where it is missing (a failure in CI)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from sim.broker import MosquittoBroker, mosquitto_binary
+from sim.processes import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["MosquittoBroker", "broker", "free_port"]
 
 
-def require_mosquitto() -> str:
-    path = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
-    if path is None:
-        message = "mosquitto is not installed (apt-get install -y mosquitto; `make test` does it)"
+def broker(directory: Path, **options: object) -> MosquittoBroker:
+    try:
+        mosquitto_binary()
+    except FileNotFoundError as err:
         if os.environ.get("SPRINTER_REQUIRE_PRESETS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-class MosquittoBroker:
-    """`with MosquittoBroker(tmp_path) as broker:` then `broker.url`; `stop()` / `start()` for fault tests."""
-
-    def __init__(self, directory: Path, port: int | None = None, users: dict[str, str] | None = None) -> None:
-        self.binary = require_mosquitto()
-        self.directory = directory
-        self.port = port or free_port()
-        self.users = users or {}
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    def _config(self) -> Path:
-        lines = [f"listener {self.port} 127.0.0.1", "persistence false", "log_dest stderr",
-                 "log_type error", "log_type warning"]
-        if os.geteuid() == 0:  # else mosquitto drops to its own user, who cannot read the test's files
-            lines.append("user root")
-        if self.users:
-            passwords = self.directory / "passwords"
-            passwords.write_text("")
-            for user, password in self.users.items():
-                subprocess.run(["mosquitto_passwd", "-b", str(passwords), user, password], check=True)
-            lines += ["allow_anonymous false", f"password_file {passwords}"]
-        else:
-            lines.append("allow_anonymous true")
-        config = self.directory / "mosquitto.conf"
-        config.write_text("\n".join(lines) + "\n")
-        return config
-
-    def start(self) -> None:
-        self.process = subprocess.Popen([self.binary, "-c", str(self._config())], stdout=subprocess.DEVNULL,
-                                        stderr=open(self.directory / "mosquitto.log", "ab"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mosquitto exited: {(self.directory / 'mosquitto.log').read_text()[-500:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("mosquitto did not open its port")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            self.process.wait(timeout=10)
-        self.process = None
-
-    def __enter__(self) -> MosquittoBroker:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+            pytest.fail(str(err))
+        pytest.skip(str(err))
+    return MosquittoBroker(directory, **options)

@@ -14,7 +14,7 @@ from common.fleet_plane import topics
 from common.fleet_plane.connection import BrokerSettings, FleetConnection, publish_properties
 from common.fleet_plane.messages import (MAX_PAYLOAD_BYTES, BadMessage, CloudLoad, ConfigApplied, EdgeState,
                                          EdgeTelemetry, FleetConfig, VerifierArtifact, decode, encode)
-from mosquitto_broker import MosquittoBroker, free_port
+from mosquitto_broker import broker, free_port
 
 CONTRACT = Path(__file__).resolve().parent.parent / "proto" / "mqtt.md"
 
@@ -98,8 +98,8 @@ def test_publish_subscribe_retained_state_and_expiry(tmp_path: Path) -> None:
                 await _until(lambda: len(received) == 2)
                 assert received[1][2].CorrelationData == b"c-1"
 
-    with MosquittoBroker(tmp_path) as broker:
-        asyncio.run(scenario(broker.url))
+    with broker(tmp_path) as running:
+        asyncio.run(scenario(running.url))
 
 
 def test_no_broker_drops_and_counts_then_connects_when_it_appears(tmp_path: Path) -> None:
@@ -109,18 +109,18 @@ def test_no_broker_drops_and_counts_then_connects_when_it_appears(tmp_path: Path
         async with FleetConnection(_fast(f"mqtt://127.0.0.1:{port}"), "patient") as fleet:
             assert not await fleet.publish(topics.edge_telemetry("e1"), b"{}")  # returns at once
             assert fleet.counters.dropped == 1
-            broker = MosquittoBroker(tmp_path, port=port)
-            await asyncio.to_thread(broker.start)
+            restartable = broker(tmp_path, port=port)
+            await asyncio.to_thread(restartable.start)
             try:
                 await asyncio.wait_for(fleet.connected.wait(), 10)
                 assert await fleet.publish(topics.edge_telemetry("e1"), b"{}")
-                await asyncio.to_thread(broker.stop, True)  # killed mid-run
+                await asyncio.to_thread(restartable.stop, True)  # killed mid-run
                 await _until(lambda: not fleet.connected.is_set())
-                await asyncio.to_thread(broker.start)
+                await asyncio.to_thread(restartable.start)
                 await asyncio.wait_for(fleet.connected.wait(), 10)
                 assert fleet.counters.connects == 2
             finally:
-                broker.stop()
+                restartable.stop()
 
     asyncio.run(scenario())
 
@@ -134,8 +134,8 @@ def test_wrong_credentials_are_reported_and_never_raise(tmp_path: Path, caplog: 
         async with FleetConnection(_fast(url, username="edge", password="right"), "member") as fleet:
             await asyncio.wait_for(fleet.connected.wait(), 5)
 
-    with MosquittoBroker(tmp_path, users={"edge": "right"}) as broker:
-        asyncio.run(scenario(broker.url))
+    with broker(tmp_path, users={"edge": "right"}) as running:
+        asyncio.run(scenario(running.url))
     assert any("refused" in r.message and "credentials" in r.message for r in caplog.records)
 
 
@@ -156,5 +156,5 @@ def test_a_failing_handler_is_counted_and_the_connection_stays(tmp_path: Path) -
             await _until(lambda: seen == [b"fine"])
             assert fleet.counters.handler_errors == 1 and fleet.connected.is_set()
 
-    with MosquittoBroker(tmp_path) as broker:
-        asyncio.run(scenario(broker.url))
+    with broker(tmp_path) as running:
+        asyncio.run(scenario(running.url))
