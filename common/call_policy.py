@@ -208,6 +208,14 @@ class CostModel:
         self._sgg = decay * self._sgg + g * g
         self._sgv = decay * self._sgv + g * verify_ms
 
+    def seed_verify_ms(self, verify_ms: float) -> None:
+        """Start t_verify from a cloud's announced verify time instead of the cold prior.
+
+        Only before the first own observation: what this edge measures always wins over an announcement.
+        """
+        if self._w == 0.0 and verify_ms >= 0.0:
+            self.prior_verify_base_ms = verify_ms
+
     @property
     def t_draft_ms(self) -> float:
         return self._draft.value

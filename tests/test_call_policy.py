@@ -231,3 +231,14 @@ def test_goodput_block_length_is_nondecreasing_in_rtt_for_any_scores() -> None:
         scores = [rng.random() ** 0.3 for _ in range(20)]
         lengths = [block_length(GoodputPolicy(steady_cost_model(rtt)), scores, cap=20) for rtt in (0, 50, 100, 200)]
         assert lengths == sorted(lengths), (scores, lengths)
+
+
+def test_an_announced_verify_time_seeds_the_cost_model_until_it_measures_its_own():
+    cost_model = CostModel()
+    cost_model.seed_verify_ms(42.0)
+    assert cost_model.t_verify_ms(0) == pytest.approx(42.0)
+    cost_model.observe_round_trip(total_ms=80.0, verify_ms=60.0, block_length=4)
+    measured = cost_model.verify_line()
+    assert cost_model.t_verify_ms(4) == pytest.approx(60.0)
+    cost_model.seed_verify_ms(5.0)  # an announcement no longer moves what the edge measured
+    assert cost_model.verify_line() == measured
