@@ -302,7 +302,7 @@ def test_an_open_that_cannot_fit_beside_busy_sessions_is_refused_with_a_retry_hi
         busy = SessionStream(channel)
         busy.open([GOOD] * 1500)
         spy.hold()
-        held, _ = in_thread(busy.verify, 1500, [GOOD])
+        held, verified = in_thread(busy.verify, 1500, [GOOD])
         assert spy.entered.wait(TIMEOUT)
         newcomer = SessionStream(channel)
         thread, outcome = in_thread(newcomer.open, [GOOD] * 1000)
@@ -315,7 +315,8 @@ def test_an_open_that_cannot_fit_beside_busy_sessions_is_refused_with_a_retry_hi
         assert frame.error.code == S.RESOURCE_EXHAUSTED.value[0] and frame.error.retry_after_ms > 0
         assert "KV" in frame.error.message
         assert len(server.server.servicer.backend.store) == 1  # nothing half-built is left behind
-        assert busy.verify(1502, [GOOD]).WhichOneof("frame") == "verdict"
+        length = verified["result"].verdict.context_length
+        assert busy.verify(length, [GOOD]).WhichOneof("frame") == "verdict"
         busy.close()
         newcomer.close()
 
