@@ -158,7 +158,7 @@ class SessionStore:
 
     def _make_session_room(self, owner: str) -> None:
         if self.owner_sessions(owner) >= self.edge.max_sessions:  # the edge is at its quota: it pays itself
-            if not self._evict(lambda o: 1.0 if o == owner else -1.0, "edge session quota", only_owner=owner):
+            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner):  # its LRU idle one
                 raise exhausted(f"this edge has {self.edge.max_sessions} busy sessions, its quota (--edge-max-sessions); "
                                 "close one or retry shortly", BUSY_RETRY_MS)
         if len(self._sessions) >= self.limits.max_sessions and not self._evict(self._session_share, "session limit"):
