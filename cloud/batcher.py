@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -135,6 +136,7 @@ class ForwardRequest:
     cache: DynamicCache
     new_tokens: list[int]
     n_logits: int
+    abandoned: Callable[[], bool] | None = None  # true once nobody waits for the answer: the forward is skipped
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued_at: float = field(default_factory=time.perf_counter)
 
@@ -148,16 +150,28 @@ class ForwardResult:
 
 
 class Batcher:
+    """Verify requests are batched; prompts are prefilled apart, in chunks, taking turns with verify batches.
+
+    A prefill never joins a verify batch: padded to the prompt's width, it would multiply every
+    verify's attention and LM-head work by the batch size. Chunks of at most `max_prefill_chunk`
+    tokens run alone, and whenever verifies are waiting a verify batch runs between two chunks, so a
+    long prompt delays a verify by one chunk's forward, not by the whole prefill.
+    """
+
     def __init__(self, model: PreTrainedModel, window_s: float = 0.005, max_batch: int = 8,
                  on_batch: Callable[[int, float], None] | None = None,
-                 demand: Callable[[], int] | None = None) -> None:
+                 demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256) -> None:
         self.model = model
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
+        self.max_prefill_chunk = max(1, max_prefill_chunk)
         self.on_batch = on_batch  # (batch size, forward seconds): for metrics
         # How many requests could be coming (open streams): a lone edge never waits out the window.
         self.demand = demand
-        self._queue: asyncio.Queue[ForwardRequest] = asyncio.Queue()
+        self.dropped = 0  # requests skipped because their caller had left
+        self._verifies: deque[ForwardRequest] = deque()
+        self._prefills: deque[ForwardRequest] = deque()
+        self._arrived = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
         self._task: asyncio.Task | None = None
 
@@ -171,50 +185,93 @@ class Batcher:
             await asyncio.gather(self._task, return_exceptions=True)
         self._worker.shutdown(wait=True)
 
-    async def forward(self, cache: DynamicCache, new_tokens: list[int], n_logits: int) -> ForwardResult:
-        """Append `new_tokens` to `cache` (in place) and return the logits of the last `n_logits` positions."""
-        request = ForwardRequest(cache, new_tokens, n_logits)
-        await self._queue.put(request)
+    async def forward(self, cache: DynamicCache, new_tokens: list[int], n_logits: int,
+                      abandoned: Callable[[], bool] | None = None) -> ForwardResult:
+        """Append `new_tokens` to `cache` (in place) and return the logits of the last `n_logits` positions.
+
+        A few tokens (a verify block, a decode step): batched with other sessions' requests.
+        """
+        request = ForwardRequest(cache, new_tokens, n_logits, abandoned)
+        self._verifies.append(request)
+        self._arrived.set()
         return await request.future
+
+    async def prefill(self, cache: DynamicCache, tokens: list[int], abandoned: Callable[[], bool] | None = None) -> None:
+        """Append `tokens` to `cache` in chunks that run alone; raises CancelledError if the caller left."""
+        for start in range(0, len(tokens), self.max_prefill_chunk):
+            request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned)
+            self._prefills.append(request)
+            self._arrived.set()
+            await request.future
 
     def _batch_limit(self) -> int:
         return self.max_batch if self.demand is None else max(1, min(self.max_batch, self.demand()))
 
+    async def _wait_for_work(self) -> None:
+        while not self._verifies and not self._prefills:
+            self._arrived.clear()
+            await self._arrived.wait()
+
     async def _gather(self) -> list[ForwardRequest]:
-        batch = [await self._queue.get()]
+        batch = [self._verifies.popleft()]
         deadline = time.perf_counter() + self.window_s
         while len(batch) < self._batch_limit():
+            if self._verifies:
+                batch.append(self._verifies.popleft())
+                continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                # Whatever is already queued joins for free.
-                while len(batch) < self.max_batch and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
+            if remaining <= 0 or self._prefills:  # a waiting prefill chunk is not kept waiting for the window
                 break
+            self._arrived.clear()
             try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                await asyncio.wait_for(self._arrived.wait(), remaining)
             except asyncio.TimeoutError:
                 break
+        while len(batch) < self.max_batch and self._verifies:  # whatever is already queued joins for free
+            batch.append(self._verifies.popleft())
         return batch
 
+    def _without_abandoned(self, batch: list[ForwardRequest]) -> list[ForwardRequest]:
+        """Skip requests nobody waits for: their caller was cancelled, or `abandoned()` says it left."""
+        kept = []
+        for request in batch:
+            if not request.future.done() and request.abandoned is not None and request.abandoned():
+                request.future.cancel()
+            if request.future.done():
+                self.dropped += 1
+                log.info("skipped a forward of %d tokens: its caller left", len(request.new_tokens))
+            else:
+                kept.append(request)
+        return kept
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        prefill_next = False
         while True:
-            batch = await self._gather()
-            started = time.perf_counter()
-            try:
-                logits = await loop.run_in_executor(
-                    self._worker, forward_batch, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
-                    [r.n_logits for r in batch])
-            except Exception as err:  # a failed forward fails its requests, never the batcher
-                log.exception("target forward failed for a batch of %d", len(batch))
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(err)
-                continue
-            forward_s = time.perf_counter() - started
-            if self.on_batch:
-                self.on_batch(len(batch), forward_s)
-            for request, request_logits in zip(batch, logits):
+            await self._wait_for_work()
+            if self._prefills and (prefill_next or not self._verifies):
+                batch, prefill_next = [self._prefills.popleft()], False
+            else:
+                batch, prefill_next = await self._gather(), True
+            batch = self._without_abandoned(batch)
+            if batch:
+                await self._forward(batch)
+
+    async def _forward(self, batch: list[ForwardRequest]) -> None:
+        started = time.perf_counter()
+        try:
+            logits = await asyncio.get_running_loop().run_in_executor(
+                self._worker, forward_batch, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
+                [r.n_logits for r in batch])
+        except Exception as err:  # a failed forward fails its requests, never the batcher
+            log.exception("target forward failed for a batch of %d", len(batch))
+            for request in batch:
                 if not request.future.done():
-                    request.future.set_result(ForwardResult(
-                        request_logits, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))
+                    request.future.set_exception(err)
+            return
+        forward_s = time.perf_counter() - started
+        if self.on_batch:
+            self.on_batch(len(batch), forward_s)
+        for request, request_logits in zip(batch, logits):
+            if not request.future.done():
+                request.future.set_result(ForwardResult(
+                    request_logits, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))

@@ -18,24 +18,46 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"])
-    p.add_argument("--host", default=DEFAULTS.host)
+    p.add_argument("--host", default=DEFAULTS.host, help="a non-loopback address needs --auth-tokens "
+                                                          "(or --allow-unauthenticated)")
     p.add_argument("--port", type=int, default=DEFAULTS.port)
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key serves TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--auth-tokens", type=Path, help="file of 'EDGE_ID TOKEN' lines; without it, no authentication")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without --auth-tokens (a trusted network only)")
     p.add_argument("--max-sessions", type=int, default=DEFAULTS.max_sessions)
-    p.add_argument("--kv-budget-mb", type=int, default=DEFAULTS.kv_budget_mb)
+    p.add_argument("--kv-budget-mb", type=int, default=DEFAULTS.kv_budget_mb,
+                   help="KV cache of all sessions and Generate calls; must hold one --max-context session")
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
     p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms)
     p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="1 turns batching off")
+    p.add_argument("--max-prefill-chunk", type=int, default=DEFAULTS.max_prefill_chunk,
+                   help="prompt tokens per prefill forward; verify batches run between chunks")
+    p.add_argument("--edge-max-sessions", type=int, help="sessions per edge (default: --max-sessions)")
+    p.add_argument("--edge-kv-budget-mb", type=int, help="KV cache per edge (default: --kv-budget-mb); "
+                                                         "eviction takes from the edge using most of its quota first")
+    p.add_argument("--edge-max-generate", type=int, default=DEFAULTS.edge_max_generate,
+                   help="concurrent Generate calls per edge")
+    p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
+                   help="concurrent Session and Generate calls; beyond: RESOURCE_EXHAUSTED with a retry hint")
+    p.add_argument("--keepalive-s", type=float, default=DEFAULTS.keepalive_s, help="ping a silent connection this often")
+    p.add_argument("--keepalive-timeout-s", type=float, default=DEFAULTS.keepalive_timeout_s,
+                   help="drop a connection whose ping is not answered within this")
+    p.add_argument("--max-connection-idle-s", type=float, default=DEFAULTS.max_connection_idle_s,
+                   help="close a connection without calls after this long")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
-    asyncio.run(run_until_signalled(settings))
+    try:  # a bad flag is refused before anything loads, with the flag's name; the KV budget once the model is known
+        settings = CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
+        asyncio.run(run_until_signalled(settings))
+    except ValueError as err:
+        raise SystemExit(f"sprinter cloud serve: {err}") from None
     return 0

@@ -38,17 +38,21 @@ class CloudMetrics:
         return generate_latest(self.registry)
 
 
-async def serve_metrics(metrics: CloudMetrics, host: str, port: int) -> asyncio.Server:
-    """GET /metrics (any path, in fact) answers the Prometheus text format."""
+async def serve_metrics(metrics: CloudMetrics, host: str, port: int, read_timeout_s: float = 5.0) -> asyncio.Server:
+    """GET /metrics (any path, in fact) answers the Prometheus text format.
+
+    A client must send its request headers (at most 64 KiB) within `read_timeout_s`, or it is hung
+    up on: a connection that never finishes its request would otherwise be held forever.
+    """
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), read_timeout_s)
             body = metrics.exposition()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE_LATEST.encode() +
                          b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
             await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,37 +18,21 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cloud.auth import EdgeAuthenticator
+from cloud.backend import TargetBackend
 from cloud.batcher import Batcher
 from cloud.frames import ServiceLimits
 from cloud.metrics import CloudMetrics, serve_metrics
-from cloud.service import TargetBackend, TargetServicer
+from cloud.quotas import EdgeQuotas
+from cloud.service import TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
+from cloud.settings import CloudSettings
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
+__all__ = ["CloudServer", "CloudSettings", "SERVICE_NAME", "run_until_signalled"]
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
-
-
-@dataclass(frozen=True)
-class CloudSettings:
-    target: str = "tiny-random"
-    dtype: str = "bfloat16"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    auth_tokens: Path | None = None
-    max_sessions: int = 64
-    kv_budget_mb: int = 2048
-    max_block: int = 32
-    max_context: int = 4096
-    idle_timeout_s: float = 300.0
-    batch_window_ms: float = 5.0
-    max_batch: int = 8
-    metrics_port: int | None = None
-    drain_s: float = 30.0
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
@@ -68,19 +51,35 @@ class CloudServer:
         self.preloaded_target = target  # tests hand in a model; the CLI loads it after the port is up
         self.metrics = CloudMetrics()
         self.health = health_aio.HealthServicer()
-        self.servicer = TargetServicer(EdgeAuthenticator.from_file(settings.auth_tokens), self.metrics)
+        self.servicer = TargetServicer(EdgeAuthenticator.from_file(settings.auth_tokens), self.metrics,
+                                       settings.max_streams)
         self.limits = ServiceLimits(max_block=settings.max_block, max_context=settings.max_context,
                                     max_message_bytes=4 << 20)
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
-            ("grpc.max_send_message_length", self.limits.max_message_bytes),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ])
+        # Beyond --max-streams the servicer refuses with a retry hint; the transport bound is a backstop
+        # that leaves room for health checks and GetInfo.
+        self.server = grpc.aio.server(options=self._channel_options(),
+                                      maximum_concurrent_rpcs=settings.max_streams + 64)
         self.port = 0
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+
+    def _channel_options(self) -> list[tuple[str, int]]:
+        settings = self.settings
+        return [
+            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
+            ("grpc.max_send_message_length", self.limits.max_message_bytes),
+            # Dead peers: ping a silent connection every keepalive_s, drop it if the ping is not answered.
+            ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),  # grpc 1.85 times pings by this
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that is quiet for long
+            ("grpc.max_connection_idle_ms", int(settings.max_connection_idle_s * 1000)),
+            # Edges ping every 20 s (edge/cloud_client.py), also between calls; faster pingers are cut off.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
 
     async def __aenter__(self) -> "CloudServer":
         pb_grpc.add_TargetServiceServicer_to_server(self.servicer, self.server)
@@ -91,7 +90,8 @@ class CloudServer:
         self.port = self._bind()
         await self.server.start()
         if self.settings.metrics_port is not None:
-            self._metrics_server = await serve_metrics(self.metrics, self.settings.host, self.settings.metrics_port)
+            self._metrics_server = await serve_metrics(self.metrics, self.settings.host, self.settings.metrics_port,
+                                                       self.settings.metrics_read_timeout_s)
         self._tasks.append(asyncio.create_task(self._load_and_serve(), name="cloud-main"))
         return self
 
@@ -116,7 +116,13 @@ class CloudServer:
             await self.health.set(service, status)
 
     async def wait_ready(self) -> None:
-        await self._ready.wait()
+        """Until the model is loaded and the service SERVING; raises what stopped it from getting there."""
+        ready = asyncio.create_task(self._ready.wait())
+        await asyncio.wait([ready, self._tasks[0]], return_when=asyncio.FIRST_COMPLETED)
+        if not self._ready.is_set():
+            ready.cancel()
+            self._tasks[0].result()  # raises the loading failure
+            raise RuntimeError("the cloud stopped before it was ready")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -131,13 +137,17 @@ class CloudServer:
         if target is None:
             log.info("loading target %s (%s)", settings.target, settings.dtype)
             target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
+        bytes_per_token = kv_bytes_per_token(target.model)
+        settings.check_kv_budget(bytes_per_token)
+        quotas = EdgeQuotas(settings.edge_max_sessions or settings.max_sessions, settings.edge_kv_budget_bytes,
+                            settings.edge_max_generate)
         store = SessionStore(
-            SessionLimits(settings.max_sessions, settings.kv_budget_mb << 20, settings.idle_timeout_s),
-            kv_bytes_per_token(target.model),
-            on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
+            SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas),
+            bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
         )
         async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
-                           on_batch=self.metrics.observe_batch, demand=lambda: self.servicer.open_streams) as batcher:
+                           on_batch=self.metrics.observe_batch, demand=lambda: self.servicer.open_streams,
+                           max_prefill_chunk=settings.max_prefill_chunk) as batcher:
             self.servicer.backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store,
                                                   batcher, self.metrics)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)

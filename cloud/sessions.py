@@ -1,8 +1,13 @@
 """Sessions: each edge generation keeps its context and its target KV cache on the cloud.
 
-The store bounds memory two ways: a KV budget with least-recently-used eviction, and an idle
-timeout. An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
+The store bounds memory three ways: a KV budget, a session limit (both with fair-share eviction of
+idle sessions, see cloud/quotas.py) and an idle timeout. Admission happens before any compute: a
+session or a Generate that cannot fit is refused with RESOURCE_EXHAUSTED, never admitted and then
+evicted. An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
 with its full context, so eviction costs a prefill, never correctness.
+
+KV is counted per context token (a session's `length`, a Generate's prompt plus its new tokens),
+so an open is charged for its whole prompt before its prefill runs.
 """
 
 from __future__ import annotations
@@ -10,15 +15,18 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import itertools
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 import torch
 from transformers import DynamicCache
 
-from cloud.errors import CloudError
+from cloud.errors import CloudError, exhausted
+from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,7 +42,7 @@ class Session:
     generator: torch.Generator
     cached_tokens: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False  # a verify is in flight: never evicted under it
+    busy: bool = False  # a prefill or verify is in flight: never evicted under it
 
     @property
     def length(self) -> int:
@@ -49,34 +57,67 @@ class SessionLimits:
     max_sessions: int = 64
     kv_budget_bytes: int = 2 << 30
     idle_timeout_s: float = 300.0
+    edge: EdgeQuotas | None = None  # None: each edge may use the global limits
+
+    def __post_init__(self) -> None:
+        if self.edge is None:
+            self.edge = EdgeQuotas(self.max_sessions, self.kv_budget_bytes, max_generate=4)
 
 
 class SessionStore:
     def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
                  on_evict: Callable[[Session], None] | None = None) -> None:
         self.limits = limits
+        self.edge = limits.edge
         self.kv_bytes_per_token = kv_bytes_per_token
         self.on_evict = on_evict
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._generations: dict[int, tuple[str, int]] = {}  # running Generate calls: id -> (owner, KV tokens)
+        self._generation_ids = itertools.count()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.cached_tokens for s in self._sessions.values()) * self.kv_bytes_per_token
+        tokens = sum(s.length for s in self._sessions.values()) + sum(n for _, n in self._generations.values())
+        return tokens * self.kv_bytes_per_token
+
+    def owner_kv_bytes(self, owner: str) -> int:
+        tokens = (sum(s.length for s in self._sessions.values() if s.owner == owner)
+                  + sum(n for o, n in self._generations.values() if o == owner))
+        return tokens * self.kv_bytes_per_token
+
+    def owner_sessions(self, owner: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.owner == owner)
 
     def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: DynamicCache) -> Session:
-        if len(self._sessions) >= self.limits.max_sessions:
-            self._evict_idlest(reason="session limit")
-        if len(self._sessions) >= self.limits.max_sessions:
-            raise CloudError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self.limits.max_sessions} sessions are busy; retry later")
+        """Admit a session for `prompt_ids` (making room first) or refuse it; nothing is computed yet."""
+        self._check_fits(owner, len(prompt_ids), "prompt")
+        self._make_session_room(owner)
+        self._make_kv_room(len(prompt_ids) * self.kv_bytes_per_token)
         session = Session(
             session_id=secrets.token_hex(12), owner=owner, tokens=list(prompt_ids), cache=cache, sampling=sampling,
             generator=torch.Generator().manual_seed(sampling.seed),
         )
         self._sessions[session.session_id] = session
         return session
+
+    @contextmanager
+    def generation(self, owner: str, kv_tokens: int) -> Iterator[None]:
+        """Hold `kv_tokens` of KV (a Generate's prompt plus new tokens) for one of the edge's Generate slots."""
+        running = sum(1 for o, _ in self._generations.values() if o == owner)
+        if running >= self.edge.max_generate:
+            raise exhausted(f"this edge already runs {running} concurrent Generate calls (the limit, "
+                            f"--edge-max-generate, is {self.edge.max_generate}); retry when one ends", GENERATE_RETRY_MS)
+        self._check_fits(owner, kv_tokens, "Generate (prompt + max_new_tokens)")
+        self._make_kv_room(kv_tokens * self.kv_bytes_per_token)
+        key = next(self._generation_ids)
+        self._generations[key] = (owner, kv_tokens)
+        try:
+            yield
+        finally:
+            del self._generations[key]
 
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)
@@ -94,9 +135,9 @@ class SessionStore:
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
-    def enforce_budget(self) -> None:
-        """Evict least-recently-used idle sessions until the KV cache fits the budget."""
-        while self.kv_bytes > self.limits.kv_budget_bytes and self._evict_idlest(reason="KV budget"):
+    def enforce_budget(self, protect: Session | None = None) -> None:
+        """Evict idle sessions, fair share first, until the KV fits the budget; `protect` is never evicted."""
+        while self.kv_bytes > self.limits.kv_budget_bytes and self._evict(self._kv_share, "KV budget", protect):
             pass
 
     def expire_idle(self) -> int:
@@ -108,12 +149,42 @@ class SessionStore:
             self.close(session_id)
         return len(stale)
 
-    def _evict_idlest(self, reason: str) -> bool:
-        for session in self._sessions.values():  # oldest use first
-            if not session.busy:
-                log.info("evicting session %s (%s)", session.session_id, reason)
-                self.close(session.session_id)
-                if self.on_evict:
-                    self.on_evict(session)
-                return True
-        return False
+    def _check_fits(self, owner: str, n_tokens: int, what: str) -> None:
+        needed = n_tokens * self.kv_bytes_per_token
+        allowed = min(self.limits.kv_budget_bytes, self.edge.kv_budget_bytes)
+        if needed > allowed:
+            raise exhausted(f"this {what} needs {needed >> 10} KiB of KV cache, more than this cloud lets one edge hold "
+                            f"({allowed >> 10} KiB: --kv-budget-mb / --edge-kv-budget-mb); shorten it")
+
+    def _make_session_room(self, owner: str) -> None:
+        if self.owner_sessions(owner) >= self.edge.max_sessions:  # the edge is at its quota: it pays itself
+            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner):  # its LRU idle one
+                raise exhausted(f"this edge has {self.edge.max_sessions} busy sessions, its quota (--edge-max-sessions); "
+                                "close one or retry shortly", BUSY_RETRY_MS)
+        if len(self._sessions) >= self.limits.max_sessions and not self._evict(self._session_share, "session limit"):
+            raise exhausted(f"all {self.limits.max_sessions} sessions are busy; retry shortly", BUSY_RETRY_MS)
+
+    def _make_kv_room(self, needed: int) -> None:
+        while self.kv_bytes + needed > self.limits.kv_budget_bytes:
+            if not self._evict(self._kv_share, "KV budget"):
+                raise exhausted(f"the KV cache budget is held by sessions that are busy right now "
+                                f"({self.kv_bytes >> 10} of {self.limits.kv_budget_bytes >> 10} KiB, "
+                                f"{needed >> 10} KiB needed); retry shortly", BUSY_RETRY_MS)
+
+    def _kv_share(self, owner: str) -> float:
+        return self.owner_kv_bytes(owner) / self.edge.kv_budget_bytes
+
+    def _session_share(self, owner: str) -> float:
+        return self.owner_sessions(owner) / self.edge.max_sessions
+
+    def _evict(self, share: Callable[[str], float], reason: str, protect: Session | None = None,
+               only_owner: str | None = None) -> bool:
+        candidates = (s for s in self._sessions.values() if only_owner is None or s.owner == only_owner)
+        victim = fair_share_victim(candidates, share, protect)
+        if victim is None:
+            return False
+        log.info("evicting session %s of edge %s (%s)", victim.session_id, victim.owner, reason)
+        self.close(victim.session_id)
+        if self.on_evict:
+            self.on_evict(victim)
+        return True

@@ -1,0 +1,105 @@
+"""What `sprinter cloud serve` is told, checked before anything starts.
+
+Every refusal names the flag to change. The one check that needs the model (does the KV budget hold
+one full context?) is `check_kv_budget`, run once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: reachable from elsewhere, as far as we know
+        return False
+
+
+@dataclass(frozen=True)
+class CloudSettings:
+    target: str = "tiny-random"
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_tokens: Path | None = None
+    allow_unauthenticated: bool = False  # serve a non-loopback address without tokens anyway
+    max_sessions: int = 64
+    kv_budget_mb: int = 2048
+    max_block: int = 32
+    max_context: int = 4096
+    idle_timeout_s: float = 300.0
+    batch_window_ms: float = 5.0
+    max_batch: int = 8
+    max_prefill_chunk: int = 256  # prompt tokens per prefill forward; verify batches run between chunks
+    # Per-edge quotas (an edge is an authenticated identity). None: the global limit. Whatever they are,
+    # eviction takes from the edge using the largest share first, so one edge cannot evict the others.
+    edge_max_sessions: int | None = None
+    edge_kv_budget_mb: int | None = None
+    edge_max_generate: int = 4  # concurrent Generate calls per edge
+    max_streams: int = 256  # concurrent Session + Generate calls, all edges together
+    keepalive_s: float = 30.0  # the server pings a silent connection this often ...
+    keepalive_timeout_s: float = 10.0  # ... and drops it when a ping is not answered within this
+    max_connection_idle_s: float = 900.0  # a connection without calls for this long is closed
+    metrics_port: int | None = None
+    metrics_read_timeout_s: float = 5.0  # a scraper must send its request within this
+    drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for error in self.problems():
+            raise ValueError(error)
+
+    def problems(self) -> list[str]:
+        checks = [
+            (self.max_sessions >= 1, f"--max-sessions must be >= 1, got {self.max_sessions}"),
+            (self.kv_budget_mb >= 1, f"--kv-budget-mb must be >= 1, got {self.kv_budget_mb}"),
+            (self.max_block >= 1, f"--max-block must be >= 1, got {self.max_block}"),
+            (self.max_context >= self.max_block + 2,
+             f"--max-context {self.max_context} leaves no room for a block of --max-block {self.max_block} "
+             f"after a prompt: it must be at least {self.max_block + 2}"),
+            (self.max_batch >= 1, f"--max-batch must be >= 1 (1 turns batching off), got {self.max_batch}"),
+            (self.batch_window_ms >= 0, f"--batch-window-ms must be >= 0, got {self.batch_window_ms}"),
+            (self.idle_timeout_s > 0, f"--idle-timeout-s must be > 0, got {self.idle_timeout_s}"),
+            (self.max_prefill_chunk >= 1, f"--max-prefill-chunk must be >= 1, got {self.max_prefill_chunk}"),
+            (self.edge_max_sessions is None or 1 <= self.edge_max_sessions <= self.max_sessions,
+             f"--edge-max-sessions must be in 1..--max-sessions ({self.max_sessions}), got {self.edge_max_sessions}"),
+            (self.edge_kv_budget_mb is None or 1 <= self.edge_kv_budget_mb <= self.kv_budget_mb,
+             f"--edge-kv-budget-mb must be in 1..--kv-budget-mb ({self.kv_budget_mb}), got {self.edge_kv_budget_mb}"),
+            (self.edge_max_generate >= 0, f"--edge-max-generate must be >= 0, got {self.edge_max_generate}"),
+            (self.max_streams >= 1, f"--max-streams must be >= 1, got {self.max_streams}"),
+            (self.keepalive_s > 0 and self.keepalive_timeout_s > 0,
+             "--keepalive-s and --keepalive-timeout-s must be > 0"),
+            (self.max_connection_idle_s > 0, f"--max-connection-idle-s must be > 0, got {self.max_connection_idle_s}"),
+            (self.metrics_read_timeout_s > 0, f"--metrics-read-timeout-s must be > 0, got {self.metrics_read_timeout_s}"),
+            (self.drain_s >= 0, f"--drain-s must be >= 0, got {self.drain_s}"),
+            (is_loopback(self.host) or self.auth_tokens is not None or self.allow_unauthenticated,
+             f"--host {self.host} is reachable from other machines, and without --auth-tokens anyone there could use "
+             f"this cloud: pass --auth-tokens FILE, or --allow-unauthenticated if the network is trusted"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.kv_budget_mb << 20
+
+    @property
+    def edge_kv_budget_bytes(self) -> int:
+        return (self.edge_kv_budget_mb or self.kv_budget_mb) << 20
+
+    def check_kv_budget(self, kv_bytes_per_token: int) -> None:
+        """One session of `max_context` tokens must fit the budget (and an edge's quota), or none ever could."""
+        full_context = self.max_context * kv_bytes_per_token
+        for flag, budget in (("--kv-budget-mb", self.kv_budget_bytes), ("--edge-kv-budget-mb", self.edge_kv_budget_bytes)):
+            if budget < full_context:
+                needed_mb = -(-full_context // (1 << 20))
+                raise ValueError(f"{flag} {budget >> 20} cannot hold one session of --max-context {self.max_context} "
+                                 f"tokens ({kv_bytes_per_token} bytes of KV each): raise it to at least {needed_mb}, "
+                                 f"or lower --max-context")

@@ -1,0 +1,184 @@
+"""bench prefill: verify latency of busy sessions while a long prompt opens (issue 12, item 2).
+
+    sprinter bench prefill --target smollm2-135m --sessions 8 --prompt-tokens 4000 --out results/bench-prefill
+
+N sessions verify k-token blocks in a loop, each as fast as its verdicts come back; after a quiet
+phase one more stream opens a prompt of `--prompt-tokens` tokens. Reports p50/p99 verify latency in
+the quiet phase and while the open's prefill runs, the open's own time, and the cloud's peak RSS.
+The cloud runs as a separate process (`sprinter cloud serve`). `--cloud-pythonpath` runs another
+checkout's cloud (e.g. the commit before a fix) under the same client; `--serve-args` adds flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from sim.bench.cloud import percentile
+from sim.processes import cloud_process
+from sprinter.v1 import decoding_pb2 as pb
+from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillBenchSettings:
+    target: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    sessions: int = 8
+    prompt_tokens: int = 4000
+    k: int = 5  # draft tokens per verify
+    quiet_s: float = 5.0  # verify alone for this long before the open
+    serve_args: tuple[str, ...] = ()
+    cloud_pythonpath: str | None = None
+    out: Path = Path("results/bench-prefill")
+
+
+@dataclass
+class PrefillBenchResult:
+    label: str
+    quiet_verifies: int
+    quiet_p50_ms: float
+    quiet_p99_ms: float
+    during_verifies: int  # verifies that started while the open ran
+    during_p50_ms: float
+    during_p99_ms: float
+    during_max_ms: float
+    open_s: float
+    cloud_peak_rss_mb: float
+    settings: dict = field(default_factory=dict)
+
+
+async def _verifier(stub: pb_grpc.TargetServiceStub, index: int, k: int, vocab: int, stop: asyncio.Event,
+                    samples: list[tuple[float, float]]) -> None:
+    """One busy session: (start, latency ms) of every verify until `stop`."""
+    requests: asyncio.Queue[pb.EdgeFrame | None] = asyncio.Queue()
+
+    async def frames():
+        while (frame := await requests.get()) is not None:
+            yield frame
+
+    call = stub.Session(frames())
+    prompt = [(index * 7 + i) % vocab for i in range(32)]
+    await requests.put(pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt)))
+    length = (await call.read()).opened.context_length
+    while not stop.is_set():
+        block = [(length * 31 + i) % vocab for i in range(k)]
+        started = time.perf_counter()
+        await requests.put(pb.EdgeFrame(verify=pb.VerifyBlock(start_position=length, draft_tokens=block,
+                                                              method=pb.METHOD_BLOCK)))
+        answer = await call.read()
+        samples.append((started, (time.perf_counter() - started) * 1e3))
+        length = answer.verdict.context_length
+    await requests.put(pb.EdgeFrame(close=pb.CloseSession()))
+    await requests.put(None)
+    while await call.read() is not grpc.aio.EOF:  # until the cloud ends the stream
+        pass
+
+
+async def _measure(address: str, settings: PrefillBenchSettings) -> tuple[list[tuple[float, float]], float, float]:
+    """Verify samples, and the open's start and end (perf_counter seconds)."""
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        vocab = (await stub.GetInfo(pb.GetInfoRequest())).vocab_size
+        verifiers = [asyncio.create_task(_verifier(stub, i, settings.k, vocab, stop, samples))
+                     for i in range(settings.sessions)]
+        await asyncio.sleep(settings.quiet_s)
+        prompt = [(i * 17) % vocab for i in range(settings.prompt_tokens)]
+        opened_at = time.perf_counter()
+        call = stub.Session(iter([pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt))]))
+        answer = await call.read()
+        done_at = time.perf_counter()
+        assert answer.WhichOneof("frame") == "opened", answer
+        call.cancel()
+        await asyncio.sleep(1.0)  # a little after, so verifies queued behind the prefill are counted
+        stop.set()
+        await asyncio.gather(*verifiers)
+    return samples, opened_at, done_at
+
+
+def _peak_rss_mb(pid: int | None) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, TypeError):
+        return float("nan")
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM")), float("nan"))
+
+
+def bench_prefill(settings: PrefillBenchSettings, label: str) -> PrefillBenchResult:
+    settings.out.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": settings.cloud_pythonpath} if settings.cloud_pythonpath else None
+    serve = ["--target", settings.target, "--dtype", settings.dtype, "--max-context", "4096", *settings.serve_args]
+    with cloud_process(*serve, env=env, log_path=settings.out / f"cloud-{label}.log") as address:
+        samples, opened_at, done_at = asyncio.run(_measure(address, settings))
+        rss = _peak_rss_mb(_cloud_pid(address))
+    quiet = [ms for start, ms in samples if start < opened_at]
+    during = [ms for start, ms in samples if opened_at <= start <= done_at or (start < opened_at and start + ms / 1e3 > opened_at)]
+    result = PrefillBenchResult(label, len(quiet), percentile(quiet, 0.5), percentile(quiet, 0.99), len(during),
+                                percentile(during, 0.5), percentile(during, 0.99), max(during, default=float("nan")),
+                                done_at - opened_at, rss, {**asdict(settings), "out": str(settings.out)})
+    with open(settings.out / "results.jsonl", "a") as f:
+        f.write(json.dumps(asdict(result)) + "\n")
+    return result
+
+
+def _cloud_pid(address: str) -> int | None:
+    """The `cloud serve` process this bench started on `address`'s port (its command line names the port)."""
+    wanted = ["--port", address.rsplit(":", 1)[1]]
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if "serve" in argv and any(argv[i:i + 2] == wanted for i in range(len(argv) - 1)):
+            return int(proc.name)
+    return None
+
+
+def format_result(r: PrefillBenchResult) -> str:
+    return (f"| {r.label} | {r.quiet_verifies} | {r.quiet_p50_ms:.0f} | {r.quiet_p99_ms:.0f} | {r.during_verifies} | "
+            f"{r.during_p50_ms:.0f} | {r.during_p99_ms:.0f} | {r.during_max_ms:.0f} | {r.open_s:.1f} | {r.cloud_peak_rss_mb:.0f} |")
+
+
+TABLE_HEADER = ("| run | quiet verifies | quiet p50 ms | quiet p99 ms | verifies during open | p50 ms | p99 ms | max ms "
+                "| open s | cloud peak RSS MB |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def register_prefill(benches: argparse._SubParsersAction) -> None:
+    defaults = PrefillBenchSettings()
+    p = benches.add_parser("prefill", help="verify latency of busy sessions while a long prompt opens",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=defaults.target)
+    p.add_argument("--dtype", default=defaults.dtype)
+    p.add_argument("--sessions", type=int, default=defaults.sessions, help="busy sessions verifying in a loop")
+    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    p.add_argument("--k", type=int, default=defaults.k)
+    p.add_argument("--quiet-s", type=float, default=defaults.quiet_s)
+    p.add_argument("--serve-args", default="", help="extra `cloud serve` flags, one string")
+    p.add_argument("--cloud-pythonpath", help="PYTHONPATH of the cloud process (another checkout)")
+    p.add_argument("--label", default="run", help="the row's name in the table")
+    p.add_argument("--out", type=Path, default=defaults.out)
+    p.set_defaults(run=run_prefill)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    settings = PrefillBenchSettings(target=args.target, dtype=args.dtype, sessions=args.sessions,
+                                    prompt_tokens=args.prompt_tokens, k=args.k, quiet_s=args.quiet_s,
+                                    serve_args=tuple(shlex.split(args.serve_args)),
+                                    cloud_pythonpath=args.cloud_pythonpath, out=args.out)
+    result = bench_prefill(settings, args.label)
+    print(TABLE_HEADER)
+    print(format_result(result))
+    print(f"\nappended to {args.out}/results.jsonl")
+    return 0
