@@ -5,6 +5,7 @@
     sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
     sprinter bench readme --out results/bench --readme README.md
+    sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from pathlib import Path
 
 from common.models import DTYPES
-from sim.bench import cloud, draft, local, policy, readme
+from sim.bench import cloud, draft, local, policy, prefill, readme
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -46,6 +47,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_draft(benches)
     _register_policy(benches)
     _register_readme(benches)
+    prefill.register_prefill(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
