@@ -204,6 +204,11 @@ class Batcher:
             self._arrived.set()
             await request.future
 
+    @property
+    def queue_depth(self) -> int:
+        """Forwards waiting for the model: verify requests and prefill chunks."""
+        return len(self._verifies) + len(self._prefills)
+
     def _batch_limit(self) -> int:
         return self.max_batch if self.demand is None else max(1, min(self.max_batch, self.demand()))
 

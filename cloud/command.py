@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from cloud.server import CloudSettings, run_until_signalled
+from common.fleet_plane.command import add_broker_arguments
 
 DEFAULTS = CloudSettings()
 
@@ -51,6 +52,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
+    add_broker_arguments(p)
+    p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
 
 

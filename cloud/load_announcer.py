@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
+import time
+from collections import deque
 from typing import Callable
 
 import aiomqtt
@@ -21,6 +24,36 @@ from common.fleet_plane.messages import CloudLoad, encode
 log = logging.getLogger(__name__)
 
 LoadReader = Callable[[str], CloudLoad]  # status ("online", "draining", "offline") -> this replica's load now
+
+
+class LoadTracker:
+    """Recent target forwards (batch size, milliseconds), for the announcement's means and median."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.batch_sizes: deque[int] = deque(maxlen=window)
+        self.forward_ms: deque[float] = deque(maxlen=window)
+
+    def observe(self, batch_size: int, forward_s: float) -> None:
+        self.batch_sizes.append(batch_size)
+        self.forward_ms.append(forward_s * 1e3)
+
+    def batch_size_mean(self) -> float:
+        return statistics.fmean(self.batch_sizes) if self.batch_sizes else 0.0
+
+    def verify_ms_p50(self) -> float | None:
+        return statistics.median(self.forward_ms) if self.forward_ms else None
+
+
+def load_reader(replica_id: str, model_id: str, vocab_fingerprint: str, endpoint: str, tracker: LoadTracker,
+                open_sessions: Callable[[], int], queue_depth: Callable[[], int],
+                kv_bytes: Callable[[], tuple[int, int]]) -> LoadReader:
+    """A `LoadReader` over the live service: `kv_bytes()` gives (used, budget)."""
+    def read(status: str) -> CloudLoad:
+        used, budget = kv_bytes()
+        return CloudLoad(replica_id, status, model_id, vocab_fingerprint, endpoint, open_sessions(), queue_depth(),
+                         tracker.batch_size_mean(), tracker.verify_ms_p50(), used, budget, time.time())
+
+    return read
 
 
 class LoadAnnouncer:

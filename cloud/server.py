@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
 import grpc
@@ -21,11 +22,13 @@ from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
 from cloud.batcher import Batcher
 from cloud.frames import ServiceLimits
+from cloud.load_announcer import LoadAnnouncer, LoadTracker, load_reader
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
 from cloud.service import TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
 from cloud.settings import CloudSettings
+from common.fleet_plane.connection import BrokerSettings
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
@@ -60,6 +63,7 @@ class CloudServer:
         self.server = grpc.aio.server(options=self._channel_options(),
                                       maximum_concurrent_rpcs=settings.max_streams + 64)
         self.port = 0
+        self.load = LoadTracker()
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -146,17 +150,39 @@ class CloudServer:
             bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
         )
         async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
-                           on_batch=self.metrics.observe_batch, demand=lambda: self.servicer.open_streams,
+                           on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk) as batcher:
-            self.servicer.backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store,
-                                                  batcher, self.metrics)
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            self._ready.set()
-            log.info("serving %s on %s:%d", target.spec, settings.host, self.port)
-            sweeper = asyncio.create_task(self._expire_idle(store))
-            await self._stopping.wait()
-            await self._drain()
-            sweeper.cancel()
+            backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store, batcher,
+                                    self.metrics)
+            self.servicer.backend = backend
+            async with self._fleet_presence(backend) as announcer:
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                self._ready.set()
+                log.info("serving %s on %s:%d", target.spec, settings.host, self.port)
+                sweeper = asyncio.create_task(self._expire_idle(store))
+                await self._stopping.wait()
+                if announcer is not None:
+                    await announcer.draining()
+                await self._drain()
+                sweeper.cancel()
+
+    def _observe_batch(self, batch_size: int, forward_s: float) -> None:
+        self.metrics.observe_batch(batch_size, forward_s)
+        self.load.observe(batch_size, forward_s)
+
+    def _fleet_presence(self, backend: TargetBackend) -> AbstractAsyncContextManager[LoadAnnouncer | None]:
+        """This replica's load on the fleet plane, with --mqtt; nothing without it."""
+        settings = self.settings
+        if not settings.mqtt:
+            return nullcontext()
+        broker = BrokerSettings.parse(settings.mqtt, ca_file=settings.mqtt_ca, cert_file=settings.mqtt_cert,
+                                      key_file=settings.mqtt_key, keepalive_s=settings.mqtt_keepalive)
+        replica_id = settings.replica_id or f"cloud-{self.port}"
+        store = backend.store
+        read = load_reader(replica_id, backend.target.spec, backend.vocab_fingerprint,
+                           settings.advertise or f"{settings.host}:{self.port}", self.load, lambda: len(store),
+                           lambda: backend.batcher.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
+        return LoadAnnouncer(broker, replica_id, read)
 
     async def _expire_idle(self, store: SessionStore) -> None:
         while True:

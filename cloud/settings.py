@@ -52,6 +52,14 @@ class CloudSettings:
     metrics_port: int | None = None
     metrics_read_timeout_s: float = 5.0  # a scraper must send its request within this
     drain_s: float = 30.0
+    # The fleet plane (proto/mqtt.md): announce this replica's load on the broker at `mqtt`.
+    mqtt: str | None = None
+    mqtt_ca: Path | None = None
+    mqtt_cert: Path | None = None
+    mqtt_key: Path | None = None
+    mqtt_keepalive: int = 10
+    replica_id: str | None = None  # default: cloud-PORT
+    advertise: str | None = None  # the host:port edges should dial (default: --host:--port)
 
     def __post_init__(self) -> None:
         for error in self.problems():
@@ -83,6 +91,7 @@ class CloudSettings:
             (is_loopback(self.host) or self.auth_tokens is not None or self.allow_unauthenticated,
              f"--host {self.host} is reachable from other machines, and without --auth-tokens anyone there could use "
              f"this cloud: pass --auth-tokens FILE, or --allow-unauthenticated if the network is trusted"),
+            (self.mqtt_keepalive >= 1, f"--mqtt-keepalive must be >= 1, got {self.mqtt_keepalive}"),
         ]
         return [message for ok, message in checks if not ok]
 
