@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from common.models import DTYPES
-from sim.bench import cloud, draft, local, policy, readme
+from sim.bench import chaos, cloud, draft, local, policy, readme, soak
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -46,6 +46,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_draft(benches)
     _register_policy(benches)
     _register_readme(benches)
+    soak.register_soak(benches)
+    chaos.register_chaos(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
