@@ -22,8 +22,9 @@ def _parse(register, *argv: str) -> argparse.Namespace:
 
 @pytest.mark.slow
 def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys):
-    # 1 MiB holds about 1k tiny-random tokens: 8 sessions of up to 48 new tokens overflow it, so eviction runs.
-    args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "8", "--duration-s", "4", "--max-tokens", "8,48",
+    # 1 MiB holds 4k tiny-random tokens (256 B each in bf16): 16 sessions of a prompt + up to 160 tokens overflow it,
+    # so least-recently-used eviction (and the edge's reopen) run under load.
+    args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "16", "--duration-s", "4", "--max-tokens", "64,160",
                   "--kv-budget-mb", "1", "--sample-s", "0.2", "--out", str(tmp_path))
     code = args.run(args)
     out = capsys.readouterr().out
@@ -31,7 +32,8 @@ def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys):
     summary = result["summary"]
     assert result["problems"] == [], out
     assert code == 0 and "PASS" in out and "KV cache max MiB / budget MiB" in out
-    assert summary["requests"] >= 8 and summary["errors"] == 0 and summary["http_5xx"] == 0
+    assert summary["sessions_evicted"] >= 1
+    assert summary["requests"] >= 16 and summary["errors"] == 0 and summary["http_5xx"] == 0
     assert summary["metrics_samples"] >= 3 and summary["kv_cache_bytes_max"] <= summary["kv_budget_bytes"]
     assert summary["cloud_rss_max_bytes"] > 10 << 20 and summary["edge_rss_max_bytes"] > 10 << 20
     requests = result["requests"]

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +149,17 @@ def rss_bytes(pid: int | None) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time a live process has used (/proc/PID/stat); None when it is gone."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text format -> {sample name with labels: value} (comments skipped)."""
     values: dict[str, float] = {}
@@ -167,6 +179,8 @@ class Sample:
     at_s: float  # since the sampler started
     cloud_rss: int | None
     edge_rss: int | None
+    cloud_cpu_s: float | None  # CPU time used so far (a restarted cloud starts again from 0)
+    edge_cpu_s: float | None
     kv_cache_bytes: float | None
     sessions_open: float | None
     sessions_evicted: float | None
@@ -204,6 +218,7 @@ class ProcessSampler:
                 self.scrape_failures += 1  # a cloud that is down or restarting has no metrics to give
         self.samples.append(Sample(
             time.monotonic() - self._started, rss_bytes(self.cloud_pid()), rss_bytes(self.edge_pid),
+            cpu_seconds(self.cloud_pid()), cpu_seconds(self.edge_pid),
             metrics.get("sprinter_cloud_kv_cache_bytes"), metrics.get("sprinter_cloud_sessions_open"),
             metrics.get("sprinter_cloud_sessions_evicted_total")))
 

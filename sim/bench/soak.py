@@ -182,6 +182,7 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], sampler: Proce
         "kv_cache_bytes_max": kv_max, "kv_budget_bytes": budget,
         "sessions_open_max": sampler.maximum("sessions_open"), "sessions_evicted": sampler.last("sessions_evicted"),
         "metrics_samples": sum(1 for s in sampler.samples if s.kv_cache_bytes is not None),
+        "cloud_cpu_s": _used(sampler, "cloud_cpu_s"), "edge_cpu_s": _used(sampler, "edge_cpu_s"),
         "edge_alive": edge_alive, **latency_summary(outcomes)}
     problems = [f"{len(failed)} of {len(outcomes)} requests failed"] + failure_lines(outcomes) if failed else []
     if degraded:
@@ -199,6 +200,12 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], sampler: Proce
                       [asdict(s) for s in sampler.samples], [asdict(o) for o in outcomes])
 
 
+def _used(sampler: ProcessSampler, name: str) -> float | None:
+    """CPU seconds a process used during the run (from the first sample to the last)."""
+    values = [getattr(s, name) for s in sampler.samples if getattr(s, name) is not None]
+    return values[-1] - values[0] if values else None
+
+
 def format_soak(result: SoakResult) -> str:
     s, cfg = result.summary, result.settings
     rows = [
@@ -210,6 +217,7 @@ def format_soak(result: SoakResult) -> str:
         ("time to first token s p50 / p99 (streams)", f"{seconds(s['ttft_s_p50'])} / {seconds(s['ttft_s_p99'])}"),
         ("cloud RSS max MiB (2nd half max - 1st half max)", f"{mb(s['cloud_rss_max_bytes'])} ({mb(s['cloud_rss_growth_bytes'])})"),
         ("edge RSS max MiB", mb(s["edge_rss_max_bytes"])),
+        ("CPU s used: cloud, edge (wall s)", f"{seconds(s['cloud_cpu_s'])}, {seconds(s['edge_cpu_s'])} ({s['wall_s']:.0f})"),
         ("KV cache max MiB / budget MiB", f"{mb(s['kv_cache_bytes_max'])} / {mb(s['kv_budget_bytes'])}"),
         ("cloud sessions open max, evicted", f"{s['sessions_open_max']}, {s['sessions_evicted']}"),
     ]
