@@ -104,7 +104,9 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     from common.models import load_model
     from common.prompting import encode_prompt
     from common.quality import agreement, target_nll_per_token
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # the cloud already converted the weights: a bar here is noise
     target = load_model(target_spec, DTYPES[dtype])
     prompt_ids = [encode_prompt(target.tokenizer, prompt, chat=True) for prompt in prompts]
     references = next(a for a in answers if a.mode == "target").token_ids
