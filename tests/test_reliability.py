@@ -1,0 +1,75 @@
+"""Load and faults against real processes on loopback (tiny pair): short versions of `sprinter bench soak`
+and `sprinter bench chaos`, bounded in time and count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from sim.bench import chaos, soak
+from sim.bench.load import parse_metrics, percentile
+
+TINY = ("--target", "tiny-random", "--draft", "tiny-random-draft")
+
+
+def _parse(register, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.slow
+def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys):
+    # 1 MiB holds 4k tiny-random tokens (256 B each in bf16): 16 sessions of a prompt + up to 160 tokens overflow it,
+    # so least-recently-used eviction (and the edge's reopen) run under load.
+    args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "16", "--duration-s", "4", "--max-tokens", "64,160",
+                  "--kv-budget-mb", "1", "--sample-s", "0.2", "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "soak.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [], out
+    assert code == 0 and "PASS" in out and "KV cache max MiB / budget MiB" in out
+    assert summary["sessions_evicted"] >= 1
+    assert summary["requests"] >= 16 and summary["errors"] == 0 and summary["http_5xx"] == 0
+    assert summary["metrics_samples"] >= 3 and summary["kv_cache_bytes_max"] <= summary["kv_budget_bytes"]
+    assert summary["cloud_rss_max_bytes"] > 10 << 20 and summary["edge_rss_max_bytes"] > 10 << 20
+    requests = result["requests"]
+    assert {r["stream"] for r in requests} == {True, False} and len({r["mode"] for r in requests}) >= 4
+
+
+@pytest.mark.slow
+def test_short_chaos_every_request_completes_and_the_edge_survives(tmp_path, capsys):
+    args = _parse(chaos.register_chaos, "chaos", *TINY, "--requests", "9", "--kills", "2", "--max-tokens", "120",
+                  "--stagger-s", "0.2", "--kill-after-s", "0.2,0.5", "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "chaos.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [], out
+    assert code == 0 and "PASS" in out
+    assert summary["completed"] == 9 and summary["http_5xx"] == 0 and summary["kills"] == 2
+    assert summary["cloud_starts"] == 3 and summary["edge_alive_same_pid"]
+    assert summary["after_recovery"] >= 1 and summary["after_recovery_degraded"] == 0
+    assert summary["degraded"] >= 1  # the kills hit traffic, and the answers they hit say so
+    assert len({k["pid"] for k in result["kills"]}) == 2
+
+
+def test_chaos_needs_a_request_per_phase():
+    args = _parse(chaos.register_chaos, "chaos", "--requests", "3", "--kills", "5")
+    with pytest.raises(SystemExit, match="at least --kills"):
+        chaos.settings_from_args(args)
+
+
+def test_soak_rejects_an_inverted_token_range():
+    with pytest.raises(SystemExit):
+        _parse(soak.register_soak, "soak", "--max-tokens", "64,8")
+
+
+def test_metrics_parsing_and_percentiles():
+    text = ('# HELP sprinter_cloud_kv_cache_bytes KV\n# TYPE sprinter_cloud_kv_cache_bytes gauge\n'
+            'sprinter_cloud_kv_cache_bytes 1.5e+06\nsprinter_cloud_errors_total{code="NOT_FOUND"} 2.0\n')
+    assert parse_metrics(text) == {"sprinter_cloud_kv_cache_bytes": 1.5e6, 'sprinter_cloud_errors_total{code="NOT_FOUND"}': 2.0}
+    assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and percentile([], 50) is None
