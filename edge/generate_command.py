@@ -67,6 +67,8 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                    help="check the cloud's certificate against NAME instead of the host in --cloud")
     p.add_argument("--insecure", action="store_true",
                    help="allow --cloud-token without TLS (it travels in clear: only on a private link)")
+    p.add_argument("--cloud-deadline-s", type=float, default=30.0,
+                   help="longest wait for one verdict or one Generate token before the cloud counts as unavailable")
     p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"], help="with --cloud")
     p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"],
                    help="ONNX draft weights: int8 is about 2x faster on CPU; lossless modes stay exact either way")

@@ -32,6 +32,7 @@ class EdgeNodeSettings:
     cloud_token: str | None = None
     cloud_tls_server_name: str | None = None  # the name to check the cloud's certificate against, if not the host's
     insecure: bool = False  # allow a bearer token over plaintext (a test rig, a tunnel): it travels in clear
+    cloud_deadline_s: float = 30.0  # per verify round trip and per Generate chunk
     max_model_len: int | None = None  # cap on prompt + completion tokens, below the draft's and the cloud's own
     draft_runtime: str = "onnx"  # or "torch": the reference and fallback
     draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
@@ -50,7 +51,8 @@ class EdgeNodeSettings:
                    cloud_token=args.cloud_token or os.environ.get("SPRINTER_CLOUD_TOKEN"),
                    cloud_tls_server_name=args.cloud_tls_server_name, insecure=args.insecure,
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
-                   dtype=args.dtype, companion=args.companion, max_model_len=getattr(args, "max_model_len", None))
+                   dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
+                   max_model_len=getattr(args, "max_model_len", None))
 
 
 class EdgeNode:
@@ -66,7 +68,8 @@ class EdgeNode:
     async def __aenter__(self) -> "EdgeNode":
         if self.settings.cloud:
             endpoint = CloudEndpoint(self.settings.cloud, tls_ca=self.settings.cloud_ca,
-                                     tls_server_name=self.settings.cloud_tls_server_name, token=self.settings.cloud_token)
+                                     tls_server_name=self.settings.cloud_tls_server_name, token=self.settings.cloud_token,
+                                     deadline_s=self.settings.cloud_deadline_s)
             self.cloud = await CloudClient(endpoint).__aenter__()
             await self.check_cloud()
         verifier = load_verifier(self.settings.verifier, self.draft.tokenizer, self.settings.draft, self.target_id,

@@ -42,8 +42,8 @@ def sse_events(response: httpx.Response) -> tuple[list[dict], bool]:
     return events, done
 
 
-def post(edge: EdgeDaemonThread, body: dict, path: str = "/v1/completions", **kw) -> httpx.Response:
-    return httpx.post(edge.base + path, json={"model": "x", "temperature": 0, **body}, timeout=60, **kw)
+def post(edge: EdgeDaemonThread, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(edge.base + path, json={"model": "x", "temperature": 0, **body}, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,121 @@ def test_a_refusal_mid_generation_keeps_the_tokens_and_names_the_error(tiny_draf
     assert done and events[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["sprinter"]["error"]["code"] == "INVALID_ARGUMENT"
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
+
+
+# --- a busy cloud, a hung cloud: retries with backoff, deadlines (items 3 and 6) --------------------
+
+
+def busy(code: grpc.StatusCode, retry_after_ms: int) -> pb.Error:
+    return pb.Error(code=code.value[0], message="all 1 sessions are busy; retry later", retry_after_ms=retry_after_ms)
+
+
+def test_backoff_is_exponential_with_jitter():
+    import random
+
+    from edge.cloud_client import backoff_delay
+
+    rng = random.Random(7)
+    for attempt in range(6):
+        nominal = min(1.0, 0.1 * 2 ** attempt)
+        delays = [backoff_delay(attempt, 0.1, 1.0, rng) for _ in range(50)]
+        assert all(0.5 * nominal <= d < 1.5 * nominal for d in delays)
+        assert len(set(delays)) == 50  # edges that failed together do not retry together
+
+
+def test_a_busy_cloud_is_retried_after_its_retry_after_hint(tiny_draft):
+    """RESOURCE_EXHAUSTED with retry_after_ms at open used to be a CloudRefused (HTTP 500)."""
+    script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 600),
+                                                 busy(grpc.StatusCode.UNAVAILABLE, 0)])
+    with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app_factory("sd")) as edge:
+        started = time.monotonic()
+        response = post(edge, {"prompt": "abc", "max_tokens": 10})
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    assert response.json()["sprinter"]["degraded"] is False and script.opens == 3
+    assert elapsed >= 0.6  # the hint was honoured, not a retry straight away
+
+
+def test_a_cloud_busy_beyond_the_retries_degrades_instead_of_failing(tiny_draft):
+    script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 50)] * 3)
+    with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app_factory("sd")) as edge:
+        response = post(edge, {"prompt": "abc", "max_tokens": 10})
+    assert response.status_code == 200, response.text
+    assert response.json()["sprinter"]["degraded"] is True and response.json()["usage"]["completion_tokens"] == 10
+    assert response.headers["x-sprinter-degraded"] == "true"
+
+
+def test_a_hung_generate_is_abandoned_at_the_deadline(tiny_draft):
+    """Mode target against a cloud that stops sending mid-Generate: no deadline used to mean a request held forever."""
+    script = scripted(tiny_draft, generate_hangs_after=3)
+    with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app_factory("target", cloud_retry_s=5),
+                                                          {"cloud_deadline_s": 0.5}) as edge:
+        started = time.monotonic()
+        response = httpx.post(edge.base + "/v1/completions", timeout=20, json={
+            "model": "x", "prompt": "abc", "max_tokens": 12, "temperature": 0})
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["sprinter"]["degraded"] is True and body["usage"]["completion_tokens"] == 12
+    assert body["sprinter"]["token_ids"][:3] == [script.next_token] * 3  # the cloud's, then the draft's
+    assert elapsed < 5
+
+
+# --- degraded output is marked where it starts (item 8) ---------------------------------------------
+
+
+def stream_events(edge: EdgeDaemonThread, body: dict, on_first=None) -> tuple[httpx.Headers, list[dict], bool]:
+    with httpx.stream("POST", edge.base + "/v1/completions", timeout=60, json={
+            "model": "x", "temperature": 0, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        events, done = [], False
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == 1 and on_first is not None:
+                    on_first()
+        return response.headers, events, done
+
+
+def degraded_flags(events: list[dict]) -> list[bool]:
+    return [bool(e.get("sprinter", {}).get("degraded")) for e in events]
+
+
+def test_without_a_cloud_every_chunk_and_the_headers_say_degraded(tiny_draft):
+    with EdgeDaemonThread(tiny_draft, f"127.0.0.1:{free_port()}", app_factory("sd")) as edge:
+        whole = post(edge, {"prompt": "abc", "max_tokens": 10})
+        headers, events, done = stream_events(edge, {"prompt": "abc", "max_tokens": 10})
+    assert whole.status_code == 200 and whole.headers["x-sprinter-degraded"] == "true"
+    assert done and headers["x-sprinter-degraded"] == "true"
+    assert all(degraded_flags(events)), degraded_flags(events)
+
+
+def test_a_cloud_lost_mid_stream_marks_every_chunk_from_that_point(tiny_target, tiny_draft):
+    cloud = ServerThread(replace(TINY_CLOUD, port=free_port()), tiny_target).__enter__()
+    with EdgeDaemonThread(tiny_draft, cloud.address, app_factory("sd", cloud_retry_s=30)) as edge:
+        headers, events, done = stream_events(edge, {"prompt": "abc", "max_tokens": 1500, "k": 4},
+                                              on_first=lambda: cloud.__exit__(None, None, None))
+    flags = degraded_flags(events)
+    assert done and events[-1]["sprinter"]["degraded"] is True
+    assert "x-sprinter-degraded" not in headers  # not known when the headers left
+    first = flags.index(True)
+    assert 0 < first and all(flags[first:]), "a chunk after the degradation point is not marked"
+
+
+def test_target_mode_goes_back_to_the_cloud_within_a_request(tiny_target, tiny_draft):
+    port = free_port()
+    settings = replace(TINY_CLOUD, port=port)
+    with ServerThread(settings, tiny_target) as cloud:
+        address = cloud.address
+    restarted = []
+    with EdgeDaemonThread(tiny_draft, address, app_factory("target", cloud_retry_s=0.2)) as edge:
+        def restart() -> None:
+            restarted.append(ServerThread(settings, tiny_target).__enter__())
+
+        _, events, done = stream_events(edge, {"prompt": "abc", "max_tokens": 600}, on_first=restart)
+    restarted[0].__exit__(None, None, None)
+    final = events[-1]["sprinter"]
+    assert done and final["degraded"] is True
+    assert final["target_calls"] > 0, "the cloud came back, but the request never used it again"

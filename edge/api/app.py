@@ -72,16 +72,22 @@ class Reply:
 
 
 class GuardedStream(StreamingResponse):
-    """A streamed response whose cleanup runs however it ends, even if the client left before the first byte."""
+    """A streamed response that stops when its client leaves, even while no token is coming (a stalled
+    cloud), and whose cleanup runs however it ends, even if the client left before the first byte."""
 
     def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]], **kw: Any) -> None:
         super().__init__(content, media_type="text/event-stream", **kw)
         self.cleanup = cleanup
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streaming = asyncio.create_task(super().__call__(scope, receive, send))
+        watch = asyncio.create_task(client_left(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watch.cancel()
+            streaming.cancel()
+            await asyncio.gather(streaming, return_exceptions=True)
             await self.cleanup()
 
 
@@ -92,9 +98,9 @@ def refusal_response(err: CloudError) -> JSONResponse:
     return openai_error(status, f"the cloud refused this request: {err}", None, kind, err.code.name, headers)
 
 
-async def client_left(request: Request) -> None:
+async def client_left(receive: Callable[[], Awaitable[dict]]) -> None:
     """Returns when the client disconnects (the body was read already: nothing else arrives before that)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -177,7 +183,7 @@ class Completions:
 
     async def _whole(self, request: Request, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
         generation = asyncio.create_task(self.node.decoder.generate(prompt_ids, settings))
-        watch = asyncio.create_task(client_left(request))
+        watch = asyncio.create_task(client_left(request.receive))
         try:
             await asyncio.wait({generation, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
