@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from common.sampling import SamplingParams, SparseDistribution
+from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -94,8 +94,10 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random 
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
-    return pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                               seed=sampling.seed)
+    # The wire's floats are 32-bit: a top_p below their range would arrive as 0 (refused); it means "the argmax alone",
+    # which the smallest float32 means too.
+    return pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=max(sampling.top_p, FLOAT32_TINY), seed=sampling.seed)
 
 
 class CloudClient:

@@ -166,7 +166,8 @@ class Completions:
         handed_to_stream = False
         try:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, encode)
-            settings = self.settings(body, len(prompt_ids))
+            settings = self.settings(body, len(prompt_ids)) if prompt_ids else openai_error(
+                400, "the prompt is empty: a completion continues at least one token", "prompt")
             if isinstance(settings, JSONResponse):
                 self.metrics.rejected.labels("invalid").inc()
                 return settings
