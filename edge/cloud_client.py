@@ -2,8 +2,12 @@
 
 A `CloudSession` is one generation's Session stream. The edge always knows the full context, so
 whenever the cloud loses track (desync: FAILED_PRECONDITION; eviction or restart: NOT_FOUND; a
-broken stream) the session reopens with that context and retries. When the cloud stays out of
-reach after the retries, `CloudUnavailable` tells the decoding loop to carry on from the draft alone.
+broken stream) the session reopens with that context and retries. A cloud that says "not now"
+(RESOURCE_EXHAUSTED, UNAVAILABLE in an error frame) is retried after its `retry_after_ms`. Retries
+back off exponentially with jitter; every wait on the cloud has a deadline (a verdict, a Generate
+chunk, GetInfo). When the cloud stays out of reach after the retries, `CloudUnavailable` tells the
+decoding loop to carry on from the draft alone; a refusal no retry can fix is `CloudRefused`.
+The cloud's limits (`CloudLimits`) are read from GetInfo and from every session it opens.
 """
 
 from __future__ import annotations

@@ -231,6 +231,8 @@ def test_a_cloud_lost_mid_stream_marks_every_chunk_from_that_point(tiny_target, 
     assert "x-sprinter-degraded" not in headers  # not known when the headers left
     first = flags.index(True)
     assert 0 < first and all(flags[first:]), "a chunk after the degradation point is not marked"
+    # marked where the unverified text starts, not only in the final summary
+    assert first < len(events) - 1 and any(e["choices"][0]["text"] for e in events[first:-1])
 
 
 def test_target_mode_goes_back_to_the_cloud_within_a_request(tiny_target, tiny_draft):

@@ -108,6 +108,8 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
         return Round(PendingBlock(), None)
     block = await drafter.draft(context, limit, policy, learn, verifying, on_passed)
     generation.recorder.draft_forwards += len(block)
+    if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
+        return Round(block, None)
     verdict = await backend.verify(context, block) if verifying else None
     if verdict is None:
         generation.commit(len(context) - len(generation.prompt_ids), block.tokens)
