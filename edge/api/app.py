@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings
@@ -87,8 +88,10 @@ class GuardedStream(StreamingResponse):
         finally:
             watch.cancel()
             streaming.cancel()
-            await asyncio.gather(streaming, return_exceptions=True)
+            outcome = (await asyncio.gather(streaming, return_exceptions=True))[0]
             await self.cleanup()
+        if isinstance(outcome, Exception) and not isinstance(outcome, (ClientDisconnect, OSError)):
+            log.error("streamed response failed: %r", outcome)
 
 
 def refusal_response(err: CloudError) -> JSONResponse:
