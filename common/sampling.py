@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import torch
 
 
+# The smallest normal float32. Logits are float32: a temperature below it would round to 0 there (NaN
+# probabilities), so it gets the distribution it tends to, the argmax's one-hot.
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -35,7 +40,7 @@ class SamplingParams:
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Distributions [..., V] (float32) after temperature, top-k and top-p, as the sampler uses them."""
     logits = logits.float()
-    if params.greedy:
+    if params.temperature < FLOAT32_TINY:  # greedy, or so close that float32 cannot tell
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     # Shift before scaling: a tiny temperature then gives -inf (never NaN) away from the argmax.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
@@ -47,7 +52,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        # The most likely token always stays (a top_p that rounds to 0 in float32 would drop them all).
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

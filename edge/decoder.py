@@ -8,14 +8,18 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
-the cloud session as its backend (`CloudVerifier`: a pending block becomes a verify frame, the
-cloud's answer a `Verdict`). If the cloud becomes unreachable the round keeps going from the draft
-alone, marks the result degraded, and tries the cloud again after `cloud_retry_s`.
+the cloud session as its backend (edge/cloud_verifier.py: a pending block becomes a verify frame,
+the cloud's answer a `Verdict`). Blocks and the context are kept within the cloud's limits. If the
+cloud becomes unreachable the round keeps going from the draft alone, marks the result degraded
+(and tells a streaming caller at once), and tries the cloud again after `cloud_retry_s`; mode
+target does the same with its Generate stream. If the cloud refuses a frame (a limit, a bug), the
+generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -26,18 +30,20 @@ import torch
 from common.cached_lm import DraftLM
 from common.call_policy import CostModel
 from common.companion import Companion
-from common.decoding.drafting import Drafter, PendingBlock
-from common.decoding.generation import Generation
+from common.decoding.drafting import Drafter
+from common.decoding.generation import Generation, StopSequences
 from common.decoding.modes import SPECULATIVE_MODES, DecodeSettings, call_policy
-from common.decoding.speculative_round import Verdict, speculative_round
+from common.decoding.speculative_round import speculative_round
 from common.models import LoadedModel, vocab_fingerprint
-from common.sampling import SamplingParams, SparseDistribution
+from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
-from edge.cloud_client import CloudClient, CloudSession, CloudUnavailable
-from sprinter.v1 import decoding_pb2 as pb
+from edge.cloud_client import CloudClient, CloudError, CloudRefused, CloudUnavailable
+from edge.cloud_verifier import CloudUse, CloudVerifier
 
 log = logging.getLogger(__name__)
+
+DEGRADED = "degraded"  # what `EdgeDecoder.stream` yields when the first unverified token is about to follow
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class EdgeSettings:
     decode: DecodeSettings
     cloud_retry_s: float = 2.0  # while degraded, how often to try the cloud again
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
+    stop: tuple[str, ...] = ()  # OpenAI's stop sequences
 
 
 @dataclass
@@ -54,64 +61,14 @@ class EdgeResult:
     stats: DecodeStats
     degraded: bool
     cloud_reopens: int = 0
-
-
-def wire_method(method: str) -> int:
-    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
-    return pb.Method.Value(f"METHOD_{method.upper()}")
-
-
-class CloudVerifier:
-    """The speculative round's backend over one generation's cloud session; None when out of reach."""
-
-    def __init__(self, session: CloudSession, method: str, sampling: SamplingParams, max_sparse_support: int,
-                 retry_s: float) -> None:
-        self.session = session
-        self.method = method
-        self.sampling = sampling
-        self.max_sparse_support = max_sparse_support
-        self.retry_s = retry_s
-        self.degraded = False  # some block of this generation stood as drafted
-        self.down_since: float | None = None
-
-    def reachable(self) -> bool:
-        return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
-
-    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
-        probs = [float(d.p_draft[d.token]) for d in block.drafted]
-        dists = self._draft_dists(block)
-        # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
-        # not what one more round trip costs, so it reports no round trip for the cost model to learn.
-        steady, reopens, started = self.session.session_id is not None, self.session.reopens, time.perf_counter()
-        try:
-            verdict = await self.session.verify(context, block.tokens, wire_method(self.method), probs, dists)
-        except CloudUnavailable as err:
-            if self.down_since is None:
-                log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)
-            self.degraded = True
-            self.down_since = time.monotonic()
-            return None
-        if self.down_since is not None:
-            log.info("cloud is back")
-            self.down_since = None
-        round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
-        return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms)
-
-    def _draft_dists(self, block: PendingBlock) -> list[SparseDistribution] | None:
-        """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""
-        if self.sampling.greedy:
-            return None
-        rows = block.drafted[-1:] if self.method == "sprinter" else block.drafted
-        return [SparseDistribution.from_dense(d.p_draft, self.max_sparse_support) for d in rows]
-
-    async def close(self) -> None:
-        await self.session.close()
+    finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop sequence) or "length" (a limit, or cut short)
+    error: CloudError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
 
 
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
                  cloud: CloudClient | None, cost_model: CostModel | None = None,
-                 make_companion: Callable[[], Companion] | None = None) -> None:
+                 make_companion: Callable[[], Companion] | None = None, max_context: int | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
         self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
@@ -122,82 +79,132 @@ class EdgeDecoder:
         self.cost_model = cost_model or CostModel()
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
         self.eos_token_ids = draft.eos_token_ids
+        # the draft's own window (and the operator's --max-model-len): drafting past it is undefined
+        window = getattr(draft.model.config, "max_position_embeddings", None)
+        self.max_context = min(n for n in (max_context, window) if n) if (max_context or window) else None
 
-    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int] | EdgeResult]:
-        """Yield tokens as they are released; the last item is the EdgeResult."""
+    def context_limit(self, mode: str) -> int | None:
+        """Tokens a generation's context (prompt + completion) may hold in `mode`: the draft's window, and
+        the cloud's max_context where the cloud takes part (as last heard from it)."""
+        limits = [self.max_context]
+        if mode != "draft" and self.cloud is not None:
+            limits.append(self.cloud.limits.max_context)
+        known = [n for n in limits if n]
+        return min(known) if known else None
+
+    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int] | str | EdgeResult]:
+        """Yield tokens as they are released, DEGRADED before the first unverified one; the last item is the EdgeResult."""
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self.generate(prompt_ids, settings, emit=queue.put_nowait))
+        task = asyncio.create_task(self.generate(prompt_ids, settings, emit=queue.put_nowait,
+                                                 on_degraded=lambda: queue.put_nowait(DEGRADED)))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (tokens := await queue.get()) is not None:
-                yield tokens
+            while (item := await queue.get()) is not None:
+                yield item
             yield task.result()
         finally:
             task.cancel()
 
     async def generate(self, prompt_ids: list[int], settings: EdgeSettings,
-                       emit: Callable[[list[int]], None] = lambda tokens: None) -> EdgeResult:
+                       emit: Callable[[list[int]], None] = lambda tokens: None,
+                       on_degraded: Callable[[], None] | None = None) -> EdgeResult:
         mode = settings.decode.mode
-        generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit)
-        if mode == "target":
-            degraded, reopens = await self._target(generation, settings), 0
-        else:
-            degraded, reopens = await self._speculate(generation, settings, draft_only=mode == "draft")
+        stop = StopSequences(settings.stop, self._decode) if settings.stop else None
+        generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
+                                context_limit=self.context_limit(mode), stop=stop)
+        use = CloudUse(on_degraded)
+        try:
+            if mode == "target":
+                await self._target(generation, settings, use)
+            else:
+                await self._speculate(generation, settings, use, draft_only=mode == "draft")
+        except CloudRefused as err:  # keep what was made; the response says why it ended early
+            log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
+            use.error = err
         tokens = generation.new_tokens
-        return EdgeResult(tokens, self.draft.tokenizer.decode(tokens, skip_special_tokens=True),
-                          generation.recorder.finish(len(tokens)), degraded, reopens)
+        text = self._decode(tokens)
+        finish = "length" if use.error else use.finish_reason or generation.finish_reason
+        return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
+                          use.degraded, use.reopens, finish, use.error)
 
-    async def _target(self, generation: Generation, settings: EdgeSettings) -> bool:
-        """Mode target: the cloud generates alone; from the draft alone if it cannot. True when degraded."""
-        decode = generation.settings
+    def _decode(self, tokens: list[int]) -> str:
+        return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse) -> None:
+        """Mode target: the cloud generates alone; while it cannot, the draft does, and the cloud takes over
+        again (from the context so far) once it answers."""
         if self.cloud is None:
             raise ValueError("mode 'target' needs a cloud (--cloud HOST:PORT)")
-        try:
-            async for token in self.cloud.generate(generation.prompt_ids, decode.sampling, decode.max_new_tokens,
-                                                   self.vocab_fingerprint):
-                generation.recorder.target_calls += 1
-                generation.commit(len(generation.new_tokens), [token])
-                if generation.done:
-                    break
-        except CloudUnavailable as err:
-            log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
-            await self._speculate(generation, settings, draft_only=True)
-            return True
-        return False
+        drafter = None
+        while not generation.done:
+            try:
+                use.finish_reason = await self._cloud_generate(generation)
+                return
+            except CloudUnavailable as err:
+                log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
+                use.mark_degraded(str(err))
+            drafter = drafter or self._drafter(settings.decode.sampling)
+            retry_at = time.monotonic() + settings.cloud_retry_s
+            while not generation.done and time.monotonic() < retry_at:
+                await speculative_round(generation, drafter, None, None, None)
 
-    async def _speculate(self, generation: Generation, settings: EdgeSettings, draft_only: bool) -> tuple[bool, int]:
-        """Speculative rounds until the generation is done; (degraded, cloud session reopens)."""
+    async def _cloud_generate(self, generation: Generation) -> str | None:
+        """Stream the rest of the generation from the cloud; the cloud's finish_reason, if it sent one."""
+        finish = None
+        sampling = generation.settings.sampling
+        chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                generation.recorder.target_calls += len(chunk.token_ids)
+                generation.commit(len(generation.new_tokens), list(chunk.token_ids))
+                finish = chunk.finish_reason or None  # empty from a cloud that predates the field
+                if generation.done:
+                    return None  # our own limit or stop: our own reason
+        return finish
+
+    def _drafter(self, sampling: SamplingParams) -> Drafter:
+        return Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
+                       self.eos_token_ids, self.verifier,
+                       self.make_companion() if self.make_companion is not None else None, offload=True)
+
+    async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse, draft_only: bool) -> None:
+        """Speculative rounds until the generation is done."""
         mode = generation.settings.mode
-        degraded = mode != "draft" and self.cloud is None
-        if degraded:
+        if mode != "draft" and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
-        sampling = self._draft_sampling(settings)
-        drafter = Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
-                          self.eos_token_ids, self.verifier,
-                          self.make_companion() if self.make_companion is not None else None, offload=True)
+            use.mark_degraded("no cloud configured")
+        support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
+                      ) if self.cloud is not None else settings.max_sparse_support
+        drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
         policy = None
         if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, self.verifier, self.cost_model)
             generation.recorder.policy = policy.describe()
         backend = None
-        if not (draft_only or degraded):
+        if not (draft_only or self.cloud is None):
             backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
                                     generation.settings.verify_method, generation.settings.sampling,
-                                    settings.max_sparse_support, settings.cloud_retry_s)
+                                    support, settings.cloud_retry_s, use)
         try:
             while not generation.done:
+                if backend is not None:
+                    self._fit_to_cloud(generation)
                 await speculative_round(generation, drafter, backend, policy, self.cost_model)
         finally:
             if backend is not None:
                 await backend.close()
-        if backend is None:
-            return degraded, 0
-        return backend.degraded, backend.session.reopens
+
+    def _fit_to_cloud(self, generation: Generation) -> None:
+        """Blocks within the cloud's max_block, the context within its max_context: as last heard (a reopen
+        on a restarted cloud may have brought new limits)."""
+        max_block = self.cloud.limits.max_block
+        if max_block != generation.settings.max_block:
+            generation.settings = replace(generation.settings, max_block=max_block)
+        generation.context_limit = self.context_limit(generation.settings.mode)
 
     @staticmethod
-    def _draft_sampling(settings: EdgeSettings) -> SamplingParams:
+    def _draft_sampling(sampling: SamplingParams, support: int) -> SamplingParams:
         """On the wire a sampled draft distribution travels sparse; sampling from the capped support keeps it exact."""
-        sampling = settings.decode.sampling
         if sampling.greedy:
             return sampling
-        return replace(sampling, top_k=min(sampling.top_k or settings.max_sparse_support, settings.max_sparse_support))
+        return replace(sampling, top_k=min(sampling.top_k or support, support))

@@ -62,7 +62,13 @@ def add_policy_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
 def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cloud", metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
     p.add_argument("--cloud-ca", type=Path, help="PEM root certificate: speak TLS to the cloud")
-    p.add_argument("--cloud-token", help="bearer token of this edge (or env SPRINTER_CLOUD_TOKEN)")
+    p.add_argument("--cloud-token", help="bearer token of this edge (or env SPRINTER_CLOUD_TOKEN); needs --cloud-ca")
+    p.add_argument("--cloud-tls-server-name", metavar="NAME",
+                   help="check the cloud's certificate against NAME instead of the host in --cloud")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --cloud-token without TLS (it travels in clear: only on a private link)")
+    p.add_argument("--cloud-deadline-s", type=float, default=30.0,
+                   help="longest wait for one verdict or one Generate token before the cloud counts as unavailable")
     p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"], help="with --cloud")
     p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"],
                    help="ONNX draft weights: int8 is about 2x faster on CPU; lossless modes stay exact either way")
@@ -137,7 +143,11 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
     from edge.decoder import EdgeSettings
     from edge.node import EdgeNode, EdgeNodeSettings
 
-    node_settings = EdgeNodeSettings.from_args(args)
+    try:
+        node_settings = EdgeNodeSettings.from_args(args)
+    except ValueError as err:
+        print(f"sprinter generate: {err}", file=sys.stderr)
+        return 2
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
         result = await node.decoder.generate(prompt_ids, EdgeSettings(decode=settings))

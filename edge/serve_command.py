@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
+import sys
 
 from common.decoding.modes import MODES
 from common.models import DTYPES
@@ -26,25 +29,71 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     add_cloud_arguments(p)
+    add_api_arguments(p)
     p.set_defaults(run=run)
 
 
+def add_api_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (or env SPRINTER_API_KEY)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --listen address without --api-key (anyone who reaches it may use it)")
+    p.add_argument("--max-concurrent-requests", type=int, default=64, metavar="N",
+                   help="generations in flight; more get 429 with Retry-After (0: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=2 << 20, metavar="BYTES", help="larger bodies get 413")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="cap on prompt + completion tokens (default: the draft's window and the cloud's max_context)")
+    p.add_argument("--cloud-retry-s", type=float, default=2.0,
+                   help="while the cloud is out of reach, how often a generation tries it again")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool) -> str | None:
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or not host:
+        return f"--listen {listen!r}: expected HOST:PORT"
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        return (f"--listen {listen} is reachable from other machines, and there is no --api-key: anyone could use "
+                "this edge and its cloud. Give --api-key KEY, or --allow-unauthenticated if that is intended")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    asyncio.run(serve(args))
+    from edge.node import EdgeNodeSettings
+
+    args.api_key = args.api_key or os.environ.get("SPRINTER_API_KEY")
+    problem = listen_problem(args.listen, args.api_key, args.allow_unauthenticated)
+    try:
+        node_settings = EdgeNodeSettings.from_args(args)
+    except ValueError as err:
+        problem = problem or str(err)
+    if problem:
+        print(f"sprinter edge serve: {problem}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args, node_settings))
     return 0
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, node_settings: object) -> None:
     import uvicorn
 
-    from edge.api.app import create_app
-    from edge.node import EdgeNode, EdgeNodeSettings
+    from edge.api.app import ApiSettings, create_app
+    from edge.node import EdgeNode
 
     host, _, port = args.listen.rpartition(":")
-    async with EdgeNode(EdgeNodeSettings.from_args(args)) as node:
-        app = create_app(node, args.mode, args.model_name or args.draft, args.policy)
-        server = uvicorn.Server(uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="warning",
-                                               lifespan="off"))
-        log.info("edge daemon on http://%s/v1 (mode %s, policy %s, cloud %s)", args.listen, args.mode,
-                 args.policy or "the mode's default", args.cloud)
+    api = ApiSettings(default_mode=args.mode, model_name=args.model_name or args.draft, default_policy=args.policy,
+                      api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
+                      max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s)
+    async with EdgeNode(node_settings) as node:
+        server = uvicorn.Server(uvicorn.Config(create_app(node, api), host=host.strip("[]"), port=int(port),
+                                               log_level="warning", lifespan="off"))
+        log.info("edge daemon on http://%s/v1 (mode %s, policy %s, cloud %s%s)", args.listen, args.mode,
+                 args.policy or "the mode's default", args.cloud, ", API key required" if args.api_key else "")
         await server.serve()

@@ -176,12 +176,12 @@ def test_edge_goodput_is_lossless_and_learns_the_round_trip(tiny_cloud, tiny_tar
 def test_http_api_takes_a_policy_and_refuses_a_bad_one(tiny_draft):
     from fastapi.testclient import TestClient
 
-    from edge.api.app import create_app
+    from edge.api.app import ApiSettings, create_app
 
     node = EdgeNode(EdgeNodeSettings(draft=tiny_draft.spec, draft_runtime="torch", dtype="float32",
                                      verifier="confidence:0.3"), tiny_draft)
     asyncio.run(node.__aenter__())  # no cloud: nothing bound to that loop
-    client = TestClient(create_app(node, "sprinter-exact", "tiny", default_policy="fixed:2"))
+    client = TestClient(create_app(node, ApiSettings("sprinter-exact", "tiny", default_policy="fixed:2")))
 
     def complete(**fields):
         return client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0, **fields})

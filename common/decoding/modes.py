@@ -47,12 +47,13 @@ class DecodeSettings:
     k: int = 5  # block length of sd and sd-block
     max_run_length: int = 20  # cap on a pending block (sprinter modes, and any explicit policy)
     policy: str | None = None  # call policy spec (common/call_policy.py); None: the mode's default
+    max_block: int | None = None  # the verifying backend's own cap on a block (the cloud's limits.max_block)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.max_new_tokens < 1 or self.k < 1 or self.max_run_length < 1:
-            raise ValueError("max_new_tokens, k and max_run_length must be >= 1")
+        if self.max_new_tokens < 1 or self.k < 1 or self.max_run_length < 1 or (self.max_block or 1) < 1:
+            raise ValueError("max_new_tokens, k, max_run_length and max_block must be >= 1")
         if self.policy is not None:
             if self.mode not in POLICY_MODES:
                 raise ValueError(f"a call policy applies to modes {', '.join(POLICY_MODES)}, not {self.mode!r} "
@@ -61,8 +62,10 @@ class DecodeSettings:
 
     @property
     def block_cap(self) -> int:
-        """Longest pending block: k under sd's default fixed:k (as before policies), else the run-length cap."""
-        return self.k if self.mode in ("sd", "sd-block") and self.policy is None else self.max_run_length
+        """Longest pending block: k under sd's default fixed:k (as before policies), else the run-length cap;
+        never more than the backend verifies in one frame."""
+        cap = self.k if self.mode in ("sd", "sd-block") and self.policy is None else self.max_run_length
+        return min(cap, self.max_block) if self.max_block is not None else cap
 
     @property
     def verify_method(self) -> str:

@@ -14,7 +14,7 @@ Glossary
 One round, in every process that decodes (local engine, edge decoder, verifier data collection):
     block   = draft after the context until the call policy sends, the cap, EOS or the length budget
     verdict = backend.verify(context, block)          one target forward over the block + the rule
-    commit    x_1..x_n + [next_token]; cut at EOS or the length limit (generation.py)
+    commit    x_1..x_n + [next_token]; cut at EOS, a stop sequence or the length limit (generation.py)
     learn     the policy sees (g, n); the cost model the round trip, except in the first round,
               which also prefilled the prompt
 Without a reachable backend (mode draft, or a cloud that is down) the block stands as drafted.
@@ -102,8 +102,14 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
     learn = cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
     # sprinter never checks a token its verifier passed: the client may have it at once.
     on_passed = generation.append_final if generation.settings.mode == "sprinter" else None
-    block = await drafter.draft(context, min(cap, generation.budget), policy, learn, verifying, on_passed)
+    limit = min(cap, generation.block_room if verifying else generation.budget)
+    if limit < 1:  # only the target's token after a block would still fit: the context is full
+        generation.context_full = True
+        return Round(PendingBlock(), None)
+    block = await drafter.draft(context, limit, policy, learn, verifying, on_passed)
     generation.recorder.draft_forwards += len(block)
+    if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
+        return Round(block, None)
     verdict = await backend.verify(context, block) if verifying else None
     if verdict is None:
         generation.commit(len(context) - len(generation.prompt_ids), block.tokens)

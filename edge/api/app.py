@@ -1,90 +1,255 @@
 """The edge daemon's HTTP app: OpenAI-compatible completions and chat completions, health and metrics.
 
 Any OpenAI client can point its base URL at `http://127.0.0.1:8000/v1`. The wire format lives in
-schemas.py (bodies, errors, our `sprinter` extension) and sse.py (streamed chunks); this module
-turns a request into `EdgeSettings`, runs it on the node's decoder and answers.
+schemas.py (bodies, errors, our `sprinter` extension) and sse.py (streamed chunks); guards.py
+holds the API key, body size and concurrency limits. This module turns a request into
+`EdgeSettings`, runs it on the node's decoder and answers.
+
+What a client can count on: a request that cannot fit the context (the draft's window, the cloud's
+max_context) gets a 400 up front, as vLLM does with max_model_len; a generation the cloud refuses
+midway ends with the tokens made so far, `finish_reason: "length"` and `sprinter.error` (a 4xx/5xx
+only when not one token was made); a stream always ends with a final chunk and `[DONE]`; from the
+point a generation degrades (tokens the cloud never verified), every streamed chunk says so and a
+non-streamed response carries the header `x-sprinter-degraded: true`. A non-streamed request whose
+client goes away is cancelled; a streamed one stops at its next chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings
 from common.prompting import encode_chat, encode_prompt
 from common.sampling import SamplingParams
+from edge.api.guards import ConcurrencyLimit, RequestGuard
 from edge.api.metrics import EdgeMetrics
-from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, finish_reason,
-                              openai_error, sprinter_extension, usage)
+from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, openai_error,
+                              request_problem, sprinter_extension, usage)
 from edge.api.sse import DONE, ChunkFormat, IncrementalText
-from edge.decoder import EdgeResult, EdgeSettings
+from edge.cloud_client import CloudError
+from edge.decoder import DEGRADED, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+# A cloud refusal before a single token was made: the whole request failed, with this HTTP status (else 502).
+REFUSAL_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "RESOURCE_EXHAUSTED": 429}
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    default_mode: str = "sprinter-exact"
+    model_name: str = "sprinter"
+    default_policy: str | None = None  # applies to requests in modes that take a policy and name none
+    api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
+    max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)
+    max_request_bytes: int = 2 << 20  # larger bodies get 413
+    cloud_retry_s: float = 2.0  # while degraded, how often a generation tries the cloud again
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response of one request shares."""
+
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+    prompt_tokens: int
+
+
+class GuardedStream(StreamingResponse):
+    """A streamed response that stops when its client leaves, even while no token is coming (a stalled
+    cloud), and whose cleanup runs however it ends, even if the client left before the first byte."""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", **kw)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streaming = asyncio.create_task(super().__call__(scope, receive, send))
+        watch = asyncio.create_task(client_left(receive))
+        try:
+            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            streaming.cancel()
+            outcome = (await asyncio.gather(streaming, return_exceptions=True))[0]
+            await self.cleanup()
+        if isinstance(outcome, Exception) and not isinstance(outcome, (ClientDisconnect, OSError)):
+            log.error("streamed response failed: %r", outcome)
+
+
+def refusal_response(err: CloudError) -> JSONResponse:
+    status = REFUSAL_STATUS.get(err.code.name, 502)
+    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "cloud_error")
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return openai_error(status, f"the cloud refused this request: {err}", None, kind, err.code.name, headers)
+
+
+async def client_left(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client disconnects (the body was read already: nothing else arrives before that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Completions:
-    """Serves completion requests on one edge node, with the daemon's default mode and policy."""
+    """Serves completion requests on one edge node, with the daemon's defaults and limits."""
 
-    def __init__(self, node: EdgeNode, default_mode: str, model_name: str, default_policy: str | None) -> None:
+    def __init__(self, node: EdgeNode, api: ApiSettings) -> None:
         self.node = node
-        self.default_mode = default_mode
-        self.model_name = model_name
-        self.default_policy = default_policy
+        self.api = api
         self.metrics = EdgeMetrics(node.decoder.cost_model)
+        self.slots = ConcurrencyLimit(api.max_concurrent_requests)
+        self.metrics.in_flight.set_function(lambda: self.slots.in_flight)
+        # One thread: a long prompt is tokenized off the event loop, and the tokenizer is never shared by two.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
-    def settings(self, body: SamplingFields) -> EdgeSettings | JSONResponse:
+    def settings(self, body: SamplingFields, prompt_tokens: int) -> EdgeSettings | JSONResponse:
         """The request's decoding settings, or the 400 that says which field is wrong."""
-        mode = body.mode or self.default_mode
+        if problem := request_problem(body):
+            return openai_error(400, problem[1], problem[0])
+        mode = body.mode or self.api.default_mode
         if mode not in MODES:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
-        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-        sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed or 0)
-        policy = body.policy or (self.default_policy if mode in POLICY_MODES else None)
+        if mode == "target" and self.node.cloud is None:
+            return openai_error(400, "mode 'target' needs a cloud, and this daemon has none (--cloud)", "mode")
+        max_tokens = self._max_tokens(body, mode, prompt_tokens)
+        if isinstance(max_tokens, JSONResponse):
+            return max_tokens
+        sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0)
+        policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or 5,
                                     policy=policy)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
-        return EdgeSettings(decode=decode)
+        return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences)
 
-    async def respond(self, body: SamplingFields, prompt_ids: list[int], chat: bool) -> Any:
-        settings = self.settings(body)
-        if isinstance(settings, JSONResponse):
-            return settings
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if body.stream:
-            chunks = ChunkFormat(request_id, created, self.model_name, chat)
-            return StreamingResponse(self.stream(prompt_ids, settings, chunks), media_type="text/event-stream")
-        result = await self.node.decoder.generate(prompt_ids, settings)
+    def _max_tokens(self, body: SamplingFields, mode: str, prompt_tokens: int) -> int | JSONResponse:
+        """vLLM's rule: prompt + max_tokens must fit the context (the draft's window, the cloud's max_context);
+        without max_tokens the completion may fill what is left, up to the default."""
+        requested = body.max_completion_tokens or body.max_tokens
+        limit = self.node.decoder.context_limit(mode)
+        if limit is None:
+            return requested or DEFAULT_MAX_TOKENS
+        what = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        if prompt_tokens >= limit:
+            return openai_error(400, f"This model's maximum context length is {limit} tokens. However, your {what} "
+                                f"has {prompt_tokens} tokens, leaving no room for a completion.", what)
+        if requested is None:
+            return min(DEFAULT_MAX_TOKENS, limit - prompt_tokens)
+        if prompt_tokens + requested > limit:
+            return openai_error(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {what}, {requested} in "
+                                f"the completion). Please reduce the length of the {what} or completion.", what)
+        return requested
+
+    async def respond(self, request: Request, body: SamplingFields, encode: Callable[[], list[int]],
+                      chat: bool) -> Response:
+        if not self.slots.try_acquire():
+            self.metrics.rejected.labels("busy").inc()
+            return openai_error(429, f"{self.slots.limit} requests are in flight, this daemon's limit "
+                                "(--max-concurrent-requests); retry shortly", None, "rate_limit_error",
+                                "too_many_requests", {"Retry-After": "1"})
+        handed_to_stream = False
+        try:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, encode)
+            settings = self.settings(body, len(prompt_ids)) if prompt_ids else openai_error(
+                400, "the prompt is empty: a completion continues at least one token", "prompt")
+            if isinstance(settings, JSONResponse):
+                self.metrics.rejected.labels("invalid").inc()
+                return settings
+            reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()),
+                          self.api.model_name, chat, len(prompt_ids))
+            if not body.stream:
+                return await self._whole(request, prompt_ids, settings, reply)
+            response = await self._streamed(prompt_ids, settings, reply)
+            handed_to_stream = isinstance(response, GuardedStream)
+            return response
+        finally:
+            if not handed_to_stream:
+                self.slots.release()
+
+    async def _whole(self, request: Request, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
+        generation = asyncio.create_task(self.node.decoder.generate(prompt_ids, settings))
+        watch = asyncio.create_task(client_left(request.receive))
+        try:
+            await asyncio.wait({generation, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not generation.done():  # the client left (or the server is stopping): stop paying for it
+                generation.cancel()
+                self.metrics.cancelled.inc()
+                log.info("request %s cancelled: the client disconnected", reply.request_id)
+        if generation.cancelled():
+            return Response(status_code=499)  # nginx's "client closed request"; nobody is there to read it
+        result = generation.result()
         self.metrics.observe(result)
-        return completion(request_id, created, self.model_name, chat, result, len(prompt_ids),
-                          settings.decode.max_new_tokens)
+        if result.error is not None and not result.token_ids:
+            return refusal_response(result.error)
+        body = completion(reply.request_id, reply.created, reply.model, reply.chat, result, reply.prompt_tokens)
+        return JSONResponse(body, headers={"x-sprinter-degraded": "true" if result.degraded else "false"})
 
-    async def stream(self, prompt_ids: list[int], settings: EdgeSettings, chunks: ChunkFormat) -> AsyncIterator[str]:
-        text = IncrementalText(self.node.draft.tokenizer)
-        if chunks.chat:
+    async def _streamed(self, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
+        items = self.node.decoder.stream(prompt_ids, settings)
+        # The first item comes before the headers, so that a refusal before any token gets its own status.
+        first = await anext(items)
+        if isinstance(first, EdgeResult) and first.error is not None and not first.token_ids:
+            await items.aclose()
+            self.metrics.observe(first)
+            return refusal_response(first.error)
+        finished = asyncio.Event()
+
+        async def cleanup() -> None:
+            await items.aclose()  # cancels the generation if it is still running
+            self.slots.release()
+            if not finished.is_set():
+                self.metrics.cancelled.inc()
+
+        headers = {"x-sprinter-degraded": "true"} if first == DEGRADED else None
+        return GuardedStream(self.stream(first, items, settings, reply, finished), cleanup, headers=headers)
+
+    async def stream(self, first: Any, items: AsyncIterator[Any], settings: EdgeSettings, reply: Reply,
+                     finished: asyncio.Event) -> AsyncIterator[str]:
+        chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat)
+        text = IncrementalText(self.node.draft.tokenizer, settings.stop)
+        degraded = False
+        if reply.chat:
             yield chunks.role()
-        async for item in self.node.decoder.stream(prompt_ids, settings):
-            if isinstance(item, EdgeResult):
-                self.metrics.observe(item)
-                tail = text.flush()  # anything held back as a partial character
-                if tail:
-                    yield chunks.event(tail)
-                yield chunks.event(None, finish_reason(item, settings.decode.max_new_tokens),
-                                   usage=usage(len(prompt_ids), item), sprinter=sprinter_extension(item))
-            elif delta := text.push(item):
-                yield chunks.event(delta)
+        item = first
+        try:
+            while not isinstance(item, EdgeResult):
+                if item == DEGRADED:
+                    degraded = True
+                elif delta := text.push(item):
+                    yield chunks.event(delta, degraded=degraded)
+                item = await anext(items)
+        except Exception as err:  # a bug of ours mid-stream: say so in the stream, and still end it properly
+            log.exception("request %s failed mid-stream", reply.request_id)
+            yield "data: " + ChunkFormat.error_object(f"internal error: {err}") + "\n\n"
+            yield DONE
+            return
+        finished.set()
+        self.metrics.observe(item)
+        if tail := text.finish(item.text):
+            yield chunks.event(tail, degraded=degraded)
+        yield chunks.event(None, item.finish_reason, usage=usage(reply.prompt_tokens, item),
+                           sprinter=sprinter_extension(item))
         yield DONE
 
     async def health(self) -> dict:
@@ -92,8 +257,10 @@ class Completions:
         cloud = None
         if node.cloud is not None:
             cloud = "reachable" if await node.check_cloud() else "unreachable"
-        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "default_mode": self.default_mode,
-                "default_policy": self.default_policy, "cost_model": node.decoder.cost_model.snapshot()}
+        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "default_mode": self.api.default_mode,
+                "default_policy": self.api.default_policy, "in_flight": self.slots.in_flight,
+                "context_limit": node.decoder.context_limit(self.api.default_mode),
+                "cost_model": node.decoder.cost_model.snapshot()}
 
 
 async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -103,25 +270,27 @@ async def invalid_request(_: Request, err: RequestValidationError) -> JSONRespon
     return openai_error(400, f"{param or 'body'}: {first.get('msg')}", param)
 
 
-def create_app(node: EdgeNode, default_mode: str, model_name: str, default_policy: str | None = None) -> FastAPI:
-    """`default_policy` applies to requests in modes that take a policy and name none."""
+def create_app(node: EdgeNode, api: ApiSettings | None = None) -> FastAPI:
+    api = api or ApiSettings()
     app = FastAPI(title="sprinter edge", version="0.1.0")
     app.add_exception_handler(RequestValidationError, invalid_request)
-    service = Completions(node, default_mode, model_name, default_policy)
+    app.add_middleware(RequestGuard, api_key=api.api_key, max_request_bytes=api.max_request_bytes)
+    service = Completions(node, api)
     tokenizer = node.draft.tokenizer
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sprinter"}]}
+        return {"object": "list", "data": [{"id": api.model_name, "object": "model", "created": 0,
+                                            "owned_by": "sprinter"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await service.respond(body, encode_prompt(tokenizer, body.prompt, chat=False), chat=False)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await service.respond(request, body, partial(encode_prompt, tokenizer, body.prompt, chat=False), False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        return await service.respond(body, encode_chat(tokenizer, messages), chat=True)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        return await service.respond(request, body, partial(encode_chat, tokenizer, messages), True)
 
     @app.get("/healthz")
     async def healthz() -> dict:

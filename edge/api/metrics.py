@@ -21,6 +21,13 @@ class EdgeMetrics:
         self.tokens = Counter("sprinter_edge_tokens_generated", "Tokens returned to clients", ["mode"], registry=r)
         self.target_calls = Counter("sprinter_edge_target_calls", "Cloud verifications", ["mode"], registry=r)
         self.degraded = Counter("sprinter_edge_degraded_requests", "Requests served partly without the cloud", registry=r)
+        self.in_flight = Gauge("sprinter_edge_requests_in_flight", "Generations running now", registry=r)
+        self.cancelled = Counter("sprinter_edge_requests_cancelled", "Generations stopped because the client left",
+                                 registry=r)
+        self.rejected = Counter("sprinter_edge_requests_rejected", "Requests turned away before generating",
+                                ["reason"], registry=r)
+        self.refused = Counter("sprinter_edge_cloud_refusals", "Generations ended early by a cloud refusal", ["code"],
+                               registry=r)
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -32,3 +39,5 @@ class EdgeMetrics:
         self.tokens_per_s.observe(result.stats.tokens_per_s)
         if result.degraded:
             self.degraded.inc()
+        if result.error is not None:
+            self.refused.labels(result.error.code.name).inc()

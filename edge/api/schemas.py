@@ -2,38 +2,66 @@
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k` and `policy` (a call policy
 spec, e.g. "goodput"). Each response carries the usual `usage` plus a `sprinter` object (mode,
-policy, target_calls, tokens_per_call, block_length_mean, degraded, token ids and the full stats).
+policy, target_calls, tokens_per_call, block_length_mean, degraded, token ids and the full stats;
+`error` when the cloud refused mid-generation).
+
+Every field has a range that fits where it goes (seed: the wire's uint64; top_k: int32). OpenAI
+fields this server does not implement are refused with a 400 naming them, unless their value
+asks for nothing (`presence_penalty: 0`, `logprobs: null`...), which many clients send by default.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from edge.decoder import EdgeResult
 
+MAX_STOP_SEQUENCES = 16
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class SamplingFields(BaseModel):
+    # Unknown fields are kept (not dropped silently) so that `unsupported_field` can name them.
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=8192)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=8192)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1, description="0 or -1: off")
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+    stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
     # sprinter extensions
-    mode: str | None = None
+    mode: str | None = Field(default=None, max_length=32)
     k: int | None = Field(default=None, ge=1, le=32)
-    policy: str | None = None
+    policy: str | None = Field(default=None, max_length=64)
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class CompletionRequest(SamplingFields):
@@ -44,15 +72,50 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+    # `is` for booleans: 0 == False in Python, and logprobs=0 is a request, not a no-op
+    return lambda value: value is None or any(value is a if isinstance(a, bool) else
+                                              (not isinstance(value, bool) and value == a) for a in allowed)
+
+
+# OpenAI fields accepted only with a value that asks for nothing; any other value is refused by name.
+NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
+    "stream_options": lambda value: value is None or isinstance(value, dict) and set(value) <= {"include_usage"},
+    "presence_penalty": _none_or(0), "frequency_penalty": _none_or(0), "repetition_penalty": _none_or(1),
+    "logprobs": _none_or(False), "top_logprobs": _none_or(0), "echo": _none_or(False), "best_of": _none_or(1),
+    "suffix": _none_or(""), "logit_bias": _none_or({}), "response_format": _none_or({"type": "text"}),
+    "tools": _none_or([]), "tool_choice": _none_or("none", "auto"), "parallel_tool_calls": _none_or(True, False),
+}
+
+
+def request_problem(body: SamplingFields) -> tuple[str, str] | None:
+    """(field, message) for a field this server does not implement or a stop list it cannot take; else None."""
+    for name, value in (body.model_extra or {}).items():
+        if name not in NO_OP_FIELDS:
+            return name, f"unsupported field {name!r}: this server does not implement it"
+        if not NO_OP_FIELDS[name](value):
+            return name, f"unsupported value of {name!r}: this server does not implement it (leave it unset)"
+    stops = body.stop_sequences
+    if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+        return "stop", f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings"
+    return None
+
+
+def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
-    return {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls, "tokens_per_call": s.tokens_per_call,
-            "block_length_mean": s.block_length_mean, "degraded": result.degraded, "token_ids": result.token_ids,
-            "stats": s.to_dict()}
+    extension = {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls,
+                 "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
+                 "degraded": result.degraded, "token_ids": result.token_ids, "stats": s.to_dict()}
+    if result.error is not None:
+        extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
+    return extension
 
 
 def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
@@ -60,14 +123,10 @@ def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
             "total_tokens": prompt_tokens + len(result.token_ids)}
 
 
-def finish_reason(result: EdgeResult, max_new_tokens: int) -> str:
-    return "length" if len(result.token_ids) >= max_new_tokens else "stop"
-
-
-def completion(request_id: str, created: int, model: str, chat: bool, result: EdgeResult, prompt_tokens: int,
-               max_new_tokens: int) -> dict[str, Any]:
+def completion(request_id: str, created: int, model: str, chat: bool, result: EdgeResult,
+               prompt_tokens: int) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion object."""
-    finish = finish_reason(result, max_new_tokens)
+    finish = result.finish_reason
     choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": finish}
               if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,

@@ -8,27 +8,38 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from common.decoding.generation import StopSequences
+
 
 class IncrementalText:
-    """Decodes a growing token list into text deltas, holding back half-finished UTF-8 characters."""
+    """Decodes a growing token list into text deltas, holding back half-finished UTF-8 characters and any
+    tail that might begin a stop sequence (the client must never see a stop sequence, even in part)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stop = StopSequences(stop, self._decode) if stop else None
         self.tokens: list[int] = []
         self.sent = ""
 
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self._decode(self.tokens)
         if text.endswith("\ufffd"):
+            return ""
+        if self.stop is not None:
+            text = self.stop.cut(text)
+            text = text[: len(text) - self.stop.held_back(text)]
+        if len(text) <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
 
-    def flush(self) -> str:
-        """The rest, even a character the generation ended in the middle of (as the non-streamed text has it)."""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        delta, self.sent = text[len(self.sent):], text
+    def finish(self, final_text: str) -> str:
+        """The rest of the final text (held-back characters, a character the generation ended inside)."""
+        delta, self.sent = final_text[len(self.sent):], final_text
         return delta
 
 
@@ -46,11 +57,19 @@ class ChunkFormat:
         return "data: " + json.dumps({"id": self.request_id, "object": kind, "created": self.created,
                                       "model": self.model, "choices": [choice], **extra}) + "\n\n"
 
+    @staticmethod
+    def error_object(message: str) -> str:
+        """OpenAI's in-stream error (the openai client raises it as an APIError)."""
+        return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
     def role(self) -> str:
         """A chat stream opens by naming the assistant's role."""
         return self._line({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
-    def event(self, delta: str | None, finish: str | None = None, **extra: Any) -> str:
+    def event(self, delta: str | None, finish: str | None = None, degraded: bool = False, **extra: Any) -> str:
+        """One chunk; from the point a generation degrades, every chunk says so (`sprinter.degraded`)."""
+        if degraded and "sprinter" not in extra:
+            extra["sprinter"] = {"degraded": True}
         if self.chat:
             choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
         else:

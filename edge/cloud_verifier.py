@@ -1,0 +1,95 @@
+"""The speculative round's cloud backend: a pending block becomes a verify frame, the cloud's answer a `Verdict`.
+
+One `CloudVerifier` per generation, over that generation's cloud session. When the cloud is out of
+reach (CloudUnavailable after the session's retries) it answers None, so the round keeps the block
+as drafted; the generation is then degraded (`CloudUse`), and the cloud is tried again after
+`retry_s`. A refusal (CloudRefused) is not caught here: it ends the generation (edge/decoder.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common.decoding.drafting import PendingBlock
+from common.decoding.speculative_round import Verdict
+from common.sampling import SamplingParams, SparseDistribution
+from edge.cloud_client import CloudError, CloudSession, CloudUnavailable
+from sprinter.v1 import decoding_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def wire_method(method: str) -> int:
+    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
+    return pb.Method.Value(f"METHOD_{method.upper()}")
+
+
+@dataclass
+class CloudUse:
+    """How one generation fared with the cloud: degraded (some tokens never verified), reopens, a refusal."""
+
+    on_degraded: Callable[[], None] | None = None  # told once, when the first unverified token is about to go out
+    degraded: bool = False
+    reopens: int = 0
+    error: CloudError | None = None  # the refusal that ended the generation early
+    finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
+    reasons: list[str] = field(default_factory=list)
+
+    def mark_degraded(self, reason: str) -> None:
+        if not self.degraded:
+            self.degraded = True
+            if self.on_degraded is not None:
+                self.on_degraded()
+        self.reasons.append(reason)
+
+
+class CloudVerifier:
+    """The speculative round's backend over one generation's cloud session; None when out of reach."""
+
+    def __init__(self, session: CloudSession, method: str, sampling: SamplingParams, max_sparse_support: int,
+                 retry_s: float, use: CloudUse) -> None:
+        self.session = session
+        self.method = method
+        self.sampling = sampling
+        self.max_sparse_support = max_sparse_support
+        self.retry_s = retry_s
+        self.use = use
+        self.down_since: float | None = None
+
+    def reachable(self) -> bool:
+        return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
+
+    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
+        probs = [float(d.p_draft[d.token]) for d in block.drafted]
+        dists = self._draft_dists(block)
+        # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
+        # not what one more round trip costs, so it reports no round trip for the cost model to learn.
+        steady, reopens, started = self.session.session_id is not None, self.session.reopens, time.perf_counter()
+        try:
+            verdict = await self.session.verify(context, block.tokens, wire_method(self.method), probs, dists)
+        except CloudUnavailable as err:
+            if self.down_since is None:
+                log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)
+            self.use.mark_degraded(str(err))
+            self.down_since = time.monotonic()
+            return None
+        finally:
+            self.use.reopens = self.session.reopens
+        if self.down_since is not None:
+            log.info("cloud is back")
+            self.down_since = None
+        round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
+        return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms)
+
+    def _draft_dists(self, block: PendingBlock) -> list[SparseDistribution] | None:
+        """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""
+        if self.sampling.greedy:
+            return None
+        rows = block.drafted[-1:] if self.method == "sprinter" else block.drafted
+        return [SparseDistribution.from_dense(d.p_draft, self.max_sparse_support) for d in rows]
+
+    async def close(self) -> None:
+        await self.session.close()
