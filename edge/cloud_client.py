@@ -185,6 +185,7 @@ class CloudSession:
         self.vocab_fingerprint = vocab_fingerprint
         self.call: grpc.aio.StreamStreamCall | None = None
         self.session_id: str | None = None
+        self.abandoned_id: str | None = None  # a session left behind on a broken stream, to be closed
         self.reopens = 0
 
     async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
@@ -197,6 +198,8 @@ class CloudSession:
     async def _open(self, context: list[int]) -> None:
         if self.call is None:
             self.call = self.client.stub.Session(metadata=self.client.metadata)
+        if self.abandoned_id is not None:
+            await self._close_abandoned()
         answer = await self._exchange(pb.EdgeFrame(open=pb.OpenSession(
             prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint)))
         if answer.WhichOneof("frame") == "error":
@@ -204,6 +207,18 @@ class CloudSession:
         if answer.opened.HasField("limits"):
             self.client.limits = CloudLimits.from_proto(answer.opened.limits)
         self.session_id = answer.opened.session_id
+
+    async def _close_abandoned(self) -> None:
+        """Take back the session a broken stream left on the cloud, so that the fresh open closes it.
+
+        The cloud keeps a session past its stream (it may be resumed); a stream holds one session, and
+        a second open on it closes the first. Without this, every deadline the edge gives up on would
+        leave a session holding KV until its idle timeout. Whatever the answer (gone already: NOT_FOUND),
+        the fresh open follows.
+        """
+        abandoned, self.abandoned_id = self.abandoned_id, None
+        await self._exchange(pb.EdgeFrame(open=pb.OpenSession(resume_session_id=abandoned,
+                                                              vocab_fingerprint=self.vocab_fingerprint)))
 
     def _failure(self, error: pb.Error, context_length: int) -> Exception:
         """What an error frame means: a resync, a retry later, or a refusal."""
@@ -266,6 +281,8 @@ class CloudSession:
         if self.call is not None:
             self.call.cancel()
         self.call = None
+        if self.session_id is not None:
+            self.abandoned_id = self.session_id
         self.session_id = None
 
     async def close(self) -> None:
