@@ -113,7 +113,7 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
             content = choice.get("text") or (choice.get("delta") or {}).get("content")
             if content and outcome.ttft_s is None:
                 outcome.ttft_s = time.monotonic() - outcome.started_s
-            if "sprinter" in event:
+            if "usage" in event:  # the final chunk (degraded ones before it carry a partial `sprinter`)
                 _read_final(event, outcome)
                 final = True
     if not (final and done):

@@ -48,6 +48,8 @@ class SoakSettings:
     modes: tuple[str, ...] = ("sprinter-exact", "sd-block", "sd", "sprinter", "target")
     temperatures: tuple[float, ...] = (0.0, 1.0)
     kv_budget_mb: int = 64
+    # The cloud refuses a KV budget that cannot hold one full context: a short context keeps a small budget legal.
+    max_context: int = 1024
     max_sessions: int = 64
     sample_s: float = 0.5
     seed: int = 0
@@ -82,6 +84,8 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=d.modes, help="comma list, used in turn")
     p.add_argument("--temperatures", type=lambda t: tuple(float(x) for x in t.split(",")), default=d.temperatures)
     p.add_argument("--kv-budget-mb", type=int, default=d.kv_budget_mb, help="the cloud's --kv-budget-mb")
+    p.add_argument("--max-context", type=int, default=d.max_context,
+                   help="the cloud's --max-context (its KV budget must hold one such session)")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="the cloud's --max-sessions")
     p.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS and metrics sampling period")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -100,7 +104,7 @@ def _int_range(text: str) -> tuple[int, int]:
 def settings_from_args(args: argparse.Namespace) -> SoakSettings:
     return SoakSettings(target=args.target, draft=args.draft, dtype=args.dtype, sessions=args.sessions,
                         duration_s=args.duration_s, max_tokens=args.max_tokens, modes=args.modes,
-                        temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb,
+                        temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb, max_context=args.max_context,
                         max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed, out=args.out)
 
 
@@ -118,7 +122,8 @@ def soak(settings: SoakSettings) -> SoakResult:
     (settings.out / "cloud.log").write_text("")
     metrics_port = free_port()
     cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
-                         "--kv-budget-mb", str(settings.kv_budget_mb), "--max-sessions", str(settings.max_sessions),
+                         "--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
+                         "--max-sessions", str(settings.max_sessions),
                          "--drain-s", "5", log_path=settings.out / "cloud.log",
                          startup_timeout_s=settings.startup_timeout_s)
     edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
