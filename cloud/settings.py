@@ -6,20 +6,10 @@ one full context?) is `check_kv_budget`, run once the model is loaded.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name other than localhost: reachable from elsewhere, as far as we know
-        return False
+from common.addresses import is_loopback
 
 
 @dataclass(frozen=True)

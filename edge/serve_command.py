@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import sys
 
+from common.addresses import is_loopback
 from common.decoding.modes import MODES
 from common.models import DTYPES
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument
@@ -44,15 +44,6 @@ def add_api_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + completion tokens (default: the draft's window and the cloud's max_context)")
     p.add_argument("--cloud-retry-s", type=float, default=2.0,
                    help="while the cloud is out of reach, how often a generation tries it again")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool) -> str | None:
