@@ -49,6 +49,7 @@ class Verdict:
     verify_ms: float  # the target's forward and the rule
     round_trip_ms: float | None  # what drafting waited; None when the call also paid for an open or a reopen
     target_logits: torch.Tensor | None = None  # [g + 1, V] along the block (local target only)
+    p_target: torch.Tensor | None = None  # [g + 1, V] the distributions the rule read (local target only)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class LocalTarget:
         n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft, p_target, self.generator)
         verify_ms = (time.perf_counter() - started) * 1e3
         # In one process the round trip is the target's work alone: the cost model's rtt stays 0.
-        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits)
+        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, p_target)
 
 
 async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,

@@ -42,7 +42,7 @@ from common.decoding.speculative_round import LocalTarget, Verdict, run_inline, 
 from common.models import LoadedModel, vocab_fingerprint
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
-from common.sampling import SamplingParams, logits_to_probs
+from common.sampling import SamplingParams
 from common.stats import StatsRecorder
 from common.verification import greedy_verify
 from common.verifier import draft_confidence_features
@@ -96,14 +96,14 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
     while not generation.done:
         position = len(generation.new_tokens)
         decoded = run_inline(speculative_round(generation, drafter, target, None, None))
-        records += _token_records(decoded.block, decoded.verdict, sampling, position)
+        records += _token_records(decoded.block, decoded.verdict, position)
         if settings.segment == 0:
             break
     return records
 
 
-def _token_records(block: PendingBlock, verdict: Verdict, sampling: SamplingParams, position: int) -> list[TokenRecord]:
-    p_target = logits_to_probs(verdict.target_logits, sampling)  # [g + 1, V]
+def _token_records(block: PendingBlock, verdict: Verdict, position: int) -> list[TokenRecord]:
+    p_target = verdict.p_target  # [g + 1, V]
     greedy_match = (verdict.target_logits[: len(block)].argmax(dim=-1) == torch.tensor(block.tokens)).tolist()
     return [TokenRecord(hidden=drafted.step.hidden.float().numpy().astype(np.float16),
                         confidence=draft_confidence_features(drafted.step),
