@@ -83,6 +83,12 @@ class EdgeDecoder:
         window = getattr(draft.model.config, "max_position_embeddings", None)
         self.max_context = min(n for n in (max_context, window) if n) if (max_context or window) else None
 
+    def use_verifier(self, verifier: Verifier, make_draft_lm: Callable[[], DraftLM],
+                     make_companion: Callable[[], Companion] | None) -> None:
+        """Swap the verifier and the runtimes it reads, together: a generation reads all three as it starts
+        (on the event loop, with no await between), so it runs wholly with the old set or wholly with the new."""
+        self.verifier, self.make_draft_lm, self.make_companion = verifier, make_draft_lm, make_companion
+
     def context_limit(self, mode: str) -> int | None:
         """Tokens a generation's context (prompt + completion) may hold in `mode`: the draft's window, and
         the cloud's max_context where the cloud takes part (as last heard from it)."""

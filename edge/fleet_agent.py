@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -29,7 +29,7 @@ from common.fleet_plane.connection import BrokerSettings, FleetConnection, publi
 from common.fleet_plane.messages import (BadMessage, CloudLoad, ConfigApplied, EdgeState, EdgeTelemetry, FleetConfig,
                                          VerifierArtifact, decode, encode)
 from common.models import cache_root
-from common.verifier import Verifier
+from edge.node import VerifierSetup
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ class EdgeControls(Protocol):
 
     def telemetry(self, edge_id: str, interval_s: float, dropped: int) -> EdgeTelemetry: ...
 
-    def load_verifier(self, metadata_path: Path) -> Verifier:
+    def load_verifier(self, metadata_path: Path) -> VerifierSetup:
         """Load and check (pair, companion) a verifier; raise ValueError to refuse it. Called off the loop."""
         ...
 
-    def apply(self, config: FleetConfig, verifier: Verifier | None) -> None:
+    async def apply(self, config: FleetConfig, verifier: VerifierSetup | None) -> None:
         """Put `config` (and its verifier) in force for the next requests; raise ValueError to refuse."""
         ...
 
@@ -76,6 +76,8 @@ class FleetAgent:
         self.bad_messages = 0
         self._artifacts: dict[str, asyncio.Future[VerifierArtifact]] = {}
         self._applying = asyncio.Lock()
+        self._config_tasks: set[asyncio.Task] = set()
+        self._subscribed_artifacts: set[str] = set()
         will = aiomqtt.Will(topics.edge_state(identity.edge_id), encode(controls.state("offline", 0)), qos=1, retain=True)
         self.connection = FleetConnection(broker, f"edge-{identity.edge_id}", will=will, on_connect=self.publish_state)
         self._telemetry_task: asyncio.Task | None = None
@@ -88,8 +90,9 @@ class FleetAgent:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._telemetry_task is not None:
-            self._telemetry_task.cancel()
+        for task in (self._telemetry_task, *self._config_tasks):
+            if task is not None:
+                task.cancel()
         await self.publish_state("offline")  # a clean stop says so at once, not after the keepalive
         await self.connection.__aexit__(*exc)
 
@@ -138,37 +141,52 @@ class FleetAgent:
         config = self._decode(message, FleetConfig)
         if not isinstance(config, FleetConfig) or config.version <= self.config_version:
             return  # unreadable, or already in force (a retained config is redelivered on every reconnect)
-        async with self._applying:  # one config at a time, in order
+        correlation = getattr(message.properties, "CorrelationData", None)
+        # Applied in a task: the verifier it may wait for arrives through this same message loop.
+        task = asyncio.create_task(self._apply(config, correlation), name=f"fleet-config-v{config.version}")
+        self._config_tasks.add(task)
+        task.add_done_callback(self._config_tasks.discard)
+
+    async def _apply(self, config: FleetConfig, correlation: bytes | None) -> None:
+        async with self._applying:  # one config at a time, in the order they came (the lock is FIFO)
+            if config.version <= self.config_version:
+                return
             try:
                 config.check()
                 verifier = await self._fetch_verifier(config)
-                self.controls.apply(config, verifier)
+                await self.controls.apply(config, verifier)
             except (ValueError, BadMessage, asyncio.TimeoutError, OSError) as err:
                 reason = str(err) or type(err).__name__
                 log.warning("fleet config v%d refused: %s", config.version, reason)
-                await self._answer(config, False, reason)
+                await self._answer(config, False, reason, correlation)
                 return
             self.config_version = config.version
             log.info("fleet config v%d applied", config.version)
-            await self._answer(config, True, None)
+            await self._answer(config, True, None, correlation)
             await self.publish_state()
 
-    async def _fetch_verifier(self, config: FleetConfig) -> Verifier | None:
+    async def _fetch_verifier(self, config: FleetConfig) -> VerifierSetup | None:
         if config.verifier is None:
             return None
         sha256 = config.verifier["sha256"]
-        if sha256 not in self._artifacts:  # subscribe to this artifact only: not to every one ever pushed
+        if sha256 not in self._subscribed_artifacts:  # this artifact only: not every one ever pushed
+            self._subscribed_artifacts.add(sha256)
             self._artifact_future(sha256)
             self.connection.subscribe(topics.verifier_artifact(sha256), self._on_artifact)
         try:
             artifact = await asyncio.wait_for(asyncio.shield(self._artifact_future(sha256)), ARTIFACT_WAIT_S)
         except asyncio.TimeoutError:
             raise ValueError(f"verifier {sha256[:12]}... was not published on {topics.verifier_artifact(sha256)}")
-        onnx = artifact.onnx_bytes()  # BadMessage when the bytes do not match the digest
+        try:
+            onnx = artifact.onnx_bytes()  # BadMessage when the bytes do not match the digest
+        except BadMessage:
+            del self._artifacts[sha256]  # a corrected republish under this digest gets its chance
+            raise
         directory = cache_root() / "fleet-verifiers" / sha256
-        return await asyncio.to_thread(self._store_and_load, directory, onnx, artifact.metadata)
+        setup = await asyncio.to_thread(self._store_and_load, directory, onnx, artifact.metadata)
+        return replace(setup, identity={"id": config.verifier["id"], "sha256": sha256})  # the operator's name for it
 
-    def _store_and_load(self, directory: Path, onnx: bytes, metadata: dict) -> Verifier:
+    def _store_and_load(self, directory: Path, onnx: bytes, metadata: dict) -> VerifierSetup:
         directory.mkdir(parents=True, exist_ok=True)
         onnx_name = str(metadata.get("onnx", "verifier.onnx"))
         if "/" in onnx_name or onnx_name.startswith("."):
@@ -177,6 +195,7 @@ class FleetAgent:
         (directory / "verifier.json").write_text(json.dumps(metadata))
         return self.controls.load_verifier(directory / "verifier.json")
 
-    async def _answer(self, config: FleetConfig, ok: bool, reason: str | None) -> None:
+    async def _answer(self, config: FleetConfig, ok: bool, reason: str | None, correlation: bytes | None) -> None:
         applied = ConfigApplied(self.identity.edge_id, config.group, config.version, ok, reason, time.time())
-        await self.connection.publish(topics.edge_applied(self.identity.edge_id), encode(applied), qos=1)
+        await self.connection.publish(topics.edge_applied(self.identity.edge_id), encode(applied), qos=1,
+                                      properties=publish_properties(correlation=correlation))

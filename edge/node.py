@@ -8,13 +8,16 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable, Sequence
 
-from common.companion import companion_for
+from common.cached_lm import DraftLM
+from common.companion import Companion, companion_for
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
+from common.verifier import Verifier
 from edge.cloud_client import CloudClient, CloudEndpoint, CloudUnavailable
 from edge.decoder import EdgeDecoder
 from edge.draft_runtime import draft_lm_factory
-from edge.verifier_runtime import load_verifier
+from edge.verifier_runtime import LearnedVerifier, load_verifier, verifier_identity
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,16 @@ class EdgeNodeSettings:
                    max_model_len=getattr(args, "max_model_len", None))
 
 
+@dataclass(frozen=True)
+class VerifierSetup:
+    """A verifier and what decoding needs beside it, made ready before it is put in force."""
+
+    verifier: Verifier
+    make_draft_lm: Callable[[], DraftLM]  # a draft runtime that returns hidden states if the verifier reads them
+    make_companion: Callable[[], Companion] | None
+    identity: dict  # {"id", "sha256"}: how the fleet plane names it
+
+
 class EdgeNode:
     """`async with EdgeNode(settings) as node:` then `node.decoder.generate(...)` per request."""
 
@@ -64,28 +77,83 @@ class EdgeNode:
         self.cloud: CloudClient | None = None
         self.target_id: str | None = None
         self.decoder: EdgeDecoder | None = None
+        self.verifier_identity: dict = {}
+        self._new_draft_lm: Callable[[bool], DraftLM] | None = None
+        self._retired_clouds: list[CloudClient] = []  # replaced by a fleet config; in-flight sessions may still use them
 
     async def __aenter__(self) -> "EdgeNode":
         if self.settings.cloud:
-            endpoint = CloudEndpoint(self.settings.cloud, tls_ca=self.settings.cloud_ca,
-                                     tls_server_name=self.settings.cloud_tls_server_name, token=self.settings.cloud_token,
-                                     deadline_s=self.settings.cloud_deadline_s)
-            self.cloud = await CloudClient(endpoint).__aenter__()
+            self.cloud = await CloudClient(self._endpoint(self.settings.cloud)).__aenter__()
             await self.check_cloud()
-        verifier = load_verifier(self.settings.verifier, self.draft.tokenizer, self.settings.draft, self.target_id,
+        self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
+                                              self.settings.draft_weights)
+        setup = self.prepare_verifier(self.settings.verifier)
+        self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
+                                   make_companion=setup.make_companion, max_context=self.settings.max_model_len)
+        self.verifier_identity = setup.identity
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for client in (self.cloud, *self._retired_clouds):
+            if client is not None:
+                await client.__aexit__(*exc)
+
+    @property
+    def cloud_address(self) -> str | None:
+        return self.cloud.endpoint.address if self.cloud is not None else None
+
+    def _endpoint(self, address: str) -> CloudEndpoint:
+        return CloudEndpoint(address, tls_ca=self.settings.cloud_ca, tls_server_name=self.settings.cloud_tls_server_name,
+                             token=self.settings.cloud_token, deadline_s=self.settings.cloud_deadline_s)
+
+    def prepare_verifier(self, spec: str) -> VerifierSetup:
+        """Load and check a verifier (`--verifier` syntax) for this node's pair; ValueError if it does not fit.
+
+        Slow (ONNX session, maybe a companion model): call it off the event loop once the node serves.
+        """
+        verifier = load_verifier(spec, self.draft.tokenizer, self.settings.draft, self.target_id,
                                  self.settings.companion)
         # The companion runs on torch beside the draft: a forward per drafted token (see common/companion.py).
         make_companion = companion_for(verifier, self.settings.companion, self.draft, DTYPES[self.settings.dtype],
                                        (self.draft,))
-        new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
-                                        self.settings.draft_weights)
-        self.decoder = EdgeDecoder(self.draft, partial(new_draft_lm, verifier.needs_hidden), verifier, self.cloud,
-                                   make_companion=make_companion, max_context=self.settings.max_model_len)
-        return self
+        return VerifierSetup(verifier, partial(self._new_draft_lm, verifier.needs_hidden), make_companion,
+                             verifier_identity(verifier))
 
-    async def __aexit__(self, *exc: object) -> None:
-        if self.cloud is not None:
-            await self.cloud.__aexit__(*exc)
+    def use_verifier(self, setup: VerifierSetup) -> None:
+        """Put a prepared verifier in force for the next generations (running ones keep theirs)."""
+        self.decoder.use_verifier(setup.verifier, setup.make_draft_lm, setup.make_companion)
+        self.verifier_identity = setup.identity
+
+    async def use_clouds(self, addresses: Sequence[str]) -> None:
+        """Verify on the first of `addresses` that answers with this draft's vocabulary; ValueError if none does.
+
+        Generations in flight finish on the cloud they started with (its channel closes when the node stops).
+        """
+        if self.cloud_address in addresses:
+            return
+        unreachable = []
+        for address in addresses:
+            client = await CloudClient(self._endpoint(address)).__aenter__()
+            try:
+                info = await client.info()
+            except CloudUnavailable as err:
+                unreachable.append(f"{address} ({err.code.name})")
+                await client.__aexit__(None, None, None)
+                continue
+            try:
+                if info.vocab_fingerprint != vocab_fingerprint(self.draft.tokenizer):
+                    raise ValueError(f"cloud {address} serves {info.model_id}, whose vocabulary differs from the draft's")
+                if isinstance(self.decoder.verifier, LearnedVerifier):  # trained for one target: not for another
+                    self.decoder.verifier.check_pair(self.draft.tokenizer, self.settings.draft, info.model_id)
+            except ValueError:
+                await client.__aexit__(None, None, None)
+                raise
+            if self.cloud is not None:
+                self._retired_clouds.append(self.cloud)
+            self.cloud, self.decoder.cloud, self.target_id = client, client, info.model_id
+            log.info("verifying on cloud %s (%s) from now on", address, info.model_id)
+            return
+        raise ValueError(f"no cloud of {', '.join(addresses)} is reachable: {'; '.join(unreachable)}")
 
     async def check_cloud(self) -> bool:
         """Refuse a cloud with another vocabulary; a cloud that is down only degrades us. True if reachable.
@@ -96,10 +164,10 @@ class EdgeNode:
             info = await self.cloud.info()
         except CloudUnavailable as err:
             log.warning("cloud %s is not reachable yet (%s); decoding degrades to the draft until it is",
-                        self.settings.cloud, err)
+                        self.cloud_address, err)
             return False
         if info.vocab_fingerprint != vocab_fingerprint(self.draft.tokenizer):
-            raise CloudMismatch(f"cloud {self.settings.cloud} serves {info.model_id}, whose vocabulary differs from "
+            raise CloudMismatch(f"cloud {self.cloud_address} serves {info.model_id}, whose vocabulary differs from "
                                 f"draft {self.settings.draft}'s: pair the draft with a target that shares its tokenizer")
         self.target_id = info.model_id
         return True

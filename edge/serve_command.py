@@ -7,9 +7,13 @@ import asyncio
 import logging
 import os
 import sys
+from contextlib import AbstractAsyncContextManager, nullcontext
+from importlib.metadata import PackageNotFoundError, version
 
 from common.addresses import is_loopback
 from common.decoding.modes import MODES
+from common.fleet_plane.command import add_broker_arguments, broker_settings
+from common.fleet_plane.topics import check_identifier
 from common.models import DTYPES
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument
 
@@ -30,7 +34,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     add_cloud_arguments(p)
     add_api_arguments(p)
+    add_fleet_arguments(p)
     p.set_defaults(run=run)
+
+
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    add_broker_arguments(p)
+    p.add_argument("--edge-id", help="this edge's name on the fleet plane (default: edge-PORT of --listen)")
+    p.add_argument("--group", default="default", help="the fleet group whose config this edge follows")
+    p.add_argument("--telemetry-interval", type=float, default=5.0, metavar="S", help="seconds between telemetry")
 
 
 def add_api_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,11 +68,24 @@ def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool
     return None
 
 
+def fleet_problem(args: argparse.Namespace) -> str | None:
+    if not args.mqtt:
+        return None
+    args.edge_id = args.edge_id or f"edge-{args.listen.rpartition(':')[2]}"
+    try:
+        broker_settings(args)
+        check_identifier(args.edge_id, "--edge-id")
+        check_identifier(args.group, "--group")
+    except ValueError as err:
+        return str(err)
+    return None if args.telemetry_interval > 0 else "--telemetry-interval must be > 0"
+
+
 def run(args: argparse.Namespace) -> int:
     from edge.node import EdgeNodeSettings
 
     args.api_key = args.api_key or os.environ.get("SPRINTER_API_KEY")
-    problem = listen_problem(args.listen, args.api_key, args.allow_unauthenticated)
+    problem = listen_problem(args.listen, args.api_key, args.allow_unauthenticated) or fleet_problem(args)
     try:
         node_settings = EdgeNodeSettings.from_args(args)
     except ValueError as err:
@@ -83,8 +108,29 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
                       max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s)
     async with EdgeNode(node_settings) as node:
-        server = uvicorn.Server(uvicorn.Config(create_app(node, api), host=host.strip("[]"), port=int(port),
-                                               log_level="warning", lifespan="off"))
+        app = create_app(node, api)
+        server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning",
+                                               lifespan="off"))
         log.info("edge daemon on http://%s/v1 (mode %s, policy %s, cloud %s%s)", args.listen, args.mode,
                  args.policy or "the mode's default", args.cloud, ", API key required" if args.api_key else "")
-        await server.serve()
+        async with fleet_presence(args, node, app.state.completions):
+            await server.serve()
+
+
+def fleet_presence(args: argparse.Namespace, node: object, service: object) -> AbstractAsyncContextManager:
+    """This edge on the fleet plane (presence, telemetry, config, verifiers), with --mqtt; nothing without it."""
+    if not args.mqtt:
+        return nullcontext()
+    from edge.fleet_agent import EdgeIdentity, FleetAgent
+    from edge.fleet_controls import DaemonControls
+
+    identity = EdgeIdentity(args.edge_id, args.group, software_version(), f"http://{args.listen}/v1")
+    return FleetAgent(broker_settings(args), identity, DaemonControls(node, service, identity),
+                      telemetry_interval_s=args.telemetry_interval)
+
+
+def software_version() -> str:
+    try:
+        return version("sprinter")
+    except PackageNotFoundError:
+        return "unknown"

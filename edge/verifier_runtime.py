@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 from transformers import PreTrainedTokenizerBase
 
+from common.fleet_plane.messages import verifier_digest
 from common.models import vocab_fingerprint
 from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, parse_verifier
 from edge.ort_sessions import make_session
@@ -64,6 +65,7 @@ class LearnedVerifier:
     metadata: dict
     session: ort.InferenceSession
     threshold: float
+    sha256: str = ""  # common.fleet_plane.messages.verifier_digest: the fleet plane names a verifier by it
 
     @property
     def needs_hidden(self) -> bool:
@@ -82,8 +84,11 @@ class LearnedVerifier:
         if unknown:
             raise ValueError(f"{metadata_path}: unknown features {sorted(unknown)}")
         # a dot product per token: more threads would only add overhead
-        session = make_session(Path(metadata_path).parent / metadata["onnx"], threads=threads)
-        return cls(metadata, session, float(metadata["threshold"]))
+        onnx_path = Path(metadata_path).parent / metadata["onnx"]
+        session = make_session(onnx_path, threads=threads)
+        digest = verifier_digest(onnx_path.read_bytes(), metadata)
+        metadata.setdefault("id", Path(metadata_path).resolve().parent.name)  # a verifier's directory names it
+        return cls(metadata, session, float(metadata["threshold"]), digest)
 
     def check_pair(self, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
                    target_id: str | None = None) -> None:
@@ -151,6 +156,13 @@ def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spe
         verifier.check_companion(companion_spec)
         return verifier
     return parse_verifier(spec)
+
+
+def verifier_identity(verifier: Verifier) -> dict:
+    """{"id", "sha256"} of a verifier (sha256 of its ONNX file; null for the confidence baseline)."""
+    if isinstance(verifier, LearnedVerifier):
+        return {"id": str(verifier.metadata["id"]), "sha256": verifier.sha256}
+    return {"id": f"confidence:{verifier.threshold:g}", "sha256": None}
 
 
 __all__ = ["ConfidenceVerifier", "LearnedVerifier", "VerifierMismatch", "load_verifier", "step_features"]

@@ -127,26 +127,34 @@ class ConfigApplied:
     time: float
 
 
+def verifier_digest(onnx: bytes, metadata: dict) -> str:
+    """A verifier's name on the fleet plane: sha256 of its ONNX bytes, a NUL byte and its metadata as canonical
+    JSON (sorted keys, no spaces). Both halves decide what the verifier does (a new threshold is a new verifier)."""
+    canonical = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(onnx + b"\0" + canonical).hexdigest()
+
+
 @dataclass(frozen=True)
 class VerifierArtifact:
     SCHEMA: ClassVar[str] = "sprinter.verifier.artifact/1"
-    sha256: str
+    sha256: str  # verifier_digest(onnx, metadata)
     metadata: dict
     onnx_base64: str = field(repr=False)
 
     @classmethod
     def from_onnx(cls, onnx: bytes, metadata: dict) -> VerifierArtifact:
-        return cls(hashlib.sha256(onnx).hexdigest(), metadata, base64.b64encode(onnx).decode("ascii"))
+        return cls(verifier_digest(onnx, metadata), metadata, base64.b64encode(onnx).decode("ascii"))
 
     def onnx_bytes(self) -> bytes:
-        """The ONNX model, checked against the digest it was published under."""
+        """The ONNX model, checked (with the metadata) against the digest it was published under."""
         try:
             onnx = base64.b64decode(self.onnx_base64, validate=True)
         except ValueError as err:
             raise BadMessage(f"verifier artifact: onnx_base64 is not base64 ({err})") from err
-        digest = hashlib.sha256(onnx).hexdigest()
+        digest = verifier_digest(onnx, self.metadata)
         if digest != self.sha256:
-            raise BadMessage(f"verifier artifact: the ONNX bytes hash to {digest[:12]}..., not {self.sha256[:12]}...")
+            raise BadMessage(f"verifier artifact: the ONNX bytes and metadata hash to {digest[:12]}..., "
+                             f"not {self.sha256[:12]}...")
         return onnx
 
 

@@ -55,6 +55,7 @@ class ApiSettings:
     default_mode: str = "sprinter-exact"
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
+    default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)
     max_request_bytes: int = 2 << 20  # larger bodies get 413
@@ -134,7 +135,7 @@ class Completions:
         sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
-            decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or 5,
+            decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
                                     policy=policy)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
@@ -276,6 +277,7 @@ def create_app(node: EdgeNode, api: ApiSettings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_middleware(RequestGuard, api_key=api.api_key, max_request_bytes=api.max_request_bytes)
     service = Completions(node, api)
+    app.state.completions = service  # the fleet plane reads and sets its defaults (edge/fleet_controls.py)
     tokenizer = node.draft.tokenizer
 
     @app.get("/v1/models")

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.call_policy import CostModel
 from edge.decoder import EdgeResult
 
 
+@dataclass
+class RequestTotals:
+    """Counts since the daemon started, all modes together: what fleet telemetry turns into rates."""
+
+    requests: int = 0
+    tokens: int = 0
+    target_calls: int = 0
+    degraded_requests: int = 0
+
+
 class EdgeMetrics:
     def __init__(self, cost_model: CostModel) -> None:
+        self.totals = RequestTotals()
         self.registry = CollectorRegistry()
         r = self.registry
         # Read at scrape time: the cost model learns between scrapes, from every request.
@@ -39,5 +52,9 @@ class EdgeMetrics:
         self.tokens_per_s.observe(result.stats.tokens_per_s)
         if result.degraded:
             self.degraded.inc()
+        self.totals.requests += 1
+        self.totals.tokens += result.stats.new_tokens
+        self.totals.target_calls += result.stats.target_calls
+        self.totals.degraded_requests += int(result.degraded)
         if result.error is not None:
             self.refused.labels(result.error.code.name).inc()

@@ -1,0 +1,76 @@
+"""The edge daemon as the fleet plane sees it: `DaemonControls` implements edge/fleet_agent.py's
+`EdgeControls` over the node (verifier, cloud, cost model) and the API's request defaults (mode,
+policy, k).
+
+A config is checked whole before anything changes; the one step that can still fail after the
+checks (reaching a new cloud) runs first; then the new defaults, cloud and verifier are put in
+force together, with no await between them, so a request starts wholly under the old config or
+wholly under the new one. Requests in flight keep what they started with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from common.decoding.modes import POLICY_MODES, DecodeSettings
+from common.fleet_plane.messages import EdgeState, EdgeTelemetry, FleetConfig
+from edge.api.app import ApiSettings, Completions
+from edge.api.metrics import RequestTotals
+from edge.fleet_agent import EdgeIdentity
+from edge.node import EdgeNode, VerifierSetup
+
+
+class DaemonControls:
+    def __init__(self, node: EdgeNode, service: Completions, identity: EdgeIdentity) -> None:
+        self.node = node
+        self.service = service
+        self.identity = identity
+        self._last_report = (time.monotonic(), replace(service.metrics.totals))
+
+    def state(self, status: str, config_version: int) -> EdgeState:
+        api = self.service.api
+        return EdgeState(status, self.identity.edge_id, self.identity.group, self.node.settings.draft,
+                         self.node.target_id, self.node.verifier_identity, api.default_mode, api.default_policy,
+                         self.identity.version, self.identity.api, config_version, time.time())
+
+    def telemetry(self, edge_id: str, interval_s: float, dropped: int) -> EdgeTelemetry:
+        """Rates over the time since the last report, from the requests that finished in it."""
+        now, totals = time.monotonic(), replace(self.service.metrics.totals)
+        then, before = self._last_report
+        self._last_report = (now, totals)
+        delta = RequestTotals(*(getattr(totals, f) - getattr(before, f) for f in RequestTotals.__dataclass_fields__))
+        return EdgeTelemetry(
+            edge_id=edge_id, time=time.time(), interval_s=interval_s,
+            tokens_per_s=delta.tokens / max(now - then, 1e-6),
+            target_calls_per_token=delta.target_calls / delta.tokens if delta.tokens else 0.0,
+            tokens_per_call=delta.tokens / delta.target_calls if delta.target_calls else None,
+            active_requests=self.service.slots.in_flight, requests=delta.requests,
+            degraded_requests=delta.degraded_requests, cost_model=self.node.decoder.cost_model.snapshot(),
+            cloud=self.node.cloud_address, dropped_telemetry=dropped)
+
+    def load_verifier(self, metadata_path: Path) -> VerifierSetup:
+        return self.node.prepare_verifier(str(metadata_path))
+
+    async def apply(self, config: FleetConfig, verifier: VerifierSetup | None) -> None:
+        api = self._checked_defaults(config)
+        if config.clouds:
+            await self.node.use_clouds([str(address) for address in config.clouds])
+        elif api.default_mode == "target" and self.node.cloud is None:
+            raise ValueError("mode 'target' needs a cloud, and this edge has none: name one in 'clouds'")
+        # From here on nothing awaits: the next request sees all of it.
+        self.service.api = api
+        if verifier is not None:
+            self.node.use_verifier(verifier)
+
+    def _checked_defaults(self, config: FleetConfig) -> ApiSettings:
+        changes = {name: value for name, value in (("default_mode", config.mode), ("default_policy", config.policy),
+                                                   ("default_k", config.k)) if value is not None}
+        api = replace(self.service.api, **changes)
+        policy = api.default_policy if api.default_mode in POLICY_MODES else None
+        DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
+        return api
+
+    def seed_verify_ms(self, verify_ms: float) -> None:
+        self.node.decoder.cost_model.seed_verify_ms(verify_ms)

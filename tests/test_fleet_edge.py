@@ -1,0 +1,251 @@
+"""Edges on the fleet plane (real Mosquitto, real edge daemons, a real cloud): presence and its Last Will,
+config rollout with acknowledgements, verifier push, and serving on while the broker comes and goes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import aiomqtt
+import pytest
+import torch
+from openai import OpenAI
+
+import edge.fleet_agent as fleet_agent
+from cloud.server import CloudSettings
+from cloud_harness import ServerThread
+from common.cli import main as sprinter
+from common.fleet_plane import topics
+from common.fleet_plane.connection import BrokerSettings, FleetConnection
+from common.fleet_plane.messages import (CloudLoad, ConfigApplied, EdgeState, FleetConfig, VerifierArtifact, decode,
+                                         encode, verifier_digest)
+from common.fleet_plane.operator import apply_config, push_verifier, read_fleet
+from common.models import LoadedModel, vocab_fingerprint
+from edge.api.app import ApiSettings, create_app
+from edge.fleet_agent import EdgeIdentity, FleetAgent
+from edge.fleet_controls import DaemonControls
+from edge.verifier_runtime import LearnedVerifier
+from edge_harness import EdgeDaemonThread
+from mosquitto_broker import MosquittoBroker, broker
+from sim.processes import free_port
+
+
+def _fast(url: str) -> BrokerSettings:
+    return BrokerSettings.parse(url, keepalive_s=2, reconnect_min_s=0.1, reconnect_max_s=0.5)
+
+
+@contextmanager
+def fleet_edge(draft: LoadedModel, cloud: str | None, url: str, edge_id: str, group: str = "g1",
+               telemetry_interval_s: float = 0.3) -> Iterator[tuple[EdgeDaemonThread, FleetAgent]]:
+    """An edge daemon (the real app) with its fleet agent on the daemon's own event loop."""
+    apps = []
+
+    def make_app(node):
+        apps.append(create_app(node, ApiSettings(default_mode="sd", model_name="tiny")))
+        return apps[0]
+
+    with EdgeDaemonThread(draft, cloud, make_app) as daemon:
+        async def start() -> FleetAgent:
+            identity = EdgeIdentity(edge_id, group, "test", daemon.base + "/v1")
+            controls = DaemonControls(daemon.node, apps[0].state.completions, identity)
+            return await FleetAgent(_fast(url), identity, controls, telemetry_interval_s).__aenter__()
+
+        agent = daemon.call(start())
+        try:
+            yield daemon, agent
+        finally:
+            daemon.call(agent.__aexit__(None, None, None))
+
+
+def _complete(daemon: EdgeDaemonThread, **extra: object) -> dict:
+    client = OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0)
+    completion = client.completions.create(model="tiny", prompt="the fleet", max_tokens=6, extra_body=extra or None)
+    return completion.model_extra["sprinter"]
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _edges(url: str) -> dict[str, EdgeState]:
+    return asyncio.run(read_fleet(_fast(url), wait_s=0.2)).edges
+
+
+async def _publish_and_collect(url: str, config: FleetConfig, answers_expected: int) -> list[ConfigApplied]:
+    """Publish a config as is (no client-side check: what a buggy operator tool might send) and collect answers."""
+    answers: list[ConfigApplied] = []
+
+    async def collect(message: aiomqtt.Message) -> None:
+        applied = decode(message.payload, ConfigApplied)
+        if applied.version == config.version:
+            answers.append(applied)
+
+    async with FleetConnection(_fast(url), "raw-operator") as connection:
+        connection.subscribe(topics.ALL_EDGE_APPLIED, collect)
+        await asyncio.wait_for(connection.connected.wait(), 5)
+        assert await connection.publish(topics.fleet_config(config.group), encode(config), qos=1, retain=True)
+        for _ in range(200):
+            if len(answers) >= answers_expected:
+                break
+            await asyncio.sleep(0.05)
+    return answers
+
+
+def test_a_config_rolls_out_to_three_edges_and_their_next_responses_follow_it(tmp_path: Path, tiny_target,
+                                                                             tiny_draft, capsys) -> None:
+    with broker(tmp_path) as running, \
+            ServerThread(CloudSettings(port=0, mqtt=running.url, replica_id="c1"), tiny_target) as cloud, \
+            fleet_edge(tiny_draft, cloud.address, running.url, "e1") as (e1, _), \
+            fleet_edge(tiny_draft, cloud.address, running.url, "e2") as (e2, _), \
+            fleet_edge(tiny_draft, cloud.address, running.url, "e3") as (e3, _):
+        _wait(lambda: {e for e, s in _edges(running.url).items() if s.status == "online"} == {"e1", "e2", "e3"},
+              10, "three edges online")
+        assert _complete(e1)["policy"] == "fixed:5"  # the daemon's own default before any config
+
+        results = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, mode="sd", policy="fixed:3")))
+        assert [(r.edge_id, r.ok) for r in results] == [("e1", True), ("e2", True), ("e3", True)]
+        for daemon in (e1, e2, e3):
+            assert (_complete(daemon)["mode"], _complete(daemon)["policy"]) == ("sd", "fixed:3")
+        states = _edges(running.url)
+        assert {s.config_version for s in states.values()} == {1} and states["e2"].policy == "fixed:3"
+
+        # A config no edge can take (it slipped past the operator's own check): refused with the reason, old one kept.
+        answers = asyncio.run(_publish_and_collect(running.url, FleetConfig("g1", 2, policy="sometimes"), 3))
+        assert sorted(a.edge_id for a in answers) == ["e1", "e2", "e3"] and not any(a.ok for a in answers)
+        assert all("sometimes" in a.reason for a in answers)
+        assert _complete(e3)["policy"] == "fixed:3" and _edges(running.url)["e3"].config_version == 1
+
+        # mode target needs no policy: the next config switches mode and the responses say so
+        results = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, mode="target")))
+        assert all(r.ok for r in results) and _complete(e1)["mode"] == "target"
+
+        assert sprinter(["fleet", "status", "--mqtt", running.url]) == 0
+        status = capsys.readouterr().out
+        for name in ("e1", "e2", "e3", "c1", cloud.address):
+            assert f"| {name} |" in status
+        telemetry = asyncio.run(read_fleet(_fast(running.url), wait_s=0.8)).telemetry
+        assert {t.cloud for t in telemetry.values()} == {cloud.address}
+
+
+def _write_verifier(directory: Path, tokenizer, fingerprint: str | None = None) -> dict:
+    """A learned verifier on the confidence features for the tiny pair (or a foreign vocabulary)."""
+    directory.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Flatten(0), torch.nn.Sigmoid())
+    torch.onnx.export(model, (torch.zeros(1, 3),), str(directory / "verifier.onnx"), input_names=["features"],
+                      output_names=["score"], dynamic_axes={"features": {0: "n"}, "score": {0: "n"}}, dynamo=False)
+    metadata = {"format": "sprinter-verifier/1", "onnx": "verifier.onnx", "features": ["token_prob", "max_prob",
+                "entropy"], "threshold": 0.4, "metrics": {}, "pair": {"draft": "tiny-random-draft", "target":
+                "tiny-random", "vocab_fingerprint": fingerprint or vocab_fingerprint(tokenizer)}}
+    (directory / "verifier.json").write_text(json.dumps(metadata))
+    return metadata
+
+
+def _push(url: str, directory: Path, metadata: dict, onnx: bytes | None = None, sha256: str | None = None):
+    """Publish an artifact (optionally with bytes that do not match its digest) and point group g1 at it."""
+    artifact = VerifierArtifact.from_onnx((directory / "verifier.onnx").read_bytes(), metadata)
+    if onnx is not None:
+        artifact = VerifierArtifact(sha256, metadata, VerifierArtifact.from_onnx(onnx, metadata).onnx_base64)
+    asyncio.run(push_verifier(_fast(url), artifact))
+    config = FleetConfig("g1", 0, verifier={"id": directory.name, "sha256": artifact.sha256})
+    return asyncio.run(apply_config(_fast(url), config, timeout_s=15))
+
+
+def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused(tmp_path: Path, tiny_target,
+                                                                                tiny_draft, monkeypatch) -> None:
+    monkeypatch.setattr(fleet_agent, "ARTIFACT_WAIT_S", 1.0)
+    monkeypatch.setenv("SPRINTER_CACHE", str(tmp_path / "cache"))
+    with broker(tmp_path / "broker") as running, ServerThread(CloudSettings(port=0), tiny_target) as cloud, \
+            fleet_edge(tiny_draft, cloud.address, running.url, "e1") as (daemon, _):
+        _wait(lambda: "e1" in _edges(running.url), 10, "the edge online")
+        good = tmp_path / "calibrated-v2"
+        metadata = _write_verifier(good, tiny_draft.tokenizer)
+        [result] = _push(running.url, good, metadata)
+        assert result.ok, result.reason
+        verifier = daemon.node.decoder.verifier
+        sha256 = verifier_digest((good / "verifier.onnx").read_bytes(), metadata)
+        assert isinstance(verifier, LearnedVerifier) and verifier.sha256 == sha256
+        assert _edges(running.url)["e1"].verifier == {"id": "calibrated-v2", "sha256": sha256}
+        assert _complete(daemon, mode="sprinter")["mode"] == "sprinter"
+
+        [corrupt] = _push(running.url, good, metadata, onnx=b"not the model", sha256="ab" * 32)
+        assert not corrupt.ok and "hash to" in corrupt.reason
+        foreign = tmp_path / "foreign"
+        [refused] = _push(running.url, foreign, _write_verifier(foreign, tiny_draft.tokenizer, fingerprint="other"))
+        assert not refused.ok and "vocabulary" in refused.reason
+        missing = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, verifier={"id": "x",
+                                                                                             "sha256": "cd" * 32})))
+        assert not missing[0].ok and "was not published" in missing[0].reason
+        assert daemon.node.decoder.verifier is verifier  # every refusal kept what was in force
+        assert _edges(running.url)["e1"].verifier["sha256"] == sha256
+
+
+def test_a_killed_edge_goes_offline_by_its_last_will(tmp_path: Path) -> None:
+    keepalive = 2
+    with broker(tmp_path) as running:
+        port = free_port()
+        process = subprocess.Popen([sys.executable, "-m", "common.cli", "--log-level", "WARNING", "edge", "serve",
+                                    "--draft", "tiny-random-draft", "--draft-runtime", "torch", "--verifier",
+                                    "confidence:0.5", "--listen", f"127.0.0.1:{port}", "--mqtt", running.url,
+                                    "--mqtt-keepalive", str(keepalive), "--edge-id", "doomed"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait(lambda: _edges(running.url).get("doomed", None) is not None, 90, "the edge online")
+            assert _edges(running.url)["doomed"].api == f"http://127.0.0.1:{port}/v1"
+            process.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            _wait(lambda: _edges(running.url)["doomed"].status == "offline", 3 * keepalive, "the Last Will")
+            assert time.monotonic() - killed <= 1.5 * keepalive + 1.5  # the broker's check, plus a read's latency
+        finally:
+            process.kill()
+            process.wait()
+
+
+def test_an_edge_serves_without_its_broker_and_rejoins_when_it_comes_back(tmp_path: Path, tiny_draft) -> None:
+    absent = MosquittoBroker(tmp_path, port=free_port())  # not started: the edge comes up without its broker
+    with fleet_edge(tiny_draft, None, absent.url, "e1", telemetry_interval_s=0.2) as (daemon, agent):
+        assert _complete(daemon, mode="draft")["mode"] == "draft"
+        _wait(lambda: agent.connection.counters.dropped >= 2, 5, "telemetry dropped and counted")
+        absent.start()
+        try:
+            _wait(lambda: "e1" in _edges(absent.url), 10, "the edge's state after the broker appears")
+            absent.stop(kill=True)
+            assert _complete(daemon, mode="draft")["mode"] == "draft"  # the broker's death costs requests nothing
+            dropped = agent.connection.counters.dropped
+            _wait(lambda: agent.connection.counters.dropped > dropped, 5, "telemetry dropped again")
+            absent.start()
+            _wait(lambda: agent.connection.counters.connects == 2, 10, "reconnected")
+            telemetry = asyncio.run(read_fleet(_fast(absent.url), wait_s=0.6)).telemetry
+            assert telemetry["e1"].dropped_telemetry > 0 and _edges(absent.url)["e1"].status == "online"
+        finally:
+            absent.stop()
+
+
+def test_a_cloud_announcement_seeds_the_edge_cost_model(tmp_path: Path, tiny_draft) -> None:
+    load = CloudLoad("c9", "online", "tiny-random", "x", "127.0.0.1:1", 0, 0, 0.0, 42.0, 0, 1, time.time())
+    with broker(tmp_path) as running, fleet_edge(tiny_draft, None, running.url, "e1") as (daemon, agent):
+        async def announce() -> None:
+            async with FleetConnection(_fast(running.url), "fake-cloud") as connection:
+                await asyncio.wait_for(connection.connected.wait(), 5)
+                await connection.publish(topics.cloud_load("c9"), encode(load), qos=1, retain=True)
+
+        asyncio.run(announce())
+        cost_model = daemon.node.decoder.cost_model
+        _wait(lambda: cost_model.prior_verify_base_ms == 42.0, 5, "the seeded verify time")
+
+
+@pytest.mark.parametrize("flags, problem", [(["--edge-id", "a/b"], "--edge-id"), (["--group", "#"], "--group"),
+                                            (["--telemetry-interval", "0"], "--telemetry-interval")])
+def test_bad_fleet_flags_are_refused_before_anything_loads(flags: list[str], problem: str, capsys) -> None:
+    assert sprinter(["edge", "serve", "--mqtt", "mqtt://127.0.0.1:1", *flags]) == 2
+    assert problem in capsys.readouterr().err
