@@ -63,6 +63,7 @@ class EdgeResult:
     cloud_reopens: int = 0
     finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop sequence) or "length" (a limit, or cut short)
     error: CloudError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
+    verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
 
 
 class EdgeDecoder:
@@ -73,6 +74,7 @@ class EdgeDecoder:
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
         self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
         self.verifier = verifier
+        self.verifier_identity: dict | None = None  # how the fleet plane names `verifier` (set by the node)
         self.cloud = cloud
         # Shared by every generation, so it keeps learning across requests. Concurrent generations
         # update it from worker threads too; a lost update under that race costs one sample of an EWMA.
@@ -84,10 +86,11 @@ class EdgeDecoder:
         self.max_context = min(n for n in (max_context, window) if n) if (max_context or window) else None
 
     def use_verifier(self, verifier: Verifier, make_draft_lm: Callable[[], DraftLM],
-                     make_companion: Callable[[], Companion] | None) -> None:
-        """Swap the verifier and the runtimes it reads, together: a generation reads all three as it starts
-        (on the event loop, with no await between), so it runs wholly with the old set or wholly with the new."""
+                     make_companion: Callable[[], Companion] | None, identity: dict | None = None) -> None:
+        """Swap the verifier and the runtimes it reads, together: a generation reads them as it starts (on the
+        event loop, with no await between), so it runs wholly with the old set or wholly with the new."""
         self.verifier, self.make_draft_lm, self.make_companion = verifier, make_draft_lm, make_companion
+        self.verifier_identity = identity
 
     def context_limit(self, mode: str) -> int | None:
         """Tokens a generation's context (prompt + completion) may hold in `mode`: the draft's window, and
@@ -119,6 +122,7 @@ class EdgeDecoder:
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
                                 context_limit=self.context_limit(mode), stop=stop)
         use = CloudUse(on_degraded)
+        verifier = self.verifier_identity
         try:
             if mode == "target":
                 await self._target(generation, settings, use)
@@ -131,7 +135,7 @@ class EdgeDecoder:
         text = self._decode(tokens)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
-                          use.degraded, use.reopens, finish, use.error)
+                          use.degraded, use.reopens, finish, use.error, verifier)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -32,7 +32,7 @@ class DaemonControls:
     def state(self, status: str, config_version: int) -> EdgeState:
         api = self.service.api
         return EdgeState(status, self.identity.edge_id, self.identity.group, self.node.settings.draft,
-                         self.node.target_id, self.node.verifier_identity, api.default_mode, api.default_policy,
+                         self.node.target_id, self.node.verifier_identity or {}, api.default_mode, api.default_policy,
                          self.identity.version, self.identity.api, config_version, time.time())
 
     def telemetry(self, edge_id: str, interval_s: float, dropped: int) -> EdgeTelemetry:
@@ -51,7 +51,12 @@ class DaemonControls:
             cloud=self.node.cloud_address, dropped_telemetry=dropped)
 
     def load_verifier(self, metadata_path: Path) -> VerifierSetup:
-        return self.node.prepare_verifier(str(metadata_path))
+        try:
+            return self.node.prepare_verifier(str(metadata_path))
+        except ValueError:
+            raise
+        except Exception as err:  # ONNX Runtime's own errors, a metadata field missing: all mean "does not load"
+            raise ValueError(f"the verifier does not load: {type(err).__name__}: {err}") from err
 
     async def apply(self, config: FleetConfig, verifier: VerifierSetup | None) -> None:
         api = self._checked_defaults(config)

@@ -77,7 +77,6 @@ class EdgeNode:
         self.cloud: CloudClient | None = None
         self.target_id: str | None = None
         self.decoder: EdgeDecoder | None = None
-        self.verifier_identity: dict = {}
         self._new_draft_lm: Callable[[bool], DraftLM] | None = None
         self._retired_clouds: list[CloudClient] = []  # replaced by a fleet config; in-flight sessions may still use them
 
@@ -90,13 +89,17 @@ class EdgeNode:
         setup = self.prepare_verifier(self.settings.verifier)
         self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
                                    make_companion=setup.make_companion, max_context=self.settings.max_model_len)
-        self.verifier_identity = setup.identity
+        self.decoder.verifier_identity = setup.identity
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         for client in (self.cloud, *self._retired_clouds):
             if client is not None:
                 await client.__aexit__(*exc)
+
+    @property
+    def verifier_identity(self) -> dict | None:
+        return self.decoder.verifier_identity if self.decoder is not None else None
 
     @property
     def cloud_address(self) -> str | None:
@@ -121,8 +124,7 @@ class EdgeNode:
 
     def use_verifier(self, setup: VerifierSetup) -> None:
         """Put a prepared verifier in force for the next generations (running ones keep theirs)."""
-        self.decoder.use_verifier(setup.verifier, setup.make_draft_lm, setup.make_companion)
-        self.verifier_identity = setup.identity
+        self.decoder.use_verifier(setup.verifier, setup.make_draft_lm, setup.make_companion, setup.identity)
 
     async def use_clouds(self, addresses: Sequence[str]) -> None:
         """Verify on the first of `addresses` that answers with this draft's vocabulary; ValueError if none does.

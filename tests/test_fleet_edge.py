@@ -176,10 +176,15 @@ def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused
         sha256 = verifier_digest((good / "verifier.onnx").read_bytes(), metadata)
         assert isinstance(verifier, LearnedVerifier) and verifier.sha256 == sha256
         assert _edges(running.url)["e1"].verifier == {"id": "calibrated-v2", "sha256": sha256}
-        assert _complete(daemon, mode="sprinter")["mode"] == "sprinter"
+        assert _complete(daemon, mode="sprinter")["verifier"] == {"id": "calibrated-v2", "sha256": sha256}
 
         [corrupt] = _push(running.url, good, metadata, onnx=b"not the model", sha256="ab" * 32)
         assert not corrupt.ok and "hash to" in corrupt.reason
+        unloadable = tmp_path / "unloadable"
+        unloadable.mkdir()
+        (unloadable / "verifier.onnx").write_bytes(b"not an ONNX model, under its own digest")
+        [broken] = _push(running.url, unloadable, metadata)
+        assert not broken.ok and "does not load" in broken.reason
         foreign = tmp_path / "foreign"
         [refused] = _push(running.url, foreign, _write_verifier(foreign, tiny_draft.tokenizer, fingerprint="other"))
         assert not refused.ok and "vocabulary" in refused.reason

@@ -112,7 +112,8 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
     extension = {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls,
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
-                 "degraded": result.degraded, "token_ids": result.token_ids, "stats": s.to_dict()}
+                 "degraded": result.degraded, "verifier": result.verifier, "token_ids": result.token_ids,
+                 "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     return extension

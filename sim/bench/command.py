@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos`: the benchmarks behind the README's tables.
+"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout`: the benchmarks behind the README's tables.
 
     sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
     sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --out results/bench-cloud
@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from common.models import DTYPES
-from sim.bench import chaos, cloud, draft, local, policy, prefill, readme, soak
+from sim.bench import chaos, cloud, draft, local, policy, prefill, readme, rollout, soak
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -50,6 +50,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     prefill.register_prefill(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
+    rollout.register_rollout(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
