@@ -1,27 +1,36 @@
-"""`sprinter simulate`: a tiny sweep through the real cloud and edge processes over the link emulator."""
+"""`sprinter simulate`: a tiny sweep through the real cloud and edge processes over the link emulator,
+watched on the fleet plane (a Mosquitto of its own when installed)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from mosquitto_broker import broker
+
+import sim.broker
 import sim.sweep.run
 from sim.sweep.command import register, settings_from_args
 from sim.sweep.report import read_csv
 from sim.sweep.settings import SimulateSettings
-from sim.sweep.simulate import simulate
+from sim.sweep.simulate import check_out_dir, simulate
+from sim.sweep.telemetry import sweep_broker
+from sim.sweep.telemetry_plot import phase_spans, plot_telemetry
 
 PLOTS = ("tokens_per_s_vs_rtt.png", "target_calls_per_token.png", "quality_vs_cloud_cost.png", "itl_cdf.png")
 
 
 def tiny_settings(out: Path) -> SimulateSettings:
-    # float32: the lossless modes then reproduce the target token for token (README, Exactness)
+    # float32: the lossless modes then reproduce the target token for token (README, Exactness);
+    # mqtt auto (the default): with Mosquitto installed the sweep records the fleet plane. 16 tokens: the
+    # 40 ms phases then take over 4 s (a round trip per call), so the cloud's 2 s load reports land in them.
     return SimulateSettings(out=out, target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                            modes=("target", "sd", "sprinter-exact", "sprinter-exact@fixed:3"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=8)
+                            modes=("target", "sd", "sprinter-exact", "sprinter-exact@fixed:3"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=16)
 
 
 def lines(path: Path) -> list[dict]:
@@ -62,6 +71,22 @@ def test_a_tiny_sweep_writes_results_summary_and_plots(sweep: SimulateSettings) 
     for name in PLOTS:
         assert (sweep.out / name).stat().st_size > 1000
     assert "within" in (sweep.out / "fleet_validation.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_sweep_records_the_fleet_plane_and_plots_it(sweep: SimulateSettings, tmp_path: Path) -> None:
+    broker(tmp_path)  # without Mosquitto the sweep ran without a broker: skip (fail under SPRINTER_REQUIRE_PRESETS)
+    assert (sweep.out / "broker" / "mosquitto.conf").exists()  # auto: the sweep's own broker
+    recorded = lines(sweep.out / "telemetry.jsonl")
+    edge = [m for m in recorded if m["schema"] == "sprinter.edge.telemetry/1"]
+    cloud = [m for m in recorded if m["schema"] == "sprinter.cloud.load/1"]
+    assert {m["edge_id"] for m in edge} == {"sim-edge"} and {m["replica_id"] for m in cloud} == {"sim-cloud"}
+    phases = {(rtt, m) for rtt in sweep.rtt_ms for m in sweep.modes} | {(None, None)}
+    assert {(m["rtt_ms"], m["mode"]) for m in recorded} <= phases
+    # every message is labelled; some arrived while a method was measured (reports come every 1-2 s)
+    assert any(m["mode"] is not None for m in edge) and any(m["mode"] is not None for m in cloud)
+    assert any(m["tokens_per_s"] > 0 for m in edge) and cloud[0]["model_id"]
+    assert (sweep.out / "telemetry.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
@@ -119,3 +144,44 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert settings.max_new_tokens == 32 and settings.pin_cpus is False and settings.limit == 8
     with pytest.raises(ValueError, match="unknown setting"):
         SimulateSettings.from_mapping({"out": "x", "rtts": "0"})
+
+
+def test_the_broker_setting_is_a_flag_and_no_part_of_a_result(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    settings = settings_from_args(parser.parse_args(["simulate", "--out", str(tmp_path), "--mqtt", "off"]))
+    assert settings.mqtt == "off" and tiny_settings(tmp_path).mqtt == "auto"
+    with pytest.raises(ValueError, match="broker URL"):
+        SimulateSettings(out=tmp_path, mqtt="tcp://host")
+    remote = SimulateSettings(out=tmp_path, mqtt="mqtt://user:secret@broker.example:1884")
+    assert "mqtt" not in remote.identity() and remote.to_dict()["mqtt"] == "mqtt://broker.example:1884"
+    assert "secret" not in repr(remote)
+    check_out_dir(tiny_settings(tmp_path))
+    check_out_dir(replace(tiny_settings(tmp_path), mqtt="off"))  # resuming with another broker is allowed
+
+
+def test_without_mosquitto_auto_warns_and_runs_without_a_broker(tmp_path: Path, monkeypatch, caplog) -> None:
+    def missing() -> str:
+        raise FileNotFoundError("mosquitto is not installed")
+
+    monkeypatch.setattr(sim.broker, "mosquitto_binary", missing)
+    with caplog.at_level(logging.WARNING), sweep_broker("auto", tmp_path / "broker") as url:
+        assert url is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "mosquitto" in caplog.text
+    with sweep_broker("off", tmp_path) as url:
+        assert url is None
+
+
+def test_telemetry_plots_with_phase_spans_and_nothing_without_data(tmp_path: Path) -> None:
+    assert plot_telemetry(tmp_path) is None and not (tmp_path / "telemetry.png").exists()
+    recorded = []
+    for i, (rtt, mode) in enumerate([(None, None), (0.0, "sd"), (0.0, "sd"), (40.0, "sprinter"), (None, None)]):
+        recorded.append({"received": 100.0 + i, "rtt_ms": rtt, "mode": mode, "schema": "sprinter.edge.telemetry/1",
+                         "tokens_per_s": 10.0 * i, "target_calls_per_token": 0.5})
+        recorded.append({"received": 100.5 + i, "rtt_ms": rtt, "mode": mode, "schema": "sprinter.cloud.load/1",
+                         "open_sessions": 1, "queue_depth": 0, "verify_ms_p50": None if i == 0 else 2.0})
+    spans = phase_spans(recorded, 100.0)
+    assert [(s.start, s.end, s.rtt_ms, s.mode) for s in spans] == [(1.0, 3.0, 0.0, "sd"), (3.0, 4.0, 40.0, "sprinter")]
+    (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recorded) + '{"rec')  # cut short
+    assert plot_telemetry(tmp_path) == tmp_path / "telemetry.png"
+    assert (tmp_path / "telemetry.png").stat().st_size > 1000

@@ -7,6 +7,8 @@ processes (pinned to separate cores when there are two), the edge's gRPC channel
 emulated link in this process. For each RTT x mode x prompt one streamed request goes through the
 edge's OpenAI API; then, with both processes stopped, the target judges every output, and OUT gets
 summary.csv/md, plots and a fleet-simulator validation. An interrupted sweep resumes where it stopped.
+With a fleet plane broker (--mqtt, by default a Mosquitto of its own when installed) the edge's
+telemetry and the cloud's load are recorded in OUT/telemetry.jsonl and plotted in OUT/telemetry.png.
 A mode that takes a call policy may name one: --modes sprinter-exact@fixed:3,sprinter-exact@goodput.
 """
 
@@ -53,6 +55,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="cloud on one core, edge on another (default on with >= 2 cores)")
     p.add_argument("--fleet-validation", dest="fleet_validation", action=argparse.BooleanOptionalAction,
                    help="calibrate the fleet simulator from this run and compare (default on)")
+    p.add_argument("--mqtt", metavar="auto|off|URL",
+                   help="fleet plane broker the cloud and edge report to, recorded in OUT/telemetry.jsonl and "
+                        "plotted in telemetry.png: auto (default) starts Mosquitto in OUT/broker if installed, "
+                        "off runs without, or mqtt://HOST[:PORT] of a broker of yours")
     p.set_defaults(run=run)
 
 

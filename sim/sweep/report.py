@@ -1,8 +1,10 @@
-"""The report of a sweep: summary.csv / summary.md from the summary rows (sim.sweep.summary), and the plots."""
+"""The report of a sweep: summary.csv / summary.md from the summary rows (sim.sweep.summary), and the plots
+(telemetry.png too when the fleet plane was recorded)."""
 
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -12,6 +14,9 @@ from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality
 from sim.sweep.settings import SimulateSettings
 from sim.sweep.summary import SummaryRow, summarize
+from sim.sweep.telemetry_plot import plot_telemetry
+
+log = logging.getLogger(__name__)
 
 LOSSLESS = ("target", "sd", "sd-block", "sprinter-exact")
 
@@ -91,6 +96,13 @@ def write_report(settings: SimulateSettings, records: list[dict[str, Any]],
     written = {"results": out / "results.jsonl", "summary_csv": out / "summary.csv", "summary_md": out / "summary.md"}
     for path in plot_all(rows, records, out):
         written[path.stem] = path
+    try:
+        telemetry = plot_telemetry(out)
+    except Exception:  # the fleet plane only watched: its plot must not cost the sweep its report
+        log.exception("the telemetry plot failed; the sweep's results and report are unaffected")
+        telemetry = None
+    if telemetry is not None:
+        written["telemetry"] = telemetry
     return written
 
 

@@ -25,6 +25,7 @@ from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process, edge_daemon_async, free_port
 from sim.sweep.results import ResultStore
 from sim.sweep.settings import SimulateSettings
+from sim.sweep.telemetry import TELEMETRY_FILE, TelemetryRecorder, cloud_fleet_args, edge_fleet_args, sweep_broker
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,14 @@ def link_settings(settings: SimulateSettings, rtt_ms: float) -> LinkSettings:
 
 
 class SweepSystem:
-    """Cloud process <- LinkProxy (this event loop) <- edge daemon process, with the RTT switchable."""
+    """Cloud process <- LinkProxy (this event loop) <- edge daemon process, with the RTT switchable.
 
-    def __init__(self, settings: SimulateSettings) -> None:
+    With `mqtt_url` both processes also report to that fleet plane broker (sim.sweep.telemetry).
+    """
+
+    def __init__(self, settings: SimulateSettings, mqtt_url: str | None = None) -> None:
         self.settings = settings
+        self.mqtt_url = mqtt_url
         self.port = free_port()
         self.link: LinkProxy | None = None
         self.rtt_ms: float | None = None
@@ -75,7 +80,8 @@ class SweepSystem:
         try:
             # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
             address = self._stack.enter_context(cloud_process(
-                "--target", s.target, "--dtype", s.dtype, "--drain-s", "2", log_path=s.out / "cloud.log",
+                "--target", s.target, "--dtype", s.dtype, "--drain-s", "2", *cloud_fleet_args(self.mqtt_url),
+                log_path=s.out / "cloud.log",
                 startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))
             host, _, port = address.rpartition(":")
             self.upstream = (host, int(port))
@@ -85,6 +91,7 @@ class SweepSystem:
                          "--mode", "sprinter-exact", "--dtype", s.dtype, "--model-name", f"{s.draft}+{s.target}"]
             edge_args += ["--policy", s.policy] if s.policy else []
             edge_args += ["--threads", str(threads_edge)] if threads_edge else []
+            edge_args += edge_fleet_args(self.mqtt_url)
             # The edge asks the cloud (through the link, in this loop) while it starts: wait without blocking.
             self.base = await self._stack.enter_async_context(edge_daemon_async(
                 edge_args, free_port(), s.out / "edge.log", cpus=edge_cpus, env=thread_env(threads_edge)))
@@ -190,22 +197,33 @@ async def run_sweep(settings: SimulateSettings, prompts: list[PromptRecord], pro
         log.info("every (rtt, mode, prompt) is already in %s: nothing to measure", store.path)
         return 0
     log.info("measuring %d requests (%d already done); starting the cloud and the edge", total, len(done))
-    with tqdm(total=total, desc="simulate", unit="req", disable=not progress) as bar:
-        async with SweepSystem(settings) as system:
+    # The broker starts before the processes that report to it; the recorder once they are up
+    # (the cloud's start blocks this loop, which would starve a connection's keepalive).
+    with sweep_broker(settings.mqtt, settings.out / "broker") as mqtt_url, \
+            tqdm(total=total, desc="simulate", unit="req", disable=not progress) as bar:
+        async with SweepSystem(settings, mqtt_url) as system, \
+                TelemetryRecorder(mqtt_url, settings.out / TELEMETRY_FILE) as recorder:
             for rtt, combos in todo.items():
-                if not combos:
-                    continue
-                await system.set_rtt(rtt)
-                await system.warm_up(prompts[0])
-                for i, (mode, prompt) in enumerate(combos):
-                    bar.set_postfix_str(f"rtt {rtt:g} ms, {mode}")
-                    record = await system.request(prompt, mode)
-                    if record["degraded"]:
-                        log.warning("degraded response: rtt %g ms, %s, prompt %s", rtt, mode, prompt.id)
-                    store.append(record)
-                    bar.update()
-                    if i + 1 == len(combos) or combos[i + 1][0] != mode:  # the mode's last request at this RTT
-                        snapshot = {"rtt_ms": float(rtt), "mode": mode,
-                                    "cost_model": (await system.healthz()).get("cost_model")}
-                        store.append(snapshot, settings.out / "cost_model.jsonl")
+                if combos:
+                    await measure_rtt(system, recorder, store, rtt, combos, prompts[0], bar)
     return total
+
+
+async def measure_rtt(system: SweepSystem, recorder: TelemetryRecorder, store: ResultStore, rtt: float,
+                      combos: list[tuple[str, PromptRecord]], warm_up_prompt: PromptRecord, bar: tqdm) -> None:
+    """One RTT's (method, prompt) requests, each method's cost model snapshot after its last one."""
+    recorder.phase = None  # the switch and the warm-up are no method's
+    await system.set_rtt(rtt)
+    await system.warm_up(warm_up_prompt)
+    for i, (mode, prompt) in enumerate(combos):
+        bar.set_postfix_str(f"rtt {rtt:g} ms, {mode}")
+        recorder.phase = (float(rtt), mode)
+        record = await system.request(prompt, mode)
+        if record["degraded"]:
+            log.warning("degraded response: rtt %g ms, %s, prompt %s", rtt, mode, prompt.id)
+        store.append(record)
+        bar.update()
+        if i + 1 == len(combos) or combos[i + 1][0] != mode:  # the mode's last request at this RTT
+            snapshot = {"rtt_ms": float(rtt), "mode": mode, "cost_model": (await system.healthz()).get("cost_model")}
+            store.append(snapshot, system.settings.out / "cost_model.jsonl")
+    recorder.phase = None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.decoding.modes import MODES, DecodeSettings
+from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
 
@@ -22,6 +23,7 @@ def base_mode(method: str) -> str:
 
 # What a finished result depends on: resuming into OUT with any of these changed would mix two runs.
 # rtt_ms, modes and limit may change between runs: new combinations are added, done ones kept.
+# mqtt is not here: the fleet plane only watches the sweep (telemetry.jsonl), it changes no result.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
                    "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed")
 
@@ -48,6 +50,9 @@ class SimulateSettings:
     threads: int | None = None  # intra-op threads of each process (None: the cores it may use)
     pin_cpus: bool = field(default_factory=lambda: len(os.sched_getaffinity(0)) >= 2)
     fleet_validation: bool = True
+    # The fleet plane's broker: "auto" (Mosquitto in OUT/broker if installed), "off", or mqtt[s]://HOST[:PORT].
+    # Not in repr: a URL may carry a password, and the settings are logged.
+    mqtt: str = field(default="auto", repr=False)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if base_mode(m) not in MODES]
@@ -64,6 +69,10 @@ class SimulateSettings:
             raise ValueError("limit and max_new_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if not isinstance(self.mqtt, str):
+            raise ValueError(f"mqtt must be auto, off or a broker URL, got {self.mqtt!r}")
+        if self.mqtt not in ("auto", "off"):
+            BrokerSettings.parse(self.mqtt)  # raises ValueError naming the URL
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +84,8 @@ class SimulateSettings:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.mqtt not in ("auto", "off"):  # config.json records which broker, never its password
+            data["mqtt"] = str(BrokerSettings.parse(self.mqtt))
         return {key: str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
                 for key, value in data.items()}
 

@@ -10,6 +10,8 @@ processes (pinned to separate cores when there are two), the edge's gRPC channel
 edge's OpenAI API (sim.sweep.run); then, with both processes stopped, the target judges every
 output (sim.sweep.quality), and OUT gets summary.csv/md and plots (sim.sweep.report) and a
 fleet-simulator validation (sim.sweep.fleet_validation). An interrupted sweep resumes where it stopped.
+With a fleet plane broker (`mqtt`, sim.sweep.telemetry) both processes report to it while they are
+measured, and OUT gets telemetry.jsonl and telemetry.png as well.
 """
 
 from __future__ import annotations
