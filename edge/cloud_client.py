@@ -1,13 +1,11 @@
-"""The edge's connection to the cloud: one channel, sessions that heal themselves, clear failure.
+"""The edge's connection to one cloud replica: a channel with keepalive, its limits, clear failure.
 
-A `CloudSession` is one generation's Session stream. The edge always knows the full context, so
-whenever the cloud loses track (desync: FAILED_PRECONDITION; eviction or restart: NOT_FOUND; a
-broken stream) the session reopens with that context and retries. A cloud that says "not now"
-(RESOURCE_EXHAUSTED, UNAVAILABLE in an error frame) is retried after its `retry_after_ms`. Retries
-back off exponentially with jitter; every wait on the cloud has a deadline (a verdict, a Generate
-chunk, GetInfo). When the cloud stays out of reach after the retries, `CloudUnavailable` tells the
-decoding loop to carry on from the draft alone; a refusal no retry can fix is `CloudRefused`.
-The cloud's limits (`CloudLimits`) are read from GetInfo and from every session it opens.
+`CloudClient` is one replica (one channel, shared by all sessions there): GetInfo, Generate (mode
+target) with a per-chunk deadline, and the stub a `CloudSession` (edge/cloud_session.py) streams
+on. The errors say what a caller may do: `CloudUnavailable` (out of reach after the retries: carry
+on from the draft), `CloudRefused` (no retry can fix it), `RetryableFailure` (one attempt failed;
+the session decides where to try again). The cloud's limits (`CloudLimits`) are read from GetInfo
+and from every session it opens. Several replicas are an `edge/replica_set.py` `ReplicaSet`.
 """
 
 from __future__ import annotations
@@ -57,11 +55,14 @@ class CloudRefused(CloudError):
 class RetryableFailure(Exception):
     """One attempt failed in a way another attempt may not: a broken stream, a busy cloud, a lost session."""
 
-    def __init__(self, reason: str, retry_after_s: float = 0.0, resync: bool = False, reset: bool = False) -> None:
+    def __init__(self, reason: str, retry_after_s: float = 0.0, resync: bool = False, reset: bool = False,
+                 cause: str | None = None, move: bool = False) -> None:
         super().__init__(reason)
         self.retry_after_s = retry_after_s  # the cloud's own hint (Error.retry_after_ms)
         self.resync = resync  # the cloud lost our session: reopen with the full context
         self.reset = reset  # the stream itself is gone: open a new one
+        self.cause = cause  # what it says about the replica (edge/cloud_session.py's table)
+        self.move = move  # another replica, if there is one, is the better place to retry
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,6 @@ class CloudClient:
         self.limits = CloudLimits.from_proto(info.limits)
         return info
 
-    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "") -> "CloudSession":
-        return CloudSession(self, sampling, vocab_fingerprint)
-
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "") -> AsyncIterator[pb.GenerateChunk]:
         """Mode `target`: the cloud generates alone; chunks arrive as tokens are made.
@@ -174,124 +172,3 @@ class CloudClient:
             raise self._error(err) from err
         finally:
             call.cancel()
-
-
-class CloudSession:
-    """One generation's Session stream; reopens with the full context whenever the cloud lost it."""
-
-    def __init__(self, client: CloudClient, sampling: SamplingParams, vocab_fingerprint: str) -> None:
-        self.client = client
-        self.sampling = sampling
-        self.vocab_fingerprint = vocab_fingerprint
-        self.call: grpc.aio.StreamStreamCall | None = None
-        self.session_id: str | None = None
-        self.abandoned_id: str | None = None  # a session left behind on a broken stream, to be closed
-        self.reopens = 0
-
-    async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
-        await asyncio.wait_for(self.call.write(frame), self.client.endpoint.deadline_s)
-        answer = await asyncio.wait_for(self.call.read(), self.client.endpoint.deadline_s)
-        if answer is grpc.aio.EOF:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
-        return answer
-
-    async def _open(self, context: list[int]) -> None:
-        if self.call is None:
-            self.call = self.client.stub.Session(metadata=self.client.metadata)
-        if self.abandoned_id is not None:
-            await self._close_abandoned()
-        answer = await self._exchange(pb.EdgeFrame(open=pb.OpenSession(
-            prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint)))
-        if answer.WhichOneof("frame") == "error":
-            raise self._failure(answer.error, len(context))
-        if answer.opened.HasField("limits"):
-            self.client.limits = CloudLimits.from_proto(answer.opened.limits)
-        self.session_id = answer.opened.session_id
-
-    async def _close_abandoned(self) -> None:
-        """Take back the session a broken stream left on the cloud, so that the fresh open closes it.
-
-        The cloud keeps a session past its stream (it may be resumed); a stream holds one session, and
-        a second open on it closes the first. Without this, every deadline the edge gives up on would
-        leave a session holding KV until its idle timeout. Whatever the answer (gone already: NOT_FOUND),
-        the fresh open follows.
-        """
-        abandoned, self.abandoned_id = self.abandoned_id, None
-        await self._exchange(pb.EdgeFrame(open=pb.OpenSession(resume_session_id=abandoned,
-                                                              vocab_fingerprint=self.vocab_fingerprint)))
-
-    def _failure(self, error: pb.Error, context_length: int) -> Exception:
-        """What an error frame means: a resync, a retry later, or a refusal."""
-        code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-        if error.code in RESYNC_CODES:  # the cloud lost or misplaced our context: hand it over again
-            log.info("cloud asked for a resync (%s); reopening with %d tokens", error.message, context_length)
-            self.session_id = None
-            self.reopens += 1
-            return RetryableFailure(f"{code.name}: {error.message}", resync=True)
-        if code in RETRY_LATER:  # busy or shutting down; a draining cloud is better left on a fresh stream
-            return RetryableFailure(f"{code.name}: {error.message}", error.retry_after_ms / 1e3,
-                                    reset=code == grpc.StatusCode.UNAVAILABLE)
-        return CloudRefused(code, error.message)
-
-    async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
-        try:
-            if self.session_id is None:
-                await self._open(context)
-            answer = await self._exchange(frame)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
-            # a stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call
-            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-            if code not in TRANSIENT:
-                raise CloudRefused(code, err.details() or "") from err  # only an AioRpcError gets here
-            raise RetryableFailure(repr(err), reset=True) from err
-        if answer.WhichOneof("frame") == "verdict":
-            return answer.verdict
-        raise self._failure(answer.error, len(context))
-
-    async def verify(self, context: list[int], draft_tokens: list[int], method: int,
-                     draft_token_probs: list[float] | None = None,
-                     draft_dists: list[SparseDistribution] | None = None) -> pb.Verdict:
-        """Verify `draft_tokens` following `context` (the edge's committed tokens).
-
-        Retries with jittered exponential backoff (at least the cloud's retry_after_ms when it gives
-        one; never longer than the deadline); the first reopen after a lost session is immediate.
-        """
-        endpoint = self.client.endpoint
-        frame = pb.EdgeFrame(verify=pb.VerifyBlock(
-            start_position=len(context), draft_tokens=draft_tokens, method=method,
-            draft_token_probs=draft_token_probs or [],
-            draft_dists=[pb.SparseDistribution(token_ids=d.token_ids.tolist(), probs=d.probs.tolist())
-                         for d in draft_dists or []]))
-        for attempt in range(endpoint.retries + 1):
-            try:
-                return await self._attempt(context, frame)
-            except RetryableFailure as failure:
-                last_failure = failure
-                if failure.reset:
-                    await self._reset()
-                if attempt == endpoint.retries:
-                    break
-                delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
-                                                                                  endpoint.max_backoff_s)
-                await asyncio.sleep(min(max(delay, failure.retry_after_s), endpoint.deadline_s))
-        raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, f"cloud {endpoint.address} unavailable after "
-                               f"{endpoint.retries + 1} attempts: {last_failure}")
-
-    async def _reset(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-        self.call = None
-        if self.session_id is not None:
-            self.abandoned_id = self.session_id
-        self.session_id = None
-
-    async def close(self) -> None:
-        if self.call is None:
-            return
-        try:
-            await asyncio.wait_for(self.call.write(pb.EdgeFrame(close=pb.CloseSession())), 1.0)
-            await asyncio.wait_for(self.call.done_writing(), 1.0)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
-            self.call.cancel()
-        self.call = None
-        self.session_id = None

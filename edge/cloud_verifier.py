@@ -16,7 +16,8 @@ from typing import Callable
 from common.decoding.drafting import PendingBlock
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from edge.cloud_client import CloudError, CloudSession, CloudUnavailable
+from edge.cloud_client import CloudError, CloudUnavailable
+from edge.cloud_session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)

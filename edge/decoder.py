@@ -9,10 +9,11 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
 the cloud session as its backend (edge/cloud_verifier.py: a pending block becomes a verify frame,
-the cloud's answer a `Verdict`). Blocks and the context are kept within the cloud's limits. If the
-cloud becomes unreachable the round keeps going from the draft alone, marks the result degraded
-(and tells a streaming caller at once), and tries the cloud again after `cloud_retry_s`; mode
-target does the same with its Generate stream. If the cloud refuses a frame (a limit, a bug), the
+the cloud's answer a `Verdict`). Blocks and the context are kept within the cloud's limits. The
+cloud is a set of replicas (edge/replica_set.py): a session that loses its replica reopens on
+another with the full context. If no replica is reachable the round keeps going from the draft
+alone, marks the result degraded (and tells a streaming caller at once), and tries the cloud again
+after `cloud_retry_s`; mode target does the same with its Generate stream. If the cloud refuses a frame (a limit, a bug), the
 generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
 """
 
@@ -38,8 +39,9 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
-from edge.cloud_client import CloudClient, CloudError, CloudRefused, CloudUnavailable
+from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable
 from edge.cloud_verifier import CloudUse, CloudVerifier
+from edge.replica_set import ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class EdgeResult:
 
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
-                 cloud: CloudClient | None, cost_model: CostModel | None = None,
+                 cloud: ReplicaSet | None, cost_model: CostModel | None = None,
                  make_companion: Callable[[], Companion] | None = None, max_context: int | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
@@ -151,6 +153,10 @@ class EdgeDecoder:
                 use.finish_reason = await self._cloud_generate(generation)
                 return
             except CloudUnavailable as err:
+                if self.cloud.available():  # that replica rests now; another takes over from the context so far
+                    log.info("target mode: %s; going on with another replica", err)
+                    use.reopens += 1
+                    continue
                 log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
                 use.mark_degraded(str(err))
             drafter = drafter or self._drafter(settings.decode.sampling)

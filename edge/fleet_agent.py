@@ -9,7 +9,8 @@
   digest and the draft/target pair and loaded off the event loop; then the whole config is applied
   at once by `EdgeControls.apply` (requests in flight keep what they started with) and the answer
   goes to `edges/{id}/applied`. Any failure is a refusal with its reason: what was in force stays.
-- Cloud announcements (`clouds/+/load`) seed the goodput policy's cost model before the first verify.
+- Cloud announcements (`clouds/+/load`) add replicas to verify on, spare draining ones, and seed the
+  goodput policy's cost model before the first verify.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class EdgeControls(Protocol):
         """Put `config` (and its verifier) in force for the next requests; raise ValueError to refuse."""
         ...
 
-    def seed_verify_ms(self, verify_ms: float) -> None:
-        """A cloud announced its verify time: start the cost model there instead of cold."""
+    def cloud_announced(self, load: CloudLoad) -> None:
+        """A cloud replica's announcement: a replica to verify on (or to spare, draining), and its verify
+        time to start the cost model from instead of cold."""
         ...
 
 
@@ -119,8 +121,8 @@ class FleetAgent:
 
     async def _on_cloud_load(self, message: aiomqtt.Message) -> None:
         load = self._decode(message, CloudLoad)
-        if isinstance(load, CloudLoad) and load.status == "online" and load.verify_ms_p50 is not None:
-            self.controls.seed_verify_ms(load.verify_ms_p50)
+        if isinstance(load, CloudLoad):
+            self.controls.cloud_announced(load)
 
     async def _on_artifact(self, message: aiomqtt.Message) -> None:
         artifact = self._decode(message, VerifierArtifact)

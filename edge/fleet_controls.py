@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.decoding.modes import POLICY_MODES, DecodeSettings
-from common.fleet_plane.messages import EdgeState, EdgeTelemetry, FleetConfig
+from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.app import ApiSettings, Completions
 from edge.api.metrics import RequestTotals
 from edge.fleet_agent import EdgeIdentity
@@ -77,5 +77,8 @@ class DaemonControls:
         DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
         return api
 
-    def seed_verify_ms(self, verify_ms: float) -> None:
-        self.node.decoder.cost_model.seed_verify_ms(verify_ms)
+    def cloud_announced(self, load: CloudLoad) -> None:
+        if self.node.cloud is not None:
+            self.node.cloud.observe(load)
+        if load.status == "online" and load.verify_ms_p50 is not None:
+            self.node.decoder.cost_model.seed_verify_ms(load.verify_ms_p50)

@@ -14,9 +14,10 @@ from common.cached_lm import DraftLM
 from common.companion import Companion, companion_for
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier
-from edge.cloud_client import CloudClient, CloudEndpoint, CloudUnavailable
+from edge.cloud_client import CloudEndpoint
 from edge.decoder import EdgeDecoder
 from edge.draft_runtime import draft_lm_factory
+from edge.replica_set import ReplicaSet
 from edge.verifier_runtime import LearnedVerifier, load_verifier, verifier_identity
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class CloudMismatch(RuntimeError):
 class EdgeNodeSettings:
     draft: str = "tiny-random-draft"
     verifier: str = "auto"
-    cloud: str | None = None
+    cloud: str | None = None  # HOST:PORT[,HOST:PORT...]: the cloud's replicas (a name may resolve to several)
+    discover_clouds: bool = False  # take replicas from the fleet plane's announcements too (--mqtt)
     cloud_ca: Path | None = None
     cloud_token: str | None = None
     cloud_tls_server_name: str | None = None  # the name to check the cloud's certificate against, if not the host's
@@ -55,7 +57,7 @@ class EdgeNodeSettings:
                    cloud_tls_server_name=args.cloud_tls_server_name, insecure=args.insecure,
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
                    dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
-                   max_model_len=getattr(args, "max_model_len", None))
+                   max_model_len=getattr(args, "max_model_len", None), discover_clouds=bool(getattr(args, "mqtt", None)))
 
 
 @dataclass(frozen=True)
@@ -74,15 +76,15 @@ class EdgeNode:
     def __init__(self, settings: EdgeNodeSettings, draft: LoadedModel | None = None) -> None:
         self.settings = settings
         self.draft = draft or load_model(settings.draft, DTYPES[settings.dtype])
-        self.cloud: CloudClient | None = None
+        self.cloud: ReplicaSet | None = None
         self.target_id: str | None = None
         self.decoder: EdgeDecoder | None = None
         self._new_draft_lm: Callable[[bool], DraftLM] | None = None
-        self._retired_clouds: list[CloudClient] = []  # replaced by a fleet config; in-flight sessions may still use them
+        self._retired_clouds: list[ReplicaSet] = []  # replaced by a fleet config; in-flight sessions may still use them
 
     async def __aenter__(self) -> "EdgeNode":
-        if self.settings.cloud:
-            self.cloud = await CloudClient(self._endpoint(self.settings.cloud)).__aenter__()
+        if self.settings.cloud or self.settings.discover_clouds:
+            self.cloud = await self._replicas((self.settings.cloud or "").split(","))
             await self.check_cloud()
         self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
                                               self.settings.draft_weights)
@@ -103,11 +105,15 @@ class EdgeNode:
 
     @property
     def cloud_address(self) -> str | None:
-        return self.cloud.endpoint.address if self.cloud is not None else None
+        return self.cloud.address if self.cloud is not None else None
 
-    def _endpoint(self, address: str) -> CloudEndpoint:
-        return CloudEndpoint(address, tls_ca=self.settings.cloud_ca, tls_server_name=self.settings.cloud_tls_server_name,
+    def _endpoint(self, address: str, server_name: str | None = None) -> CloudEndpoint:
+        return CloudEndpoint(address, tls_ca=self.settings.cloud_ca,
+                             tls_server_name=self.settings.cloud_tls_server_name or server_name,
                              token=self.settings.cloud_token, deadline_s=self.settings.cloud_deadline_s)
+
+    async def _replicas(self, entries: Sequence[str]) -> ReplicaSet:
+        return await ReplicaSet(entries, self._endpoint, vocab_fingerprint(self.draft.tokenizer)).__aenter__()
 
     def prepare_verifier(self, spec: str) -> VerifierSetup:
         """Load and check a verifier (`--verifier` syntax) for this node's pair; ValueError if it does not fit.
@@ -127,49 +133,42 @@ class EdgeNode:
         self.decoder.use_verifier(setup.verifier, setup.make_draft_lm, setup.make_companion, setup.identity)
 
     async def use_clouds(self, addresses: Sequence[str]) -> None:
-        """Verify on the first of `addresses` that answers with this draft's vocabulary; ValueError if none does.
+        """Verify on these replicas from now on; ValueError if none of them answers with this draft's vocabulary.
 
-        Generations in flight finish on the cloud they started with (its channel closes when the node stops).
+        Generations in flight finish on the replicas they started with (closed when the node stops).
         """
-        if self.cloud_address in addresses:
+        if self.cloud is not None and sorted(self.cloud.entries) == sorted(addresses):
             return
-        unreachable = []
-        for address in addresses:
-            client = await CloudClient(self._endpoint(address)).__aenter__()
-            try:
-                info = await client.info()
-            except CloudUnavailable as err:
-                unreachable.append(f"{address} ({err.code.name})")
-                await client.__aexit__(None, None, None)
-                continue
-            try:
-                if info.vocab_fingerprint != vocab_fingerprint(self.draft.tokenizer):
-                    raise ValueError(f"cloud {address} serves {info.model_id}, whose vocabulary differs from the draft's")
-                if isinstance(self.decoder.verifier, LearnedVerifier):  # trained for one target: not for another
-                    self.decoder.verifier.check_pair(self.draft.tokenizer, self.settings.draft, info.model_id)
-            except ValueError:
-                await client.__aexit__(None, None, None)
-                raise
-            if self.cloud is not None:
-                self._retired_clouds.append(self.cloud)
-            self.cloud, self.decoder.cloud, self.target_id = client, client, info.model_id
-            log.info("verifying on cloud %s (%s) from now on", address, info.model_id)
-            return
-        raise ValueError(f"no cloud of {', '.join(addresses)} is reachable: {'; '.join(unreachable)}")
+        replicas = await self._replicas(addresses)  # probes them all
+        try:
+            if not replicas.available():
+                reasons = [f"{r['address']}: {r['refused'] or 'unreachable'}" for r in replicas.describe()]
+                raise ValueError(f"no cloud of {', '.join(addresses)} can verify for this edge ({'; '.join(reasons)})")
+            model_id = next(r.model_id for r in replicas.replicas.values() if r.model_id)
+            if isinstance(self.decoder.verifier, LearnedVerifier):  # trained for one target: not for another
+                self.decoder.verifier.check_pair(self.draft.tokenizer, self.settings.draft, model_id)
+        except ValueError:
+            await replicas.__aexit__(None, None, None)
+            raise
+        if self.cloud is not None:
+            self._retired_clouds.append(self.cloud)
+        self.cloud, self.decoder.cloud, self.target_id = replicas, replicas, model_id
+        log.info("verifying on %s (%s) from now on", replicas.address, model_id)
 
     async def check_cloud(self) -> bool:
         """Refuse a cloud with another vocabulary; a cloud that is down only degrades us. True if reachable.
 
-        Reading ServiceInfo also refreshes the cloud's limits, which the decoder shapes its frames to.
+        Each replica is checked once it answers (GetInfo, which also brings its limits); one with
+        another vocabulary is never used, and when every replica named is such a one, the edge refuses to start.
         """
-        try:
-            info = await self.cloud.info()
-        except CloudUnavailable as err:
-            log.warning("cloud %s is not reachable yet (%s); decoding degrades to the draft until it is",
-                        self.cloud_address, err)
+        await self.cloud.probe_all(everything=True)
+        replicas = self.cloud.describe()
+        if replicas and all(r["refused"] for r in replicas):
+            raise CloudMismatch(f"cloud {self.settings.cloud}: every replica {replicas[0]['refused']}: pair the "
+                                f"draft {self.settings.draft} with a target that shares its tokenizer")
+        if not self.cloud.available():
+            log.warning("cloud %s is not reachable yet; decoding degrades to the draft until it is",
+                        self.settings.cloud or "(from the fleet plane)")
             return False
-        if info.vocab_fingerprint != vocab_fingerprint(self.draft.tokenizer):
-            raise CloudMismatch(f"cloud {self.cloud_address} serves {info.model_id}, whose vocabulary differs from "
-                                f"draft {self.settings.draft}'s: pair the draft with a target that shares its tokenizer")
-        self.target_id = info.model_id
+        self.target_id = next(r["model"] for r in replicas if r["usable"])
         return True

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 from contextlib import AbstractAsyncContextManager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
+from typing import Iterator
 
 from common.addresses import is_loopback
 from common.decoding.modes import MODES
@@ -107,14 +110,36 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
     api = ApiSettings(default_mode=args.mode, model_name=args.model_name or args.draft, default_policy=args.policy,
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
                       max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s)
+    StoppingServer = _stopping_server_class()
     async with EdgeNode(node_settings) as node:
         app = create_app(node, api)
-        server = uvicorn.Server(uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning",
+        server = StoppingServer(uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_level="warning",
                                                lifespan="off"))
         log.info("edge daemon on http://%s/v1 (mode %s, policy %s, cloud %s%s)", args.listen, args.mode,
                  args.policy or "the mode's default", args.cloud, ", API key required" if args.api_key else "")
         async with fleet_presence(args, node, app.state.completions):
             await server.serve()
+
+
+def _stopping_server_class() -> type:
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        """Stops on SIGINT/SIGTERM by returning from serve(). uvicorn's own handling raises the signal again
+        once it has stopped (a KeyboardInterrupt), which would cut the fleet agent's goodbye short."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return StoppingServer
 
 
 def fleet_presence(args: argparse.Namespace, node: object, service: object) -> AbstractAsyncContextManager:

@@ -12,7 +12,9 @@ import asyncio
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.sampling import SamplingParams
-from edge.cloud_client import CloudClient, CloudEndpoint
+from common.models import vocab_fingerprint
+from edge.cloud_client import CloudEndpoint
+from edge.replica_set import ReplicaSet
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -21,7 +23,8 @@ def test_a_reopen_after_a_broken_stream_closes_the_session_left_behind(tiny_targ
 
     async def scenario(address: str) -> list[int]:
         open_sessions = []
-        async with CloudClient(CloudEndpoint(address)) as cloud:
+        fingerprint = vocab_fingerprint(tiny_target.tokenizer)
+        async with ReplicaSet([address], lambda a, _: CloudEndpoint(a), fingerprint) as cloud:
             session = cloud.session(SamplingParams())
             verdict = await session.verify(prompt, [5, 6], pb.METHOD_BLOCK)
             context = prompt + [5, 6][: verdict.n_accepted] + [verdict.next_token]

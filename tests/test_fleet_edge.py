@@ -195,7 +195,8 @@ def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused
         assert _edges(running.url)["e1"].verifier["sha256"] == sha256
 
 
-def test_a_killed_edge_goes_offline_by_its_last_will(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT])
+def test_a_stopped_edge_goes_offline_a_killed_one_by_its_last_will(tmp_path: Path, stop: signal.Signals) -> None:
     keepalive = 2
     with broker(tmp_path) as running:
         port = free_port()
@@ -203,14 +204,17 @@ def test_a_killed_edge_goes_offline_by_its_last_will(tmp_path: Path) -> None:
                                     "--draft", "tiny-random-draft", "--draft-runtime", "torch", "--verifier",
                                     "confidence:0.5", "--listen", f"127.0.0.1:{port}", "--mqtt", running.url,
                                     "--mqtt-keepalive", str(keepalive), "--edge-id", "doomed"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             _wait(lambda: _edges(running.url).get("doomed", None) is not None, 90, "the edge online")
             assert _edges(running.url)["doomed"].api == f"http://127.0.0.1:{port}/v1"
-            process.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            _wait(lambda: _edges(running.url)["doomed"].status == "offline", 3 * keepalive, "the Last Will")
-            assert time.monotonic() - killed <= 1.5 * keepalive + 1.5  # the broker's check, plus a read's latency
+            process.send_signal(stop)
+            stopped = time.monotonic()
+            _wait(lambda: _edges(running.url)["doomed"].status == "offline", 3 * keepalive, "offline")
+            # SIGKILL: the broker's keepalive check, plus a read's latency; Ctrl-C: the edge says goodbye itself
+            assert time.monotonic() - stopped <= (1.5 * keepalive + 1.5 if stop == signal.SIGKILL else 1.5)
+            if stop == signal.SIGINT:
+                assert process.wait(30) == 0 and "Traceback" not in process.stderr.read()
         finally:
             process.kill()
             process.wait()

@@ -255,10 +255,13 @@ class Completions:
 
     async def health(self) -> dict:
         node = self.node
-        cloud = None
+        cloud, replicas = None, None
         if node.cloud is not None:
             cloud = "reachable" if await node.check_cloud() else "unreachable"
-        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "default_mode": self.api.default_mode,
+            replicas = node.cloud.describe()
+        return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "cloud_replicas": replicas,
+                "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
+                "default_mode": self.api.default_mode,
                 "default_policy": self.api.default_policy, "in_flight": self.slots.in_flight,
                 "context_limit": node.decoder.context_limit(self.api.default_mode),
                 "cost_model": node.decoder.cost_model.snapshot()}

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from common.fleet_plane.connection import BrokerSettings
-from common.fleet_plane.messages import EdgeState, EdgeTelemetry, FleetConfig
+from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from sim.broker import MosquittoBroker
@@ -74,7 +74,7 @@ class SimulatedEdge:
     async def apply(self, config: FleetConfig, verifier: object) -> None:
         self.policy = config.policy or self.policy
 
-    def seed_verify_ms(self, verify_ms: float) -> None:
+    def cloud_announced(self, load: CloudLoad) -> None:
         pass
 
 

@@ -1,0 +1,229 @@
+"""One generation's Session stream, on one cloud replica at a time, healing itself.
+
+The edge always knows the full context, so whenever a replica loses track of a session the session
+reopens with that context and retries, where depends on why:
+
+| what happened                                   | cause            | reopens on            |
+| ----------------------------------------------- | ---------------- | --------------------- |
+| FAILED_PRECONDITION (the cloud's context drifted)| `desync`         | the same replica      |
+| NOT_FOUND (evicted, or the replica restarted)   | `evicted`        | another, if there is one |
+| the stream broke, a deadline passed             | `replica_failed` | another (this one rests) |
+| UNAVAILABLE in an error frame (draining)        | `draining`       | another, at once      |
+| RESOURCE_EXHAUSTED (busy)                       | `busy`           | another, or this one after its retry hint |
+
+Replicas are chosen by the `Replicas` the session was made by (edge/replica_set.py: rendezvous
+hashing on the session's key with a bounded-load override). A switch to another replica is
+immediate; a retry on the same one backs off exponentially with jitter (at least the cloud's
+retry_after_ms). When no replica answers within the attempts, `CloudUnavailable` tells the
+decoding loop to carry on from the draft alone; a refusal no retry can fix is `CloudRefused`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Protocol
+
+import grpc
+
+from common.sampling import SparseDistribution, SamplingParams
+from edge.cloud_client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
+                               CloudRefused, CloudUnavailable, RetryableFailure, backoff_delay, sampling_to_proto)
+from sprinter.v1 import decoding_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Replicas(Protocol):
+    """Where a session may run, and what it tells about how each replica fared."""
+
+    attempts: int  # verify attempts before CloudUnavailable
+
+    def choose(self, key: str, avoid: frozenset[str]) -> CloudClient | None:
+        """A replica for session `key`, preferring any not in `avoid`; None when none is usable now. No side effect."""
+        ...
+
+    async def recover(self) -> None:
+        """Nothing was usable: look again now (a replica may have come back)."""
+        ...
+
+    def acquire(self, client: CloudClient) -> None:
+        """The session runs on `client` from now on."""
+        ...
+
+    def release(self, client: CloudClient) -> None:
+        """The session no longer runs on `client`."""
+        ...
+
+    def report(self, client: CloudClient, cause: str | None) -> None:
+        """How a call went: None for an answer, else the cause (`replica_failed`, `draining`, ...)."""
+        ...
+
+
+class CloudSession:
+    """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
+
+    def __init__(self, replicas: Replicas, sampling: SamplingParams, vocab_fingerprint: str) -> None:
+        self.replicas = replicas
+        self.key = uuid.uuid4().hex  # what rendezvous hashing places this session by
+        self.sampling = sampling
+        self.vocab_fingerprint = vocab_fingerprint
+        self.client: CloudClient | None = None
+        self.call: grpc.aio.StreamStreamCall | None = None
+        self.session_id: str | None = None
+        self.abandoned: tuple[CloudClient, str] | None = None  # a session left behind on a broken stream
+        self.avoid: set[str] = set()  # replicas this session should not go back to if it has a choice
+        self.opens = 0
+
+    async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
+        deadline = self.client.endpoint.deadline_s
+        await asyncio.wait_for(self.call.write(frame), deadline)
+        answer = await asyncio.wait_for(self.call.read(), deadline)
+        if answer is grpc.aio.EOF:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
+        return answer
+
+    async def _open(self, context: list[int]) -> None:
+        if self.client is None:
+            self.client = self.replicas.choose(self.key, frozenset(self.avoid))
+            if self.client is None:
+                await self.replicas.recover()
+                self.client = self.replicas.choose(self.key, frozenset(self.avoid))
+            if self.client is None:
+                raise RetryableFailure("no cloud replica is usable now")
+            self.replicas.acquire(self.client)
+        if self.call is None:
+            self.call = self.client.stub.Session(metadata=self.client.metadata)
+        if self.abandoned is not None:
+            await self._close_abandoned()
+        answer = await self._exchange(pb.EdgeFrame(open=pb.OpenSession(
+            prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint)))
+        if answer.WhichOneof("frame") == "error":
+            raise self._failure(answer.error, len(context))
+        if answer.opened.HasField("limits"):
+            self.client.limits = CloudLimits.from_proto(answer.opened.limits)
+        self.session_id = answer.opened.session_id
+        self.opens += 1
+
+    @property
+    def reopens(self) -> int:
+        """Opens after the first: each handed the full context over again (a resync, another replica)."""
+        return max(0, self.opens - 1)
+
+    async def _close_abandoned(self) -> None:
+        """Take back the session a broken stream left on this replica, so that the fresh open closes it.
+
+        The cloud keeps a session past its stream (it may be resumed); a stream holds one session, and
+        a second open on it closes the first. Without this, every deadline the edge gives up on would
+        leave a session holding KV until its idle timeout. Whatever the answer (gone already: NOT_FOUND),
+        the fresh open follows. A session left on another replica is left to its idle timeout.
+        """
+        (client, abandoned), self.abandoned = self.abandoned, None
+        if client is self.client:
+            await self._exchange(pb.EdgeFrame(open=pb.OpenSession(resume_session_id=abandoned,
+                                                                  vocab_fingerprint=self.vocab_fingerprint)))
+
+    def _failure(self, error: pb.Error, context_length: int) -> Exception:
+        """What an error frame means: a resync, a retry (here or elsewhere), or a refusal."""
+        code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+        if error.code in RESYNC_CODES:  # the cloud lost or misplaced our context: hand it over again
+            log.info("cloud %s asked for a resync (%s); reopening with %d tokens", self.client.endpoint.address,
+                     error.message, context_length)
+            self.session_id = None
+            cause = "evicted" if code == grpc.StatusCode.NOT_FOUND else "desync"
+            return RetryableFailure(f"{code.name}: {error.message}", resync=True, cause=cause,
+                                    move=cause == "evicted")
+        if code in RETRY_LATER:  # busy or shutting down: better tried elsewhere, on a fresh stream
+            cause = "draining" if code == grpc.StatusCode.UNAVAILABLE else "busy"
+            return RetryableFailure(f"{code.name}: {error.message}", error.retry_after_ms / 1e3,
+                                    reset=cause == "draining", cause=cause, move=True)
+        return CloudRefused(code, error.message)
+
+    async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
+        try:
+            if self.session_id is None:
+                await self._open(context)
+            answer = await self._exchange(frame)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
+            # a stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call
+            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+            if code not in TRANSIENT:
+                raise CloudRefused(code, err.details() or "") from err  # only an AioRpcError gets here
+            raise RetryableFailure(repr(err), reset=True, cause="replica_failed", move=True) from err
+        if answer.WhichOneof("frame") == "verdict":
+            return answer.verdict
+        raise self._failure(answer.error, len(context))
+
+    async def verify(self, context: list[int], draft_tokens: list[int], method: int,
+                     draft_token_probs: list[float] | None = None,
+                     draft_dists: list[SparseDistribution] | None = None) -> pb.Verdict:
+        """Verify `draft_tokens` following `context` (the edge's committed tokens)."""
+        frame = pb.EdgeFrame(verify=pb.VerifyBlock(
+            start_position=len(context), draft_tokens=draft_tokens, method=method,
+            draft_token_probs=draft_token_probs or [],
+            draft_dists=[pb.SparseDistribution(token_ids=d.token_ids.tolist(), probs=d.probs.tolist())
+                         for d in draft_dists or []]))
+        last_failure: RetryableFailure | None = None
+        for attempt in range(self.replicas.attempts):
+            try:
+                verdict = await self._attempt(context, frame)
+            except RetryableFailure as failure:
+                last_failure = failure
+                await self._after(failure, attempt)
+                continue
+            if self.client is not None:
+                self.replicas.report(self.client, None)
+            return verdict
+        raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, f"no cloud replica answered in "
+                               f"{self.replicas.attempts} attempts: {last_failure}")
+
+    async def _after(self, failure: RetryableFailure, attempt: int) -> None:
+        """Move to another replica at once if the failure says so and there is one; else wait, then try again."""
+        client = self.client
+        if client is not None and failure.cause is not None:
+            self.replicas.report(client, failure.cause)
+        if failure.reset:
+            await self._reset()
+        if attempt + 1 == self.replicas.attempts:
+            return
+        if client is None:  # no replica was usable: wait for one to come back
+            await asyncio.sleep(backoff_delay(attempt, 0.2, 2.0))
+            return
+        if failure.move:
+            avoid = frozenset(self.avoid | {client.endpoint.address})
+            if self.replicas.choose(self.key, avoid) not in (None, client):
+                self.avoid = set(avoid)
+                await self._leave()
+                return
+        endpoint = client.endpoint
+        delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
+                                                                          endpoint.max_backoff_s)
+        await asyncio.sleep(min(max(delay, failure.retry_after_s), endpoint.deadline_s))
+
+    async def _reset(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+        if self.session_id is not None and self.client is not None:
+            self.abandoned = (self.client, self.session_id)
+        self.session_id = None
+
+    async def _leave(self) -> None:
+        """Off this replica: the next open chooses again."""
+        if self.call is not None:
+            await self._close_call()
+        if self.client is not None:
+            self.replicas.release(self.client)
+        self.client, self.session_id = None, None
+
+    async def _close_call(self) -> None:
+        try:
+            await asyncio.wait_for(self.call.write(pb.EdgeFrame(close=pb.CloseSession())), 1.0)
+            await asyncio.wait_for(self.call.done_writing(), 1.0)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+            self.call.cancel()
+        self.call = None
+
+    async def close(self) -> None:
+        await self._leave()

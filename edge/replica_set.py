@@ -1,0 +1,323 @@
+"""The cloud replicas an edge verifies on: where a new session goes, and how each replica is faring.
+
+Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several
+addresses, such as a Kubernetes headless Service, is one replica per address, resolved again every
+`resolve_every_s`) and, with `--mqtt`, from the clouds' load announcements (`observe`). A replica
+is used only once it has answered GetInfo with this draft's vocabulary; one that serves another is
+refused, logged, and never used.
+
+Choosing: rendezvous hashing on the session's key over the usable replicas (each scores
+sha256(key, address), the highest wins), so adding a replica moves only the new sessions it now
+wins and a live session moves only when its replica fails it. Bounded load: a replica already over
+LOAD_FACTOR x the mean load (its announced open sessions while fresh, else this edge's own sessions
+there) is passed over for the next in the session's order.
+
+Health: a replica that fails a call rests for an exponential backoff with jitter; one that says it
+is draining (in an error frame or its announcement) gets no new sessions for DRAIN_REST_S, after
+which it is tried again (a replica restarted on the same address comes back); an `online`
+announcement ends a rest at once. Sessions already on a replica stay until it fails them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from common.fleet_plane.messages import CloudLoad
+from common.sampling import SamplingParams
+from edge.cloud_client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, backoff_delay
+from edge.cloud_session import CloudSession
+from sprinter.v1 import decoding_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+LOAD_FACTOR = 1.25
+DRAIN_REST_S = 30.0
+ANNOUNCEMENT_FRESH_S = 15.0
+PROBE_EVERY_S = 2.0
+
+EndpointFactory = Callable[[str, str | None], CloudEndpoint]  # (address, TLS server name) -> endpoint
+
+
+@dataclass
+class Replica:
+    client: CloudClient
+    origin: str  # the --cloud entry or announcement it came from
+    model_id: str | None = None  # set once GetInfo answered with this draft's vocabulary
+    refused: str | None = None  # why it is never used
+    rest_until: float = 0.0
+    failures: int = 0
+    sessions: int = 0  # this edge's sessions on it now
+    announced_sessions: int | None = None
+    announced_at: float = 0.0
+    gone: bool = False  # no longer resolved or announced: no new sessions
+
+    @property
+    def address(self) -> str:
+        return self.client.endpoint.address
+
+    def usable(self, now: float) -> bool:
+        return self.model_id is not None and self.refused is None and not self.gone and now >= self.rest_until
+
+    def load(self, now: float) -> int:
+        fresh = self.announced_sessions is not None and now - self.announced_at < ANNOUNCEMENT_FRESH_S
+        return max(self.sessions, self.announced_sessions) if fresh else self.sessions
+
+
+def rendezvous_order(key: str, replicas: Sequence[Replica]) -> list[Replica]:
+    """Highest random weight first: the same key ranks the same replicas the same way on every edge."""
+    def weight(replica: Replica) -> int:
+        return int.from_bytes(hashlib.sha256(f"{key}|{replica.address}".encode()).digest()[:8], "big")
+    return sorted(replicas, key=weight, reverse=True)
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(entry: str) -> tuple[str, str]:
+    host, _, port = entry.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"cloud address {entry!r}: expected HOST:PORT")
+    return host.strip("[]"), port
+
+
+class ReplicaSet:
+    """`async with ReplicaSet(["a:50051", "b:50051"], endpoint, fingerprint) as clouds:` then sessions on it."""
+
+    def __init__(self, entries: Sequence[str], endpoint: EndpointFactory, vocab_fingerprint: str,
+                 resolve_every_s: float = 30.0) -> None:
+        self.entries = [e.strip() for e in entries if e.strip()]
+        for entry in self.entries:
+            split_host_port(entry)
+        self.endpoint = endpoint
+        self.vocab_fingerprint = vocab_fingerprint
+        self.resolve_every_s = resolve_every_s
+        self.replicas: dict[str, Replica] = {}
+        self.reopen_causes: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task] = set()
+        self._maintenance: asyncio.Task | None = None
+
+    async def __aenter__(self) -> ReplicaSet:
+        await self.resolve()
+        await self.probe_all()
+        self._maintenance = asyncio.create_task(self._maintain(), name="cloud-replicas")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in (self._maintenance, *self._tasks):
+            if task is not None:
+                task.cancel()
+        for replica in self.replicas.values():
+            await replica.client.__aexit__(None, None, None)
+
+    # --- membership -----------------------------------------------------------------------------
+
+    async def resolve(self) -> None:
+        """Every --cloud entry, expanded to the addresses its name has now."""
+        resolved: dict[str, tuple[str, str | None]] = {}
+        for entry in self.entries:
+            host, port = split_host_port(entry)
+            for address, server_name in await self._addresses(host, port, entry):
+                resolved[address] = (entry, server_name)
+        for address, (entry, server_name) in resolved.items():
+            if address not in self.replicas:
+                await self._add(address, entry, server_name)
+            self.replicas[address].gone = False
+        for replica in self.replicas.values():
+            if replica.origin in self.entries and replica.address not in resolved:
+                replica.gone = True  # left the name's records: finish what runs there, send nothing new
+
+    async def _addresses(self, host: str, port: str, entry: str) -> list[tuple[str, str | None]]:
+        try:
+            ipaddress.ip_address(host)
+            return [(entry, None)]
+        except ValueError:
+            pass
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as err:
+            log.warning("cloud %s does not resolve (%s); trying again later", entry, err)
+            return [(entry, None)] if entry in self.replicas else []
+        addresses = sorted({info[4][0] for info in infos})
+        if len(addresses) <= 1:
+            return [(entry, None)]  # one address: keep the name (the certificate is checked against it)
+        return [(join_host_port(a, port), host) for a in addresses]
+
+    async def _add(self, address: str, origin: str, server_name: str | None) -> Replica:
+        client = await CloudClient(self.endpoint(address, server_name)).__aenter__()
+        replica = self.replicas[address] = Replica(client, origin)
+        log.info("cloud replica %s (from %s)", address, origin)
+        return replica
+
+    def observe(self, load: CloudLoad) -> None:
+        """A replica's announcement on the fleet plane (it may be one --cloud never named)."""
+        replica = self.replicas.get(load.endpoint)
+        if replica is None:
+            if load.status != "online":
+                return
+            self._spawn(self._add_announced(load))
+            return
+        replica.announced_sessions, replica.announced_at = load.open_sessions, time.monotonic()
+        if load.status == "online":
+            replica.rest_until, replica.gone = 0.0, False
+        elif load.status == "draining":
+            replica.rest_until = time.monotonic() + DRAIN_REST_S
+
+    async def _add_announced(self, load: CloudLoad) -> None:
+        if load.endpoint in self.replicas:
+            return
+        replica = await self._add(load.endpoint, f"announcement of {load.replica_id}", None)
+        replica.announced_sessions, replica.announced_at = load.open_sessions, time.monotonic()
+        await self._probe(replica)
+
+    # --- health ----------------------------------------------------------------------------------
+
+    async def probe_all(self, everything: bool = False) -> list[pb.ServiceInfo]:
+        """GetInfo from every replica not yet checked (`everything`: every one not refused); the answers of
+        those that serve our vocabulary. One that does not answer rests."""
+        chosen = [r for r in self.replicas.values() if r.refused is None and (everything or r.model_id is None)]
+        answers = await asyncio.gather(*(self._probe(r) for r in chosen))
+        return [a for a in answers if a is not None]
+
+    async def _probe(self, replica: Replica) -> pb.ServiceInfo | None:
+        try:
+            info = await replica.client.info()
+        except CloudUnavailable as err:
+            self._rest(replica)
+            log.debug("cloud replica %s unreachable: %s", replica.address, err)
+            return None
+        if info.vocab_fingerprint != self.vocab_fingerprint:
+            replica.refused = f"serves {info.model_id}, whose vocabulary differs from the draft's"
+            log.error("cloud replica %s refused: it %s", replica.address, replica.refused)
+            return None
+        replica.model_id, replica.failures, replica.rest_until = info.model_id, 0, 0.0
+        return info
+
+    def _rest(self, replica: Replica) -> None:
+        replica.failures += 1
+        replica.rest_until = time.monotonic() + backoff_delay(replica.failures - 1, 0.5, 15.0)
+
+    async def _maintain(self) -> None:
+        last_resolve = time.monotonic()
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            if time.monotonic() - last_resolve >= self.resolve_every_s:
+                last_resolve = time.monotonic()
+                await self.resolve()
+            now = time.monotonic()
+            for replica in list(self.replicas.values()):
+                if replica.model_id is None and replica.refused is None and now >= replica.rest_until:
+                    await self._probe(replica)
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- the Replicas protocol of edge/cloud_session.py -----------------------------------------------
+
+    @property
+    def attempts(self) -> int:
+        retries = next(iter(self.replicas.values())).client.endpoint.retries if self.replicas else 2
+        return retries + max(1, len(self.replicas))
+
+    def choose(self, key: str, avoid: frozenset[str] = frozenset()) -> CloudClient | None:
+        now = time.monotonic()
+        usable = [r for r in self.replicas.values() if r.usable(now)]
+        if not usable:
+            return None
+        ranked = rendezvous_order(key, usable)
+        preferred = [r for r in ranked if r.address not in avoid] or ranked
+        cap = LOAD_FACTOR * (sum(r.load(now) for r in usable) + 1) / len(usable)
+        return next((r for r in preferred if r.load(now) + 1 <= cap), preferred[0]).client
+
+    async def recover(self) -> None:
+        """No replica is usable: probe every one not refused now, rest or not (the caller's own retry
+        interval paces this), so that a cloud that came back is used at once."""
+        if not self.available():
+            await asyncio.gather(*(self._probe(r) for r in self.replicas.values() if r.refused is None))
+
+    def acquire(self, client: CloudClient) -> None:
+        self._replica(client).sessions += 1
+
+    def release(self, client: CloudClient) -> None:
+        replica = self._replica(client)
+        replica.sessions = max(0, replica.sessions - 1)
+
+    def report(self, client: CloudClient, cause: str | None) -> None:
+        replica = self._replica(client)
+        if cause is None:
+            replica.failures = 0
+            return
+        self.reopen_causes[cause] += 1
+        if cause == "replica_failed":
+            self._rest(replica)
+            log.warning("cloud replica %s failed a call; resting it for %.1f s", replica.address,
+                        replica.rest_until - time.monotonic())
+        elif cause == "draining":
+            replica.rest_until = time.monotonic() + DRAIN_REST_S
+
+    def _replica(self, client: CloudClient) -> Replica:
+        return self.replicas[client.endpoint.address]
+
+    # --- what the decoder uses ------------------------------------------------------------------
+
+    @property
+    def limits(self) -> CloudLimits:
+        """The tightest of the checked replicas' limits: a session may move to any of them."""
+        known = [r.client.limits for r in self.replicas.values() if r.model_id is not None]
+
+        def tightest(values: list[int | None]) -> int | None:
+            given = [v for v in values if v]
+            return min(given) if given else None
+        return CloudLimits(tightest([k.max_block for k in known]), tightest([k.max_context for k in known]),
+                           tightest([k.max_sparse_support for k in known]))
+
+    def available(self) -> bool:
+        now = time.monotonic()
+        return any(r.usable(now) for r in self.replicas.values())
+
+    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "") -> CloudSession:
+        return CloudSession(self, sampling, vocab_fingerprint)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
+                       vocab_fingerprint: str = "") -> AsyncIterator[pb.GenerateChunk]:
+        """Mode target on one replica; CloudUnavailable (the replica rests) when it fails or none is usable."""
+        client = self.choose(uuid.uuid4().hex)
+        if client is None:
+            await self.recover()
+            client = self.choose(uuid.uuid4().hex)
+        if client is None:
+            raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, "no cloud replica is usable now")
+        self.acquire(client)
+        try:
+            async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint):
+                yield chunk
+        except CloudUnavailable:
+            self.report(client, "replica_failed")
+            raise
+        finally:
+            self.release(client)
+
+    def describe(self) -> list[dict]:
+        now = time.monotonic()
+        return [{"address": r.address, "model": r.model_id, "usable": r.usable(now), "sessions": r.sessions,
+                 "refused": r.refused, "draining_or_resting_s": max(0.0, round(r.rest_until - now, 1))}
+                for r in sorted(self.replicas.values(), key=lambda r: r.address)]
+
+    @property
+    def address(self) -> str | None:
+        """The replicas in use now (for logs and telemetry)."""
+        now = time.monotonic()
+        return ",".join(sorted(r.address for r in self.replicas.values() if r.usable(now))) or None
