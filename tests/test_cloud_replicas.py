@@ -1,0 +1,157 @@
+"""Several cloud replicas behind each edge: failover on a kill and on a drain with outputs still the target's,
+a replica of another target refused, new sessions spread, rendezvous placement stable."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
+from common.models import vocab_fingerprint
+from edge.api.app import ApiSettings, create_app
+from edge.cloud_client import CloudEndpoint
+from edge.node import CloudMismatch, EdgeNode, EdgeNodeSettings
+from edge.replica_set import Replica, ReplicaSet, rendezvous_order
+from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
+from sim.processes import CloudProcess
+
+LOSSLESS = ("sd", "sd-block", "sprinter-exact")
+PROMPTS = ("The quick brown fox", "Once upon a time", "def main():")
+MAX_TOKENS = 160
+
+
+def _cloud(tmp_path: Path, name: str) -> CloudProcess:
+    return CloudProcess("--target", "tiny-random", "--dtype", "float32", "--batch-window-ms", "1", "--drain-s", "3",
+                        log_path=tmp_path / f"{name}.log", startup_timeout_s=120)
+
+
+def _edge(tiny_draft, clouds: str) -> EdgeDaemonThread:
+    return EdgeDaemonThread(tiny_draft, clouds, lambda node: create_app(node, ApiSettings(model_name="tiny")))
+
+
+async def _generate(edges: list[EdgeDaemonThread], n: int) -> list[dict]:
+    """n concurrent greedy completions in the lossless modes, spread over the edges (k=3: many verify rounds)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(i: int) -> dict:
+            body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "mode": LOSSLESS[i % len(LOSSLESS)], "k": 3}
+            response = await client.post(edges[i % len(edges)].base + "/v1/completions", json=body)
+            response.raise_for_status()
+            return {"i": i, **response.json()["sprinter"]}
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def _sessions_on(edges: list[EdgeDaemonThread], address: str) -> int:
+    return sum(r["sessions"] for e in edges for r in httpx.get(e.base + "/healthz").json()["cloud_replicas"]
+               if r["address"] == address)
+
+
+async def _when(condition, then) -> None:
+    """Run `then` (blocking, in a thread) once `condition` holds: a fault that lands mid-generation."""
+    for _ in range(400):
+        if await asyncio.to_thread(condition):
+            await asyncio.to_thread(then)
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the fault's moment never came")
+
+
+def _check(results: list[dict], reference: dict[str, list[int]]) -> None:
+    for r in results:
+        assert not r["degraded"], r["i"]
+        assert r["token_ids"] == reference[PROMPTS[r["i"] % len(PROMPTS)]], (r["i"], r["mode"])
+
+
+def test_replicas_fail_over_on_a_kill_and_a_drain_and_outputs_stay_the_targets(tmp_path, tiny_target, tiny_draft):
+    reference = {p: LocalEngine(tiny_target, None).generate(
+        tiny_target.tokenizer(p)["input_ids"], DecodeSettings(mode="target", max_new_tokens=MAX_TOKENS)).token_ids
+        for p in PROMPTS}
+    a, b, c = (_cloud(tmp_path, name) for name in "abc")
+    a.start(), b.start()
+    try:
+        clouds = ",".join(cloud.address for cloud in (a, b, c))  # c is not up yet: it is tried later
+        with _edge(tiny_draft, clouds) as e1, _edge(tiny_draft, clouds) as e2, _edge(tiny_draft, clouds) as e3:
+            edges = [e1, e2, e3]
+
+            async def kill_run() -> list[dict]:
+                fault = asyncio.create_task(_when(lambda: _sessions_on(edges, a.address) >= 3, a.kill))
+                results = await _generate(edges, 12)
+                await fault
+                return results
+
+            _check(asyncio.run(kill_run()), reference)
+            reopens = Counter()
+            for e in edges:
+                reopens.update(httpx.get(e.base + "/healthz").json()["cloud_reopens"])
+            assert reopens["replica_failed"] >= 1  # the kill hit sessions in flight, and they moved
+
+            c.start()
+
+            async def drain_run() -> list[dict]:
+                fault = asyncio.create_task(_when(lambda: _sessions_on(edges, b.address) >= 3,
+                                                  lambda: b.process.send_signal(signal.SIGTERM)))
+                results = await _generate(edges, 12)
+                await fault
+                return results
+
+            _check(asyncio.run(drain_run()), reference)
+            assert _sessions_on(edges, c.address) == 0  # all closed: nothing leaked
+    finally:
+        for cloud in (a, b, c):
+            cloud.kill()
+
+
+def test_a_replica_of_another_target_is_refused_and_the_rest_serve(tiny_draft) -> None:
+    async def scenario(foreign: str, ours: str) -> list[dict]:
+        settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=f"{foreign},{ours}", draft_runtime="torch",
+                                    dtype="float32", verifier="confidence:0.3")
+        async with EdgeNode(settings, tiny_draft) as node:
+            return node.cloud.describe()
+
+    with ScriptedCloud(Script(tokenizer_fingerprint="another vocabulary")) as other, \
+            ScriptedCloud(scripted(tiny_draft)) as ours:
+        replicas = {r["address"]: r for r in asyncio.run(scenario(other.address, ours.address))}
+        assert "vocabulary differs" in replicas[other.address]["refused"] and not replicas[other.address]["usable"]
+        assert replicas[ours.address]["usable"]
+        with pytest.raises(CloudMismatch, match="every replica"):
+            asyncio.run(scenario(other.address, other.address))
+
+
+def test_new_sessions_spread_over_replicas_and_keep_their_place(tiny_draft) -> None:
+    fingerprint = vocab_fingerprint(tiny_draft.tokenizer)
+
+    async def place(addresses: list[str]) -> Counter:
+        async with ReplicaSet(addresses, lambda address, _: CloudEndpoint(address), fingerprint) as replicas:
+            placed = Counter()
+            for i in range(30):
+                client = replicas.choose(f"session-{i}")
+                replicas.acquire(client)  # they stay open: the bounded load sees them
+                placed[client.endpoint.address] += 1
+            return placed
+
+    with ScriptedCloud(scripted(tiny_draft)) as x, ScriptedCloud(scripted(tiny_draft)) as y, \
+            ScriptedCloud(scripted(tiny_draft)) as z:
+        placed = asyncio.run(place([x.address, y.address, z.address]))
+        assert sum(placed.values()) == 30 and max(placed.values()) <= 2 * 30 / 3
+
+    # Rendezvous: a fourth replica takes only the keys it now ranks first; every other key keeps its replica.
+    old = [Replica(client=_FakeClient(f"10.0.0.{i}:1"), origin="test") for i in range(3)]
+    new = old + [Replica(client=_FakeClient("10.0.0.9:1"), origin="test")]
+    moved = 0
+    for i in range(200):
+        before, after = rendezvous_order(f"k{i}", old)[0], rendezvous_order(f"k{i}", new)[0]
+        if after is not before:
+            assert after.address == "10.0.0.9:1"
+            moved += 1
+    assert 20 < moved < 90  # about a quarter
+
+
+class _FakeClient:
+    def __init__(self, address: str) -> None:
+        self.endpoint = CloudEndpoint(address)
