@@ -27,10 +27,12 @@ class ServiceLimits:
     max_context: int = 4096
     max_message_bytes: int = 4 << 20
     max_sparse_support: int = 4096
+    max_generate: int = 0  # per edge identity; 0: no limit
 
     def to_proto(self) -> pb.Limits:
         return pb.Limits(max_block=self.max_block, max_context=self.max_context,
-                         max_message_bytes=self.max_message_bytes, max_sparse_support=self.max_sparse_support)
+                         max_message_bytes=self.max_message_bytes, max_sparse_support=self.max_sparse_support,
+                         max_generate=self.max_generate)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:

@@ -57,7 +57,7 @@ class CloudServer:
         self.servicer = TargetServicer(EdgeAuthenticator.from_file(settings.auth_tokens), self.metrics,
                                        settings.max_streams)
         self.limits = ServiceLimits(max_block=settings.max_block, max_context=settings.max_context,
-                                    max_message_bytes=4 << 20)
+                                    max_message_bytes=4 << 20, max_generate=settings.edge_max_generate)
         # Beyond --max-streams the servicer refuses with a retry hint; the transport bound is a backstop
         # that leaves room for health checks and GetInfo.
         self.server = grpc.aio.server(options=self._channel_options(),

@@ -72,10 +72,12 @@ class CloudLimits:
     max_block: int | None = None  # draft tokens per verify frame
     max_context: int | None = None  # prompt + generated tokens per session (and per Generate)
     max_sparse_support: int | None = None  # entries per sparse draft distribution
+    max_generate: int | None = None  # concurrent Generate calls this edge may run there
 
     @classmethod
     def from_proto(cls, limits: pb.Limits) -> "CloudLimits":
-        return cls(limits.max_block or None, limits.max_context or None, limits.max_sparse_support or None)
+        return cls(limits.max_block or None, limits.max_context or None, limits.max_sparse_support or None,
+                   limits.max_generate or None)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,12 @@ class Replica:
     announced_sessions: int | None = None
     announced_at: float = 0.0
     gone: bool = False  # no longer resolved or announced: no new sessions
+    generate_slots: asyncio.Semaphore | None = None  # the replica's Generate quota for this edge, queued here
+
+    def slots(self) -> asyncio.Semaphore:
+        if self.generate_slots is None:
+            self.generate_slots = asyncio.Semaphore(self.client.limits.max_generate or 1 << 16)
+        return self.generate_slots
 
     @property
     def address(self) -> str:
@@ -302,8 +308,10 @@ class ReplicaSet:
             raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, "no cloud replica is usable now")
         self.acquire(client)
         try:
-            async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint):
-                yield chunk
+            # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
+            async with self._replica(client).slots():
+                async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint):
+                    yield chunk
         except CloudUnavailable:
             self.report(client, "replica_failed")
             raise

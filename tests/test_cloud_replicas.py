@@ -90,6 +90,9 @@ def test_replicas_fail_over_on_a_kill_and_a_drain_and_outputs_stay_the_targets(t
             for e in edges:
                 reopens.update(httpx.get(e.base + "/healthz").json()["cloud_reopens"])
             assert reopens["replica_failed"] >= 1  # the kill hit sessions in flight, and they moved
+            scraped = "".join(httpx.get(e.base + "/metrics").text for e in edges)
+            assert 'sprinter_edge_cloud_reopens_total{cause="replica_failed"}' in scraped
+            assert f'sprinter_edge_cloud_replica_usable{{replica="{a.address}"}} 0.0' in scraped
 
             c.start()
 
@@ -155,3 +158,19 @@ def test_new_sessions_spread_over_replicas_and_keep_their_place(tiny_draft) -> N
 class _FakeClient:
     def __init__(self, address: str) -> None:
         self.endpoint = CloudEndpoint(address)
+
+
+def test_target_requests_past_the_clouds_generate_quota_wait_for_a_slot(tiny_target, tiny_draft) -> None:
+    from cloud.server import CloudSettings
+    from cloud_harness import ServerThread
+
+    async def three(edge: EdgeDaemonThread) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "tiny", "prompt": "queue", "max_tokens": 24, "mode": "target"}
+            return await asyncio.gather(*(client.post(edge.base + "/v1/completions", json=body) for _ in range(3)))
+
+    with ServerThread(CloudSettings(edge_max_generate=1, batch_window_ms=1), tiny_target) as cloud, \
+            _edge(tiny_draft, cloud.address) as edge:
+        responses = asyncio.run(three(edge))
+        assert [r.status_code for r in responses] == [200, 200, 200]  # not 429: the edge queued them
+        assert not any(r.json()["sprinter"]["degraded"] for r in responses)

@@ -114,7 +114,7 @@ class Completions:
     def __init__(self, node: EdgeNode, api: ApiSettings) -> None:
         self.node = node
         self.api = api
-        self.metrics = EdgeMetrics(node.decoder.cost_model)
+        self.metrics = EdgeMetrics(node.decoder.cost_model, lambda: node.cloud)
         self.slots = ConcurrencyLimit(api.max_concurrent_requests)
         self.metrics.in_flight.set_function(lambda: self.slots.in_flight)
         # One thread: a long prompt is tokenized off the event loop, and the tokenizer is never shared by two.

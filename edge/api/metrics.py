@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.call_policy import CostModel
 from edge.decoder import EdgeResult
+from edge.replica_set import ReplicaSet
 
 
 @dataclass
@@ -20,10 +23,34 @@ class RequestTotals:
     degraded_requests: int = 0
 
 
+class ReplicaCollector:
+    """The cloud replicas as this edge sees them, read at scrape time (a fleet config may replace the set)."""
+
+    def __init__(self, replicas: Callable[[], ReplicaSet | None]) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        sessions = GaugeMetricFamily("sprinter_edge_cloud_sessions", "This edge's sessions on each cloud replica",
+                                     labels=["replica"])
+        usable = GaugeMetricFamily("sprinter_edge_cloud_replica_usable", "1 if a replica takes new sessions now",
+                                   labels=["replica"])
+        reopens = CounterMetricFamily("sprinter_edge_cloud_reopens", "Sessions reopened, by cause (desync, "
+                                      "evicted, replica_failed, draining, busy)", labels=["cause"])
+        replicas = self.replicas()
+        if replicas is not None:
+            for replica in replicas.describe():
+                sessions.add_metric([replica["address"]], replica["sessions"])
+                usable.add_metric([replica["address"]], float(replica["usable"]))
+            for cause, count in replicas.reopen_causes.items():
+                reopens.add_metric([cause], count)
+        yield from (sessions, usable, reopens)
+
+
 class EdgeMetrics:
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: CostModel, replicas: Callable[[], ReplicaSet | None] = lambda: None) -> None:
         self.totals = RequestTotals()
         self.registry = CollectorRegistry()
+        self.registry.register(ReplicaCollector(replicas))
         r = self.registry
         # Read at scrape time: the cost model learns between scrapes, from every request.
         estimates = Gauge("sprinter_edge_cost_model", "The call policy's cost model: learned draft, link and "
