@@ -15,11 +15,15 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
+.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT) --dtype $(DTYPE)
+
+# A local fleet (tiny pair, 2 cloud replicas, 3 edges, a broker) loses a replica mid-run: what happened, printed.
+demo-fleet: $(VENV)/.project $(STUBS) mosquitto
+	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
 test: $(VENV)/.models-smollm2 $(STUBS) mosquitto
 	$(PY) -m pytest -q

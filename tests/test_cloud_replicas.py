@@ -174,3 +174,20 @@ def test_target_requests_past_the_clouds_generate_quota_wait_for_a_slot(tiny_tar
         responses = asyncio.run(three(edge))
         assert [r.status_code for r in responses] == [200, 200, 200]  # not 429: the edge queued them
         assert not any(r.json()["sprinter"]["degraded"] for r in responses)
+
+
+def test_fleet_up_starts_a_local_fleet_on_the_fleet_plane_and_stops_it(tmp_path) -> None:
+    from common.fleet_plane.connection import BrokerSettings
+    from common.fleet_plane.operator import read_fleet
+    from mosquitto_broker import broker
+    from sim.local_fleet import LocalFleet, LocalFleetSettings
+
+    broker(tmp_path / "check")  # skips (or fails in CI) without Mosquitto
+    with LocalFleet(LocalFleetSettings(clouds=2, edges=1, mqtt=True, out=tmp_path)) as fleet:
+        described = fleet.describe()
+        snapshot = asyncio.run(read_fleet(BrokerSettings.parse(fleet.broker.url), wait_s=0.5))
+        assert set(snapshot.clouds) == {"cloud-0", "cloud-1"} and set(snapshot.edges) == {"edge-0"}
+        replicas = httpx.get(fleet.edges[0].base + "/healthz").json()["cloud_replicas"]
+        assert sorted(r["address"] for r in replicas if r["usable"]) == sorted(c.address for c in fleet.clouds)
+        processes = [c.process for c in fleet.clouds] + [e.process for e in fleet.edges]
+    assert all(p.poll() is not None for p in processes) and "edge-0" in described
