@@ -43,7 +43,8 @@ def _fast(url: str) -> BrokerSettings:
 
 @contextmanager
 def fleet_edge(draft: LoadedModel, cloud: str | None, url: str, edge_id: str, group: str = "g1",
-               telemetry_interval_s: float = 0.3) -> Iterator[tuple[EdgeDaemonThread, FleetAgent]]:
+               telemetry_interval_s: float = 0.3, discover_clouds: bool = False
+               ) -> Iterator[tuple[EdgeDaemonThread, FleetAgent]]:
     """An edge daemon (the real app) with its fleet agent on the daemon's own event loop."""
     apps = []
 
@@ -51,7 +52,7 @@ def fleet_edge(draft: LoadedModel, cloud: str | None, url: str, edge_id: str, gr
         apps.append(create_app(node, ApiSettings(default_mode="sd", model_name="tiny")))
         return apps[0]
 
-    with EdgeDaemonThread(draft, cloud, make_app) as daemon:
+    with EdgeDaemonThread(draft, cloud, make_app, {"discover_clouds": discover_clouds}) as daemon:
         async def start() -> FleetAgent:
             identity = EdgeIdentity(edge_id, group, "test", daemon.base + "/v1")
             controls = DaemonControls(daemon.node, apps[0].state.completions, identity)
@@ -258,3 +259,14 @@ def test_a_cloud_announcement_seeds_the_edge_cost_model(tmp_path: Path, tiny_dra
 def test_bad_fleet_flags_are_refused_before_anything_loads(flags: list[str], problem: str, capsys) -> None:
     assert sprinter(["edge", "serve", "--mqtt", "mqtt://127.0.0.1:1", *flags]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_an_edge_without_cloud_flags_verifies_on_the_replicas_the_fleet_plane_announces(tmp_path: Path, tiny_target,
+                                                                                       tiny_draft) -> None:
+    with broker(tmp_path) as running, \
+            ServerThread(CloudSettings(port=0, mqtt=running.url, replica_id="c1"), tiny_target) as cloud, \
+            fleet_edge(tiny_draft, None, running.url, "e1", discover_clouds=True) as (daemon, _):
+        _wait(lambda: daemon.node.cloud.available(), 10, "the announced replica in use")
+        answer = _complete(daemon, mode="sd")
+        assert not answer["degraded"] and answer["target_calls"] > 0
+        assert daemon.node.cloud.address == cloud.address
