@@ -146,9 +146,10 @@ class CloudClient:
             return CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}")
         return CloudRefused(err.code(), err.details() or "")
 
-    async def info(self) -> pb.ServiceInfo:
+    async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
         try:
-            info = await self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.endpoint.deadline_s, metadata=self.metadata)
+            info = await self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s or self.endpoint.deadline_s,
+                                           metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from err
         self.limits = CloudLimits.from_proto(info.limits)

@@ -155,13 +155,13 @@ class EdgeNode:
         self.cloud, self.decoder.cloud, self.target_id = replicas, replicas, model_id
         log.info("verifying on %s (%s) from now on", replicas.address, model_id)
 
-    async def check_cloud(self) -> bool:
+    async def check_cloud(self, timeout_s: float | None = None) -> bool:
         """Refuse a cloud with another vocabulary; a cloud that is down only degrades us. True if reachable.
 
         Each replica is checked once it answers (GetInfo, which also brings its limits); one with
         another vocabulary is never used, and when every replica named is such a one, the edge refuses to start.
         """
-        await self.cloud.probe_all(everything=True)
+        await self.cloud.probe_all(everything=True, timeout_s=timeout_s)
         replicas = self.cloud.describe()
         if replicas and all(r["refused"] for r in replicas):
             raise CloudMismatch(f"cloud {self.settings.cloud}: every replica {replicas[0]['refused']}: pair the "

@@ -189,16 +189,16 @@ class ReplicaSet:
 
     # --- health ----------------------------------------------------------------------------------
 
-    async def probe_all(self, everything: bool = False) -> list[pb.ServiceInfo]:
-        """GetInfo from every replica not yet checked (`everything`: every one not refused); the answers of
-        those that serve our vocabulary. One that does not answer rests."""
+    async def probe_all(self, everything: bool = False, timeout_s: float | None = None) -> list[pb.ServiceInfo]:
+        """GetInfo from every replica not yet checked (`everything`: every one not refused), at once; the
+        answers of those that serve our vocabulary. One that does not answer (within `timeout_s`) rests."""
         chosen = [r for r in self.replicas.values() if r.refused is None and (everything or r.model_id is None)]
-        answers = await asyncio.gather(*(self._probe(r) for r in chosen))
+        answers = await asyncio.gather(*(self._probe(r, timeout_s) for r in chosen))
         return [a for a in answers if a is not None]
 
-    async def _probe(self, replica: Replica) -> pb.ServiceInfo | None:
+    async def _probe(self, replica: Replica, timeout_s: float | None = None) -> pb.ServiceInfo | None:
         try:
-            info = await replica.client.info()
+            info = await replica.client.info(timeout_s)
         except CloudUnavailable as err:
             self._rest(replica)
             log.debug("cloud replica %s unreachable: %s", replica.address, err)

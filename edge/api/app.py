@@ -46,6 +46,7 @@ from edge.node import EdgeNode
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+HEALTH_PROBE_S = 2.0  # how long /healthz waits for each cloud replica's GetInfo
 # A cloud refusal before a single token was made: the whole request failed, with this HTTP status (else 502).
 REFUSAL_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "RESOURCE_EXHAUSTED": 429}
 
@@ -257,7 +258,8 @@ class Completions:
         node = self.node
         cloud, replicas = None, None
         if node.cloud is not None:
-            cloud = "reachable" if await node.check_cloud() else "unreachable"
+            # A health check must answer fast even when the cloud does not (a readiness probe has seconds).
+            cloud = "reachable" if await node.check_cloud(timeout_s=HEALTH_PROBE_S) else "unreachable"
             replicas = node.cloud.describe()
         return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "cloud_replicas": replicas,
                 "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
