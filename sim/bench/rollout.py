@@ -99,9 +99,12 @@ class RolloutResult:
                                          "max": values[-1], "n": len(values)}
         with_t, without_t = (self.telemetry_tokens_per_s.get(k) for k in ("telemetry", "none"))
         if with_t and without_t:
-            ratio = statistics.mean(with_t) / statistics.mean(without_t)
+            # Paired: each pair ran back to back on the same core, so the ratio cancels the machine's drift.
+            costs = [(1 - w / wo) * 100 for w, wo in zip(with_t, without_t)]
+            half_width = 1.96 * statistics.stdev(costs) / len(costs) ** 0.5 if len(costs) > 1 else float("nan")
             out["telemetry"] = {"tokens_per_s_with": statistics.mean(with_t),
-                                "tokens_per_s_without": statistics.mean(without_t), "cost_pct": (1 - ratio) * 100}
+                                "tokens_per_s_without": statistics.mean(without_t),
+                                "cost_pct": statistics.mean(costs), "cost_pct_ci95": half_width, "pairs": len(costs)}
         return out
 
 
@@ -184,7 +187,7 @@ def format_table(summary: dict) -> str:
             lines.append(f"| {name} | {s['p50']:.1f} | {s['p99']:.1f} | {s['max']:.1f} | {s['n']} |")
     if t := summary.get("telemetry"):
         lines.append(f"\ntelemetry every 1 s: {t['tokens_per_s_with']:.1f} tok/s vs {t['tokens_per_s_without']:.1f} "
-                     f"without ({t['cost_pct']:+.2f}% cost)")
+                     f"without; cost {t['cost_pct']:+.2f}% +- {t['cost_pct_ci95']:.2f}% (95% CI, {t['pairs']} pairs)")
     lines.append(f"refused or timed out: {summary['refused_or_timed_out']} of {summary['acks']}")
     return "\n".join(lines)
 
