@@ -75,6 +75,30 @@ class CloudSession:
         self.abandoned: tuple[CloudClient, str] | None = None  # a session left behind on a broken stream
         self.avoid: set[str] = set()  # replicas this session should not go back to if it has a choice
         self.opens = 0
+        self._opening: asyncio.Task | None = None  # open_ahead's open, until the first verify takes it over
+        self._early_failure: Exception | None = None  # how that open failed, for the first verify to handle
+
+    def open_ahead(self, prompt_ids: list[int]) -> None:
+        """Open the session with the prompt now, so that the cloud prefills it while the edge prefills its
+        draft and drafts the first block; the first verify then carries the block alone. If this open
+        fails, the first verify meets the failure (and its retries) as if it had opened itself."""
+        if self.session_id is None and self._opening is None:
+            self._opening = asyncio.get_running_loop().create_task(self._open_ahead(list(prompt_ids)))
+
+    @property
+    def opening(self) -> bool:
+        """An early open is still in flight (the next verify waits for it)."""
+        return self._opening is not None and not self._opening.done()
+
+    async def _open_ahead(self, prompt_ids: list[int]) -> None:
+        """The open, its failure kept for the first verify: that verify's retry loop treats it as its own
+        first attempt's (a busy cloud's retry hint is honoured, a broken stream reset, a refusal final)."""
+        try:
+            await self._open(prompt_ids)
+        except (RetryableFailure, CloudRefused) as failure:
+            self._early_failure = failure
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
+            self._early_failure = self._stream_failure(err)
 
     async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
         deadline = self.client.endpoint.deadline_s
@@ -141,19 +165,29 @@ class CloudSession:
         return CloudRefused(code, error.message)
 
     async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            await opening
+            if self._early_failure is not None:
+                failure, self._early_failure = self._early_failure, None
+                raise failure
         try:
             if self.session_id is None:
                 await self._open(context)
             answer = await self._exchange(frame)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
-            # a stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call
-            code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-            if code not in TRANSIENT:
-                raise CloudRefused(code, err.details() or "") from err  # only an AioRpcError gets here
-            raise RetryableFailure(repr(err), reset=True, cause="replica_failed", move=True) from err
+            raise self._stream_failure(err) from err
         if answer.WhichOneof("frame") == "verdict":
             return answer.verdict
         raise self._failure(answer.error, len(context))
+
+    @staticmethod
+    def _stream_failure(err: Exception) -> Exception:
+        """A stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call."""
+        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+        if code not in TRANSIENT:
+            return CloudRefused(code, err.details() or "")  # only an AioRpcError gets here
+        return RetryableFailure(repr(err), reset=True, cause="replica_failed", move=True)
 
     async def verify(self, context: list[int], draft_tokens: list[int], method: int,
                      draft_token_probs: list[float] | None = None,
@@ -226,4 +260,8 @@ class CloudSession:
         self.call = None
 
     async def close(self) -> None:
+        if self._opening is not None:  # cancelled mid-open: the stream is closed below, its answer unread
+            self._opening.cancel()
+            await asyncio.gather(self._opening, return_exceptions=True)
+            self._opening = None
         await self._leave()

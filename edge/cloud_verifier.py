@@ -68,7 +68,8 @@ class CloudVerifier:
         dists = self._draft_dists(block)
         # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
         # not what one more round trip costs, so it reports no round trip for the cost model to learn.
-        steady, reopens, started = self.session.session_id is not None, self.session.reopens, time.perf_counter()
+        steady = self.session.session_id is not None and not self.session.opening
+        reopens, started = self.session.reopens, time.perf_counter()
         try:
             verdict = await self.session.verify(context, block.tokens, wire_method(self.method), probs, dists)
         except CloudUnavailable as err:

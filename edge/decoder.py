@@ -201,6 +201,8 @@ class EdgeDecoder:
             backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
                                     generation.settings.verify_method, generation.settings.sampling,
                                     support, settings.cloud_retry_s, use)
+            # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
+            backend.session.open_ahead(generation.context)
         try:
             while not generation.done:
                 if backend is not None:

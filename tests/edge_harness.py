@@ -96,6 +96,7 @@ class Script:
     verify_refusals_after: int | None = None  # verify: refuse every frame after this many verdicts
     verify_refusal: pb.Error | None = None
     generate_hangs_after: int | None = None  # Generate: stream this many tokens, then go silent
+    open_delay_s: float = 0.0  # how long an open takes (a long prompt's prefill)
     next_token: int = 5
     opens: int = 0
     verifies: int = 0
@@ -115,6 +116,7 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
             kind = frame.WhichOneof("frame")
             if kind == "open":
                 self.script.opens += 1
+                await asyncio.sleep(self.script.open_delay_s)
                 if self.script.open_refusals:
                     yield pb.CloudFrame(error=self.script.open_refusals.pop(0))
                 else:
