@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout`: the benchmarks behind the README's tables.
+"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet`: the benchmarks behind the README's tables.
 
     sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
     sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --out results/bench-cloud
@@ -6,6 +6,7 @@
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
     sprinter bench readme --out results/bench --readme README.md
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
+    sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from pathlib import Path
 
 from common.models import DTYPES
-from sim.bench import chaos, cloud, draft, local, policy, prefill, readme, rollout, soak
+from sim.bench import chaos, cloud, draft, fleet, local, policy, prefill, readme, rollout, soak
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -51,6 +52,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     rollout.register_rollout(benches)
+    fleet.register_fleet(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
