@@ -5,7 +5,8 @@
     sprinter fleet push-verifier --mqtt URL --group G DIR      # DIR holds verifier.json + its ONNX
 
 Other packages add `sprinter fleet ...` programs through the `sprinter.fleet_commands` entry-point
-group (the fleet simulator: `sprinter fleet simulate`), so this module imports no side.
+group (`sprinter fleet up` and `demo`: a local fleet as processes; `sprinter fleet simulate`: the
+fleet-scale simulator), so this module imports no side.
 """
 
 from __future__ import annotations
