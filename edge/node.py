@@ -32,7 +32,9 @@ class EdgeNodeSettings:
     draft: str = "tiny-random-draft"
     verifier: str = "auto"
     cloud: str | None = None  # HOST:PORT[,HOST:PORT...]: the cloud's replicas (a name may resolve to several)
-    discover_clouds: bool = False  # take replicas from the fleet plane's announcements too (--mqtt)
+    # --mqtt without --cloud: verify on the replicas the fleet plane announces. With --cloud the edge keeps to
+    # the addresses it was given (they may be a proxy, a tunnel or a NAT that an announced address bypasses).
+    discover_clouds: bool = False
     cloud_ca: Path | None = None
     cloud_token: str | None = None
     cloud_tls_server_name: str | None = None  # the name to check the cloud's certificate against, if not the host's
@@ -57,7 +59,8 @@ class EdgeNodeSettings:
                    cloud_tls_server_name=args.cloud_tls_server_name, insecure=args.insecure,
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
                    dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
-                   max_model_len=getattr(args, "max_model_len", None), discover_clouds=bool(getattr(args, "mqtt", None)))
+                   max_model_len=getattr(args, "max_model_len", None),
+                   discover_clouds=bool(getattr(args, "mqtt", None)) and not args.cloud)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class EdgeNode:
                              token=self.settings.cloud_token, deadline_s=self.settings.cloud_deadline_s)
 
     async def _replicas(self, entries: Sequence[str]) -> ReplicaSet:
-        return await ReplicaSet(entries, self._endpoint, vocab_fingerprint(self.draft.tokenizer)).__aenter__()
+        return await ReplicaSet(entries, self._endpoint, vocab_fingerprint(self.draft.tokenizer),
+                                adopt_announced=self.settings.discover_clouds).__aenter__()
 
     def prepare_verifier(self, spec: str) -> VerifierSetup:
         """Load and check a verifier (`--verifier` syntax) for this node's pair; ValueError if it does not fit.

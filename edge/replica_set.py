@@ -2,7 +2,9 @@
 
 Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several
 addresses, such as a Kubernetes headless Service, is one replica per address, resolved again every
-`resolve_every_s`) and, with `--mqtt`, from the clouds' load announcements (`observe`). A replica
+`resolve_every_s`) or, with `--mqtt` and no `--cloud`, from the clouds' load announcements
+(`observe`; with `--cloud` announcements only update what the edge knows of its own replicas: an
+announced address could bypass the proxy or tunnel the edge was told to use). A replica
 is used only once it has answered GetInfo with this draft's vocabulary; one that serves another is
 refused, logged, and never used.
 
@@ -102,13 +104,14 @@ class ReplicaSet:
     """`async with ReplicaSet(["a:50051", "b:50051"], endpoint, fingerprint) as clouds:` then sessions on it."""
 
     def __init__(self, entries: Sequence[str], endpoint: EndpointFactory, vocab_fingerprint: str,
-                 resolve_every_s: float = 30.0) -> None:
+                 resolve_every_s: float = 30.0, adopt_announced: bool = False) -> None:
         self.entries = [e.strip() for e in entries if e.strip()]
         for entry in self.entries:
             split_host_port(entry)
         self.endpoint = endpoint
         self.vocab_fingerprint = vocab_fingerprint
         self.resolve_every_s = resolve_every_s
+        self.adopt_announced = adopt_announced  # add replicas only announcements name (else: only track known ones)
         self.replicas: dict[str, Replica] = {}
         self.reopen_causes: Counter[str] = Counter()
         self._tasks: set[asyncio.Task] = set()
@@ -170,7 +173,7 @@ class ReplicaSet:
         """A replica's announcement on the fleet plane (it may be one --cloud never named)."""
         replica = self.replicas.get(load.endpoint)
         if replica is None:
-            if load.status != "online":
+            if load.status != "online" or not self.adopt_announced:
                 return
             self._spawn(self._add_announced(load))
             return

@@ -270,3 +270,14 @@ def test_an_edge_without_cloud_flags_verifies_on_the_replicas_the_fleet_plane_an
         answer = _complete(daemon, mode="sd")
         assert not answer["degraded"] and answer["target_calls"] > 0
         assert daemon.node.cloud.address == cloud.address
+
+
+def test_an_edge_given_its_clouds_adopts_no_announced_replica(tmp_path: Path, tiny_target, tiny_draft) -> None:
+    """Its --cloud may be a proxy or a tunnel: an announced address would bypass it (as it did the sweep's link)."""
+    with broker(tmp_path) as running, \
+            ServerThread(CloudSettings(port=0, mqtt=running.url, replica_id="c1"), tiny_target) as given, \
+            ServerThread(CloudSettings(port=0, mqtt=running.url, replica_id="c2"), tiny_target), \
+            fleet_edge(tiny_draft, given.address, running.url, "e1") as (daemon, _):
+        _wait(lambda: len(asyncio.run(read_fleet(_fast(running.url), wait_s=0.2)).clouds) == 2, 10, "both announced")
+        time.sleep(0.5)  # the edge has heard them too
+        assert [r["address"] for r in daemon.node.cloud.describe()] == [given.address]
