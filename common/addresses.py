@@ -7,6 +7,14 @@ import ipaddress
 LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
 
 
+def split_host_port(address: str) -> tuple[str, str]:
+    """'host:port' or '[v6]:port' -> (host, port); ValueError naming the address otherwise."""
+    host, _, port = address.strip().rpartition(":")
+    if not host.strip("[]") or not port.isdigit():
+        raise ValueError(f"address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), port
+
+
 def is_loopback(host: str) -> bool:
     """True for a loopback address or name; any other host name may resolve to anything, so False."""
     if host in LOOPBACK_NAMES:

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
+from common.sampling import FLOAT32_TINY, SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

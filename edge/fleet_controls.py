@@ -17,7 +17,6 @@ from pathlib import Path
 from common.decoding.modes import POLICY_MODES, DecodeSettings
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.app import ApiSettings, Completions
-from edge.api.metrics import RequestTotals
 from edge.fleet_agent import EdgeIdentity
 from edge.node import EdgeNode, VerifierSetup
 
@@ -40,7 +39,7 @@ class DaemonControls:
         now, totals = time.monotonic(), replace(self.service.metrics.totals)
         then, before = self._last_report
         self._last_report = (now, totals)
-        delta = RequestTotals(*(getattr(totals, f) - getattr(before, f) for f in RequestTotals.__dataclass_fields__))
+        delta = totals.since(before)
         return EdgeTelemetry(
             edge_id=edge_id, time=time.time(), interval_s=interval_s,
             tokens_per_s=delta.tokens / max(now - then, 1e-6),

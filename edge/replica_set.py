@@ -35,6 +35,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from common.addresses import split_host_port
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
 from edge.cloud_client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, backoff_delay
@@ -91,13 +92,6 @@ def rendezvous_order(key: str, replicas: Sequence[Replica]) -> list[Replica]:
 
 def join_host_port(host: str, port: int | str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def split_host_port(entry: str) -> tuple[str, str]:
-    host, _, port = entry.strip().rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"cloud address {entry!r}: expected HOST:PORT")
-    return host.strip("[]"), port
 
 
 class ReplicaSet:

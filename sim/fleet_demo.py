@@ -52,10 +52,11 @@ async def _requests(fleet: LocalFleet, n: int, max_tokens: int) -> list[dict]:
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def _sessions_on(fleet: LocalFleet, address: str) -> int:
+def sessions_on(edge_bases: list[str], address: str) -> int:
+    """The edges' sessions on one replica now, as their /healthz lists them."""
     total = 0
-    for edge in fleet.edges:
-        for replica in httpx.get(edge.base + "/healthz", timeout=10).json().get("cloud_replicas") or []:
+    for base in edge_bases:
+        for replica in httpx.get(base + "/healthz", timeout=10).json().get("cloud_replicas") or []:
             total += replica["sessions"] if replica["address"] == address else 0
     return total
 
@@ -63,7 +64,7 @@ def _sessions_on(fleet: LocalFleet, address: str) -> int:
 async def _kill_when_busy(fleet: LocalFleet) -> float | None:
     victim = fleet.clouds[0]
     for _ in range(3000):
-        if await asyncio.to_thread(_sessions_on, fleet, victim.address) >= 2:
+        if await asyncio.to_thread(sessions_on, [e.base for e in fleet.edges], victim.address) >= 2:
             await asyncio.to_thread(victim.kill)
             return time.monotonic()
         await asyncio.sleep(0.01)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from common.cached_lm import CachedLM, ForwardOutput
 from common.decoding.modes import DecodeSettings
 from common.verifier import ConfidenceVerifier

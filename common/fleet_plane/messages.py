@@ -17,6 +17,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
+from common.addresses import split_host_port
 from common.call_policy import parse_policy
 from common.decoding.modes import MODES
 from common.fleet_plane.topics import check_identifier, check_sha256
@@ -111,9 +112,7 @@ class FleetConfig:
             check_sha256(str(self.verifier["sha256"]))
         if self.clouds is not None:
             for endpoint in self.clouds:
-                host, _, port = str(endpoint).rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"cloud endpoint {endpoint!r} is not HOST:PORT")
+                split_host_port(str(endpoint))  # ValueError naming the endpoint
 
 
 @dataclass(frozen=True)

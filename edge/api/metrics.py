@@ -22,6 +22,11 @@ class RequestTotals:
     target_calls: int = 0
     degraded_requests: int = 0
 
+    def since(self, before: RequestTotals) -> RequestTotals:
+        return RequestTotals(self.requests - before.requests, self.tokens - before.tokens,
+                             self.target_calls - before.target_calls,
+                             self.degraded_requests - before.degraded_requests)
+
 
 class ReplicaCollector:
     """The cloud replicas as this edge sees them, read at scrape time (a fleet config may replace the set)."""

@@ -33,6 +33,7 @@ from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
 from edge.fleet_agent import EdgeIdentity, FleetAgent
+from sim.bench.load import percentile
 from sim.broker import MosquittoBroker
 from sim.processes import edge_daemon_async, free_port
 
@@ -108,11 +109,6 @@ class RolloutResult:
         return out
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 async def _simulated_fleet(stack: AsyncExitStack, broker: BrokerSettings, n: int) -> None:
     for i in range(n):
         identity = EdgeIdentity(f"sim-{i:03d}", GROUP, "simulated", "-")
@@ -174,7 +170,7 @@ async def measure(settings: RolloutSettings) -> RolloutResult:
                 answers: list[ApplyResult] = await apply_config(broker, config, timeout_s=30)
                 result.rounds.append([asdict(a) for a in answers])
                 log.info("round %d: %d acks, p99 %.0f ms", round_index + 1, sum(a.ok for a in answers),
-                         percentile(sorted(a.latency_ms for a in answers if a.ok) or [0.0], 99))
+                         percentile([a.latency_ms for a in answers if a.ok], 99) or 0.0)
             if settings.real_edges:
                 result.telemetry_tokens_per_s = await _telemetry_cost(settings, bases[0], bases[-1])
     return result
