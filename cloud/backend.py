@@ -105,11 +105,13 @@ class TargetBackend:
                 raise
             session.cached_tokens += len(new_tokens)
             # Roll the cache back to the accepted prefix; next_token is fed with the next block.
+            start_position = session.length
             keep = session.length + n_accepted
             if session.cached_tokens > keep:
                 session.cache.crop(-(session.cached_tokens - keep))  # transformers 5.23: a negative count
             session.cached_tokens = keep
             session.tokens.extend(draft_tokens[:n_accepted] + [next_token])
+            session.last_verdict = (start_position, n_accepted, next_token)
         finally:
             session.busy = False
         session.touch()
@@ -120,7 +122,18 @@ class TargetBackend:
         self.update_gauges()
         return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
                           verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
-                          queue_ms=result.queue_ms, cloud_batch_size=result.batch_size)
+                          queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
+                          start_position=start_position, candidate=frame.HasField("after"))
+
+    def candidate_matches(self, session: Session | None, frame: pb.VerifyBlock) -> bool:
+        """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
+        would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply)."""
+        after = frame.after
+        matches = session is not None and session.last_verdict == (after.start_position, after.n_accepted,
+                                                                    after.next_token)
+        if not matches:
+            self.metrics.candidates.labels("dropped").inc()
+        return matches
 
     async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""

@@ -28,6 +28,10 @@ class CloudMetrics:
                                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
         self.target_forward_seconds = Histogram("sprinter_cloud_target_forward_seconds", "Target forward latency",
                                                 registry=r, buckets=(.01, .025, .05, .1, .2, .4, .8, 1.6, 3.2, 6.4))
+        # A candidate (VerifyBlock.after) is verified when it matches the verdict it was drafted for, else dropped
+        # before any check or forward: dropped candidates cost uplink bytes, never compute.
+        self.candidates = Counter("sprinter_cloud_candidates", "Candidate blocks by outcome (verified, dropped)",
+                                  ["outcome"], registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
 
     def observe_batch(self, batch_size: int, forward_s: float) -> None:

@@ -7,6 +7,11 @@ streams) end with that status instead, a retry hint in trailing metadata `retry-
 
 A stream holds one session at a time: a second open closes the first. When a caller goes away, the
 work it queued is skipped before its forward (`abandoned`), and its session stays for a resume.
+
+Frames are served in order, one at a time per stream. A candidate (a verify frame with `after`) is
+read after the verdict it was drafted for: if it follows that verdict it is verified at once, with
+no round trip to the edge in between; otherwise it is dropped before any check or forward, without
+a reply (the edge knows the verdict, so it knows which candidate, if any, it will hear about).
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
+                        if frame.verify.HasField("after"):
+                            live = session if backend.store.contains(session.session_id) else None
+                            if not backend.candidate_matches(live, frame.verify):
+                                continue
+                            backend.metrics.candidates.labels("verified").inc()
                         session = backend.store.get(session.session_id, owner)
                         # shield: the cache and the token list must move together even if the edge goes away
                         verdict = await asyncio.shield(backend.verify(session, frame.verify, abandoned))

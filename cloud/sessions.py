@@ -43,6 +43,8 @@ class Session:
     cached_tokens: int = 0
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a prefill or verify is in flight: never evicted under it
+    # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow
+    last_verdict: tuple[int, int, int] | None = None
 
     @property
     def length(self) -> int:

@@ -28,9 +28,24 @@ class DecodeStats:
     block_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     token_times_ms: list[float] = field(default_factory=list)  # since the request started
+    # Pipelined rounds (edge/pipeline.py): rounds that drafted ahead, and those whose verdict picked a candidate.
+    pipeline: str = "off"
+    ahead_rounds: int = 0
+    ahead_hits: int = 0
+    candidates_sent: int = 0
+    candidate_hits: int = 0  # sent candidates the cloud verified with no round trip in between
+    uplink_bytes: int = 0  # verify frames and candidates the edge wrote
+
+    @property
+    def ahead_hit_rate(self) -> float | None:
+        return self.ahead_hits / self.ahead_rounds if self.ahead_rounds else None
+
+    @property
+    def uplink_bytes_per_token(self) -> float | None:
+        return self.uplink_bytes / self.new_tokens if self.new_tokens and self.uplink_bytes else None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "ahead_hit_rate": self.ahead_hit_rate, "uplink_bytes_per_token": self.uplink_bytes_per_token}
 
 
 def _mean(values: list[int]) -> float | None:
@@ -56,6 +71,12 @@ class StatsRecorder:
     draft_forwards: int = 0
     block_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
+    pipeline: str = "off"
+    ahead_rounds: int = 0
+    ahead_hits: int = 0
+    candidates_sent: int = 0
+    candidate_hits: int = 0
+    uplink_bytes: int = 0
 
     def emitted(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -65,6 +86,12 @@ class StatsRecorder:
         self.target_calls += 1
         self.block_lengths.append(block_length)
         self.accepted_lengths.append(n_accepted)
+
+    def pipelined(self, drafted_ahead: bool, hit: bool, sent: int) -> None:
+        """One verdict of a pipelined round: whether anything was drafted ahead of it, and whether it picked a candidate."""
+        self.ahead_rounds += drafted_ahead
+        self.ahead_hits += hit
+        self.candidates_sent += sent
 
     def finish(self, new_tokens: int) -> DecodeStats:
         wall_s = time.perf_counter() - self.started
@@ -94,6 +121,8 @@ class StatsRecorder:
             block_lengths=list(self.block_lengths),
             accepted_lengths=list(self.accepted_lengths),
             token_times_ms=[round((t - self.started) * 1e3, 3) for t in self.emitted_at],
+            pipeline=self.pipeline, ahead_rounds=self.ahead_rounds, ahead_hits=self.ahead_hits,
+            candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
         )
 
 

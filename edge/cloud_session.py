@@ -61,6 +61,16 @@ class Replicas(Protocol):
         ...
 
 
+def verify_frame(start_position: int, draft_tokens: list[int], method: int,
+                 draft_token_probs: list[float] | None = None, draft_dists: list[SparseDistribution] | None = None,
+                 after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
+    """A verify frame; with `after`, a candidate for that verdict of the block in flight."""
+    return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method,
+                          draft_token_probs=draft_token_probs or [], after=after,
+                          draft_dists=[pb.SparseDistribution(token_ids=d.token_ids.tolist(), probs=d.probs.tolist())
+                                       for d in draft_dists or []])
+
+
 class CloudSession:
     """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
 
@@ -77,6 +87,12 @@ class CloudSession:
         self.opens = 0
         self._opening: asyncio.Task | None = None  # open_ahead's open, until the first verify takes it over
         self._early_failure: Exception | None = None  # how that open failed, for the first verify to handle
+        # Each verify frame written starts a new epoch; candidates belong to the epoch of the block they follow,
+        # and count only if that very write got the verdict (a retry, a reopen or a new stream loses them).
+        self._epoch = 0
+        self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
+        self.uplink_bytes = 0  # verify frames and candidates written: what send-ahead costs the link
+        self._write_lock = asyncio.Lock()  # a stream takes one write at a time: candidates queue behind their block
 
     def open_ahead(self, prompt_ids: list[int]) -> None:
         """Open the session with the prompt now, so that the cloud prefills it while the edge prefills its
@@ -102,8 +118,18 @@ class CloudSession:
 
     async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
         deadline = self.client.endpoint.deadline_s
-        await asyncio.wait_for(self.call.write(frame), deadline)
-        answer = await asyncio.wait_for(self.call.read(), deadline)
+        if frame.HasField("verify"):
+            self._epoch += 1
+            self.uplink_bytes += frame.ByteSize()
+        epoch = self._epoch
+        async with self._write_lock:
+            await asyncio.wait_for(self.call.write(frame), deadline)
+        answer = await self._read()
+        self.verdict_epoch = epoch
+        return answer
+
+    async def _read(self) -> pb.CloudFrame:
+        answer = await asyncio.wait_for(self.call.read(), self.client.endpoint.deadline_s)
         if answer is grpc.aio.EOF:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
         return answer
@@ -164,6 +190,42 @@ class CloudSession:
                                     reset=cause == "draining", cause=cause, move=True)
         return CloudRefused(code, error.message)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the verify frame written last (see `send_candidate`)."""
+        return self._epoch
+
+    async def send_candidate(self, frame: pb.VerifyBlock, epoch: int) -> bool:
+        """Write a candidate behind the block of `epoch`, on that block's stream; False if that is no longer
+        possible (a retry or reopen since: the cloud would drop it anyway). Never raises: a broken stream
+        shows on the verdict's read, which the verify in flight handles."""
+        if self.call is None or self.session_id is None or epoch != self._epoch:
+            return False
+        edge_frame = pb.EdgeFrame(verify=frame)
+        try:
+            async with self._write_lock:
+                if epoch != self._epoch or self.call is None:
+                    return False
+                await asyncio.wait_for(self.call.write(edge_frame), self.client.endpoint.deadline_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            return False
+        self.uplink_bytes += edge_frame.ByteSize()
+        return epoch == self._epoch
+
+    async def _read_candidate_verdict(self, context: list[int], frame: pb.VerifyBlock) -> pb.Verdict:
+        """The verdict on a candidate the cloud matched: the next frame on the stream, named by its block."""
+        try:
+            answer = await self._read()
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
+            raise self._stream_failure(err) from err
+        if answer.WhichOneof("frame") == "error":
+            raise self._failure(answer.error, len(context))
+        if not answer.verdict.candidate or answer.verdict.start_position != frame.start_position:
+            # Not what this edge and the cloud agreed would come: the stream is out of step, start afresh.
+            raise RetryableFailure("the cloud answered another block than the candidate", reset=True)
+        self.verdict_epoch = self._epoch
+        return answer.verdict
+
     async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
         if self._opening is not None:
             opening, self._opening = self._opening, None
@@ -193,15 +255,24 @@ class CloudSession:
                      draft_token_probs: list[float] | None = None,
                      draft_dists: list[SparseDistribution] | None = None) -> pb.Verdict:
         """Verify `draft_tokens` following `context` (the edge's committed tokens)."""
-        frame = pb.EdgeFrame(verify=pb.VerifyBlock(
-            start_position=len(context), draft_tokens=draft_tokens, method=method,
-            draft_token_probs=draft_token_probs or [],
-            draft_dists=[pb.SparseDistribution(token_ids=d.token_ids.tolist(), probs=d.probs.tolist())
-                         for d in draft_dists or []]))
+        return await self.verify_block(context, verify_frame(len(context), draft_tokens, method, draft_token_probs,
+                                                             draft_dists))
+
+    async def verify_block(self, context: list[int], block: pb.VerifyBlock,
+                           matched_candidate: bool = False) -> pb.Verdict:
+        """Verify `block` following `context` (the edge's committed tokens). With `matched_candidate` the block
+        went out as a candidate the cloud has matched: its verdict is read, not asked for; should that fail,
+        the block is sent again the ordinary way."""
+        frame = pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
+                                                   draft_token_probs=block.draft_token_probs,
+                                                   draft_dists=block.draft_dists, method=block.method))
         last_failure: RetryableFailure | None = None
         for attempt in range(self.replicas.attempts):
             try:
-                verdict = await self._attempt(context, frame)
+                if attempt == 0 and matched_candidate:
+                    verdict = await self._read_candidate_verdict(context, block)
+                else:
+                    verdict = await self._attempt(context, frame)
             except RetryableFailure as failure:
                 last_failure = failure
                 await self._after(failure, attempt)

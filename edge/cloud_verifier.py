@@ -17,7 +17,7 @@ from common.decoding.drafting import PendingBlock
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from edge.cloud_client import CloudError, CloudUnavailable
-from edge.cloud_session import CloudSession
+from edge.cloud_session import CloudSession, verify_frame
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -63,15 +63,25 @@ class CloudVerifier:
     def reachable(self) -> bool:
         return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
 
-    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
+    def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
+        """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`)."""
         probs = [float(d.p_draft[d.token]) for d in block.drafted]
-        dists = self._draft_dists(block)
+        return verify_frame(start_position, block.tokens, wire_method(self.method), probs, self._draft_dists(block), after)
+
+    async def send_candidate(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict, epoch: int) -> bool:
+        """Send `block` as a candidate for verdict `after` of the block written at `epoch`; False if it could not go."""
+        return await self.session.send_candidate(self.frame(start_position, block, after), epoch)
+
+    async def verify(self, context: list[int], block: PendingBlock, matched_candidate: bool = False,
+                     waited_since: float | None = None) -> Verdict | None:
+        """The verdict on `block` after `context`; with `matched_candidate`, `block` went out as the candidate the
+        cloud matched, and the round trip learned is the wait since `waited_since` (when the edge needed it)."""
         # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
         # not what one more round trip costs, so it reports no round trip for the cost model to learn.
         steady = self.session.session_id is not None and not self.session.opening
-        reopens, started = self.session.reopens, time.perf_counter()
+        reopens, started = self.session.reopens, waited_since or time.perf_counter()
         try:
-            verdict = await self.session.verify(context, block.tokens, wire_method(self.method), probs, dists)
+            verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate)
         except CloudUnavailable as err:
             if self.down_since is None:
                 log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)

@@ -9,7 +9,8 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
 the cloud session as its backend (edge/cloud_verifier.py: a pending block becomes a verify frame,
-the cloud's answer a `Verdict`). Blocks and the context are kept within the cloud's limits. The
+the cloud's answer a `Verdict`); with a pipeline on (edge/pipeline.py) the edge drafts ahead while a
+block is in flight, and with send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
 cloud is a set of replicas (edge/replica_set.py): a session that loses its replica reopens on
 another with the full context. If no replica is reachable the round keeps going from the draft
 alone, marks the result degraded (and tells a streaming caller at once), and tries the cloud again
@@ -41,6 +42,7 @@ from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
 from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable
 from edge.cloud_verifier import CloudUse, CloudVerifier
+from edge.pipeline import PIPELINES, PipelinedRounds
 from edge.replica_set import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ class EdgeSettings:
     cloud_retry_s: float = 2.0  # while degraded, how often to try the cloud again
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
     stop: tuple[str, ...] = ()  # OpenAI's stop sequences
+    pipeline: str = "off"  # edge/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
 
 
 @dataclass
@@ -204,12 +211,17 @@ class EdgeDecoder:
             # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
             backend.session.open_ahead(generation.context)
         try:
+            if backend is not None and settings.pipeline != "off" and mode != "sprinter":
+                generation.recorder.pipeline = settings.pipeline
+                await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
+                                      lambda: self._fit_to_cloud(generation)).run()
             while not generation.done:
                 if backend is not None:
                     self._fit_to_cloud(generation)
                 await speculative_round(generation, drafter, backend, policy, self.cost_model)
         finally:
             if backend is not None:
+                generation.recorder.uplink_bytes = backend.session.uplink_bytes
                 await backend.close()
 
     def _fit_to_cloud(self, generation: Generation) -> None:

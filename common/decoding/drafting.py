@@ -36,6 +36,7 @@ class DraftedToken:
     p_draft: torch.Tensor  # [V] the distribution the token was sampled from
     flagged: bool  # the verifier does not trust it (score < threshold)
     ends_block: bool  # the policy says send, the cap or EOS: the block goes to the target now
+    accept_prob: float | None = None  # a_i, what the policy read (None in a block that stands as drafted)
 
     @property
     def token(self) -> int:
@@ -57,6 +58,16 @@ class PendingBlock:
         """[g, V]: row i is the distribution x_i was drawn from."""
         return torch.stack([d.p_draft for d in self.drafted])
 
+    @property
+    def accept_probs(self) -> list[float]:
+        """a_1..a_g as the policy read them (blocks headed for a target only)."""
+        return [d.accept_prob for d in self.drafted if d.accept_prob is not None]
+
+    @property
+    def complete(self) -> bool:
+        """Its last token ended it (policy, cap or EOS): nothing more is drafted onto it."""
+        return bool(self.drafted) and self.drafted[-1].ends_block
+
     def __len__(self) -> int:
         return len(self.drafted)
 
@@ -64,8 +75,8 @@ class PendingBlock:
 def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: SamplingParams,
                  generator: torch.Generator, eos_token_ids: frozenset[int], verifier: Verifier | None = None,
                  policy: CallPolicy | None = None, cost_model: CostModel | None = None,
-                 companion: Companion | None = None) -> Iterator[DraftedToken]:
-    """Draft after `context` until `policy.should_send(a_1..a_g, cap=limit)`, EOS, or `limit` tokens.
+                 companion: Companion | None = None, prefix: PendingBlock | None = None) -> Iterator[DraftedToken]:
+    """Draft after `context` (and `prefix`, a block drafted ahead that this one continues) until `policy.should_send(a_1..a_g, cap=limit)`, EOS, or `limit` tokens.
 
     a_i is the verifier's score (the learned verifier's is a calibrated acceptance probability), else
     the draft's probability of its token at T=1 (not the sampling distribution's: under greedy that
@@ -73,8 +84,8 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
     the time of a draft step: forward, sampling and scoring, all that one more token costs the edge.
     `companion`, when given, adds its (S, A) features to every step (so its forward counts as drafting cost).
     """
-    block: list[int] = []
-    accept_probs: list[float] = []
+    block: list[int] = prefix.tokens if prefix is not None else []
+    accept_probs: list[float] = prefix.accept_probs if prefix is not None else []
     while len(block) < limit:
         started = time.perf_counter()
         out = draft_lm.advance_to(context + block)
@@ -84,14 +95,16 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
         step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None, signals)
         score = verifier.score(step) if verifier is not None else None
         flagged = score is not None and score < verifier.threshold
+        accept_prob = None
         if policy is not None:
-            accept_probs.append(score if score is not None else draft_confidence_features(step)[0])
+            accept_prob = score if score is not None else draft_confidence_features(step)[0]
+            accept_probs.append(accept_prob)
         if cost_model is not None:
             cost_model.observe_draft_step((time.perf_counter() - started) * 1e3)
         # The limit is checked here too: every policy sends at the cap, but the budget must hold regardless.
         ends_block = (len(block) >= limit or token in eos_token_ids
                       or (policy is not None and policy.should_send(accept_probs, cap=limit)))
-        yield DraftedToken(step, p_draft, flagged, ends_block)
+        yield DraftedToken(step, p_draft, flagged, ends_block, accept_prob)
         if ends_block:
             return
 
@@ -115,17 +128,26 @@ class Drafter:
     offload: bool = False
 
     async def draft(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                    judged: bool = True, on_passed: Callable[[int], None] | None = None) -> PendingBlock:
-        """A pending block after `context` (see `draft_tokens`); `on_passed` sees each token that does not end it."""
-        steps = draft_tokens(self.draft_lm, context, limit, self.sampling, self.generator, self.eos_token_ids,
-                             self.verifier if judged else None, policy if judged else None, cost_model,
-                             self.companion if judged else None)
-        block = PendingBlock()
-        while (drafted := await self._next(steps)) is not None:
+                    judged: bool = True, on_passed: Callable[[int], None] | None = None,
+                    prefix: PendingBlock | None = None) -> PendingBlock:
+        """A pending block after `context` (see `draft_tokens`), continuing `prefix` if given; `on_passed` sees
+        each token that does not end it."""
+        block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
+        if block.complete:
+            return block
+        steps = self.steps(context, limit, policy if judged else None, cost_model, judged, prefix)
+        while (drafted := await self.next_step(steps)) is not None:
             block.drafted.append(drafted)
             if on_passed is not None and not drafted.ends_block:
                 on_passed(drafted.token)
         return block
 
-    async def _next(self, steps: Iterator[DraftedToken]) -> DraftedToken | None:
+    def steps(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
+              judged: bool = True, prefix: PendingBlock | None = None) -> Iterator[DraftedToken]:
+        """The drafting steps themselves, for a caller that decides between them (edge/pipeline.py)."""
+        return draft_tokens(self.draft_lm, context, limit, self.sampling, self.generator, self.eos_token_ids,
+                            self.verifier if judged else None, policy, cost_model,
+                            self.companion if judged else None, prefix)
+
+    async def next_step(self, steps: Iterator[DraftedToken]) -> DraftedToken | None:
         return await asyncio.to_thread(next, steps, None) if self.offload else next(steps, None)

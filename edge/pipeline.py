@@ -1,0 +1,219 @@
+"""Pipelined rounds: while a block is in flight, the edge drafts for the verdicts it expects instead of idling.
+
+Glossary (speculative_round.py has the rest)
+    block in flight  the pending block sent to the cloud, verdict not yet known
+    outcome          a verdict it may get: keep x_1..x_n, then token t (n = g: all kept, t the target's bonus)
+    candidate        a block drafted ahead after one outcome's context: context + x_1..x_n + [t]
+    hit              the verdict is a drafted-for outcome: its candidate is the next round's block
+
+Pipelines (`--pipeline`)
+    off          draft, send, wait (speculative_round.py)
+    ahead        while the block is in flight, draft one candidate: all kept, with the draft's likeliest
+                 guess of the bonus. On a hit it is the next block (topped up if the policy wants more);
+                 otherwise it is dropped and the draft's KV rolls back by itself (`advance_to` keeps only the
+                 common prefix of what it holds and what it is asked for).
+    send-ahead   draft candidates for the likeliest outcomes (a few bonus guesses, a rejection at the least
+                 safe positions with the draft's runner-up as the target's replacement) and send each as it
+                 is done, on the same stream. The cloud verifies the one that follows its verdict at once,
+                 with no round trip in between, and drops the rest unread (cloud/service.py).
+
+Why the output is still the target's (lossless modes; `sprinter` keeps `off`: its blocks end at a token
+the verifier expects to be rejected, the outcome least worth drafting for)
+    Every lossless rule is exact for any proposal x_1..x_g drawn from the draft's own distributions
+    p_draft(. | prefix), with any stopping rule that decides from tokens already drawn, provided the
+    rule's coin flips are independent of the proposals. A candidate for outcome (n, t) is exactly such
+    a proposal for the context c' = c + x_1..x_n + t: its tokens are fresh draws from p_draft given
+    their prefix, made with the drafter's generator, which the cloud's verification never reads.
+    Which outcomes get candidates is decided from the block and the draft's probabilities, never
+    from the verdict; the verdict only picks which candidate is used, and there is one per outcome.
+    So, given the verdict (hence c'), the next proposal is distributed as if it had been drafted
+    after c' the ordinary way: p_draft's chain from c', stopped by the policy. Guessing the bonus is
+    not drafting it: the guess t is only a condition, and the target's own token is what is kept.
+    A candidate cut short by the verdict's arrival is topped up from c' + its tokens, the same chain.
+    (The drafter's generator advances differently than with `off`, so sampled outputs differ run by
+    run from `off` while their distribution does not; greedy outputs are identical.)
+    Tokens reach the client only as verdicts commit them, never from a candidate.
+
+Costs
+    Drafting ahead hides behind the round trip, so its steps are not taught to the cost model as
+    drafting cost; a candidate's verdict teaches the round trip the edge actually waited for it (from
+    the previous verdict), which is what goodput weighs when it picks the next block's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.call_policy import CallPolicy, CostModel
+from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.generation import Generation
+from common.decoding.speculative_round import Verdict, speculative_round
+from edge.cloud_verifier import CloudVerifier
+from sprinter.v1 import decoding_pb2 as pb
+
+PIPELINES = ("off", "ahead", "send-ahead")
+BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verdict the block in flight may get, with the draft's estimate of its probability."""
+
+    n_accepted: int
+    next_token: int
+    likelihood: float
+
+
+@dataclass
+class Candidate:
+    outcome: Outcome
+    context: list[int]  # the context that outcome makes
+    block: PendingBlock
+    sent_at_epoch: int | None = None  # the stream epoch it went out in (edge/cloud_session.py); None: kept here
+
+
+def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_ids: frozenset[int],
+                    bonus_guesses: int, rejections: bool) -> list[Outcome]:
+    """Outcomes of `block`'s verdict worth drafting for, likeliest first (none that ends the generation).
+
+    P(all kept, bonus t) = prod a_i * q(t); P(x_1..x_n kept, then r) = prod_{i<=n} a_i * (1 - a_{n+1}) * q'(r),
+    with a_i the scores the policy read, q the draft's distribution at T=1 and r the draft's likeliest
+    token other than x_{n+1} (q' renormalised without x_{n+1}): the target's replacement, as best guessed.
+    """
+    outcomes, survive = [], 1.0
+    for n, drafted in enumerate(block.drafted):
+        a = drafted.accept_prob if drafted.accept_prob is not None else 1.0
+        if rejections:
+            q = torch.softmax(drafted.step.logits.float(), dim=-1)
+            rest = 1.0 - float(q[drafted.token])
+            q[drafted.token] = 0.0
+            replacement = int(q.argmax())
+            if replacement not in eos_token_ids and rest > 0:
+                outcomes.append(Outcome(n, replacement, survive * (1.0 - a) * float(q[replacement]) / rest))
+        survive *= a
+        if drafted.token in eos_token_ids:
+            return sorted(outcomes, key=lambda o: -o.likelihood)  # accepted up to EOS, the generation ends
+    q = torch.softmax(bonus_logits.float(), dim=-1)
+    top = q.topk(bonus_guesses)
+    outcomes += [Outcome(len(block), int(t), survive * float(p)) for p, t in zip(top.values, top.indices)
+                 if int(t) not in eos_token_ids]
+    return sorted(outcomes, key=lambda o: -o.likelihood)
+
+
+@dataclass
+class PipelinedRounds:
+    """One generation's rounds with a pipeline on (see the module docstring)."""
+
+    generation: Generation
+    drafter: Drafter
+    backend: CloudVerifier
+    policy: CallPolicy | None
+    cost_model: CostModel | None
+    pipeline: str
+    fit_to_cloud: Callable[[], None]
+    max_candidates: int = 3  # send-ahead's budget per block in flight
+
+    async def run(self) -> None:
+        generation = self.generation
+        carried: PendingBlock | None = None  # a candidate kept as the next block's start
+        matched: Candidate | None = None  # a sent candidate the cloud is verifying now
+        verdict_at = time.perf_counter()
+        while not generation.done:
+            self.fit_to_cloud()
+            if not self.backend.reachable():
+                await speculative_round(generation, self.drafter, self.backend, self.policy, self.cost_model)
+                carried = matched = None
+                continue
+            context = generation.context
+            if matched is None:
+                block = await self._next_block(context, carried)
+                if block is None:
+                    return
+            else:
+                block = matched.block
+            # The candidates follow the block's own write; a matched candidate was written already.
+            epoch = self.backend.session.epoch + (matched is None)
+            in_flight = asyncio.create_task(self.backend.verify(context, block, matched is not None, verdict_at))
+            try:
+                candidates = await self._draft_ahead(context, block, in_flight, epoch)
+                verdict = await in_flight
+            finally:  # cancelled (the client left): the verify must not outlive the generation
+                in_flight.cancel()
+            verdict_at = time.perf_counter()
+            carried, matched = self._commit(context, block, verdict, candidates)
+
+    async def _next_block(self, context: list[int], carried: PendingBlock | None) -> PendingBlock | None:
+        """Draft the next block, continuing a kept candidate; None when the context has no room left."""
+        generation = self.generation
+        limit = min(generation.settings.block_cap, generation.block_room)
+        if limit < 1:
+            generation.context_full = True
+            return None
+        learn = self.cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
+        block = await self.drafter.draft(context, limit, self.policy, learn, prefix=carried)
+        generation.recorder.draft_forwards += len(block) - len(carried or ())
+        return block
+
+    def _commit(self, context: list[int], block: PendingBlock, verdict: Verdict | None,
+                candidates: list[Candidate]) -> tuple[PendingBlock | None, Candidate | None]:
+        """Commit what the verdict keeps; the candidate it picks, kept here (carried) or already with the cloud."""
+        generation, recorder = self.generation, self.generation.recorder
+        start = len(context) - len(generation.prompt_ids)
+        if verdict is None:  # out of reach: the block stands as drafted
+            generation.commit(start, block.tokens)
+            return None, None
+        recorder.verified(len(block), verdict.n_accepted)
+        if self.policy is not None:
+            self.policy.observe_verdict(len(block), verdict.n_accepted)
+        if self.cost_model is not None and generation.new_tokens and verdict.round_trip_ms is not None:
+            self.cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
+        generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token])
+        hit = next((c for c in candidates if (c.outcome.n_accepted, c.outcome.next_token)
+                    == (verdict.n_accepted, verdict.next_token)), None)
+        recorder.pipelined(drafted_ahead=bool(candidates), hit=hit is not None,
+                           sent=sum(c.sent_at_epoch is not None for c in candidates))
+        if hit is None or generation.done or hit.context != generation.context:
+            return None, None  # (a stop sequence may have cut the commit short: then the candidate is moot)
+        if hit.sent_at_epoch is not None and hit.sent_at_epoch == self.backend.session.verdict_epoch:
+            recorder.candidate_hits += 1
+            return None, hit
+        return hit.block, None
+
+    async def _draft_ahead(self, context: list[int], block: PendingBlock, in_flight: asyncio.Task,
+                           epoch: int) -> list[Candidate]:
+        """Candidates for the block in flight, until its verdict arrives or the budget is spent."""
+        generation = self.generation
+        send = self.pipeline == "send-ahead"
+        ends = any(t in self.drafter.eos_token_ids for t in block.tokens)
+        if ends and not send:  # all kept would end the generation: nothing to draft for
+            return []
+        bonus_logits = (await asyncio.to_thread(self.drafter.draft_lm.advance_to, context + block.tokens)).logits[-1]
+        generation.recorder.draft_forwards += 1
+        outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids,
+                                   BONUS_GUESSES if send else 1, rejections=send)
+        candidates: list[Candidate] = []
+        for outcome in outcomes[: self.max_candidates if send else 1]:
+            room = min(generation.settings.block_cap, generation.block_room - outcome.n_accepted - 1)
+            if in_flight.done() or room < 1:
+                break
+            kept = context + block.tokens[: outcome.n_accepted] + [outcome.next_token]
+            candidate = Candidate(outcome, kept, PendingBlock())
+            candidates.append(candidate)
+            steps = self.drafter.steps(kept, room, self.policy, None)  # hidden behind the round trip: no cost
+            while not in_flight.done() and not candidate.block.complete:
+                drafted = await self.drafter.next_step(steps)
+                if drafted is None:
+                    break
+                candidate.block.drafted.append(drafted)
+                generation.recorder.draft_forwards += 1
+            if send and candidate.block.complete and not in_flight.done():
+                after = pb.AfterVerdict(start_position=len(context), n_accepted=outcome.n_accepted,
+                                        next_token=outcome.next_token)
+                if await self.backend.send_candidate(len(kept), candidate.block, after, epoch):
+                    candidate.sent_at_epoch = epoch
+        return candidates
