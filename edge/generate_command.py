@@ -73,6 +73,10 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"],
                    help="ONNX draft weights: int8 is about 2x faster on CPU; lossless modes stay exact either way")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--pipeline", default="off", choices=["off", "ahead", "send-ahead"],
+                   help="with --cloud, modes sd, sd-block and sprinter-exact: while a block is in flight draft the next one "
+                        "for the likeliest verdict (ahead), or for the few likeliest and send them along (send-ahead); "
+                        "lossless either way")
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -150,6 +154,9 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
         return 2
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        result = await node.decoder.generate(prompt_ids, EdgeSettings(decode=settings))
-    print_result(args, result.text, result.token_ids, result.stats, degraded=result.degraded)
+        result = await node.decoder.generate(prompt_ids, EdgeSettings(decode=settings, pipeline=args.pipeline))
+    extra = {"degraded": result.degraded}
+    if result.stats.ahead_rounds:
+        extra["pipeline"] = f"{args.pipeline} (hit rate {result.stats.ahead_hit_rate:.2f})"
+    print_result(args, result.text, result.token_ids, result.stats, **extra)
     return 0

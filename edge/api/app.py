@@ -56,6 +56,7 @@ class ApiSettings:
     default_mode: str = "sprinter-exact"
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
+    default_pipeline: str = "off"  # edge/pipeline.py; a request may set its own
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)
@@ -140,7 +141,8 @@ class Completions:
                                     policy=policy)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
-        return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences)
+        return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
+                            pipeline=body.pipeline or self.api.default_pipeline)
 
     def _max_tokens(self, body: SamplingFields, mode: str, prompt_tokens: int) -> int | JSONResponse:
         """vLLM's rule: prompt + max_tokens must fit the context (the draft's window, the cloud's max_context);
@@ -264,7 +266,7 @@ class Completions:
         return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "cloud_replicas": replicas,
                 "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
                 "default_mode": self.api.default_mode,
-                "default_policy": self.api.default_policy, "in_flight": self.slots.in_flight,
+                "default_policy": self.api.default_policy, "default_pipeline": self.api.default_pipeline, "in_flight": self.slots.in_flight,
                 "context_limit": node.decoder.context_limit(self.api.default_mode),
                 "cost_model": node.decoder.cost_model.snapshot()}
 

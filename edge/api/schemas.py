@@ -1,7 +1,7 @@
 """The OpenAI wire format the edge daemon speaks: request bodies, error objects, usage and our extension.
 
-Requests may set sprinter's own fields beside OpenAI's: `mode`, `k` and `policy` (a call policy
-spec, e.g. "goodput"). Each response carries the usual `usage` plus a `sprinter` object (mode,
+Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
+spec, e.g. "goodput") and `pipeline` (off, ahead, send-ahead: edge/pipeline.py). Each response carries the usual `usage` plus a `sprinter` object (mode,
 policy, target_calls, tokens_per_call, block_length_mean, degraded, token ids and the full stats;
 `error` when the cloud refused mid-generation).
 
@@ -56,6 +56,7 @@ class SamplingFields(BaseModel):
     mode: str | None = Field(default=None, max_length=32)
     k: int | None = Field(default=None, ge=1, le=32)
     policy: str | None = Field(default=None, max_length=64)
+    pipeline: Literal["off", "ahead", "send-ahead"] | None = None
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -110,7 +111,7 @@ def openai_error(status: int, message: str, param: str | None = None, kind: str 
 
 def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
-    extension = {"mode": s.mode, "policy": s.policy, "target_calls": s.target_calls,
+    extension = {"mode": s.mode, "policy": s.policy, "pipeline": s.pipeline, "target_calls": s.target_calls,
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
                  "degraded": result.degraded, "verifier": result.verifier, "token_ids": result.token_ids,
                  "stats": s.to_dict()}
