@@ -189,9 +189,8 @@ class PipelinedRounds:
         """Candidates for the block in flight, until its verdict arrives or the budget is spent."""
         generation = self.generation
         send = self.pipeline == "send-ahead"
-        ends = any(t in self.drafter.eos_token_ids for t in block.tokens)
-        if ends and not send:  # all kept would end the generation: nothing to draft for
-            return []
+        if not send and any(t in self.drafter.eos_token_ids for t in block.tokens):
+            return []  # all kept would end the generation: nothing to draft for
         bonus_logits = (await asyncio.to_thread(self.drafter.draft_lm.advance_to, context + block.tokens)).logits[-1]
         generation.recorder.draft_forwards += 1
         outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids,
@@ -199,21 +198,39 @@ class PipelinedRounds:
         candidates: list[Candidate] = []
         for outcome in outcomes[: self.max_candidates if send else 1]:
             room = min(generation.settings.block_cap, generation.block_room - outcome.n_accepted - 1)
-            if in_flight.done() or room < 1:
+            if in_flight.done():
                 break
+            if room < 1:  # that verdict leaves no room for another block
+                continue
             kept = context + block.tokens[: outcome.n_accepted] + [outcome.next_token]
             candidate = Candidate(outcome, kept, PendingBlock())
             candidates.append(candidate)
-            steps = self.drafter.steps(kept, room, self.policy, None)  # hidden behind the round trip: no cost
-            while not in_flight.done() and not candidate.block.complete:
-                drafted = await self.drafter.next_step(steps)
-                if drafted is None:
-                    break
-                candidate.block.drafted.append(drafted)
-                generation.recorder.draft_forwards += 1
-            if send and candidate.block.complete and not in_flight.done():
-                after = pb.AfterVerdict(start_position=len(context), n_accepted=outcome.n_accepted,
-                                        next_token=outcome.next_token)
-                if await self.backend.send_candidate(len(kept), candidate.block, after, epoch):
-                    candidate.sent_at_epoch = epoch
+            await self._draft_candidate(candidate, room, in_flight)
+            if send:
+                await self._send_ready(context, candidates, epoch, in_flight)
         return candidates
+
+    async def _draft_candidate(self, candidate: Candidate, room: int, in_flight: asyncio.Task) -> None:
+        """Draft `candidate`'s block as the policy would, stopping early if the verdict comes first."""
+        steps = self.drafter.steps(candidate.context, room, self.policy, None)  # hidden behind the round trip: no cost
+        while not in_flight.done() and not candidate.block.complete:
+            drafted = await self.drafter.next_step(steps)
+            if drafted is None:
+                break
+            candidate.block.drafted.append(drafted)
+            self.generation.recorder.draft_forwards += 1
+
+    async def _send_ready(self, context: list[int], candidates: list[Candidate], epoch: int,
+                          in_flight: asyncio.Task) -> None:
+        """Send the complete candidates not sent yet, in order, once their block has gone out (epoch reached)."""
+        session = self.backend.session
+        for candidate in candidates:
+            if candidate.sent_at_epoch is not None or not candidate.block.complete:
+                continue
+            if in_flight.done() or session.epoch != epoch:
+                return  # too late, or the block is not written yet (the next candidate's turn tries again)
+            outcome = candidate.outcome
+            after = pb.AfterVerdict(start_position=len(context), n_accepted=outcome.n_accepted,
+                                    next_token=outcome.next_token)
+            if await self.backend.send_candidate(len(candidate.context), candidate.block, after, epoch):
+                candidate.sent_at_epoch = epoch

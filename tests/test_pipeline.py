@@ -1,0 +1,208 @@
+"""Pipelined rounds (edge/pipeline.py) over a real cloud behind an emulated link: still exactly lossless.
+
+Greedy: token identity with the target for every lossless mode and pipeline. Sampling: the joint
+distribution of the first tokens, computed exactly from the target, against many seeded generations
+(chi-square). The cloud: a candidate that does not follow the verdict is never verified, and a
+generation cancelled with candidates in flight leaves no work behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from cloud.server import CloudSettings
+from cloud_harness import ServerThread
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
+from common.models import LoadedModel
+from common.prompting import encode_prompt
+from common.sampling import SamplingParams, logits_to_probs
+from edge.decoder import EdgeSettings
+from edge.node import EdgeNode, EdgeNodeSettings
+from edge.pipeline import likely_outcomes
+from sim.link.proxy import LinkProxy
+from sim.link.shaping import LinkSettings
+
+LOSSLESS = ("sd", "sd-block", "sprinter-exact")
+ONE_WAY_MS = 10.0  # a 20 ms round trip: drafting ahead has time to finish candidates
+
+
+@pytest.fixture(scope="module")
+def tiny_cloud(tiny_target):
+    with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as server:
+        yield server
+
+
+async def _on_edge(cloud: ServerThread, draft: LoadedModel, work, runtime: str = "torch",
+                   one_way_ms: float = ONE_WAY_MS):
+    """Run `work(node)` on an edge whose cloud is behind a link of `one_way_ms` each way."""
+    host, _, port = cloud.address.rpartition(":")
+    async with LinkProxy(LinkSettings(delay_ms=one_way_ms), (host, int(port))) as link:
+        settings = EdgeNodeSettings(draft=draft.spec, cloud=link.address, draft_runtime=runtime, dtype="float32",
+                                    verifier="confidence:0.3")
+        async with EdgeNode(settings, draft) as node:
+            return await work(node)
+
+
+def _candidates(cloud: ServerThread) -> dict[str, float]:
+    counter = cloud.server.metrics.candidates
+    return {outcome: counter.labels(outcome)._value.get() for outcome in ("verified", "dropped")}
+
+
+def test_every_lossless_mode_and_pipeline_equals_the_target_under_greedy(tiny_cloud, tiny_target, tiny_draft):
+    prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
+    target = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
+    before = _candidates(tiny_cloud)
+
+    async def work(node: EdgeNode):
+        results = {}
+        for mode, pipeline in itertools.product(LOSSLESS, ("off", "ahead", "send-ahead")):
+            decode = DecodeSettings(mode=mode, max_new_tokens=40, k=3, max_run_length=6)
+            results[mode, pipeline] = await node.decoder.generate(prompt, EdgeSettings(decode, pipeline=pipeline))
+        return results
+
+    results = asyncio.run(_on_edge(tiny_cloud, tiny_draft, work))
+    for (mode, pipeline), result in results.items():
+        assert result.token_ids == target.token_ids, (mode, pipeline)
+        assert not result.degraded and result.stats.pipeline == pipeline
+    sent = sum(r.stats.candidates_sent for (_, p), r in results.items() if p == "send-ahead")
+    hits = sum(r.stats.candidate_hits for (_, p), r in results.items() if p == "send-ahead")
+    assert sum(r.stats.ahead_rounds for (_, p), r in results.items() if p == "ahead") > 10
+    assert sent > 10 and hits > 0, "the link leaves time to send candidates, and some must match"
+    after = _candidates(tiny_cloud)
+    # Every candidate sent was either verified (exactly the hits) or dropped unverified.
+    assert after["verified"] - before["verified"] == hits
+    assert after["dropped"] - before["dropped"] == sent - hits
+
+
+@pytest.mark.smollm2
+def test_smollm2_self_draft_with_each_pipeline_equals_the_target(smollm2, smollm2_4_layers):
+    prompt = encode_prompt(smollm2.tokenizer, "What causes the seasons on Earth?", chat=True)
+    target = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
+        async def work(node: EdgeNode):
+            return {pipeline: await node.decoder.generate(prompt, EdgeSettings(
+                DecodeSettings(mode="sd-block", max_new_tokens=24, k=4), pipeline=pipeline))
+                for pipeline in ("ahead", "send-ahead")}
+
+        results = asyncio.run(_on_edge(cloud, smollm2_4_layers, work, runtime="onnx"))
+    for pipeline, result in results.items():
+        assert result.token_ids == target.token_ids, pipeline
+    assert results["send-ahead"].stats.ahead_hits > 0
+
+
+# --- sampling: the output distribution is the target's --------------------------------------------
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=2)
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_target) -> LoadedModel:
+    """The tiny target with noise on its LM head: it agrees with the target often, not always, so that
+    rejections, replacements and hits all happen (tiny-random-draft is rejected nearly every time at T=1)."""
+    model = copy.deepcopy(tiny_target.model)
+    noise = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=noise) * 0.3 * head.std())
+    return LoadedModel("tiny-random", model, tiny_target.tokenizer)
+
+
+def _target_distribution(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first NEW_TOKENS tokens) under the target with SAMPLED, exactly (a sequence ends at EOS)."""
+    eos = target.eos_token_ids
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], p: float) -> None:
+        if len(prefix) == NEW_TOKENS or (prefix and prefix[-1] in eos):
+            dist[prefix] = dist.get(prefix, 0.0) + p
+            return
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        probs = logits_to_probs(logits, SAMPLED)
+        for token in torch.nonzero(probs).flatten().tolist():
+            expand(prefix + (token,), p * float(probs[token]))
+
+    expand((), 1.0)
+    return dist
+
+
+@pytest.mark.parametrize("mode,pipeline", [("sd", "send-ahead"), ("sd-block", "send-ahead"), ("sd", "ahead")])
+def test_sampled_output_follows_the_target_with_a_pipeline(tiny_cloud, tiny_target, near_draft, mode, pipeline):
+    prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
+    exact = _target_distribution(tiny_target, prompt)
+    n = 400
+
+    async def work(node: EdgeNode):
+        gate = asyncio.Semaphore(8)  # the draft steps share a thread pool: more at once and candidates come late
+
+        async def one(seed: int):
+            async with gate:
+                decode = DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=1 if mode == "sd" else 2,
+                                        sampling=SamplingParams(SAMPLED.temperature, SAMPLED.top_k, 1.0, seed))
+                return await node.decoder.generate(prompt, EdgeSettings(decode, pipeline=pipeline))
+
+        return await asyncio.gather(*(one(seed) for seed in range(n)))
+
+    results = asyncio.run(_on_edge(tiny_cloud, near_draft, work, one_way_ms=25.0))
+    assert not any(r.degraded for r in results)
+    # The pipeline must be exercised: verdicts that picked a drafted-ahead block, rejections among them.
+    assert sum(r.stats.ahead_hits for r in results) > (n // 3 if pipeline == "send-ahead" else n // 8)
+    assert sum(n_acc < g for r in results for g, n_acc in zip(r.stats.block_lengths, r.stats.accepted_lengths)) > n // 3
+    seen = Counter(tuple(r.token_ids) for r in results)
+    cells = sorted(exact)
+    assert set(seen) <= set(cells)
+    observed = [seen[c] for c in cells]
+    expected = [exact[c] * n for c in cells]
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+# --- the cloud's side ------------------------------------------------------------------------------
+
+def test_likely_outcomes_rank_full_acceptance_and_rejections(tiny_draft):
+    from common.decoding.drafting import DraftedToken, PendingBlock
+    from common.verifier import DraftStep
+
+    vocab = 8
+
+    def drafted(token: int, runner_up: int, a: float) -> DraftedToken:
+        logits = torch.full((vocab,), -10.0)
+        logits[token], logits[runner_up] = 5.0, 4.0
+        return DraftedToken(DraftStep(token, logits, None), torch.softmax(logits, -1), False, False, a)
+
+    block = PendingBlock([drafted(1, 2, 0.9), drafted(3, 4, 0.2)])
+    bonus = torch.full((vocab,), -10.0)
+    bonus[5], bonus[6] = 3.0, 2.0
+    outcomes = likely_outcomes(block, bonus, frozenset({0}), bonus_guesses=2, rejections=True)
+    as_pairs = [(o.n_accepted, o.next_token) for o in outcomes]
+    assert as_pairs[0] == (1, 4), "x_2 is the least safe: rejected there, the runner-up follows"
+    assert set(as_pairs) == {(0, 2), (1, 4), (2, 5), (2, 6)}
+    assert likely_outcomes(block, bonus, frozenset({0}), 1, rejections=False)[0].n_accepted == 2
+
+
+def test_a_cancelled_generation_leaves_no_work_on_the_cloud(tiny_cloud, tiny_target, tiny_draft):
+    prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
+
+    async def work(node: EdgeNode):
+        decode = DecodeSettings(mode="sd-block", max_new_tokens=2000, k=3)
+        task = asyncio.create_task(node.decoder.generate(prompt, EdgeSettings(decode, pipeline="send-ahead")))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.5)  # the link delivers what was in it
+        return tiny_cloud.server.metrics.verify_calls.labels("block")._value.get()
+
+    verified_at_cancel = asyncio.run(_on_edge(tiny_cloud, tiny_draft, work))
+    backend = tiny_cloud.server.servicer.backend
+    assert backend.batcher.queue_depth == 0
+    assert not any(s.busy for s in backend.store._sessions.values())
+    assert tiny_cloud.server.metrics.verify_calls.labels("block")._value.get() == verified_at_cancel
+    assert tiny_cloud.server.servicer.open_streams == 0
