@@ -23,6 +23,7 @@ from sim.fleet.costs import (
     profiles_to_json,
 )
 from sim.fleet.engine import run_fleet
+from sim.fleet.pipeline import PipelineModel, default_hit_rate
 from sim.fleet.result import compare_with_measured
 
 # Fixed costs, zero RTT: every number below is computed by hand from these.
@@ -168,3 +169,62 @@ def test_cli_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert "ILLUSTRATIVE" in (tmp_path / "table.md").read_text()
     for name in ("tokens_per_s.png", "itl_p99.png", "cloud_utilisation.png", "costs.json", "profiles.json"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_a_pipeline_hides_the_round_trip_as_often_as_it_hits() -> None:
+    # RTT 200 ms (jittered), sd with the demo's acceptance: a round is ~4 draft steps, a round trip, a forward.
+    costs = replace(demo_costs(), rtt=RttModel(mean_ms=200.0, jitter_ms=20.0))
+    sd = demo_profiles()[2]
+
+    def tokens_per_s(pipeline: str = "off", hit_rate: float | None = None) -> float:
+        result = run_fleet(costs, sd, 1, 1, seed=3, tokens_per_request=128, requests=4,
+                           pipeline=PipelineModel(pipeline, hit_rate))
+        assert result.pipeline == pipeline
+        return result.tokens_per_s_mean
+
+    off = tokens_per_s()
+    send_ahead, ahead = tokens_per_s("send-ahead", 1.0), tokens_per_s("ahead", 1.0)
+    assert send_ahead > 1.5 * off  # the next block's verify follows the verdict, with no round trip between
+    assert off * 1.1 < ahead < send_ahead * 0.9  # ahead hides only the drafting
+    for pipeline in ("ahead", "send-ahead"):  # never a hit: the rounds are off's
+        assert tokens_per_s(pipeline, 0.0) == pytest.approx(off, rel=0.02)
+
+
+def test_send_ahead_counts_its_candidates_and_modes_without_a_pipeline_ignore_it() -> None:
+    sd = profile("sd", [(4, 5)])
+    off = run_fleet(FIXED, sd, 1, 1, tokens_per_request=20)
+    sent = run_fleet(FIXED, sd, 1, 1, tokens_per_request=20, pipeline=PipelineModel("send-ahead", 0.0))
+    assert off.uplink_bytes_per_token == pytest.approx(4 * (64 + 8 * 4) / 20)  # 4 blocks of 4 tokens
+    # one 40 ms candidate is done within each 63 ms verify (RTT 0); the fourth verdict ends the generation
+    assert sent.uplink_bytes_per_token == pytest.approx((4 + 3) * (64 + 8 * 4) / 20) and sent.candidate_hits == 0
+    assert sent.tokens_per_s_mean == pytest.approx(off.tokens_per_s_mean)
+    hits = run_fleet(FIXED, sd, 1, 1, tokens_per_request=20, pipeline=PipelineModel("send-ahead", 1.0))
+    assert hits.candidate_hits == 3 and hits.ahead_hit_rate == 1.0
+    # each next block was drafted (40 ms) within the 63 ms verify: verifies back to back after the first round
+    assert hits.tokens_per_s_mean == pytest.approx(20 / (0.103 + 3 * 0.063))
+    sprinter = run_fleet(FIXED, profile("sprinter", [(4, 5)]), 1, 1, tokens_per_request=20,
+                         pipeline=PipelineModel("send-ahead", 1.0))
+    assert sprinter.pipeline == "off" and sprinter.candidate_hits == 0
+    with pytest.raises(ValueError, match="pipeline"):
+        PipelineModel("sideways")
+
+
+def test_the_default_hit_rate_follows_the_profiles_acceptance() -> None:
+    # half the calls keep all 4 tokens (a: 10 kept of 12 tokens examined, 2 rejections at position 3)
+    record = profile("sd", [(4, 5), (4, 4)])
+    a = 7 / 8
+    assert default_hit_rate(record, "ahead") == pytest.approx(0.5 * a)
+    assert default_hit_rate(record, "send-ahead") == pytest.approx(0.5 * (1 - (1 - a) ** 2) + a * 0.5)
+    assert default_hit_rate(record, "send-ahead") > default_hit_rate(record, "ahead")
+    assert PipelineModel("ahead").hit_rate_for(ModeProfile("target", "target")) == 0.0
+
+
+def test_cli_runs_each_pipeline(tmp_path: Path) -> None:
+    assert main(["fleet", "simulate", "--demo", "--modes", "target,sd", "--edges", "1", "--replicas", "1",
+                 "--pipeline", "off,ahead,send-ahead", "--hit-rate", "1", "--tokens-per-request", "16",
+                 "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["profile"], r["pipeline"]) for r in rows) == [
+        ("sd", "ahead"), ("sd", "off"), ("sd", "send-ahead"), ("target", "off")]  # target runs once
+    assert all(r["hit_rate"] == 1.0 for r in rows if r["pipeline"] != "off")
+    assert "| sd | send-ahead | 1.00 |" in (tmp_path / "table.md").read_text()

@@ -127,6 +127,68 @@ def test_an_interrupted_sweep_measures_only_what_is_missing(sweep: SimulateSetti
     assert json.loads(results[-1])["mode"] == sweep.modes[-1]
 
 
+@pytest.fixture(scope="module")
+def pipelined_sweep(tmp_path_factory) -> SimulateSettings:
+    # One RTT, one prompt: target (once, off) and a lossless mode with and without send-ahead.
+    settings = replace(tiny_settings(tmp_path_factory.mktemp("pipelined")), modes=("target", "sd-block"),
+                       pipeline=("off", "send-ahead"), rtt_ms=(40.0,), limit=1, mqtt="off", fleet_validation=False)
+    simulate(settings, progress=False)
+    return settings
+
+
+@pytest.mark.slow
+def test_a_pipelined_sweep_measures_each_pipeline_of_a_lossless_mode(pipelined_sweep: SimulateSettings) -> None:
+    results = lines(pipelined_sweep.out / "results.jsonl")
+    assert sorted((r["mode"], r["pipeline"]) for r in results) == [
+        ("sd-block", "off"), ("sd-block", "send-ahead"), ("target", "off")]  # target is not run per pipeline
+    for r in results:
+        assert r["sprinter"]["stats"]["pipeline"] == r["pipeline"] and not r["degraded"]
+    rows = {(row.mode, row.pipeline): row for row in read_csv(pipelined_sweep.out / "summary.csv")}
+    assert set(rows) == {("target", "off"), ("sd-block", "off"), ("sd-block", "send-ahead")}
+    ahead = rows[("sd-block", "send-ahead")]
+    assert ahead.ahead_hit_rate is not None and 0 <= ahead.ahead_hit_rate <= 1
+    assert ahead.uplink_bytes_per_token > 0 and ahead.candidate_hits >= 0
+    assert rows[("sd-block", "off")].ahead_hit_rate is None
+    assert all(row.exact_match_rate == 1.0 for row in rows.values())  # send-ahead is lossless too
+    summary = (pipelined_sweep.out / "summary.md").read_text()
+    assert "| 40 | sd-block | send-ahead |" in summary and "ahead hit rate" in summary
+    assert "(sd-block/send-ahead)/sd" not in summary  # no sd in this sweep: no ratio to it
+
+
+@pytest.mark.slow
+def test_a_pipelined_sweep_resumes_without_redoing_either_pipeline(pipelined_sweep: SimulateSettings,
+                                                                    tmp_path: Path, monkeypatch) -> None:
+    def no_processes(*args, **kwargs):
+        raise AssertionError("every (mode, pipeline) is done: nothing should start")
+
+    monkeypatch.setattr(sim.sweep.run, "SweepSystem", no_processes)
+    simulate(pipelined_sweep, progress=False)
+    # rows from before the pipeline axis have no "pipeline": they count as off
+    old = [{k: v for k, v in r.items() if not (k == "pipeline" and v == "off")}
+           for r in lines(pipelined_sweep.out / "results.jsonl")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    (tmp_path / "config.json").write_text((pipelined_sweep.out / "config.json").read_text())
+    simulate(replace(pipelined_sweep, out=tmp_path), progress=False)
+    assert len(lines(tmp_path / "results.jsonl")) == 3
+    assert {(r.mode, r.pipeline) for r in read_csv(tmp_path / "summary.csv")} == {
+        ("target", "off"), ("sd-block", "off"), ("sd-block", "send-ahead")}
+
+
+def test_the_pipeline_axis_runs_pipelined_modes_only(tmp_path: Path) -> None:
+    settings = SimulateSettings.from_mapping({"out": str(tmp_path), "modes": "target,sd,sprinter,sprinter-exact@fixed:3",
+                                              "pipeline": ["off", "ahead", "send-ahead"]})
+    assert settings.runs() == [("target", "off"), ("sd", "off"), ("sd", "ahead"), ("sd", "send-ahead"),
+                               ("sprinter", "off"), ("sprinter-exact@fixed:3", "off"),
+                               ("sprinter-exact@fixed:3", "ahead"), ("sprinter-exact@fixed:3", "send-ahead")]
+    assert "pipeline" not in settings.identity()  # another pipeline adds runs to OUT, like another mode
+    with pytest.raises(ValueError, match="pipeline"):
+        SimulateSettings(out=tmp_path, pipeline=("sideways",))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    flags = settings_from_args(parser.parse_args(["simulate", "--out", str(tmp_path), "--pipeline", "off,send-ahead"]))
+    assert flags.pipeline == ("off", "send-ahead") and SimulateSettings(out=tmp_path).pipeline == ("off",)
+
+
 def test_resuming_with_other_result_settings_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"identity": tiny_settings(tmp_path).identity()}))
     with pytest.raises(ValueError, match="temperature"):

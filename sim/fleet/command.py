@@ -3,12 +3,15 @@ r"""`sprinter fleet simulate`: the fleet-scale discrete-event simulator over a g
     sprinter fleet simulate --costs costs.json --profiles profiles.json --edges 1,10,100,1000,10000 \
         --replicas 1,4 --out results/fleet
     sprinter fleet simulate --demo --out results/fleet-demo     # illustrative built-in inputs
+    sprinter fleet simulate --demo --pipeline off,ahead,send-ahead --hit-rate 0.5 --out results/fleet-pipeline
 
 N edges (1 to 10,000) share M cloud replicas; each edge drafts, sends its block, waits for the
 replica's batched target forward and emits, one cloud call per round, with (block length, emitted)
 pairs drawn from the mode's recorded profile (the model: sim.fleet.engine; the inputs:
 sim.fleet.costs). OUT gets results.jsonl, table.md, three plots, and the inputs that were used
-(costs.json, profiles.json); with --measured, comparison.json.
+(costs.json, profiles.json); with --measured, comparison.json. --pipeline models the edge drafting
+ahead while a block is in flight (ahead) and sending candidates for the likeliest verdicts (send-ahead):
+sim.fleet.pipeline says how, and how the default hit rate is derived from a profile (an assumption).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import NoReturn
 
 from sim.fleet.costs import FleetCosts, ModeProfile, demo_costs, demo_profiles, profiles_from_json, profiles_to_json
 from sim.fleet.engine import ROUTINGS
+from sim.fleet.pipeline import PIPELINES, PipelineModel
 from sim.fleet.report import format_table, sweep, write_report
 from sim.fleet.result import FleetResult, compare_all
 
@@ -44,6 +48,13 @@ def register(programs: argparse._SubParsersAction) -> None:
     p.add_argument("--duration-s", type=float, help="instead of --requests: simulated seconds")
     p.add_argument("--routing", choices=ROUTINGS, default="least-loaded")
     p.add_argument("--start-spread-ms", type=float, default=0.0)
+    p.add_argument("--pipeline", default="off",
+                   help=f"comma-separated edge pipelines of {','.join(PIPELINES)} (default off); sd, sd-block and "
+                        "sprinter-exact run with each, the other modes once, off")
+    p.add_argument("--hit-rate", type=float,
+                   help="probability that a verdict picks the block drafted ahead (default: derived from each "
+                        "profile's acceptance, see sim.fleet.pipeline; 0.3 ahead, 0.5 send-ahead without one)")
+    p.add_argument("--candidates", type=int, default=3, help="send-ahead's candidates per block in flight (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measured", type=Path, help="JSON list of measured rows to compare (writes comparison.json)")
     p.add_argument("--out", type=Path, default=Path("results/fleet"))
@@ -53,6 +64,14 @@ def register(programs: argparse._SubParsersAction) -> None:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def pipeline_models(args: argparse.Namespace) -> list[PipelineModel]:
+    """--pipeline, --hit-rate, --candidates as the engine's settings (ValueError naming what is wrong)."""
+    names = [p.strip() for p in args.pipeline.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--pipeline needs one or more of {', '.join(PIPELINES)}")
+    return [PipelineModel(name, args.hit_rate, args.candidates) for name in dict.fromkeys(names)]
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[FleetCosts, list[ModeProfile]]:
@@ -70,7 +89,15 @@ def report_header(args: argparse.Namespace, costs: FleetCosts, illustrative: boo
               if illustrative else "")
     return header + (f"Fleet simulation, seed {args.seed}, {args.tokens_per_request} tokens per generation, "
                      + (f"{args.duration_s} s simulated" if args.duration_s else f"{args.requests} generation(s) per edge")
-                     + f", routing {args.routing}, batching window {costs.window_ms} ms, max batch {costs.max_batch}.")
+                     + f", routing {args.routing}, batching window {costs.window_ms} ms, max batch {costs.max_batch}"
+                     + pipeline_note(args) + ".")
+
+
+def pipeline_note(args: argparse.Namespace) -> str:
+    if args.pipeline == "off":
+        return ""
+    hit_rate = f"{args.hit_rate:g}" if args.hit_rate is not None else "derived from each profile (ASSUMED: sim.fleet.pipeline)"
+    return f", pipelines {args.pipeline} with hit rate {hit_rate} and {args.candidates} candidates per round (send-ahead)"
 
 
 def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> None:
@@ -84,6 +111,10 @@ def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> N
 def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     if not args.demo and (args.costs is None or args.profiles is None):
         fail("give --costs and --profiles, or --demo for the illustrative built-in inputs")
+    try:
+        pipelines = pipeline_models(args)
+    except ValueError as err:
+        fail(str(err))
     costs, profiles = load_inputs(args)
     illustrative = args.costs is None or args.profiles is None
     if illustrative:
@@ -96,7 +127,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
 
     results = sweep(costs, profiles, _int_list(args.edges), _int_list(args.replicas), args.seed,
                     tokens_per_request=args.tokens_per_request, requests=args.requests,
-                    duration_s=args.duration_s, routing=args.routing, start_spread_ms=args.start_spread_ms)
+                    duration_s=args.duration_s, routing=args.routing, start_spread_ms=args.start_spread_ms,
+                    pipelines=pipelines)
     write_report(results, args.out, report_header(args, costs, illustrative),
                  "ILLUSTRATIVE inputs (not measured)" if illustrative else "")
     print(format_table(results))

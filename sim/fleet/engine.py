@@ -9,16 +9,15 @@ the mode's recorded profile. `sprinter` streams verifier-passed tokens as they a
 other modes release a block's tokens when its verdict returns. `target` is the cloud streaming one
 token per 1-token forward; `draft` never calls the cloud. Prefill is modelled only when the costs
 give prompt_tokens (the session open: one more round trip and a prompt forward in the batch queue).
+With a pipeline (sim.fleet.pipeline: ahead, send-ahead) a verdict that hits has the next block drafted
+ahead (sent at once) or, for send-ahead, already on its way to the cloud (verified with no round trip).
 
-A replica mirrors `cloud.batcher.Batcher`: sessions are sticky (the KV cache lives on one replica;
-a generation is placed on the replica with the fewest open sessions, or round-robin); when idle it
-takes the first queued request and gathers more for up to window_ms or until
-min(max_batch, open sessions on the replica) are in, so a lone edge never waits out the window.
+The replicas mirror `cloud.batcher.Batcher` (sim.fleet.replicas).
 
 One heap event per cloud call (its arrival at the replica), one per forward, one per gathering
 window and one per generation: the edge's emissions are computed, not simulated, which keeps
 10,000 edges x a few hundred tokens to seconds per mode. Inputs: sim.fleet.costs; the report and
-`sprinter fleet`: sim.fleet.report, sim.fleet.command.
+`sprinter fleet simulate`: sim.fleet.report, sim.fleet.command.
 """
 
 from __future__ import annotations
@@ -29,18 +28,18 @@ import logging
 import math
 import time
 from array import array
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
 from sim.fleet.costs import FleetCosts, ModeProfile
+from sim.fleet.pipeline import PipelineModel
+from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, GENERATION, ROUTINGS, Replica, ReplicaPool
 from sim.fleet.result import FleetResult, itl_percentiles, percentile
 
 log = logging.getLogger(__name__)
 
-_ARRIVE, _DEADLINE, _DONE, _GENERATION = range(4)
-ROUTINGS = ("least-loaded", "round-robin")
+__all__ = ["ROUTINGS", "run_fleet"]
 
 
 class _Draws:
@@ -58,32 +57,15 @@ class _Draws:
         return self._values[self._i - 1]
 
 
-class _Replica:
-    __slots__ = ("batch", "busy", "busy_ms", "calls", "forwards", "gather_id", "gathering", "queue", "sessions")
-
-    def __init__(self) -> None:
-        self.queue: deque[tuple[int, int, float]] = deque()  # (edge, tokens in the forward, sent at)
-        self.batch: list[tuple[int, int, float]] = []
-        self.gathering = False
-        self.gather_id = 0
-        self.busy = False
-        self.sessions = 0  # open generations placed here: the batcher's "demand"
-        self.busy_ms = 0.0
-        self.forwards = 0
-        self.calls = 0
-
-
 class _Simulation:
     def __init__(self, costs: FleetCosts, profile: ModeProfile, n_edges: int, n_replicas: int, seed: int,
                  tokens_per_request: int, requests: int | None, duration_s: float | None, routing: str,
-                 start_spread_ms: float) -> None:
+                 start_spread_ms: float, pipeline: PipelineModel) -> None:
         if n_edges < 1 or n_replicas < 1 or tokens_per_request < 1:
             raise ValueError("n_edges, n_replicas and tokens_per_request must be >= 1")
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, not {routing!r}")
         if (requests is None) == (duration_s is None):
             raise ValueError("give exactly one of requests and duration_s")
-        self.costs, self.profile, self.routing, self.seed = costs, profile, routing, seed
+        self.costs, self.profile, self.routing, self.seed, self.pipeline = costs, profile, routing, seed, pipeline
         self.n_edges, self.tokens_per_request = n_edges, tokens_per_request
         self.requests, self.duration_s = requests, duration_s
         self.horizon = math.inf if duration_s is None else duration_s * 1e3
@@ -92,15 +74,23 @@ class _Simulation:
         self.prefill_extra_ms = max(0.0, costs.draft_prefill_ms - costs.draft_step_ms) if costs.draft_prefill_ms else 0.0
         self.opens_session = costs.prompt_tokens >= 2  # the cloud prefills prompt[:-1]; the last goes with the first block
         self.calls_record = list(zip(profile.block_lengths, profile.emitted))
-        call_rng, rtt_rng, start_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+        call_rng, rtt_rng, start_rng, hit_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
         n_record = max(1, len(self.calls_record))
         self.call_draws = _Draws(lambda size: call_rng.integers(0, n_record, size))
         self.rtt_draws = _Draws(lambda size: costs.rtt.sample(rtt_rng, size))
         self.starts = (start_rng.uniform(0, start_spread_ms, n_edges) if start_spread_ms > 0 else np.zeros(n_edges)).tolist()
-        self.replicas = [_Replica() for _ in range(n_replicas)]
-        self.rr = itertools.count()
         self.heap: list[tuple] = []
         self.seq = itertools.count()
+        self.pool = ReplicaPool(costs, n_replicas, routing, self.heap, self.seq, self.horizon)
+        self.replicas = self.pool.replicas
+        # the pipeline (sim.fleet.pipeline): whether a verdict hits, and the next call drawn a round early
+        self.pipelined = pipeline.applies_to(profile)
+        self.hit_rate = pipeline.hit_rate_for(profile)
+        self.hit_draws = _Draws(lambda size: hit_rng.random(size))
+        self.next_call: list[tuple[int, int] | None] = [None] * n_edges
+        self.ahead_from = [0.0] * n_edges  # when the edge began drafting ahead of the block in flight
+        self.ahead_rounds = self.ahead_hits = self.candidate_hits = 0
+        self.uplink_bytes = 0.0
         # per edge
         self.replica_of = [-1] * n_edges
         self.requests_left = [requests if requests is not None else -1 for _ in range(n_edges)]  # -1: until the horizon
@@ -124,11 +114,6 @@ class _Simulation:
 
     # --- edges ---------------------------------------------------------------------------------
 
-    def _place(self) -> int:
-        if self.routing == "round-robin":
-            return next(self.rr) % len(self.replicas)
-        return min(range(len(self.replicas)), key=lambda r: self.replicas[r].sessions)
-
     def _generation(self, edge: int, t: float) -> None:
         """A generation ends (its session closes) and, if the edge has more to do, the next one opens."""
         if self.replica_of[edge] >= 0:
@@ -138,7 +123,7 @@ class _Simulation:
             return
         if self.requests_left[edge] > 0:
             self.requests_left[edge] -= 1
-        r = self._place()
+        r = self.pool.place()
         self.replicas[r].sessions += 1
         self.replica_of[edge] = r
         self.remaining[edge] = self.tokens_per_request
@@ -148,35 +133,53 @@ class _Simulation:
             self.calls += 1
             prompt = max(1, self.costs.prompt_tokens)  # the first forward carries the prompt
             arrival = t + 0.5 * self.rtt_draws.next() + self.costs.uplink_ms(prompt)
-            heapq.heappush(self.heap, (arrival, next(self.seq), _ARRIVE, r, (edge, prompt, t)))
+            heapq.heappush(self.heap, (arrival, next(self.seq), ARRIVE, r, (edge, prompt, t)))
         else:
             self.opening[edge] = self.opens_session
             self._round(edge, t + self.prefill_extra_ms)
 
-    def _round(self, edge: int, t0: float) -> None:
-        """Draft a block from t0 (streaming it in sprinter mode) and send it."""
+    def _take_call(self, edge: int) -> tuple[int, int]:
+        """This round's (g, emitted), within the generation's budget; with a pipeline the next round's is
+        drawn now (its block is drafted ahead of this one's verdict)."""
+        call = self.next_call[edge] or self.calls_record[self.call_draws.next()]
+        if self.pipelined:
+            self.next_call[edge] = self.calls_record[self.call_draws.next()]
         rem = self.remaining[edge]
-        g, e = self.calls_record[self.call_draws.next()]
-        g, e = min(g, rem), min(e, rem)  # the edge drafts no further than the generation's budget
+        g, e = min(call[0], rem), min(call[1], rem)  # the edge drafts no further than the generation's budget
+        self.remaining[edge] = rem - e
+        return g, e
+
+    def _stream(self, edge: int, t0: float, early: int) -> None:
+        """sprinter: the verifier-passed tokens of a block drafted from t0 reach the user as they are drafted."""
         step = self.step_ms
+        last = self.last_emit[edge]
+        if last < 0:
+            self.ttft_ms.append(t0 + step - self.request_start[edge])
+        else:
+            self.other_gaps.append(t0 + step - last)
+        self.step_gaps += early - 1
+        self.last_emit[edge] = t0 + early * step
+        if t0 + early * step <= self.horizon:
+            self.tokens[edge] += early
+        elif step > 0:  # the horizon falls inside the streamed run
+            self.tokens[edge] += max(0, min(early, int((self.horizon - t0) // step)))
+
+    def _round(self, edge: int, t0: float, ready: float | None = None) -> None:
+        """Draft a block from t0 (streaming it in sprinter mode) and send it; `ready`: the block was drafted
+        ahead (a pipeline's hit) and is done then, so it goes up at max(t0, ready)."""
+        g, e = self._take_call(edge)
         early = min(g - 1, e - 1) if self.profile.streams_drafted else 0
         if early > 0:
-            last = self.last_emit[edge]
-            if last < 0:
-                self.ttft_ms.append(t0 + step - self.request_start[edge])
-            else:
-                self.other_gaps.append(t0 + step - last)
-            self.step_gaps += early - 1
-            self.last_emit[edge] = t0 + early * step
-            if t0 + early * step <= self.horizon:
-                self.tokens[edge] += early
-            elif step > 0:  # the horizon falls inside the streamed run
-                self.tokens[edge] += max(0, min(early, int((self.horizon - t0) // step)))
-        self.remaining[edge] = rem - e
+            self._stream(edge, t0, early)
         self.late[edge] = e - early
+        self._send(edge, g, t0 + g * self.step_ms if ready is None else max(t0, ready))
+
+    def _send(self, edge: int, g: int, t_send: float, not_before: float = 0.0, candidate: bool = False) -> None:
+        """A block of g draft tokens goes up at t_send and queues at its replica (not before `not_before`).
+        A candidate's bytes were counted when it was sent ahead."""
         half_rtt = 0.5 * self.rtt_draws.next()
         self.down_ms[edge] = half_rtt + self.costs.downlink_ms()
-        t_send = t0 + g * step
+        self.ahead_from[edge] = t_send
         if t_send <= self.horizon:
             self.calls += 1
         if self.opening[edge]:  # the session opens first: the cloud prefills the prompt but its last token
@@ -184,10 +187,36 @@ class _Simulation:
             arrival = t_send + half_rtt + self.costs.uplink_ms(self.costs.prompt_tokens)
             request = (edge, self.costs.prompt_tokens - 1, t_send)
         else:
+            self.uplink_bytes += 0.0 if candidate else self.costs.frame_bytes + self.costs.uplink_bytes_per_token * g
             arrival = t_send + half_rtt + self.costs.uplink_ms(g)
             # g + 1 tokens: the previous verdict's next token goes into the forward with the block
             request = (edge, g + 1, t_send)
-        heapq.heappush(self.heap, (arrival, next(self.seq), _ARRIVE, self.replica_of[edge], request))
+        heapq.heappush(self.heap, (max(arrival, not_before), next(self.seq), ARRIVE, self.replica_of[edge], request))
+
+    def _pipelined(self, edge: int, t: float, t_reply: float) -> bool:
+        """A verdict (forward done at t, at the edge at t_reply) of a block the edge drafted ahead of; True on a
+        hit, which starts the next round. The hit candidate is taken to be the first drafted (the likeliest)."""
+        g = min(self.next_call[edge][0], self.remaining[edge])  # type: ignore[index]
+        drafting = g * self.step_ms
+        ready = self.ahead_from[edge] + drafting
+        send_ahead = self.pipeline.pipeline == "send-ahead"
+        if send_ahead:  # candidates go up as each is done, until the verdict is back
+            k = self.pipeline.candidates
+            sent = k if drafting <= 0 else min(k, max(0, int((t_reply - self.ahead_from[edge]) // drafting)))
+            self.uplink_bytes += sent * (self.costs.frame_bytes + self.costs.uplink_bytes_per_token * g)
+        self.ahead_rounds += 1
+        if self.hit_draws.next() >= self.hit_rate:
+            return False
+        self.ahead_hits += 1
+        if send_ahead and ready <= t_reply:  # the cloud has it (or will): verified once it arrives, no round trip
+            self.candidate_hits += 1
+            g, e = self._take_call(edge)
+            self.late[edge] = e
+            self._send(edge, g, ready, not_before=t, candidate=True)
+            self.ahead_from[edge] = t_reply  # the edge learns which block is in flight from this verdict
+        else:
+            self._round(edge, t_reply, ready)
+        return True
 
     def _verdicts(self, batch: list[tuple[int, int, float]], t: float) -> None:
         for edge, _, t_sent in batch:
@@ -196,8 +225,10 @@ class _Simulation:
                 half_rtt = 0.5 * self.rtt_draws.next()
                 n = self.pending_n[edge]
                 arrival = t + self.down_ms[edge] + half_rtt + self.costs.uplink_ms(n - 1)
+                self.ahead_from[edge] = t + self.down_ms[edge]  # the block goes up now: drafting ahead starts
                 self.down_ms[edge] = half_rtt + self.costs.downlink_ms()
-                heapq.heappush(self.heap, (arrival, next(self.seq), _ARRIVE, self.replica_of[edge], (edge, n, t_sent)))
+                self.uplink_bytes += self.costs.frame_bytes + self.costs.uplink_bytes_per_token * (n - 1)
+                heapq.heappush(self.heap, (arrival, next(self.seq), ARRIVE, self.replica_of[edge], (edge, n, t_sent)))
                 continue
             t_reply = t + self.down_ms[edge]
             self.call_ms.append(t_reply - t_sent)
@@ -213,10 +244,10 @@ class _Simulation:
                 self.tokens[edge] += late
             if self.remaining[edge] == 0:
                 self._end_generation(edge, t_reply)
-            else:
+            elif not (self.pipelined and self._pipelined(edge, t, t_reply)):
                 self._round(edge, t_reply)
 
-    def _target_tokens(self, replica: _Replica, batch: list[tuple[int, int, float]], t: float) -> None:
+    def _target_tokens(self, replica: Replica, batch: list[tuple[int, int, float]], t: float) -> None:
         """target mode: each token streams down to its edge; the cloud queues the session's next step at once."""
         down = self.costs.downlink_ms()
         for request in batch:
@@ -242,67 +273,15 @@ class _Simulation:
         self.request_ms.append(t - self.request_start[edge])
         self.wall_ms[edge] += t - self.request_start[edge]
         # the session closes (and the next opens) when the edge has the last token: an event at t
-        heapq.heappush(self.heap, (t, next(self.seq), _GENERATION, edge, None))
-
-    # --- replicas (mirrors cloud.batcher.Batcher._gather) -------------------------------------
-
-    def _limit(self, replica: _Replica) -> int:
-        return max(1, min(self.costs.max_batch, replica.sessions))
-
-    def _arrive(self, r: int, request: tuple[int, int, float], t: float) -> None:
-        replica = self.replicas[r]
-        replica.queue.append(request)
-        if replica.gathering:
-            batch, queue, limit = replica.batch, replica.queue, self._limit(replica)
-            while len(batch) < limit and queue:
-                batch.append(queue.popleft())
-            if len(batch) >= limit:
-                self._launch(r, t)
-        elif not replica.busy:
-            self._gather(r, t)
-
-    def _gather(self, r: int, t: float) -> None:
-        replica = self.replicas[r]
-        queue, limit = replica.queue, self._limit(replica)
-        batch = replica.batch = [queue.popleft()]
-        while len(batch) < limit and queue:
-            batch.append(queue.popleft())
-        if len(batch) >= limit or self.costs.window_ms <= 0:
-            self._launch(r, t)
-            return
-        replica.gathering = True
-        replica.gather_id += 1
-        heapq.heappush(self.heap, (t + self.costs.window_ms, next(self.seq), _DEADLINE, r, replica.gather_id))
-
-    def _deadline(self, r: int, gather_id: int, t: float) -> None:
-        replica = self.replicas[r]
-        if not replica.gathering or replica.gather_id != gather_id:
-            return  # the batch filled up before the window closed
-        while len(replica.batch) < self.costs.max_batch and replica.queue:  # whatever is queued joins for free
-            replica.batch.append(replica.queue.popleft())
-        self._launch(r, t)
-
-    def _launch(self, r: int, t: float) -> None:
-        replica = self.replicas[r]
-        batch, replica.batch, replica.gathering = replica.batch, [], False
-        b = len(batch)
-        n = b * max(req[1] for req in batch) if self.costs.padded_batches else sum(req[1] for req in batch)
-        duration = self.costs.forward.t_forward_ms(b, n)
-        replica.busy = True
-        replica.busy_ms += max(0.0, min(duration, self.horizon - t))
-        replica.forwards += 1
-        replica.calls += b
-        heapq.heappush(self.heap, (t + duration, next(self.seq), _DONE, r, batch))
+        heapq.heappush(self.heap, (t, next(self.seq), GENERATION, edge, None))
 
     def _done(self, r: int, batch: list[tuple[int, int, float]], t: float) -> None:
-        replica = self.replicas[r]
-        replica.busy = False
+        replica = self.pool.done(r)
         if self.profile.mode == "target":
             self._target_tokens(replica, batch, t)
         else:
             self._verdicts(batch, t)
-        if replica.queue:
-            self._gather(r, t)
+        self.pool.next_batch(r, t)
 
     # --- run -----------------------------------------------------------------------------------
 
@@ -339,13 +318,13 @@ class _Simulation:
     def _run_events(self) -> None:
         heap = self.heap
         for edge, start in enumerate(self.starts):
-            heapq.heappush(heap, (start, next(self.seq), _GENERATION, edge, None))
-        handlers = {_ARRIVE: self._arrive, _DEADLINE: self._deadline, _DONE: self._done}
+            heapq.heappush(heap, (start, next(self.seq), GENERATION, edge, None))
+        handlers = {ARRIVE: self.pool.arrive, DEADLINE: self.pool.deadline, DONE: self._done}
         while heap:
             t, _, kind, a, b = heapq.heappop(heap)
             if t > self.horizon:
                 break
-            if kind == _GENERATION:
+            if kind == GENERATION:
                 self._generation(a, t)
             else:
                 handlers[kind](a, b, t)
@@ -377,19 +356,27 @@ class _Simulation:
             cloud_forwards=forwards, cloud_forwards_per_token=forwards / tokens if tokens else 0.0,
             cloud_batch_size_mean=batched / forwards if forwards else None,
             target_calls=self.calls, target_calls_per_token=self.calls / tokens if tokens else 0.0,
-            tokens_per_call=tokens / self.calls if self.calls else None, wall_s=wall_s)
+            tokens_per_call=tokens / self.calls if self.calls else None, wall_s=wall_s,
+            pipeline=self.pipeline.pipeline if self.pipelined else "off",
+            hit_rate=self.hit_rate if self.pipelined else None,
+            ahead_hit_rate=self.ahead_hits / self.ahead_rounds if self.ahead_rounds else None,
+            candidate_hits=self.candidate_hits,
+            uplink_bytes_per_token=self.uplink_bytes / tokens if tokens and self.uplink_bytes else None)
 
 
 def run_fleet(costs: FleetCosts, profile: ModeProfile, n_edges: int, n_replicas: int = 1, seed: int = 0, *,
               tokens_per_request: int = 128, requests: int | None = 1, duration_s: float | None = None,
-              routing: str = "least-loaded", start_spread_ms: float = 0.0) -> FleetResult:
+              routing: str = "least-loaded", start_spread_ms: float = 0.0,
+              pipeline: PipelineModel | None = None) -> FleetResult:
     """Simulate n_edges edges in one mode, each generating `requests` generations of `tokens_per_request`
     tokens back to back, or generating until `duration_s` of simulated time (then `requests` is ignored).
 
     start_spread_ms: edges start uniformly within this span (0: all at once, as bench-cloud does).
+    pipeline: the edges' pipeline and its hit rate (sim.fleet.pipeline; None: off). A profile whose mode has
+    no pipeline (target, draft, sprinter) runs off.
     """
     if duration_s is not None:
         requests = None
     sim = _Simulation(costs, profile, n_edges, n_replicas, seed, tokens_per_request, requests, duration_s,
-                      routing, start_spread_ms)
+                      routing, start_spread_ms, pipeline or PipelineModel())
     return sim.run()

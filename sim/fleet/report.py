@@ -1,4 +1,4 @@
-"""A fleet sweep and its report: every profile x replica count x edge count, then results.jsonl,
+"""A fleet sweep and its report: every profile x pipeline x replica count x edge count, then results.jsonl,
 table.md and three PNG plots (tokens/s per edge, ITL p99, cloud utilisation against N)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -14,20 +15,29 @@ from tqdm import tqdm
 from common.plots import pyplot
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.engine import run_fleet
+from sim.fleet.pipeline import PipelineModel
 from sim.fleet.result import FleetResult
 
 log = logging.getLogger(__name__)
 
 
 def sweep(costs: FleetCosts, profiles: list[ModeProfile], edges: list[int], replicas: list[int], seed: int = 0,
-          progress: bool = True, **run_kwargs: object) -> list[FleetResult]:
-    """Every profile x replica count x edge count; `run_kwargs` go to run_fleet."""
-    grid = [(p, m, n) for p in profiles for m in replicas for n in edges]
+          progress: bool = True, pipelines: Sequence[PipelineModel] = (PipelineModel(),),
+          **run_kwargs: object) -> list[FleetResult]:
+    """Every profile x pipeline x replica count x edge count; `run_kwargs` go to run_fleet. A profile whose
+    mode has no pipeline runs once, off."""
+    runs = list(dict.fromkeys((p, pl if pl.applies_to(p) else PipelineModel()) for p in profiles for pl in pipelines))
+    grid = [(p, pl, m, n) for p, pl in runs for m in replicas for n in edges]
     results = []
-    for profile, m, n in tqdm(grid, desc="fleet", disable=not progress):
-        results.append(run_fleet(costs, profile, n, m, seed, **run_kwargs))
-        log.debug("%s N=%d M=%d: %.1f s", profile.name, n, m, results[-1].wall_s)
+    for profile, pipeline, m, n in tqdm(grid, desc="fleet", disable=not progress):
+        results.append(run_fleet(costs, profile, n, m, seed, pipeline=pipeline, **run_kwargs))
+        log.debug("%s (%s) N=%d M=%d: %.1f s", profile.name, pipeline.pipeline, n, m, results[-1].wall_s)
     return results
+
+
+def run_label(result: FleetResult) -> str:
+    """The profile, with its pipeline when one ran: 'sd-block/send-ahead'."""
+    return result.profile if result.pipeline == "off" else f"{result.profile}/{result.pipeline}"
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -35,14 +45,17 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def format_table(results: list[FleetResult]) -> str:
-    lines = [("| mode | edges | replicas | tokens/s per edge (mean) | p50 | fleet tokens/s | ITL p50 ms | ITL p99 ms "
-             "| cloud utilisation | forwards/token | mean cloud batch | target calls/token | simulator runtime s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| mode | pipeline | hit rate | edges | replicas | tokens/s per edge (mean) | p50 | fleet tokens/s "
+              "| ITL p50 ms | ITL p99 ms | cloud utilisation | forwards/token | mean cloud batch | target calls/token "
+              "| uplink bytes/token | simulator runtime s |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.profile} | {r.n_edges} | {r.n_replicas} | {_fmt(r.tokens_per_s_mean, 2)} | "
+        lines.append(f"| {r.profile} | {r.pipeline} | {_fmt(r.hit_rate, 2)} | {r.n_edges} | {r.n_replicas} | "
+                     f"{_fmt(r.tokens_per_s_mean, 2)} | "
                      f"{_fmt(r.tokens_per_s_p50, 2)} | {_fmt(r.fleet_tokens_per_s)} | {_fmt(r.itl_ms_p50)} | "
                      f"{_fmt(r.itl_ms_p99)} | {r.cloud_utilisation:.2f} | {r.cloud_forwards_per_token:.3f} | "
-                     f"{_fmt(r.cloud_batch_size_mean, 2)} | {r.target_calls_per_token:.3f} | {r.wall_s:.1f} |")
+                     f"{_fmt(r.cloud_batch_size_mean, 2)} | {r.target_calls_per_token:.3f} | "
+                     f"{_fmt(r.uplink_bytes_per_token)} | {r.wall_s:.1f} |")
     return "\n".join(lines)
 
 
@@ -51,7 +64,7 @@ def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
     charts = [("tokens_per_s_mean", "tokens/s per edge", "tokens_per_s.png", True),
               ("itl_ms_p99", "ITL p99 (ms)", "itl_p99.png", True),
               ("cloud_utilisation", "cloud utilisation (busy fraction)", "cloud_utilisation.png", False)]
-    profiles = list(dict.fromkeys(r.profile for r in results))
+    profiles = list(dict.fromkeys(run_label(r) for r in results))
     replica_counts = sorted({r.n_replicas for r in results})
     styles = ["-", "--", ":", "-."]
     paths = []
@@ -59,7 +72,7 @@ def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, profile in enumerate(profiles):
             for j, m in enumerate(replica_counts):
-                series = sorted((r for r in results if r.profile == profile and r.n_replicas == m), key=lambda r: r.n_edges)
+                series = sorted((r for r in results if run_label(r) == profile and r.n_replicas == m), key=lambda r: r.n_edges)
                 if metric == "cloud_utilisation" and series and series[0].mode == "draft":
                     continue  # no cloud
                 ys = [getattr(r, metric) for r in series]

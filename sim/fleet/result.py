@@ -43,6 +43,14 @@ class FleetResult:
     target_calls_per_token: float
     tokens_per_call: float | None
     wall_s: float = field(default=0.0, compare=False)  # how long the simulation itself took
+    # The edges' pipeline (sim.fleet.pipeline): off, ahead or send-ahead, the hit rate it was run with,
+    # the fraction of verdicts drafted ahead of that hit, sent candidates the cloud verified with no round
+    # trip, and the uplink's bytes (blocks and candidates; prompts not counted) per token.
+    pipeline: str = "off"
+    hit_rate: float | None = None
+    ahead_hit_rate: float | None = None
+    candidate_hits: int = 0
+    uplink_bytes_per_token: float | None = None
 
 
 def percentile(values: array, q: float) -> float | None:
@@ -85,16 +93,16 @@ def compare_with_measured(predicted: FleetResult, measured: dict, tolerance: flo
 
 
 def compare_all(results: list[FleetResult], measured_rows: list[dict], tolerance: float = 0.15) -> list[dict]:
-    """Each measured row {"mode" or "profile", "edges", "replicas" (1), tokens_per_s, target_calls_per_token}
-    against the matching simulated run."""
+    """Each measured row {"mode" or "profile", "edges", "replicas" (1), "pipeline" (off), tokens_per_s,
+    target_calls_per_token} against the matching simulated run."""
     rows = []
     for m in measured_rows:
         name = m.get("profile", m.get("mode"))
         match = next((r for r in results if r.profile == name and r.n_edges == m.get("edges", 1)
-                      and r.n_replicas == m.get("replicas", 1)), None)
+                      and r.n_replicas == m.get("replicas", 1) and r.pipeline == m.get("pipeline", "off")), None)
         if match is None:
             log.warning("no simulated run for measured row %s", m)
             continue
-        rows.append({"profile": name, "edges": match.n_edges, "replicas": match.n_replicas}
+        rows.append({"profile": name, "pipeline": match.pipeline, "edges": match.n_edges, "replicas": match.n_replicas}
                     | compare_with_measured(match, m, tolerance))
     return rows

@@ -4,12 +4,13 @@
 
 The cloud (`sprinter cloud serve`) and the edge daemon (`sprinter edge serve`) run as separate
 processes (pinned to separate cores when there are two), the edge's gRPC channel going through an
-emulated link in this process. For each RTT x mode x prompt one streamed request goes through the
+emulated link in this process. For each RTT x mode x pipeline x prompt one streamed request goes through the
 edge's OpenAI API; then, with both processes stopped, the target judges every output, and OUT gets
 summary.csv/md, plots and a fleet-simulator validation. An interrupted sweep resumes where it stopped.
 With a fleet plane broker (--mqtt, by default a Mosquitto of its own when installed) the edge's
 telemetry and the cloud's load are recorded in OUT/telemetry.jsonl and plotted in OUT/telemetry.png.
 A mode that takes a call policy may name one: --modes sprinter-exact@fixed:3,sprinter-exact@goodput.
+--pipeline off,ahead,send-ahead (edge/pipeline.py) measures sd, sd-block and sprinter-exact with each.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", help="draft model spec (default qwen2.5-coder-0.5b)")
     p.add_argument("--verifier", help="the edge's --verifier (default auto)")
     p.add_argument("--modes", help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--pipeline", help="comma-separated edge pipelines of off,ahead,send-ahead (default off); "
+                                      "another axis of the sweep for sd, sd-block and sprinter-exact (the other "
+                                      "modes run once, off)")
     p.add_argument("--rtt-ms", dest="rtt_ms", help="comma-separated round-trip times (default 0,20,50,100,200)")
     p.add_argument("--jitter-ms", dest="jitter_ms", type=float, help="one-way jitter per direction (default 0)")
     p.add_argument("--jitter-distribution", dest="jitter_distribution", choices=["normal", "pareto"])

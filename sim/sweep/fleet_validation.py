@@ -12,7 +12,7 @@ Calibration, from the same run:
   less one draft step per token, plus one step): the edge's fixed cost per request;
 - rtt from the settings (jitter folded into a shifted gamma); the cloud's default batching window.
 Per-mode profiles come from the calls' block_lengths/accepted_lengths at each RTT; degraded requests
-are left out (they measured the draft alone). One edge, one
+are left out (they measured the draft alone), and so are pipelined runs (`--pipeline` other than off). One edge, one
 generation per prompt, tokens per generation = the measured mean; compared with
 `sim.fleet.result.compare_with_measured` (tolerance 15%).
 """
@@ -31,6 +31,7 @@ from cloud.server import CloudSettings
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit_forward_model
 from sim.fleet.engine import run_fleet
 from sim.fleet.result import compare_with_measured
+from sim.sweep.results import pipeline_of
 from sim.sweep.settings import SimulateSettings
 from sim.sweep.summary import token_gaps_ms
 
@@ -64,8 +65,9 @@ def _groups(records: list[dict[str, Any]]) -> dict[tuple[float, str], list[dict[
     groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for r in records:
         # A degraded request measured the draft, not the system; a 'mode@policy' method has no fleet
-        # profile of its own (the simulator models each mode with its default policy).
-        if not r["degraded"] and "@" not in r["mode"]:
+        # profile of its own (the simulator models each mode with its default policy); a pipelined run
+        # is not compared (its hit rate is a simulator input, not something calibrated here).
+        if not r["degraded"] and "@" not in r["mode"] and pipeline_of(r) == "off":
             groups.setdefault((r["rtt_ms"], r["mode"]), []).append(r)
     return groups
 
@@ -223,7 +225,8 @@ def validate_fleet(settings: SimulateSettings, records: list[dict[str, Any]]) ->
     path = settings.out / "cost_model.jsonl"
     wanted = {float(r) for r in settings.rtt_ms}
     snapshots = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    snapshots = [s for s in snapshots if s["rtt_ms"] in wanted and s["mode"] in settings.modes]
+    snapshots = [s for s in snapshots if s["rtt_ms"] in wanted and s["mode"] in settings.modes
+                 and s.get("pipeline", "off") == "off"]
     calibration = calibrate(settings, records, snapshots)
     rows = predict(settings, records, calibration)
     out = settings.out / "fleet_validation.md"

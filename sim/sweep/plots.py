@@ -1,4 +1,7 @@
-"""The sweep's PNG plots: tokens/s vs RTT, target calls per token, quality vs cloud cost, ITL CDF."""
+"""The sweep's PNG plots: tokens/s vs RTT, target calls per token, quality vs cloud cost, ITL CDF.
+
+One line (or point set) per run, a (mode, pipeline): coloured by mode, styled by pipeline, labelled
+'sd-block/send-ahead' (the mode alone when the pipeline is off)."""
 
 from __future__ import annotations
 
@@ -8,22 +11,33 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.plots import pyplot
-from sim.sweep.summary import SummaryRow, mode_rank, token_gaps_ms
+from sim.sweep.results import pipeline_of
+from sim.sweep.settings import run_label
+from sim.sweep.summary import SummaryRow, mode_rank, pipeline_rank, token_gaps_ms
 
 if TYPE_CHECKING:  # matplotlib is the optional `bench` extra: imported only when drawing
     from matplotlib.figure import Figure
 
 
-def _modes(rows: list[SummaryRow]) -> list[str]:
-    return sorted({r.mode for r in rows}, key=lambda m: (mode_rank(m), m))
+Run = tuple[str, str]  # (mode, pipeline)
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _runs(rows: list[SummaryRow]) -> list[Run]:
+    return sorted({(r.mode, r.pipeline) for r in rows}, key=lambda mp: (mode_rank(mp[0]), mp[0], pipeline_rank(mp[1])))
 
 
 def _color(mode: str) -> str:  # the same colour for a mode in every plot
     return f"C{mode_rank(mode)}"
 
 
-def _series(rows: list[SummaryRow], mode: str, metric: str) -> tuple[list[float], list[float]]:
-    points = sorted((r.rtt_ms, getattr(r, metric)) for r in rows if r.mode == mode and getattr(r, metric) is not None)
+def _style(run: Run) -> dict[str, str]:
+    return {"color": _color(run[0]), "label": run_label(*run)}
+
+
+def _series(rows: list[SummaryRow], run: Run, metric: str) -> tuple[list[float], list[float]]:
+    points = sorted((r.rtt_ms, getattr(r, metric)) for r in rows
+                    if (r.mode, r.pipeline) == run and getattr(r, metric) is not None)
     return [x for x, _ in points], [y for _, y in points]
 
 
@@ -35,12 +49,12 @@ def itl_rtt(rows: list[SummaryRow]) -> float | None:
     return 50.0 if 50.0 in rtts else rtts[len(rtts) // 2]
 
 
-def gaps_by_mode(records: list[dict[str, Any]], rtt: float) -> dict[str, np.ndarray]:
-    gaps: dict[str, list[float]] = {}
+def gaps_by_run(records: list[dict[str, Any]], rtt: float) -> dict[Run, np.ndarray]:
+    gaps: dict[Run, list[float]] = {}
     for r in records:
         if r["rtt_ms"] == rtt:
-            gaps.setdefault(r["mode"], []).extend(token_gaps_ms(r))
-    return {mode: np.sort(np.asarray(v)) for mode, v in gaps.items() if v}
+            gaps.setdefault((r["mode"], pipeline_of(r)), []).extend(token_gaps_ms(r))
+    return {run: np.sort(np.asarray(v)) for run, v in gaps.items() if v}
 
 
 def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -53,12 +67,12 @@ def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -
         plt.close(fig)
         paths.append(out / name)
 
-    modes = _modes(rows)
+    runs = _runs(rows)
     def per_rtt(metric: str, ylabel: str, title: str, name: str) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode in modes:
-            xs, ys = _series(rows, mode, metric)
-            ax.plot(xs, ys, marker="o", color=_color(mode), label=mode)
+        for run in runs:
+            xs, ys = _series(rows, run, metric)
+            ax.plot(xs, ys, marker="o", linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
         ax.set(xlabel="round-trip time (ms)", ylabel=ylabel, title=title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -69,11 +83,12 @@ def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -
             "target_calls_per_token.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in modes:
+    markers = ("o", "^", "s", "D")
+    for run in runs:
         points = [(r.target_calls_per_token, r.target_nll_per_token) for r in rows
-                  if r.mode == mode and r.target_nll_per_token is not None]
+                  if (r.mode, r.pipeline) == run and r.target_nll_per_token is not None]
         if points:
-            ax.scatter(*zip(*points), color=_color(mode), label=mode)
+            ax.scatter(*zip(*points), marker=markers[pipeline_rank(run[1]) % len(markers)], **_style(run))
     ax.set(xlabel="cloud cost: target calls per token", ylabel="target NLL per token (nats, lower is better)",
            title="Quality vs cloud cost (one point per RTT)")
     ax.grid(True, alpha=0.3)
@@ -83,10 +98,11 @@ def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -
     rtt = itl_rtt(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if rtt is not None:
-        by_mode = gaps_by_mode(records, rtt)
-        for mode in (m for m in modes if m in by_mode):
-            gaps = by_mode[mode]
-            ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post", color=_color(mode), label=mode)
+        by_run = gaps_by_run(records, rtt)
+        for run in (r for r in runs if r in by_run):
+            gaps = by_run[run]
+            ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post",
+                    linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
         ax.set_xscale("symlog", linthresh=1.0)  # many gaps are 0 (a block released at once), some are round trips
         ax.set_title(f"Inter-token latency CDF at RTT {rtt:g} ms")
     ax.set(xlabel="gap between consecutive tokens (ms)", ylabel="fraction of gaps")

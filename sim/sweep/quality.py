@@ -22,7 +22,7 @@ from common.models import DTYPES, LoadedModel, load_model
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
 from common.quality import agreement, target_nll_per_token
-from sim.sweep.results import result_key
+from sim.sweep.results import ResultKey, result_key
 from sim.sweep.settings import SimulateSettings
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ def _cache_key(settings: SimulateSettings, prompt_id: str, ids: list[int]) -> st
 
 
 def judge(settings: SimulateSettings, prompts: list[PromptRecord], records: list[dict[str, Any]],
-          progress: bool = True) -> dict[tuple[float, str, str], Quality]:
-    """Quality of every record, keyed like results.jsonl lines (rtt_ms, mode, prompt_id)."""
+          progress: bool = True) -> dict[ResultKey, Quality]:
+    """Quality of every record, keyed like results.jsonl lines (rtt_ms, mode, pipeline, prompt_id)."""
     if not records:
         return {}
     target = load_model(settings.target, DTYPES[settings.dtype])
@@ -74,8 +74,8 @@ def judge(settings: SimulateSettings, prompts: list[PromptRecord], records: list
 
 
 def _nlls(settings: SimulateSettings, target: LoadedModel, by_id: dict[str, PromptRecord],
-          records: list[dict[str, Any]], ids: dict[tuple[float, str, str], list[int]],
-          progress: bool) -> dict[tuple[float, str, str], float]:
+          records: list[dict[str, Any]], ids: dict[ResultKey, list[int]],
+          progress: bool) -> dict[ResultKey, float]:
     cache_path = settings.out / "quality.jsonl"
     cache: dict[str, float] = {}
     if cache_path.exists():

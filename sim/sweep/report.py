@@ -12,7 +12,7 @@ from typing import Any
 
 from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality
-from sim.sweep.settings import SimulateSettings
+from sim.sweep.settings import SimulateSettings, run_label
 from sim.sweep.summary import SummaryRow, summarize
 from sim.sweep.telemetry_plot import plot_telemetry
 
@@ -29,13 +29,16 @@ def write_csv(rows: list[SummaryRow], path: Path) -> None:
 
 
 def read_csv(path: Path) -> list[SummaryRow]:
+    """The rows of a summary.csv; one written before the pipeline columns reads as pipeline off."""
     def parse(name: str, text: str) -> Any:
         if text == "":
             return None
-        return text if name == "mode" else int(text) if name in ("requests", "tokens", "degraded") else float(text)
+        if name in ("mode", "pipeline"):
+            return text
+        return int(text) if name in ("requests", "tokens", "degraded", "candidate_hits") else float(text)
 
     with open(path, newline="") as f:
-        return [SummaryRow(**{k: parse(k, v) for k, v in row.items()}) for row in csv.DictReader(f)]
+        return [SummaryRow(**{"pipeline": "off", **{k: parse(k, v) for k, v in row.items()}}) for row in csv.DictReader(f)]
 
 
 def _fmt(value: float | None, digits: int) -> str:
@@ -43,26 +46,30 @@ def _fmt(value: float | None, digits: int) -> str:
 
 
 def markdown_table(rows: list[SummaryRow]) -> str:
-    lines = ["| RTT ms | mode | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
-             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | oracle calls/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| RTT ms | mode | pipeline | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
+             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | oracle calls/token "
+             "| ahead hit rate | candidate hits | uplink bytes/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.rtt_ms:g} | {r.mode} | {_fmt(r.tokens_per_s, 2)} | {_fmt(r.target_calls_per_token, 3)} | "
+        lines.append(f"| {r.rtt_ms:g} | {r.mode} | {r.pipeline} | {_fmt(r.tokens_per_s, 2)} | "
+                     f"{_fmt(r.target_calls_per_token, 3)} | "
                      f"{_fmt(r.tokens_per_call, 2)} | {_fmt(r.block_length_mean, 2)} | {_fmt(r.ttft_ms_p50, 0)} | "
                      f"{_fmt(r.itl_ms_p50, 1)} | {_fmt(r.itl_ms_p99, 1)} | {_fmt(r.target_nll_per_token, 3)} | "
                      f"{_fmt(r.agreement_with_target, 3)} | {_fmt(r.exact_match_rate, 2)} | {r.degraded} | "
-                     f"{_fmt(r.oracle_calls_per_token, 3)} |")
+                     f"{_fmt(r.oracle_calls_per_token, 3)} | {_fmt(r.ahead_hit_rate, 2)} | {r.candidate_hits} | "
+                     f"{_fmt(r.uplink_bytes_per_token, 1)} |")
     return "\n".join(lines)
 
 
 def speedup_lines(rows: list[SummaryRow]) -> list[str]:
-    """tokens/s of the sprinter modes over sd's, per RTT."""
-    speed = {(r.rtt_ms, r.mode): r.tokens_per_s for r in rows}
+    """tokens/s over sd's (pipeline off), per RTT: the sprinter modes', and every pipelined run's."""
+    speed = {(r.rtt_ms, r.mode, r.pipeline): r.tokens_per_s for r in rows}
     lines = []
     for rtt in sorted({r.rtt_ms for r in rows}):
-        sd = speed.get((rtt, "sd"))
-        parts = [f"{mode}/sd {speed[(rtt, mode)] / sd:.2f}x" for mode in ("sprinter", "sprinter-exact")
-                 if sd and (rtt, mode) in speed]
+        sd = speed.get((rtt, "sd", "off"))
+        compared = [r for r in rows if r.rtt_ms == rtt and (r.pipeline != "off" or r.mode in ("sprinter", "sprinter-exact"))]
+        labels = [r.mode if r.pipeline == "off" else f"({run_label(r.mode, r.pipeline)})" for r in compared]
+        parts = [f"{label}/sd {r.tokens_per_s / sd:.2f}x" for label, r in zip(labels, compared) if sd]
         if parts:
             lines.append(f"- RTT {rtt:g} ms: " + ", ".join(parts))
     return lines
@@ -78,8 +85,8 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
     parts = [header, "", markdown_table(rows)]
     speedups = speedup_lines(rows)
     if speedups:
-        parts += ["", "tokens/s relative to sd:", *speedups]
-    lossy = sorted({r.mode for r in rows if r.exact_match_rate is not None and r.mode.partition("@")[0] in LOSSLESS
+        parts += ["", "tokens/s relative to sd (pipeline off):", *speedups]
+    lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and r.mode.partition("@")[0] in LOSSLESS
                     and r.exact_match_rate < 1.0})
     if lossy:
         parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "

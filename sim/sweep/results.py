@@ -1,4 +1,7 @@
-"""OUT/results.jsonl: the sweep's measurements, one JSON line per (rtt_ms, mode, prompt_id)."""
+"""OUT/results.jsonl: the sweep's measurements, one JSON line per (rtt_ms, mode, pipeline, prompt_id).
+
+A line written before the sweep had a pipeline axis has no "pipeline": it was measured with "off".
+"""
 
 from __future__ import annotations
 
@@ -10,12 +13,19 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def result_key(record: dict[str, Any]) -> tuple[float, str, str]:
-    return float(record["rtt_ms"]), record["mode"], record["prompt_id"]
+ResultKey = tuple[float, str, str, str]  # (rtt_ms, mode, pipeline, prompt_id)
+
+
+def pipeline_of(record: dict[str, Any]) -> str:
+    return record.get("pipeline") or "off"
+
+
+def result_key(record: dict[str, Any]) -> ResultKey:
+    return float(record["rtt_ms"]), record["mode"], pipeline_of(record), record["prompt_id"]
 
 
 class ResultStore:
-    """OUT/results.jsonl: one line per (rtt_ms, mode, prompt_id), appended as each request finishes."""
+    """OUT/results.jsonl: one line per (rtt_ms, mode, pipeline, prompt_id), appended as each request finishes."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -36,7 +46,7 @@ class ResultStore:
         with open(self.path) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def done(self) -> set[tuple[float, str, str]]:
+    def done(self) -> set[ResultKey]:
         return {result_key(r) for r in self.records()}
 
     def append(self, record: dict[str, Any], path: Path | None = None) -> None:

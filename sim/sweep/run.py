@@ -24,7 +24,7 @@ from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process, edge_daemon_async, free_port
 from sim.sweep.results import ResultStore
-from sim.sweep.settings import SimulateSettings
+from sim.sweep.settings import SimulateSettings, run_label
 from sim.sweep.telemetry import TELEMETRY_FILE, TelemetryRecorder, cloud_fleet_args, edge_fleet_args, sweep_broker
 
 log = logging.getLogger(__name__)
@@ -134,17 +134,18 @@ class SweepSystem:
             await asyncio.sleep(0.5 * (attempt + 1))
         log.warning("the cloud stayed unreachable through the link at rtt %s ms: results may be degraded", self.rtt_ms)
 
-    async def request(self, prompt: PromptRecord, mode: str) -> dict[str, Any]:
-        record = await stream_request(self.client, self.base, prompt, mode, self.settings)
+    async def request(self, prompt: PromptRecord, mode: str, pipeline: str = "off") -> dict[str, Any]:
+        record = await stream_request(self.client, self.base, prompt, mode, self.settings, pipeline=pipeline)
         return {"rtt_ms": float(self.rtt_ms), **record}
 
 
 async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRecord, mode: str,
-                         settings: SimulateSettings, max_tokens: int | None = None) -> dict[str, Any]:
+                         settings: SimulateSettings, max_tokens: int | None = None,
+                         pipeline: str = "off") -> dict[str, Any]:
     """One streamed generation through the OpenAI API, timed at the client."""
     body: dict[str, Any] = {"model": "sprinter", "max_tokens": max_tokens or settings.max_new_tokens,
                             "temperature": settings.temperature, "seed": settings.seed, "stream": True,
-                            "mode": mode.partition("@")[0]}
+                            "mode": mode.partition("@")[0], "pipeline": pipeline}
     if "@" in mode:  # a method like sprinter-exact@fixed:3: the mode with that call policy
         body["policy"] = mode.partition("@")[2]
     if prompt.chat:  # the daemon applies the chat template, as common.prompting.encode_prompt(chat=True) does
@@ -157,7 +158,7 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:500]
-            raise RuntimeError(f"{mode} request for prompt {prompt.id} failed: HTTP {response.status_code}: {detail}")
+            raise RuntimeError(f"{run_label(mode, pipeline)} request for prompt {prompt.id} failed: HTTP {response.status_code}: {detail}")
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -177,8 +178,8 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
                 final, usage = event["sprinter"], event.get("usage", {})
     wall_ms = (time.perf_counter() - started) * 1e3
     if final is None:
-        raise RuntimeError(f"{mode} request for prompt {prompt.id}: the stream ended without its final event")
-    return {"mode": mode, "prompt_id": prompt.id, "category": prompt.category, "chat": prompt.chat,
+        raise RuntimeError(f"{run_label(mode, pipeline)} request for prompt {prompt.id}: the stream ended without its final event")
+    return {"mode": mode, "pipeline": pipeline, "prompt_id": prompt.id, "category": prompt.category, "chat": prompt.chat,
             "ttft_ms": ttft_ms, "wall_ms": wall_ms, "text": "".join(text),
             "token_ids": final.get("token_ids"),  # None until the daemon sends them: quality then tokenizes
             "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens", 0),
@@ -187,14 +188,15 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
 
 
 async def run_sweep(settings: SimulateSettings, prompts: list[PromptRecord], progress: bool = True) -> int:
-    """Every (rtt, mode, prompt) not yet in OUT/results.jsonl; returns how many ran."""
+    """Every (rtt, method, pipeline, prompt) not yet in OUT/results.jsonl; returns how many ran."""
     store = ResultStore(settings.out / "results.jsonl")
     done = store.done()
-    todo = {rtt: [(m, p) for m in settings.modes for p in prompts if (float(rtt), m, p.id) not in done]
+    todo = {rtt: [(m, pipeline, p) for m, pipeline in settings.runs() for p in prompts
+                  if (float(rtt), m, pipeline, p.id) not in done]
             for rtt in settings.rtt_ms}
     total = sum(map(len, todo.values()))
     if total == 0:
-        log.info("every (rtt, mode, prompt) is already in %s: nothing to measure", store.path)
+        log.info("every (rtt, mode, pipeline, prompt) is already in %s: nothing to measure", store.path)
         return 0
     log.info("measuring %d requests (%d already done); starting the cloud and the edge", total, len(done))
     # The broker starts before the processes that report to it; the recorder once they are up
@@ -210,20 +212,23 @@ async def run_sweep(settings: SimulateSettings, prompts: list[PromptRecord], pro
 
 
 async def measure_rtt(system: SweepSystem, recorder: TelemetryRecorder, store: ResultStore, rtt: float,
-                      combos: list[tuple[str, PromptRecord]], warm_up_prompt: PromptRecord, bar: tqdm) -> None:
-    """One RTT's (method, prompt) requests, each method's cost model snapshot after its last one."""
+                      combos: list[tuple[str, str, PromptRecord]], warm_up_prompt: PromptRecord, bar: tqdm) -> None:
+    """One RTT's (method, pipeline, prompt) requests, each (method, pipeline)'s cost model snapshot after its
+    last one. The fleet plane's phases are labelled by run_label ('sd-block/send-ahead')."""
     recorder.phase = None  # the switch and the warm-up are no method's
     await system.set_rtt(rtt)
     await system.warm_up(warm_up_prompt)
-    for i, (mode, prompt) in enumerate(combos):
-        bar.set_postfix_str(f"rtt {rtt:g} ms, {mode}")
-        recorder.phase = (float(rtt), mode)
-        record = await system.request(prompt, mode)
+    for i, (mode, pipeline, prompt) in enumerate(combos):
+        label = run_label(mode, pipeline)
+        bar.set_postfix_str(f"rtt {rtt:g} ms, {label}")
+        recorder.phase = (float(rtt), label)
+        record = await system.request(prompt, mode, pipeline)
         if record["degraded"]:
-            log.warning("degraded response: rtt %g ms, %s, prompt %s", rtt, mode, prompt.id)
+            log.warning("degraded response: rtt %g ms, %s, prompt %s", rtt, label, prompt.id)
         store.append(record)
         bar.update()
-        if i + 1 == len(combos) or combos[i + 1][0] != mode:  # the mode's last request at this RTT
-            snapshot = {"rtt_ms": float(rtt), "mode": mode, "cost_model": (await system.healthz()).get("cost_model")}
+        if i + 1 == len(combos) or combos[i + 1][:2] != (mode, pipeline):  # the run's last request at this RTT
+            snapshot = {"rtt_ms": float(rtt), "mode": mode, "pipeline": pipeline,
+                        "cost_model": (await system.healthz()).get("cost_model")}
             store.append(snapshot, system.settings.out / "cost_model.jsonl")
     recorder.phase = None

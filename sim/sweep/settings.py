@@ -14,6 +14,10 @@ from common.decoding.modes import MODES, DecodeSettings
 from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
+# edge/pipeline.py's PIPELINES (not imported: that module loads torch), and the modes that honour one:
+# target and draft call no verifier, sprinter keeps "off" (its blocks end where a rejection is expected).
+PIPELINES = ("off", "ahead", "send-ahead")
+PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 
 
 def base_mode(method: str) -> str:
@@ -21,8 +25,13 @@ def base_mode(method: str) -> str:
     return method.partition("@")[0]
 
 
+def run_label(method: str, pipeline: str = "off") -> str:
+    """How reports name a (method, pipeline): the method alone when off, else 'sd-block/send-ahead'."""
+    return method if pipeline == "off" else f"{method}/{pipeline}"
+
+
 # What a finished result depends on: resuming into OUT with any of these changed would mix two runs.
-# rtt_ms, modes and limit may change between runs: new combinations are added, done ones kept.
+# rtt_ms, modes, pipeline and limit may change between runs: new combinations are added, done ones kept.
 # mqtt is not here: the fleet plane only watches the sweep (telemetry.jsonl), it changes no result.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
                    "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed")
@@ -35,6 +44,7 @@ class SimulateSettings:
     draft: str = "qwen2.5-coder-0.5b"
     verifier: str = "auto"
     modes: tuple[str, ...] = DEFAULT_MODES
+    pipeline: tuple[str, ...] = ("off",)  # edge/pipeline.py; each applies to PIPELINED_MODES, the others run "off"
     rtt_ms: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
     jitter_ms: float = 0.0  # one-way, per direction (sim.link.shaping.LinkSettings)
     jitter_distribution: str = "normal"
@@ -63,6 +73,8 @@ class SimulateSettings:
             mode, _, policy = method.partition("@")
             if policy:
                 DecodeSettings(mode=mode, policy=policy)  # raises ValueError naming what is wrong
+        if not self.pipeline or any(p not in PIPELINES for p in self.pipeline):
+            raise ValueError(f"pipeline must be a non-empty list of {', '.join(PIPELINES)}, got {self.pipeline}")
         if not self.rtt_ms or any(r < 0 for r in self.rtt_ms):
             raise ValueError(f"rtt_ms must be a non-empty list of values >= 0, got {self.rtt_ms}")
         if self.limit < 1 or self.max_new_tokens < 1:
@@ -77,6 +89,11 @@ class SimulateSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def runs(self) -> list[tuple[str, str]]:
+        """Every (method, pipeline) the sweep measures: methods whose mode has no pipeline run once, "off"."""
+        pairs = [(m, p if base_mode(m) in PIPELINED_MODES else "off") for m in self.modes for p in self.pipeline]
+        return list(dict.fromkeys(pairs))
 
     def identity(self) -> dict[str, Any]:
         data = self.to_dict()
@@ -98,9 +115,9 @@ class SimulateSettings:
             name = key.replace("-", "_")
             if name not in known:
                 raise ValueError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
-            if value is not None and name in ("modes", "rtt_ms"):
+            if value is not None and name in ("modes", "pipeline", "rtt_ms"):
                 items = value.split(",") if isinstance(value, str) else value
-                value = tuple(str(v).strip() if name == "modes" else float(v) for v in items if str(v).strip())
+                value = tuple(float(v) if name == "rtt_ms" else str(v).strip() for v in items if str(v).strip())
             elif value is not None and name in ("out", "prompts"):
                 value = Path(value)
             values[name] = value

@@ -6,7 +6,7 @@
 
 The cloud (`sprinter cloud serve`) and the edge daemon (`sprinter edge serve`) run as separate
 processes (pinned to separate cores when there are two), the edge's gRPC channel going through a
-`LinkProxy` in this process. For each RTT x mode x prompt one streamed request goes through the
+`LinkProxy` in this process. For each RTT x mode x pipeline x prompt one streamed request goes through the
 edge's OpenAI API (sim.sweep.run); then, with both processes stopped, the target judges every
 output (sim.sweep.quality), and OUT gets summary.csv/md and plots (sim.sweep.report) and a
 fleet-simulator validation (sim.sweep.fleet_validation). An interrupted sweep resumes where it stopped.
@@ -25,7 +25,7 @@ from common.prompt_sets import PromptRecord, interleave_categories, load_prompts
 from sim.sweep.fleet_validation import validate_fleet
 from sim.sweep.quality import judge
 from sim.sweep.report import write_report
-from sim.sweep.results import ResultStore
+from sim.sweep.results import ResultStore, result_key
 from sim.sweep.run import run_sweep
 from sim.sweep.settings import SimulateSettings
 
@@ -61,8 +61,8 @@ def simulate(settings: SimulateSettings, progress: bool = True) -> dict[str, Pat
     prompts = select_prompts(settings)
     asyncio.run(run_sweep(settings, prompts, progress))
     records = ResultStore(settings.out / "results.jsonl").records()
-    wanted = {(float(r), m, p.id) for r in settings.rtt_ms for m in settings.modes for p in prompts}
-    records = [r for r in records if (r["rtt_ms"], r["mode"], r["prompt_id"]) in wanted]
+    wanted = {(float(r), m, pipeline, p.id) for r in settings.rtt_ms for m, pipeline in settings.runs() for p in prompts}
+    records = [r for r in records if result_key(r) in wanted]
     quality = judge(settings, prompts, records, progress)
     written = write_report(settings, records, quality)
     if settings.fleet_validation:

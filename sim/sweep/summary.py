@@ -1,9 +1,13 @@
-"""A sweep's summary: one row per (rtt, method), pooled from its requests and their judged quality.
+"""A sweep's summary: one row per (rtt, method, pipeline), pooled from its requests and their judged quality.
 
 tokens_per_s is total tokens / total client wall time (what a user of the API gets, link and
 prompt processing included); itl_ms pools the gaps between consecutive tokens of every request,
 from the edge's token emission times (`stats.token_times_ms`; the client's SSE arrival times when
-the daemon does not send them); ttft_ms is measured at the client.
+the daemon does not send them); ttft_ms is measured at the client. The pipeline columns
+(edge/pipeline.py) pool the edge's stats: ahead_hit_rate = verdicts that picked a drafted-ahead block /
+verdicts that had one (None when nothing was drafted ahead), candidate_hits = sent candidates the cloud
+verified without a round trip (summed over the requests), uplink_bytes_per_token = verify and
+candidate frames the edge wrote / tokens (None when the daemon does not count them).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 
 from common.stats import oracle_calls_per_token
 from sim.sweep.quality import Quality
-from sim.sweep.results import result_key
+from sim.sweep.results import pipeline_of, result_key
+from sim.sweep.settings import PIPELINES
 
 MODE_ORDER = ("target", "draft", "sd", "sd-block", "sprinter", "sprinter-exact")  # reference first, as the design lists them
 
@@ -22,10 +27,15 @@ def mode_rank(mode: str) -> int:
     return MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
 
 
+def pipeline_rank(pipeline: str) -> int:
+    return PIPELINES.index(pipeline) if pipeline in PIPELINES else len(PIPELINES)
+
+
 @dataclass
 class SummaryRow:
     rtt_ms: float
     mode: str
+    pipeline: str  # edge/pipeline.py: off, ahead, send-ahead
     requests: int
     tokens: int
     tokens_per_s: float
@@ -40,6 +50,9 @@ class SummaryRow:
     exact_match_rate: float | None
     degraded: int
     oracle_calls_per_token: float | None = None  # a perfect verifier's call rate on this run's acceptance record
+    ahead_hit_rate: float | None = None
+    candidate_hits: int = 0
+    uplink_bytes_per_token: float | None = None
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -71,12 +84,27 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _pipeline_columns(group: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """ahead_hit_rate, candidate_hits, uplink_bytes_per_token, pooled over the group's requests."""
+    stats = [r["sprinter"].get("stats", {}) for r in group]
+    rounds = sum(s.get("ahead_rounds") or 0 for s in stats)
+    uplink = sum(s.get("uplink_bytes") or 0 for s in stats)
+    return {"ahead_hit_rate": sum(s.get("ahead_hits") or 0 for s in stats) / rounds if rounds else None,
+            "candidate_hits": sum(s.get("candidate_hits") or 0 for s in stats),
+            "uplink_bytes_per_token": uplink / tokens if uplink and tokens else None}
+
+
+def _sort_key(key: tuple[float, str, str]) -> tuple:
+    rtt, mode, pipeline = key
+    return rtt, mode_rank(mode), mode, pipeline_rank(pipeline)
+
+
 def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> list[SummaryRow]:
-    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["rtt_ms"], r["mode"]), []).append(r)
+        groups.setdefault((r["rtt_ms"], r["mode"], pipeline_of(r)), []).append(r)
     rows = []
-    for (rtt, mode), group in sorted(groups.items(), key=lambda kv: (kv[0][0], mode_rank(kv[0][1]), kv[0][1])):
+    for (rtt, mode, pipeline), group in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
         tokens = sum(r["completion_tokens"] for r in group)
         wall_s = sum(r["wall_ms"] for r in group) / 1e3
         blocks, calls = [], 0
@@ -97,7 +125,7 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
         agreements = [q.agreement_with_target for _, q in judged if q.agreement_with_target is not None]
         exact = [float(q.exact_match) for _, q in judged if q.exact_match is not None]
         rows.append(SummaryRow(
-            rtt_ms=rtt, mode=mode, requests=len(group), tokens=tokens,
+            rtt_ms=rtt, mode=mode, pipeline=pipeline, requests=len(group), tokens=tokens,
             tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
             target_calls_per_token=calls / tokens if tokens else 0.0,
             tokens_per_call=tokens / calls if calls else None,
@@ -108,5 +136,6 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             agreement_with_target=_mean(agreements),
             exact_match_rate=_mean(exact),
             degraded=sum(bool(r["degraded"]) for r in group),
-            oracle_calls_per_token=oracle_calls_per_token(called, accepted) if called else None))
+            oracle_calls_per_token=oracle_calls_per_token(called, accepted) if called else None,
+            **_pipeline_columns(group, tokens)))
     return rows
