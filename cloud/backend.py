@@ -125,12 +125,11 @@ class TargetBackend:
                           queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
                           start_position=start_position, candidate=frame.HasField("after"))
 
-    def candidate_matches(self, session: Session | None, frame: pb.VerifyBlock) -> bool:
+    def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
         would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply)."""
         after = frame.after
-        matches = session is not None and session.last_verdict == (after.start_position, after.n_accepted,
-                                                                    after.next_token)
+        matches = session.last_verdict == (after.start_position, after.n_accepted, after.next_token)
         if not matches:
             self.metrics.candidates.labels("dropped").inc()
         return matches

@@ -11,7 +11,9 @@ work it queued is skipped before its forward (`abandoned`), and its session stay
 Frames are served in order, one at a time per stream. A candidate (a verify frame with `after`) is
 read after the verdict it was drafted for: if it follows that verdict it is verified at once, with
 no round trip to the edge in between; otherwise it is dropped before any check or forward, without
-a reply (the edge knows the verdict, so it knows which candidate, if any, it will hear about).
+a reply (the edge knows the verdict, so it knows which candidate, if any, it will hear about). A
+candidate for a session that is gone (evicted, expired) is answered NOT_FOUND like any verify: the
+edge then reopens on a fresh stream, leaving any further such answers behind with the old one.
 """
 
 from __future__ import annotations
@@ -98,12 +100,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
+                        session = backend.store.get(session.session_id, owner)  # gone: NOT_FOUND, candidates too
                         if frame.verify.HasField("after"):
-                            live = session if backend.store.contains(session.session_id) else None
-                            if not backend.candidate_matches(live, frame.verify):
+                            if not backend.candidate_matches(session, frame.verify):
                                 continue
                             backend.metrics.candidates.labels("verified").inc()
-                        session = backend.store.get(session.session_id, owner)
                         # shield: the cache and the token list must move together even if the edge goes away
                         verdict = await asyncio.shield(backend.verify(session, frame.verify, abandoned))
                         yield pb.CloudFrame(verdict=verdict)

@@ -92,6 +92,7 @@ class CloudSession:
         self._epoch = 0
         self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
         self.uplink_bytes = 0  # verify frames and candidates written: what send-ahead costs the link
+        self._call_has_candidates = False  # answers to candidates may still be on this stream (see `_failure`)
         self._write_lock = asyncio.Lock()  # a stream takes one write at a time: candidates queue behind their block
 
     def open_ahead(self, prompt_ids: list[int]) -> None:
@@ -175,7 +176,15 @@ class CloudSession:
                                                                   vocab_fingerprint=self.vocab_fingerprint)))
 
     def _failure(self, error: pb.Error, context_length: int) -> Exception:
-        """What an error frame means: a resync, a retry (here or elsewhere), or a refusal."""
+        """What an error frame means: a resync, a retry (here or elsewhere), or a refusal. On a stream that
+        carried candidates the retry takes a fresh stream: the cloud may still answer candidates on this one
+        (NOT_FOUND for a session that is gone), and those answers must not be read as the retry's."""
+        failure = self._error_meaning(error, context_length)
+        if isinstance(failure, RetryableFailure) and self._call_has_candidates:
+            failure.reset = True
+        return failure
+
+    def _error_meaning(self, error: pb.Error, context_length: int) -> Exception:
         code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
         if error.code in RESYNC_CODES:  # the cloud lost or misplaced our context: hand it over again
             log.info("cloud %s asked for a resync (%s); reopening with %d tokens", self.client.endpoint.address,
@@ -206,6 +215,7 @@ class CloudSession:
             async with self._write_lock:
                 if epoch != self._epoch or self.call is None:
                     return False
+                self._call_has_candidates = True
                 await asyncio.wait_for(self.call.write(edge_frame), self.client.endpoint.deadline_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
             return False
@@ -309,7 +319,7 @@ class CloudSession:
     async def _reset(self) -> None:
         if self.call is not None:
             self.call.cancel()
-        self.call = None
+        self.call, self._call_has_candidates = None, False
         if self.session_id is not None and self.client is not None:
             self.abandoned = (self.client, self.session_id)
         self.session_id = None
@@ -328,7 +338,7 @@ class CloudSession:
             await asyncio.wait_for(self.call.done_writing(), 1.0)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
             self.call.cancel()
-        self.call = None
+        self.call, self._call_has_candidates = None, False
 
     async def close(self) -> None:
         if self._opening is not None:  # cancelled mid-open: the stream is closed below, its answer unread

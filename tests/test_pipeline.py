@@ -206,3 +206,49 @@ def test_a_cancelled_generation_leaves_no_work_on_the_cloud(tiny_cloud, tiny_tar
     assert not any(s.busy for s in backend.store._sessions.values())
     assert tiny_cloud.server.metrics.verify_calls.labels("block")._value.get() == verified_at_cancel
     assert tiny_cloud.server.servicer.open_streams == 0
+
+
+def test_the_cloud_verifies_only_the_candidate_that_follows_its_verdict(tiny_cloud, tiny_target):
+    """On the wire: a matching candidate is answered at once, named as such; the others get no reply and no
+    forward; a candidate for a session that is gone is answered NOT_FOUND."""
+    import grpc
+
+    from cloud_harness import SessionStream
+    from common.models import vocab_fingerprint
+    from sprinter.v1 import decoding_pb2 as pb
+
+    metrics = tiny_cloud.server.metrics
+    dropped, verified = (metrics.candidates.labels(o)._value.get() for o in ("dropped", "verified"))
+    forwards = metrics.verify_calls.labels("block")._value.get()
+    with grpc.insecure_channel(tiny_cloud.address) as channel:
+        stream = SessionStream(channel)
+        opened = stream.open([5, 6, 7], vocab_fingerprint=vocab_fingerprint(tiny_target.tokenizer)).opened
+        verdict = stream.verify(3, [8, 9]).verdict
+        assert verdict.start_position == 3 and not verdict.candidate
+        outcome = dict(n_accepted=verdict.n_accepted, next_token=verdict.next_token)
+        wrong = dict(n_accepted=verdict.n_accepted, next_token=(verdict.next_token + 1) % tiny_target.vocab_size)
+        length = verdict.context_length
+        for after in (wrong, outcome, outcome):  # the second `outcome` follows a verdict that is no longer the last
+            stream._requests.put(pb.EdgeFrame(verify=pb.VerifyBlock(
+                start_position=length, draft_tokens=[11, 12], method=pb.METHOD_BLOCK,
+                after=pb.AfterVerdict(start_position=3, **after))))
+        answer = next(stream._responses).verdict  # the matching one, with no ask in between
+        assert answer.candidate and answer.start_position == length
+        # Nothing else came: the next answer is that of an ordinary verify after the candidate's verdict.
+        plain = stream.verify(answer.context_length, [13]).verdict
+        assert not plain.candidate and plain.start_position == answer.context_length
+        stream.close()
+
+        gone = SessionStream(channel)
+        gone_id = gone.open([5, 6, 7], vocab_fingerprint=vocab_fingerprint(tiny_target.tokenizer)).opened.session_id
+        last = gone.verify(3, [8]).verdict
+        tiny_cloud.server.servicer.backend.store.close(gone_id)  # as an eviction would
+        error = gone.send(pb.EdgeFrame(verify=pb.VerifyBlock(
+            start_position=last.context_length, draft_tokens=[9], method=pb.METHOD_BLOCK,
+            after=pb.AfterVerdict(start_position=3, n_accepted=last.n_accepted, next_token=last.next_token)))).error
+        assert error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        gone.abandon()
+    assert metrics.candidates.labels("dropped")._value.get() - dropped == 2
+    assert metrics.candidates.labels("verified")._value.get() - verified == 1
+    assert metrics.verify_calls.labels("block")._value.get() - forwards == 4  # 2 plain + 1 candidate + 1 plain
+    assert opened.session_id
