@@ -34,7 +34,7 @@ from common.call_policy import CostModel
 from common.companion import Companion
 from common.decoding.drafting import Drafter
 from common.decoding.generation import Generation, StopSequences
-from common.decoding.modes import SPECULATIVE_MODES, DecodeSettings, call_policy
+from common.decoding.modes import PIPELINES, SPECULATIVE_MODES, DecodeSettings, call_policy
 from common.decoding.speculative_round import speculative_round
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
@@ -42,7 +42,7 @@ from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier
 from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable
 from edge.cloud_verifier import CloudUse, CloudVerifier
-from edge.pipeline import PIPELINES, PipelinedRounds
+from edge.pipeline import PipelinedRounds
 from edge.replica_set import ReplicaSet
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The edge daemon as the fleet plane sees it: `DaemonControls` implements edge/fleet_agent.py's
 `EdgeControls` over the node (verifier, cloud, cost model) and the API's request defaults (mode,
-policy, k).
+policy, k, pipeline).
 
 A config is checked whole before anything changes; the one step that can still fail after the
 checks (reaching a new cloud) runs first; then the new defaults, cloud and verifier are put in
@@ -70,7 +70,8 @@ class DaemonControls:
 
     def _checked_defaults(self, config: FleetConfig) -> ApiSettings:
         changes = {name: value for name, value in (("default_mode", config.mode), ("default_policy", config.policy),
-                                                   ("default_k", config.k)) if value is not None}
+                                                   ("default_k", config.k), ("default_pipeline", config.pipeline))
+                   if value is not None}
         api = replace(self.service.api, **changes)
         policy = api.default_policy if api.default_mode in POLICY_MODES else None
         DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.call_policy import POLICY_FORMS, parse_policy
 from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings
+from common.decoding.modes import MODES, PIPELINES, POLICY_MODES, DecodeSettings
 from common.models import DTYPES, load_model
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
@@ -73,7 +73,7 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"],
                    help="ONNX draft weights: int8 is about 2x faster on CPU; lossless modes stay exact either way")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
-    p.add_argument("--pipeline", default="off", choices=["off", "ahead", "send-ahead"],
+    p.add_argument("--pipeline", default="off", choices=PIPELINES,
                    help="with --cloud, modes sd, sd-block and sprinter-exact: while a block is in flight draft the next one "
                         "for the likeliest verdict (ahead), or for the few likeliest and send them along (send-ahead); "
                         "lossless either way")

@@ -52,11 +52,11 @@ import torch
 from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
+from common.decoding.modes import PIPELINES
 from common.decoding.speculative_round import Verdict, speculative_round
 from edge.cloud_verifier import CloudVerifier
 from sprinter.v1 import decoding_pb2 as pb
 
-PIPELINES = ("off", "ahead", "send-ahead")
 BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
 
 

@@ -42,7 +42,7 @@ def test_the_contract_page_names_every_schema_and_topic() -> None:
 
 
 def test_messages_round_trip_and_bad_payloads_are_refused_with_a_reason() -> None:
-    config = FleetConfig("g1", 3, mode="sd", policy="fixed:4", k=4, clouds=["127.0.0.1:50051"])
+    config = FleetConfig("g1", 3, mode="sd", policy="fixed:4", k=4, clouds=["127.0.0.1:50051"], pipeline="send-ahead")
     assert decode(encode(config), FleetConfig) == config
     artifact = VerifierArtifact.from_onnx(b"\x08\x07onnx", {"threshold": 0.5})
     assert decode(encode(artifact), VerifierArtifact).onnx_bytes() == b"\x08\x07onnx"
@@ -66,6 +66,7 @@ def test_messages_round_trip_and_bad_payloads_are_refused_with_a_reason() -> Non
 @pytest.mark.parametrize("field, value, reason", [
     ("version", 0, "positive"), ("mode", "fast", "not one of"), ("policy", "sometimes", "policy"),
     ("k", 99, "k must be"), ("verifier", {"id": "v"}, "verifier must be"), ("clouds", ["nohost"], "HOST:PORT"),
+    ("pipeline", "eager", "pipeline"),
 ])
 def test_a_config_an_edge_must_refuse_says_why(field: str, value: object, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):

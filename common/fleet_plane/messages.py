@@ -19,7 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 from common.addresses import split_host_port
 from common.call_policy import parse_policy
-from common.decoding.modes import MODES
+from common.decoding.modes import MODES, PIPELINES
 from common.fleet_plane.topics import check_identifier, check_sha256
 
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -94,6 +94,7 @@ class FleetConfig:
     k: int | None = None
     verifier: dict | None = None
     clouds: list | None = None
+    pipeline: str | None = None
 
     def check(self) -> None:
         """Raise ValueError naming the first field an edge must refuse."""
@@ -104,6 +105,8 @@ class FleetConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.policy is not None:
             parse_policy(self.policy)
+        if self.pipeline is not None and self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline {self.pipeline!r} is not one of {', '.join(PIPELINES)}")
         if self.k is not None and not 1 <= self.k <= MAX_BLOCK_K:
             raise ValueError(f"k must be in [1, {MAX_BLOCK_K}], got {self.k}")
         if self.verifier is not None:

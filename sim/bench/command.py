@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet`: the benchmarks behind the README's tables.
+"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind the README's tables.
 
     sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
     sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --out results/bench-cloud
@@ -7,6 +7,7 @@
     sprinter bench readme --out results/bench --readme README.md
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
+    sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from pathlib import Path
 
 from common.models import DTYPES
-from sim.bench import chaos, cloud, draft, fleet, local, policy, prefill, readme, rollout, soak
+from sim.bench import chaos, cloud, draft, fleet, local, pipeline, policy, prefill, readme, rollout, soak
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -53,6 +54,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     chaos.register_chaos(benches)
     rollout.register_rollout(benches)
     fleet.register_fleet(benches)
+    pipeline.register_pipeline(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:

@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from common.decoding.modes import PIPELINES
 from sim.fleet.costs import ModeProfile
 
-PIPELINES = ("off", "ahead", "send-ahead")
 PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 FALLBACK_HIT_RATE = {"off": 0.0, "ahead": 0.3, "send-ahead": 0.5}
 BONUS_GUESSES = 2  # send-ahead's candidates after full acceptance (edge/pipeline.py)

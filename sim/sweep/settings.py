@@ -10,13 +10,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from common.decoding.modes import MODES, DecodeSettings
+from common.decoding.modes import MODES, PIPELINES, DecodeSettings
 from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
-# edge/pipeline.py's PIPELINES (not imported: that module loads torch), and the modes that honour one:
-# target and draft call no verifier, sprinter keeps "off" (its blocks end where a rejection is expected).
-PIPELINES = ("off", "ahead", "send-ahead")
+# The modes that honour a pipeline (common/decoding/modes.py's PIPELINES): target and draft call no
+# verifier, sprinter keeps "off" (its blocks end where a rejection is expected).
 PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 
 
