@@ -8,6 +8,8 @@ costs the goodput policy weighs (research.md sections 3 and 6).
 Goodput, as a renewal-reward rate (one round = draft g tokens, one round trip, one verification):
     E(g)       = sum_{j<=g} prod_{i<=j} a_i                      expected accepted draft tokens
     goodput(g) = (E(g) + 1) / (g * t_draft + rtt + t_verify(g))  tokens per ms; +1: the target's own token
+With a pipeline (edge/pipeline.py) t_draft is the effective cost: the share of blocks drafted while the
+previous block was in flight costs no time of its own.
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ class CostModel:
     slope_prior_weight: float = 1.0  # pseudo-observations (in token^2) behind the prior slope
     _draft: _Ewma = field(init=False, repr=False)
     _rtt: _Ewma = field(init=False, repr=False)
+    _hidden: _Ewma = field(init=False, repr=False)  # share of a block drafted behind the previous round trip
     # Decayed sums for the weighted fit: weight, g, v, g*g, g*v.
     _w: float = field(default=0.0, init=False, repr=False)
     _sg: float = field(default=0.0, init=False, repr=False)
@@ -192,9 +195,16 @@ class CostModel:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         self._draft = _Ewma(self.prior_draft_ms, self.alpha)
         self._rtt = _Ewma(self.prior_rtt_ms, self.alpha)
+        self._hidden = _Ewma(0.0, self.alpha)
 
     def observe_draft_step(self, ms: float) -> None:
         self._draft.update(ms)
+
+    def observe_block_sent(self, drafted_ahead: int, block_length: int) -> None:
+        """A block went out of which `drafted_ahead` tokens were drafted while the previous one was in flight
+        (edge/pipeline.py): those cost no waiting, so they do not count as drafting time."""
+        if block_length > 0:
+            self._hidden.update(drafted_ahead / block_length)
 
     def observe_round_trip(self, total_ms: float, verify_ms: float, block_length: int) -> None:
         """One verify call: total_ms measured at the edge, verify_ms reported by the cloud."""
@@ -224,6 +234,15 @@ class CostModel:
     def rtt_ms(self) -> float:
         return self._rtt.value
 
+    @property
+    def hidden_draft_share(self) -> float:
+        return self._hidden.value
+
+    @property
+    def effective_draft_ms(self) -> float:
+        """What one more drafted token costs a round: t_draft, less the share drafted behind a round trip."""
+        return self.t_draft_ms * (1.0 - self.hidden_draft_share)
+
     def verify_line(self) -> tuple[float, float]:
         """(a, b) of t_verify(g) = a + b*g."""
         if self._w == 0.0:
@@ -245,6 +264,7 @@ class CostModel:
         return {
             "t_draft_ms": self.t_draft_ms,
             "rtt_ms": self.rtt_ms,
+            "hidden_draft_share": self.hidden_draft_share,
             "t_verify_base_ms": a,
             "t_verify_per_token_ms": b,
             "draft_steps_observed": self._draft.n,
@@ -284,7 +304,7 @@ class GoodputPolicy:
         if g == 0:
             return False
         cm = self.cost_model
-        t_draft, rtt = cm.t_draft_ms, cm.rtt_ms
+        t_draft, rtt = cm.effective_draft_ms, cm.rtt_ms
         now = goodput(accept_probs, t_draft, rtt, cm.t_verify_ms(g))
         longer = goodput([*accept_probs, predict_next_accept(accept_probs)], t_draft, rtt, cm.t_verify_ms(g + 1))
         return longer <= now

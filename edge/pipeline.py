@@ -136,6 +136,8 @@ class PipelinedRounds:
                     return
             else:
                 block = matched.block
+            if self.cost_model is not None:
+                self.cost_model.observe_block_sent(len(block) if matched else len(carried or ()), len(block))
             # The candidates follow the block's own write; a matched candidate was written already.
             epoch = self.backend.session.epoch + (matched is None)
             in_flight = asyncio.create_task(self.backend.verify(context, block, matched is not None, verdict_at))

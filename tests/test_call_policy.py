@@ -242,3 +242,22 @@ def test_an_announced_verify_time_seeds_the_cost_model_until_it_measures_its_own
     assert cost_model.t_verify_ms(4) == pytest.approx(60.0)
     cost_model.seed_verify_ms(5.0)  # an announcement no longer moves what the edge measured
     assert cost_model.verify_line() == measured
+
+
+def test_drafting_hidden_behind_a_round_trip_is_not_a_cost() -> None:
+    """A pipelined edge whose blocks were drafted ahead sends longer blocks at the same costs: the hidden share
+    of drafting time is not weighed (edge/pipeline.py's observe_block_sent)."""
+    def block_length(cost_model: CostModel) -> int:
+        policy = GoodputPolicy(cost_model)
+        probs: list[float] = []
+        while not policy.should_send(probs, cap=20):
+            probs.append(0.8)
+        return len(probs)
+
+    plain, pipelined = CostModel(prior_draft_ms=60.0), CostModel(prior_draft_ms=60.0)
+    for _ in range(10):
+        pipelined.observe_block_sent(4, 4)
+    assert pipelined.hidden_draft_share > 0.9 and pipelined.effective_draft_ms < 6.0
+    assert block_length(pipelined) > block_length(plain)
+    plain.observe_block_sent(0, 4)
+    assert plain.effective_draft_ms == plain.t_draft_ms
