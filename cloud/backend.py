@@ -87,6 +87,23 @@ class TargetBackend:
         self.update_gauges()
         return session, False
 
+    async def first_token(self, session: Session, abandoned: Abandoned | None = None) -> int:
+        """The target's token after a freshly opened session's prompt, sampled with the session's generator
+        (as a Generate's first token is) and appended to its context."""
+        session.busy = True
+        try:
+            result = await self.batcher.forward(session.cache, session.tokens[session.cached_tokens:], n_logits=1,
+                                                abandoned=abandoned)
+            session.cached_tokens = session.length
+            token = sample(logits_to_probs(result.logits[-1], session.sampling), session.generator)
+            session.tokens.append(token)
+        finally:
+            session.busy = False
+        self.metrics.tokens_generated.inc()
+        self.store.enforce_budget(protect=session)
+        self.update_gauges()
+        return token
+
     async def verify(self, session: Session, frame: pb.VerifyBlock, abandoned: Abandoned | None = None) -> pb.Verdict:
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:

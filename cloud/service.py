@@ -94,9 +94,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             raise CloudError(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; open the session elsewhere")
                         # shield: a client that cancels mid-prefill must not leave a half-built session
                         session, resumed = await asyncio.shield(backend.open(owner, frame.open, session, abandoned))
+                        first = None
+                        if frame.open.first_token and not resumed:
+                            first = await asyncio.shield(backend.first_token(session, abandoned))
                         yield pb.CloudFrame(opened=pb.SessionOpened(
                             session_id=session.session_id, context_length=session.length,
-                            limits=backend.limits.to_proto(), resumed=resumed))
+                            limits=backend.limits.to_proto(), resumed=resumed, first_token=first))
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")

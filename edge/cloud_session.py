@@ -87,6 +87,7 @@ class CloudSession:
         self.opens = 0
         self._opening: asyncio.Task | None = None  # open_ahead's open, until the first verify takes it over
         self._early_failure: Exception | None = None  # how that open failed, for the first verify to handle
+        self._first_token: int | None = None  # the target's token after the prompt, from an open that asked for it
         # Each verify frame written starts a new epoch; candidates belong to the epoch of the block they follow,
         # and count only if that very write got the verdict (a retry, a reopen or a new stream loses them).
         self._epoch = 0
@@ -95,23 +96,32 @@ class CloudSession:
         self._call_has_candidates = False  # answers to candidates may still be on this stream (see `_failure`)
         self._write_lock = asyncio.Lock()  # a stream takes one write at a time: candidates queue behind their block
 
-    def open_ahead(self, prompt_ids: list[int]) -> None:
+    def open_ahead(self, prompt_ids: list[int], first_token: bool = False) -> None:
         """Open the session with the prompt now, so that the cloud prefills it while the edge prefills its
-        draft and drafts the first block; the first verify then carries the block alone. If this open
-        fails, the first verify meets the failure (and its retries) as if it had opened itself."""
+        draft and drafts the first block; the first verify then carries the block alone. With
+        `first_token` the cloud also answers with the target's token after the prompt (`opened_first_token`).
+        If this open fails, the first verify meets the failure (and its retries) as if it had opened itself."""
         if self.session_id is None and self._opening is None:
-            self._opening = asyncio.get_running_loop().create_task(self._open_ahead(list(prompt_ids)))
+            self._opening = asyncio.get_running_loop().create_task(self._open_ahead(list(prompt_ids), first_token))
+
+    async def opened_first_token(self) -> int | None:
+        """The target's token after the prompt, once the early open has answered; None if it failed or the
+        cloud did not give one (its failure stays for the first verify to handle)."""
+        if self._opening is not None:
+            await asyncio.shield(self._opening)
+        token, self._first_token = self._first_token, None
+        return token
 
     @property
     def opening(self) -> bool:
         """An early open is still in flight (the next verify waits for it)."""
         return self._opening is not None and not self._opening.done()
 
-    async def _open_ahead(self, prompt_ids: list[int]) -> None:
+    async def _open_ahead(self, prompt_ids: list[int], first_token: bool) -> None:
         """The open, its failure kept for the first verify: that verify's retry loop treats it as its own
         first attempt's (a busy cloud's retry hint is honoured, a broken stream reset, a refusal final)."""
         try:
-            await self._open(prompt_ids)
+            await self._open(prompt_ids, first_token)
         except (RetryableFailure, CloudRefused) as failure:
             self._early_failure = failure
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
@@ -135,7 +145,7 @@ class CloudSession:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
         return answer
 
-    async def _open(self, context: list[int]) -> None:
+    async def _open(self, context: list[int], first_token: bool = False) -> None:
         if self.client is None:
             self.client = self.replicas.choose(self.key, frozenset(self.avoid))
             if self.client is None:
@@ -149,12 +159,14 @@ class CloudSession:
         if self.abandoned is not None:
             await self._close_abandoned()
         answer = await self._exchange(pb.EdgeFrame(open=pb.OpenSession(
-            prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint)))
+            prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint,
+            first_token=first_token)))
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
         if answer.opened.HasField("limits"):
             self.client.limits = CloudLimits.from_proto(answer.opened.limits)
         self.session_id = answer.opened.session_id
+        self._first_token = answer.opened.first_token if answer.opened.HasField("first_token") else None
         self.opens += 1
 
     @property

@@ -30,9 +30,9 @@ from typing import AsyncIterator, Callable
 import torch
 
 from common.cached_lm import DraftLM
-from common.call_policy import CostModel
+from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
-from common.decoding.drafting import Drafter
+from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, StopSequences
 from common.decoding.modes import PIPELINES, SPECULATIVE_MODES, DecodeSettings, call_policy
 from common.decoding.speculative_round import speculative_round
@@ -203,26 +203,64 @@ class EdgeDecoder:
         if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, self.verifier, self.cost_model)
             generation.recorder.policy = policy.describe()
-        backend = None
-        if not (draft_only or self.cloud is None):
-            backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
-                                    generation.settings.verify_method, generation.settings.sampling,
-                                    support, settings.cloud_retry_s, use)
-            # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
-            backend.session.open_ahead(generation.context)
+        backend = None if draft_only or self.cloud is None else self._cloud_backend(generation, settings, use, support)
         try:
-            if backend is not None and settings.pipeline != "off" and mode != "sprinter":
-                generation.recorder.pipeline = settings.pipeline
-                await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
-                                      lambda: self._fit_to_cloud(generation)).run()
-            while not generation.done:
-                if backend is not None:
-                    self._fit_to_cloud(generation)
-                await speculative_round(generation, drafter, backend, policy, self.cost_model)
+            await self._rounds(generation, settings, drafter, backend, policy)
         finally:
             if backend is not None:
                 generation.recorder.uplink_bytes = backend.session.uplink_bytes
                 await backend.close()
+
+    def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
+                       support: int) -> CloudVerifier:
+        backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
+                                generation.settings.verify_method, generation.settings.sampling,
+                                support, settings.cloud_retry_s, use)
+        # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
+        # The lossless modes also take the target's first token from that open (see `_first_token`).
+        backend.session.open_ahead(generation.context, first_token=generation.settings.mode != "sprinter")
+        return backend
+
+    async def _rounds(self, generation: Generation, settings: EdgeSettings, drafter: Drafter,
+                      backend: CloudVerifier | None, policy: CallPolicy | None) -> None:
+        carried = None
+        lossless = generation.settings.mode != "sprinter"
+        if backend is not None and lossless:
+            carried = await self._first_token(generation, drafter, backend, policy)
+        if backend is not None and settings.pipeline != "off" and lossless:
+            generation.recorder.pipeline = settings.pipeline
+            await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
+                                  lambda: self._fit_to_cloud(generation)).run(carried)
+        while not generation.done:
+            if backend is not None:
+                self._fit_to_cloud(generation)
+            await speculative_round(generation, drafter, backend, policy, self.cost_model, prefix=carried)
+            carried = None
+
+    async def _first_token(self, generation: Generation, drafter: Drafter, backend: CloudVerifier,
+                           policy: CallPolicy | None) -> PendingBlock | None:
+        """Release the target's first token as soon as the session's open brings it, while the first block is
+        drafted after the prompt; a block that starts with that token goes on as the next block's start (its
+        other tokens were drafted after the very context they now follow: see edge/pipeline.py on why that
+        stays lossless). Without a token (the first verify then meets the open's failure) the block itself goes on."""
+        self._fit_to_cloud(generation)
+        limit = min(generation.settings.block_cap, generation.block_room)
+        drafting = asyncio.create_task(drafter.draft(generation.context, limit, policy, None)) if limit > 0 else None
+        try:
+            token = await backend.session.opened_first_token()
+            if token is not None:
+                generation.recorder.target_calls += 1
+                generation.commit(0, [token])
+            block = await drafting if drafting is not None else PendingBlock()
+        finally:
+            if drafting is not None:
+                drafting.cancel()
+        generation.recorder.draft_forwards += len(block)
+        if token is None:
+            return block if len(block) else None
+        if generation.done or block.tokens[:1] != [token]:
+            return None
+        return PendingBlock(block.drafted[1:]) if len(block) > 1 else None
 
     def _fit_to_cloud(self, generation: Generation) -> None:
         """Blocks within the cloud's max_block, the context within its max_context: as last heard (a reopen

@@ -118,9 +118,9 @@ class PipelinedRounds:
     fit_to_cloud: Callable[[], None]
     max_candidates: int = 3  # send-ahead's budget per block in flight
 
-    async def run(self) -> None:
+    async def run(self, carried: PendingBlock | None = None) -> None:
+        """Rounds until the generation is done; `carried`: tokens drafted ahead to start the first block with."""
         generation = self.generation
-        carried: PendingBlock | None = None  # a candidate kept as the next block's start
         matched: Candidate | None = None  # a sent candidate the cloud is verifying now
         verdict_at = time.perf_counter()
         while not generation.done:
@@ -157,6 +157,8 @@ class PipelinedRounds:
             generation.context_full = True
             return None
         learn = self.cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
+        if carried is not None:  # drafted for the room there was then: cut to the room there is now
+            carried = PendingBlock(carried.drafted[:limit])
         block = await self.drafter.draft(context, limit, self.policy, learn, prefix=carried)
         generation.recorder.draft_forwards += len(block) - len(carried or ())
         return block

@@ -60,6 +60,7 @@ def test_every_lossless_mode_and_pipeline_equals_the_target_under_greedy(tiny_cl
     prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
     target = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
     before = _candidates(tiny_cloud)
+    generated = tiny_cloud.server.metrics.tokens_generated._value.get()
 
     async def work(node: EdgeNode):
         results = {}
@@ -80,6 +81,8 @@ def test_every_lossless_mode_and_pipeline_equals_the_target_under_greedy(tiny_cl
     # Every candidate sent was either verified (exactly the hits) or dropped unverified.
     assert after["verified"] - before["verified"] == hits
     assert after["dropped"] - before["dropped"] == sent - hits
+    # Each generation's first token came with its session's open (the target's own, as in mode target).
+    assert tiny_cloud.server.metrics.tokens_generated._value.get() - generated == len(results)
 
 
 @pytest.mark.smollm2
@@ -88,14 +91,14 @@ def test_smollm2_self_draft_with_each_pipeline_equals_the_target(smollm2, smollm
     target = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
         async def work(node: EdgeNode):
-            return {pipeline: await node.decoder.generate(prompt, EdgeSettings(
-                DecodeSettings(mode="sd-block", max_new_tokens=24, k=4), pipeline=pipeline))
-                for pipeline in ("ahead", "send-ahead")}
+            return {(mode, pipeline): await node.decoder.generate(prompt, EdgeSettings(
+                DecodeSettings(mode=mode, max_new_tokens=24, k=4), pipeline=pipeline))
+                for mode, pipeline in (("sd-block", "ahead"), ("sd-block", "send-ahead"), ("sprinter-exact", "send-ahead"))}
 
         results = asyncio.run(_on_edge(cloud, smollm2_4_layers, work, runtime="onnx"))
-    for pipeline, result in results.items():
-        assert result.token_ids == target.token_ids, pipeline
-    assert results["send-ahead"].stats.ahead_hits > 0
+    for key, result in results.items():
+        assert result.token_ids == target.token_ids, key
+    assert results["sd-block", "send-ahead"].stats.ahead_hits > 0
 
 
 # --- sampling: the output distribution is the target's --------------------------------------------

@@ -48,7 +48,7 @@ def test_the_first_token_pays_the_larger_of_prefill_and_drafting_not_their_sum(t
     script = scripted(tiny_draft, open_delay_s=PREFILL_S)
     with ScriptedCloud(script) as cloud:
         overlapped = _first_token_ms(tiny_draft, cloud.address)
-        monkeypatch.setattr(CloudSession, "open_ahead", lambda self, prompt_ids: None)
+        monkeypatch.setattr(CloudSession, "open_ahead", lambda self, prompt_ids, first_token=False: None)
         sequential = _first_token_ms(tiny_draft, cloud.address)
     drafting_ms = 4 * DRAFT_STEP_S * 1e3  # the prompt's prefill and three more steps: the first block of 4
     assert script.opens == 2  # one open per generation: the early open was the session's open

@@ -95,8 +95,10 @@ class LocalTarget:
 
 
 async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,
-                            policy: CallPolicy | None, cost_model: CostModel | None) -> Round:
-    """One round (see the module docstring): its block and the verdict on it."""
+                            policy: CallPolicy | None, cost_model: CostModel | None,
+                            prefix: PendingBlock | None = None) -> Round:
+    """One round (see the module docstring): its block and the verdict on it. `prefix`: tokens already drafted
+    after the context (edge/pipeline.py), which the block continues."""
     context = generation.context
     verifying = backend is not None and backend.reachable()
     cap = generation.settings.block_cap if verifying else DRAFT_ONLY_BLOCK
@@ -107,8 +109,9 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
     if limit < 1:  # only the target's token after a block would still fit: the context is full
         generation.context_full = True
         return Round(PendingBlock(), None)
-    block = await drafter.draft(context, limit, policy, learn, verifying, on_passed)
-    generation.recorder.draft_forwards += len(block)
+    prefix = PendingBlock(prefix.drafted[:limit]) if verifying and prefix is not None else None  # within room
+    block = await drafter.draft(context, limit, policy, learn, verifying, on_passed, prefix)
+    generation.recorder.draft_forwards += len(block) - (len(prefix) if prefix is not None else 0)
     if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
         return Round(block, None)
     verdict = await backend.verify(context, block) if verifying else None
