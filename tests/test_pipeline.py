@@ -142,7 +142,7 @@ def _target_distribution(target: LoadedModel, prompt: list[int]) -> dict[tuple[i
 def test_sampled_output_follows_the_target_with_a_pipeline(tiny_cloud, tiny_target, near_draft, mode, pipeline):
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
     exact = _target_distribution(tiny_target, prompt)
-    n = 400
+    n = 300
 
     async def work(node: EdgeNode):
         gate = asyncio.Semaphore(8)  # the draft steps share a thread pool: more at once and candidates come late
