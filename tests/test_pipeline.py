@@ -225,7 +225,7 @@ def test_the_cloud_verifies_only_the_candidate_that_follows_its_verdict(tiny_clo
     forwards = metrics.verify_calls.labels("block")._value.get()
     with grpc.insecure_channel(tiny_cloud.address) as channel:
         stream = SessionStream(channel)
-        opened = stream.open([5, 6, 7], vocab_fingerprint=vocab_fingerprint(tiny_target.tokenizer)).opened
+        stream.open([5, 6, 7], vocab_fingerprint=vocab_fingerprint(tiny_target.tokenizer))
         verdict = stream.verify(3, [8, 9]).verdict
         assert verdict.start_position == 3 and not verdict.candidate
         outcome = dict(n_accepted=verdict.n_accepted, next_token=verdict.next_token)
@@ -254,4 +254,3 @@ def test_the_cloud_verifies_only_the_candidate_that_follows_its_verdict(tiny_clo
     assert metrics.candidates.labels("dropped")._value.get() - dropped == 2
     assert metrics.candidates.labels("verified")._value.get() - verified == 1
     assert metrics.verify_calls.labels("block")._value.get() - forwards == 4  # 2 plain + 1 candidate + 1 plain
-    assert opened.session_id
