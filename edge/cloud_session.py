@@ -319,7 +319,9 @@ class CloudSession:
             return
         if failure.move:
             avoid = frozenset(self.avoid | {client.endpoint.address})
-            if self.replicas.choose(self.key, avoid) not in (None, client):
+            # No other replica usable now still means leaving: the next open probes them all (`recover`), so
+            # one that came up while resting is found at once, where staying would ask a draining one again.
+            if self.replicas.choose(self.key, avoid) is not client:
                 self.avoid = set(avoid)
                 await self._leave()
                 return

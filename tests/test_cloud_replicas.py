@@ -111,6 +111,41 @@ def test_replicas_fail_over_on_a_kill_and_a_drain_and_outputs_stay_the_targets(t
             cloud.kill()
 
 
+def test_a_draining_replica_hands_its_session_to_one_that_came_up_while_resting(tiny_draft) -> None:
+    """The only usable replica drains; another came up while the edge still let it rest. The session moves
+    there at once (a CI failure: it used to ask the draining one again until the attempts ran out)."""
+    import grpc
+    import time
+
+    from common.sampling import SamplingParams
+    from sim.processes import free_port
+    from sprinter.v1 import decoding_pb2 as pb
+
+    draining = pb.Error(code=grpc.StatusCode.UNAVAILABLE.value[0], message="this cloud is shutting down")
+    fresh = ScriptedCloud(scripted(tiny_draft))
+    fresh.port = free_port()
+
+    async def scenario(old: str) -> pb.Verdict:
+        clouds = [old, fresh.address]
+        async with ReplicaSet(clouds, lambda address, _: CloudEndpoint(address),
+                              vocab_fingerprint(tiny_draft.tokenizer)) as replicas:
+            replicas.replicas[fresh.address].rest_until = time.monotonic() + 60  # down at the probe: resting
+            fresh.__enter__()
+            await asyncio.sleep(2.5)  # it came up a while ago: the channel's reconnect backoff (2 s at most) is over
+            session = replicas.session(SamplingParams())
+            try:
+                return await session.verify([1, 2, 3], [4, 5], pb.METHOD_TOKEN)
+            finally:
+                await session.close()
+
+    with ScriptedCloud(scripted(tiny_draft, verify_refusals_after=0, verify_refusal=draining)) as old:
+        try:
+            verdict = asyncio.run(scenario(old.address))
+        finally:
+            fresh.__exit__(None, None, None)
+    assert verdict.n_accepted == 2 and fresh.script.verifies == 1 and old.script.verifies == 0
+
+
 def test_a_replica_of_another_target_is_refused_and_the_rest_serve(tiny_draft) -> None:
     async def scenario(foreign: str, ours: str) -> list[dict]:
         settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=f"{foreign},{ours}", draft_runtime="torch",
