@@ -9,10 +9,13 @@ implements the same protocol; `ConfidenceVerifier` is the baseline that needs no
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class DraftStep:
     logits: torch.Tensor  # [V] the draft's raw logits (before temperature and truncation)
     hidden: torch.Tensor | None  # [H] the draft's last hidden state at this position
     companion: tuple[float, float] | None = None  # (S, A) of common/companion.py, when a companion runs
+    # (token_prob, entropy) of the token drafted just before this one in its block, when the verifier reads it
+    previous: tuple[float, float] | None = None
 
 
 class Verifier(Protocol):
@@ -42,6 +47,40 @@ def draft_confidence_features(step: DraftStep) -> tuple[float, float, float]:
     p = torch.softmax(step.logits.float(), dim=-1)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum()
     return p[step.token].item(), p.max().item(), entropy.item()
+
+
+def draft_margin(step: DraftStep) -> float:
+    """The top-2 margin of the draft's softmax at T=1: how clearly it preferred its first choice."""
+    top = torch.softmax(step.logits.float(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
+
+
+def reads_history(verifier: Verifier | None) -> bool:
+    """True when the verifier reads the previous drafted token's features (`DraftStep.previous`)."""
+    return bool(getattr(verifier, "needs_history", False))
+
+
+def verifier_for(verifier: Verifier | None, temperature: float) -> Verifier | None:
+    """The verifier that scores tokens drafted at `temperature`.
+
+    A verifier with `for_temperature` (one per regime: edge/verifier_runtime.py TemperatureMatched) picks;
+    one with `trained_temperature` trained for the other regime (greedy labels at T > 0, or the reverse)
+    still scores, with a warning once per regime: its scores are then not acceptance probabilities, so
+    its threshold and the call policy misjudge.
+    """
+    pick = getattr(verifier, "for_temperature", None)
+    if pick is not None:
+        return pick(temperature)
+    trained = getattr(verifier, "trained_temperature", None)
+    if trained is not None and (trained > 0) != (temperature > 0):
+        regime = "sampling" if temperature > 0 else "greedy"
+        warned: set[str] = verifier.warned_regimes  # type: ignore[union-attr]
+        if regime not in warned:
+            warned.add(regime)
+            log.warning("the verifier was trained on %s data (T=%g) but scores %s decoding (T=%g): its scores are not "
+                        "acceptance probabilities here; train one for this regime (sprinter verifier train "
+                        "--temperature)", "sampled" if trained > 0 else "greedy", trained, regime, temperature)
+    return verifier
 
 
 @dataclass

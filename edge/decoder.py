@@ -39,7 +39,7 @@ from common.decoding.speculative_round import speculative_round
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
-from common.verifier import Verifier
+from common.verifier import Verifier, verifier_for
 from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable
 from edge.cloud_verifier import CloudUse, CloudVerifier
 from edge.pipeline import PipelinedRounds
@@ -187,7 +187,7 @@ class EdgeDecoder:
 
     def _drafter(self, sampling: SamplingParams) -> Drafter:
         return Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
-                       self.eos_token_ids, self.verifier,
+                       self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
                        self.make_companion() if self.make_companion is not None else None, offload=True)
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse, draft_only: bool) -> None:
@@ -201,7 +201,7 @@ class EdgeDecoder:
         drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
         policy = None
         if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
-            policy = call_policy(generation.settings, self.verifier, self.cost_model)
+            policy = call_policy(generation.settings, drafter.verifier, self.cost_model)
             generation.recorder.policy = policy.describe()
         backend = None if draft_only or self.cloud is None else self._cloud_backend(generation, settings, use, support)
         try:

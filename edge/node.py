@@ -18,7 +18,7 @@ from edge.cloud_client import CloudEndpoint
 from edge.decoder import EdgeDecoder
 from edge.draft_runtime import draft_lm_factory
 from edge.replica_set import ReplicaSet
-from edge.verifier_runtime import LearnedVerifier, load_verifier, verifier_identity
+from edge.verifier_runtime import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class EdgeNode:
                 reasons = [f"{r['address']}: {r['refused'] or 'unreachable'}" for r in replicas.describe()]
                 raise ValueError(f"no cloud of {', '.join(addresses)} can verify for this edge ({'; '.join(reasons)})")
             model_id = next(r.model_id for r in replicas.replicas.values() if r.model_id)
-            if isinstance(self.decoder.verifier, LearnedVerifier):  # trained for one target: not for another
+            if isinstance(self.decoder.verifier, (LearnedVerifier, TemperatureMatched)):  # trained for one target
                 self.decoder.verifier.check_pair(self.draft.tokenizer, self.settings.draft, model_id)
         except ValueError:
             await replicas.__aexit__(None, None, None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from common.fleet_plane.messages import verifier_digest
 from common.models import vocab_fingerprint
-from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, parse_verifier
+from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
 from edge.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 FORMAT = "sprinter-verifier/1"
 CONFIDENCE_FEATURES = ("token_prob", "max_prob", "entropy")
 COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of common/companion.py, in that order
-KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES)
+FREE_FEATURES = ("margin", "prev_token_prob", "entropy_delta")  # edge/verifier_pipeline/features.py defines them
+HISTORY_FEATURES = ("prev_token_prob", "entropy_delta")  # read DraftStep.previous
+KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES, *FREE_FEATURES)
 
 
 class VerifierMismatch(ValueError):
@@ -45,9 +47,15 @@ def step_features(step: DraftStep, names: tuple[str, ...]) -> np.ndarray:
     """The feature vector a verifier with these input names reads for one drafted token."""
     parts: list[np.ndarray] = []
     confidence = dict(zip(CONFIDENCE_FEATURES, draft_confidence_features(step)))
+    previous_prob, previous_entropy = step.previous or (confidence["token_prob"], confidence["entropy"])
+    free = {"prev_token_prob": previous_prob, "entropy_delta": confidence["entropy"] - previous_entropy}
     for name in names:
         if name == "hidden":
             parts.append(step.hidden.float().numpy().reshape(-1))
+        elif name == "margin":
+            parts.append(np.array([draft_margin(step)], dtype=np.float32))
+        elif name in free:
+            parts.append(np.array([free[name]], dtype=np.float32))
         elif name in COMPANION_FEATURES:
             if step.companion is None:
                 raise ValueError(f"this verifier reads {name}, but no companion model runs beside the draft: "
@@ -66,6 +74,7 @@ class LearnedVerifier:
     session: ort.InferenceSession
     threshold: float
     sha256: str = ""  # common.fleet_plane.messages.verifier_digest: the fleet plane names a verifier by it
+    warned_regimes: set[str] = field(default_factory=set)  # "greedy"/"sampling": mismatches already logged
 
     @property
     def needs_hidden(self) -> bool:
@@ -74,6 +83,15 @@ class LearnedVerifier:
     @property
     def needs_companion(self) -> bool:
         return any(name in COMPANION_FEATURES for name in self.metadata["features"])
+
+    @property
+    def needs_history(self) -> bool:
+        return any(name in HISTORY_FEATURES for name in self.metadata["features"])
+
+    @property
+    def trained_temperature(self) -> float:
+        """The sampling temperature of the data it was trained on (0: greedy labels)."""
+        return float(self.metadata.get("temperature", self.metadata["training"]["collection"]["temperature"]))
 
     @classmethod
     def load(cls, metadata_path: Path, threads: int = 1) -> "LearnedVerifier":
@@ -121,48 +139,108 @@ SHIPPED_DIR = Path(__file__).parent / "verifiers"
 AUTO_FALLBACK = "confidence:0.5"
 
 
-def shipped_verifier(draft_spec: str | None, target_id: str | None) -> Path | None:
-    """The verifier this project ships for the pair (trained with `sprinter verifier train`), if any.
+def shipped_verifiers(draft_spec: str | None, target_id: str | None) -> list[Path]:
+    """The verifiers this project ships for the pair (trained with `sprinter verifier train`): one per regime.
 
-    With the target unknown (cloud not reachable yet), a verifier shipped for this draft is taken
-    only when it is the draft's only one.
+    With the target unknown (cloud not reachable yet), the draft's verifiers are taken only when they all
+    name one target.
     """
     if draft_spec is None:
-        return None
-    candidates = [p for p in sorted(SHIPPED_DIR.glob("*/verifier.json"))
-                  if json.loads(p.read_text())["pair"]["draft"] == draft_spec]
-    if target_id is not None:
-        candidates = [p for p in candidates if json.loads(p.read_text())["pair"]["target"] == target_id]
-    return candidates[0] if len(candidates) == 1 else None
+        return []
+    pairs = {p: json.loads(p.read_text())["pair"] for p in sorted(SHIPPED_DIR.glob("*/verifier.json"))}
+    candidates = [p for p, pair in pairs.items() if pair["draft"] == draft_spec
+                  and (target_id is None or pair["target"] == target_id)]
+    return candidates if len({pairs[p]["target"] for p in candidates}) == 1 else []
+
+
+@dataclass
+class TemperatureMatched:
+    """Two verifiers for one pair: `greedy` scores tokens drafted at T = 0, `sampling` those drafted at T > 0.
+
+    A decoder picks with common.verifier.verifier_for(this, temperature); the attributes below describe both.
+    """
+
+    greedy: LearnedVerifier
+    sampling: LearnedVerifier
+
+    def for_temperature(self, temperature: float) -> Verifier:
+        return self.sampling if temperature > 0 else self.greedy
+
+    @property
+    def threshold(self) -> float:
+        return self.greedy.threshold
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.greedy.needs_hidden or self.sampling.needs_hidden
+
+    @property
+    def needs_companion(self) -> bool:
+        return self.greedy.needs_companion or self.sampling.needs_companion
+
+    @property
+    def needs_history(self) -> bool:
+        return self.greedy.needs_history or self.sampling.needs_history
+
+    @property
+    def metadata(self) -> dict:
+        return self.greedy.metadata
+
+    def score(self, step: DraftStep) -> float:
+        return self.greedy.score(step)
+
+    def check_pair(self, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
+                   target_id: str | None = None) -> None:
+        self.greedy.check_pair(draft_tokenizer, draft_spec, target_id)
+        self.sampling.check_pair(draft_tokenizer, draft_spec, target_id)
+
+
+def _shipped(draft_spec: str | None, target_id: str | None) -> Verifier | None:
+    verifiers = [LearnedVerifier.load(p) for p in shipped_verifiers(draft_spec, target_id)]
+    greedy = [v for v in verifiers if v.trained_temperature == 0]
+    sampling = [v for v in verifiers if v.trained_temperature > 0]
+    if greedy and sampling:
+        log.info("using the shipped verifiers %s (T = 0) and %s (T > 0)", greedy[0].metadata["id"],
+                 sampling[0].metadata["id"])
+        return TemperatureMatched(greedy[0], sampling[0])
+    if verifiers:
+        log.info("using the shipped verifier %s", verifiers[0].metadata["id"])
+        return verifiers[0]
+    return None
 
 
 def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
                   target_id: str | None = None, companion_spec: str | None = None) -> Verifier:
     """'auto', 'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair).
 
-    'auto' takes the verifier shipped for this draft/target pair, else the confidence baseline. A learned
-    verifier that reads companion features is refused unless `companion_spec` (--companion) names a companion.
+    'auto' takes the verifiers shipped for this draft/target pair (one for greedy decoding and one for
+    sampling when both are shipped: `TemperatureMatched`), else the confidence baseline. A learned verifier
+    that reads companion features is refused unless `companion_spec` (--companion) names a companion.
     """
     if spec == "auto":
-        shipped = shipped_verifier(draft_spec, target_id)
-        if shipped is None:
+        verifier = _shipped(draft_spec, target_id)
+        if verifier is None:
             log.info("no shipped verifier for %s -> %s: using %s", draft_spec, target_id, AUTO_FALLBACK)
             return parse_verifier(AUTO_FALLBACK)
-        log.info("using the shipped verifier %s", shipped)
-        spec = str(shipped)
-    if spec.endswith(".json"):
+    elif spec.endswith(".json"):
         verifier = LearnedVerifier.load(Path(spec))
-        verifier.check_pair(draft_tokenizer, draft_spec, target_id)
-        verifier.check_companion(companion_spec)
-        return verifier
-    return parse_verifier(spec)
+    else:
+        return parse_verifier(spec)
+    verifier.check_pair(draft_tokenizer, draft_spec, target_id)
+    for learned in (verifier.greedy, verifier.sampling) if isinstance(verifier, TemperatureMatched) else (verifier,):
+        learned.check_companion(companion_spec)
+    return verifier
 
 
 def verifier_identity(verifier: Verifier) -> dict:
     """{"id", "sha256"} of a verifier (sha256 of its ONNX file; null for the confidence baseline)."""
+    if isinstance(verifier, TemperatureMatched):
+        return {"id": f"{verifier.greedy.metadata['id']}+{verifier.sampling.metadata['id']}",
+                "sha256": verifier.greedy.sha256}
     if isinstance(verifier, LearnedVerifier):
         return {"id": str(verifier.metadata["id"]), "sha256": verifier.sha256}
     return {"id": f"confidence:{verifier.threshold:g}", "sha256": None}
 
 
-__all__ = ["ConfidenceVerifier", "LearnedVerifier", "VerifierMismatch", "load_verifier", "step_features"]
+__all__ = ["ConfidenceVerifier", "LearnedVerifier", "TemperatureMatched", "VerifierMismatch", "load_verifier",
+           "step_features"]

@@ -20,7 +20,7 @@ from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.sampling import SamplingParams, logits_to_probs, sample
-from common.verifier import DraftStep, Verifier, draft_confidence_features
+from common.verifier import DraftStep, Verifier, draft_confidence_features, reads_history
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -86,13 +86,17 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
     """
     block: list[int] = prefix.tokens if prefix is not None else []
     accept_probs: list[float] = prefix.accept_probs if prefix is not None else []
+    previous = _last_confidence(prefix) if reads_history(verifier) else None
     while len(block) < limit:
         started = time.perf_counter()
         out = draft_lm.advance_to(context + block)
         token, p_draft = next_token(out.logits[-1], sampling, generator)
         signals = companion.features(context + block, out.logits[-1], token) if companion is not None else None
         block.append(token)
-        step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None, signals)
+        step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None, signals, previous)
+        if reads_history(verifier):
+            token_prob, _, entropy = draft_confidence_features(step)
+            previous = (token_prob, entropy)
         score = verifier.score(step) if verifier is not None else None
         flagged = score is not None and score < verifier.threshold
         accept_prob = None
@@ -107,6 +111,13 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
         yield DraftedToken(step, p_draft, flagged, ends_block, accept_prob)
         if ends_block:
             return
+
+
+def _last_confidence(prefix: PendingBlock | None) -> tuple[float, float] | None:
+    if prefix is None or not prefix.drafted:
+        return None
+    token_prob, _, entropy = draft_confidence_features(prefix.drafted[-1].step)
+    return token_prob, entropy
 
 
 @dataclass

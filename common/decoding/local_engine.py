@@ -26,7 +26,7 @@ from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
 from common.models import LoadedModel, check_pair
 from common.stats import DecodeStats, StatsRecorder
-from common.verifier import ConfidenceVerifier, Verifier
+from common.verifier import ConfidenceVerifier, Verifier, verifier_for
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,12 @@ class LocalEngine:
     async def _speculative(self, generation: Generation, generator: torch.Generator) -> None:
         settings = generation.settings
         companion = self.make_companion() if self.make_companion is not None else None
+        verifier = verifier_for(self.verifier, settings.sampling.temperature)
         drafter = Drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
-                          self.eos_token_ids, self.verifier, companion)
+                          self.eos_token_ids, verifier, companion)
         target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule())
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
-        policy = call_policy(settings, self.verifier, cost_model)
+        policy = call_policy(settings, verifier, cost_model)
         generation.recorder.policy = policy.describe()
         while not generation.done:
             await speculative_round(generation, drafter, target, policy, cost_model)

@@ -13,11 +13,14 @@ its confidence features, and the target scores drafted tokens in as few forwards
 
 Per drafted token x the shards hold everything any label needs:
     hidden [n, H] float16, confidence [n, 3] (token_prob, max_prob, entropy of the draft at T=1),
+    runner_up_prob [n]: the draft's second-highest probability at T=1 (with max_prob, the top-2 margin),
     p_draft / p_target: both models' probability of x under the sampling settings,
     target_argmax_match: the target's greedy choice is x (the greedy label),
     on_path, position, prompt_index;
     companion [n, 2] (S, A of common/companion.py), only when a companion ran (`--companion SPEC`).
 Shards of `shard_size` prompts are written atomically; a rerun skips the finished ones (resume).
+A token budget (`max_tokens`, checked before each shard) stops early; `worker=(i, n)` collects every
+n-th shard from the i-th, so that n processes fill one directory together.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class TokenRecord:
     confidence: tuple[float, float, float]
     p_draft: float
     p_target: float
+    runner_up_prob: float
     target_argmax_match: bool
     on_path: bool
     position: int
@@ -108,9 +112,15 @@ def _token_records(block: PendingBlock, verdict: Verdict, position: int) -> list
     return [TokenRecord(hidden=drafted.step.hidden.float().numpy().astype(np.float16),
                         confidence=draft_confidence_features(drafted.step),
                         p_draft=float(drafted.p_draft[drafted.token]), p_target=float(p_target[i, drafted.token]),
+                        runner_up_prob=runner_up_prob(drafted.step.logits),
                         target_argmax_match=greedy_match[i], on_path=i <= verdict.n_accepted,
                         position=position + i, companion=drafted.step.companion)
             for i, drafted in enumerate(block.drafted)]
+
+
+def runner_up_prob(logits: torch.Tensor) -> float:
+    """The draft's second-highest probability at T=1."""
+    return float(torch.softmax(logits.float(), dim=-1).topk(2).values[1])
 
 
 def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarray]:
@@ -120,6 +130,7 @@ def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarr
         "confidence": np.asarray([r.confidence for _, r in rows], dtype=np.float32),
         "p_draft": np.asarray([r.p_draft for _, r in rows], dtype=np.float32),
         "p_target": np.asarray([r.p_target for _, r in rows], dtype=np.float32),
+        "runner_up_prob": np.asarray([r.runner_up_prob for _, r in rows], dtype=np.float32),
         "target_argmax_match": np.asarray([r.target_argmax_match for _, r in rows], dtype=bool),
         "on_path": np.asarray([r.on_path for _, r in rows], dtype=bool),
         "position": np.asarray([r.position for _, r in rows], dtype=np.int32),
@@ -147,43 +158,71 @@ def _manifest(target: LoadedModel, draft: LoadedModel, prompts: list[PromptRecor
 
 def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM],
             prompts: list[PromptRecord], out_dir: Path, settings: CollectSettings,
-            make_companion: Callable[[], Companion] | None = None) -> Path:
+            make_companion: Callable[[], Companion] | None = None, max_tokens: int | None = None,
+            worker: tuple[int, int] = (0, 1)) -> Path:
     """Record every prompt's drafted tokens into `out_dir`; finished shards from an earlier run are kept.
 
     `make_companion` (required iff `settings.companion` names one) adds the companion's signals to the data.
+    `max_tokens`: start no shard once the directory holds this many tokens. `worker` (i, n): this process
+    collects shards i, i + n, i + 2n, ... (n processes share the directory and the budget).
     """
     if (make_companion is None) != (settings.companion is None):
         raise ValueError("settings.companion names the companion model and make_companion runs it: give both or neither")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = _manifest(target, draft, prompts, settings)
-    manifest_path = out_dir / MANIFEST
-    if manifest_path.exists():
-        previous = json.loads(manifest_path.read_text())
-        if previous != manifest:
-            raise ValueError(f"{out_dir} holds data collected with other models, prompts or settings; "
-                             "use another --data directory or delete it")
-    else:
-        manifest_path.write_text(json.dumps(manifest, indent=1))
+    index, workers = worker
+    if not 0 <= index < workers:
+        raise ValueError(f"worker {index} of {workers}: expected 0 <= i < n")
+    _check_manifest(out_dir, _manifest(target, draft, prompts, settings))
     shards = [range(start, min(start + settings.shard_size, len(prompts)))
               for start in range(0, len(prompts), settings.shard_size)]
-    todo = [(n, shard) for n, shard in enumerate(shards) if not (out_dir / f"shard-{n:05d}.npz").exists()]
+    todo = [(n, shard) for n, shard in enumerate(shards)
+            if n % workers == index and not (out_dir / f"shard-{n:05d}.npz").exists()]
     if len(todo) < len(shards):
         log.info("resuming: %d of %d shards already collected in %s", len(shards) - len(todo), len(shards), out_dir)
     target_lm = CachedLM(target.model)
     draft_lm = make_draft_lm()
     companion = make_companion() if make_companion is not None else None
-    done_prompts = sum(len(s) for s in shards) - sum(len(s) for _, s in todo)
-    with tqdm(total=len(prompts), initial=done_prompts, desc="collecting", unit="prompt") as progress:
+    collected = collected_tokens(out_dir)
+    with tqdm(total=max_tokens or None, initial=collected, desc=f"collecting (worker {index + 1}/{workers})",
+              unit="token") as progress:
         for n, shard in todo:
+            collected = collected_tokens(out_dir)  # other workers add to it too
+            if max_tokens is not None and collected >= max_tokens:
+                log.info("%s holds %d tokens: the budget of %d is reached", out_dir, collected, max_tokens)
+                break
             records_by_prompt: dict[int, list[TokenRecord]] = {}
-            for index in shard:
-                prompt = prompts[index]
-                prompt_ids = encode_prompt(draft.tokenizer, prompt.prompt, prompt.chat)
-                records_by_prompt[index] = decode_and_record(target_lm, draft_lm, prompt_ids, settings,
-                                                             target.eos_token_ids | draft.eos_token_ids, companion)
-                progress.update(1)
+            for i in shard:
+                prompt_ids = encode_prompt(draft.tokenizer, prompts[i].prompt, prompts[i].chat)
+                records_by_prompt[i] = decode_and_record(target_lm, draft_lm, prompt_ids, settings,
+                                                         target.eos_token_ids | draft.eos_token_ids, companion)
+                progress.update(len(records_by_prompt[i]))
             _write_atomically(out_dir / f"shard-{n:05d}.npz", _pack(records_by_prompt))
     return out_dir
+
+
+def _check_manifest(out_dir: Path, manifest: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.exists():
+        if json.loads(manifest_path.read_text()) != manifest:
+            raise ValueError(f"{out_dir} holds data collected with other models, prompts or settings; "
+                             "use another --data directory or delete it")
+    else:
+        _write_text_atomically(manifest_path, json.dumps(manifest, indent=1))
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def collected_tokens(data_dir: Path) -> int:
+    """Tokens in the finished shards (an npz reads one array at a time: only the small p_draft is read)."""
+    total = 0
+    for path in sorted(data_dir.glob("shard-*[0-9].npz")):
+        with np.load(path) as shard:
+            total += len(shard["p_draft"])
+    return total
 
 
 @dataclass(frozen=True)

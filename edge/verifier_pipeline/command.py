@@ -40,16 +40,27 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _add_collect_arguments(train)
     train.add_argument("--data", type=Path, help="collected data (default OUT/data; collected or resumed there)")
     train.add_argument("--out", type=Path, required=True, help="directory for verifier.onnx and verifier.json")
-    train.add_argument("--model", default="auto", choices=["auto", "linear", "mlp", "confidence-mlp", "companion-mlp"],
+    train.add_argument("--model", default="auto", choices=["auto", "linear", "mlp", "confidence-mlp", "context-mlp",
+                                                             "companion-mlp"],
                        help="which verifier to export: linear (the paper's, on the hidden state), mlp (hidden state + "
-                            "draft confidence), confidence-mlp (confidence only), companion-mlp (confidence + companion "
+                            "draft confidence), confidence-mlp (confidence only), context-mlp (confidence + top-2 margin + the previous "
+                            "token's probability and entropy change), companion-mlp (confidence + companion "
                             "signals; needs --companion); auto: best ROC AUC on calibration prompts")
-    train.add_argument("--label", default="auto", choices=["auto", "greedy", "paper"],
-                       help="greedy: target argmax == draft token; paper: p_draft(x) <= p_target(x) (auto: by temperature)")
+    train.add_argument("--label", default="auto", choices=["auto", "greedy", "paper", "soft"],
+                       help="greedy: target argmax == draft token; paper: p_draft(x) <= p_target(x); soft: "
+                            "min(1, p_target(x)/p_draft(x)), the acceptance probability (auto: greedy at T=0, else soft)")
     train.add_argument("--max-fpr", type=float, default=0.05, help="threshold: at most this false-positive rate on held-out prompts")
     train.add_argument("--epochs", type=int, default=40)
     train.add_argument("--hidden-units", type=int, default=32)
     train.set_defaults(run=run_train)
+
+    study = commands.add_parser("study", help="learning curve (AUC vs training tokens) and free-feature ablation")
+    study.add_argument("--data", type=Path, required=True, help="collected data (sprinter verifier collect)")
+    study.add_argument("--out", type=Path, required=True, help="directory for study.json, study.md, learning_curve.png")
+    study.add_argument("--label", default="auto", choices=["auto", "greedy", "paper", "soft"])
+    study.add_argument("--epochs", type=int, default=40)
+    study.add_argument("--seed", type=int, default=0)
+    study.set_defaults(run=run_study)
 
     evaluate = commands.add_parser("eval", help="decode held-out prompts: learned verifier vs confidence baseline")
     _add_pair_arguments(evaluate)
@@ -80,6 +91,12 @@ def _add_collect_arguments(p: argparse.ArgumentParser) -> None:
                         "decoding with blocks of K (context follows the target's corrections)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, help="token budget: start no shard once the data holds this many "
+                   "(grow it on a later run: finished shards are kept)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="collect in N processes at once, each pinned to a core of its own when there are enough "
+                        "(each loads both models: mind the memory)")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # set by --workers on the processes it starts
     p.add_argument("--companion", metavar="SPEC",
                    help="also record Speculative Verification's companion signals (S, A) from this model (same "
                         "tokenizer, draft-sized; torch runtime, one extra forward per drafted token)")
@@ -99,15 +116,25 @@ def _draft_lm_factory(draft: LoadedModel, args: argparse.Namespace) -> Callable[
 def _prompts(args: argparse.Namespace):
     from common.prompt_sets import interleave_categories, load_prompts
 
-    prompts = load_prompts(args.prompts)
-    return interleave_categories(prompts)[: args.limit] if args.limit else prompts
+    # One category in turn: a --limit or a --max-tokens budget that stops early still covers every category.
+    prompts = interleave_categories(load_prompts(args.prompts))
+    return prompts[: args.limit] if args.limit else prompts
 
 
 def _collect(args: argparse.Namespace, data_dir: Path) -> None:
+    if args.workers > 1 and args.worker is None:
+        from edge.verifier_pipeline.workers import run_workers
+
+        run_workers(args.workers, data_dir)
+        return
     from common.companion import companion_factory, load_companion
     from common.models import load_pair
     from edge.verifier_pipeline.collect import CollectSettings, collect
 
+    if args.worker is not None:  # one of --workers' processes: the target's forward keeps to its core too
+        import torch
+
+        torch.set_num_threads(args.threads or 1)
     settings = CollectSettings(max_new_tokens=args.max_new_tokens, segment=args.segment, temperature=args.temperature,
                                seed=args.seed, draft_runtime=_runtime_name(args), companion=args.companion)
     target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
@@ -115,7 +142,8 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     if args.companion:
         make_companion = companion_factory(load_companion(args.companion, draft, DTYPES[args.dtype], (target, draft)))
     new_draft_lm = _draft_lm_factory(draft, args)
-    collect(target, draft, lambda: new_draft_lm(True), _prompts(args), data_dir, settings, make_companion)
+    collect(target, draft, lambda: new_draft_lm(True), _prompts(args), data_dir, settings, make_companion,
+            args.max_tokens, (args.worker or 0, args.workers if args.worker is not None else 1))
 
 
 def run_collect(args: argparse.Namespace) -> int:
@@ -143,6 +171,15 @@ def run_train(args: argparse.Namespace) -> int:
     print(report.table())
     print(f"\nverifier: {path}  ({report.chosen.kind}, threshold {report.chosen.threshold:.4f} for FPR <= "
           f"{args.max_fpr:.0%} on held-out prompts; label {report.label})")
+    return 0
+
+
+def run_study(args: argparse.Namespace) -> int:
+    from edge.verifier_pipeline.collect import load_dataset
+    from edge.verifier_pipeline.study import run_study as study
+    from edge.verifier_pipeline.train import TrainSettings
+
+    print(study(load_dataset(args.data), TrainSettings(label=args.label, epochs=args.epochs, seed=args.seed), args.out))
     return 0
 
 

@@ -5,6 +5,8 @@ from texts the verifier never saw):
     linear:         the paper's verifier, one linear layer + sigmoid on the draft's last hidden state;
     mlp:            a small MLP on the hidden state plus the draft's confidence (token prob, max prob, entropy);
     confidence-mlp: a small MLP on the draft's confidence alone;
+    context-mlp:    the confidence plus the features the edge has for free (top-2 margin, the previous
+                    token's probability, the entropy's change: edge/verifier_pipeline/features.py);
     companion-mlp:  a small MLP on the confidence plus Speculative Verification's companion signals (S, A),
                     trained only when the data was collected with a companion (`--companion SPEC`).
 Prompts split three ways: `train` fits the weights, `calibration` picks the epoch, fits Platt
@@ -26,13 +28,14 @@ from torch import nn
 
 from common.prompt_sets import split_by_prompt
 from edge.verifier_pipeline.collect import VerifierDataset
+from edge.verifier_pipeline.features import LABELS, events, feature_matrix, has_features, labels_for, resolved_label
 from edge.verifier_pipeline.metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
-from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT
+from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT, FREE_FEATURES
 
 log = logging.getLogger(__name__)
 
-LABELS = ("greedy", "paper")
 MODELS = {"linear": ("hidden",), "mlp": ("hidden", *CONFIDENCE_FEATURES), "confidence-mlp": CONFIDENCE_FEATURES,
+          "context-mlp": (*CONFIDENCE_FEATURES, *FREE_FEATURES),
           "companion-mlp": (*CONFIDENCE_FEATURES, *COMPANION_FEATURES)}
 LOG_FEATURES = ("token_prob", "max_prob")  # probabilities enter as logs: their useful range spans decades
 SPLITS = ("train", "calibration", "test")
@@ -42,7 +45,7 @@ CALIBRATION_FPRS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 @dataclass(frozen=True)
 class TrainSettings:
     model: str = "auto"  # the one exported; auto: the best ROC AUC on the calibration prompts
-    label: str = "auto"  # greedy when the data was decoded greedily, else the paper's
+    label: str = "auto"  # greedy when the data was decoded greedily, else soft (edge/verifier_pipeline/features.py)
     hidden_units: int = 32
     epochs: int = 40
     lr: float = 1e-3
@@ -97,36 +100,10 @@ class TrainedVerifier:
     reliability: list[dict] = field(default_factory=list)  # on the test split
 
 
-def labels_for(dataset: VerifierDataset, label: str) -> np.ndarray:
-    if label == "auto":
-        label = "greedy" if dataset.manifest["settings"]["temperature"] == 0 else "paper"
-    if label == "greedy":
-        return dataset.arrays["target_argmax_match"].astype(np.float32)
-    return (dataset.arrays["p_draft"] <= dataset.arrays["p_target"]).astype(np.float32)
-
-
-def resolved_label(dataset: VerifierDataset, label: str) -> str:
-    if label != "auto":
-        return label
-    return "greedy" if dataset.manifest["settings"]["temperature"] == 0 else "paper"
-
-
 def available_models(dataset: VerifierDataset) -> tuple[str, ...]:
-    """The verifier kinds this data can train: companion features exist only if a companion ran at collection."""
-    return tuple(kind for kind in MODELS
-                 if "companion" in dataset.arrays or not set(MODELS[kind]) & set(COMPANION_FEATURES))
-
-
-def feature_matrix(dataset: VerifierDataset, features: tuple[str, ...]) -> np.ndarray:
-    parts = []
-    for name in features:
-        if name == "hidden":
-            parts.append(dataset.arrays["hidden"].astype(np.float32))
-        elif name in COMPANION_FEATURES:
-            parts.append(dataset.arrays["companion"][:, COMPANION_FEATURES.index(name)][:, None])
-        else:
-            parts.append(dataset.arrays["confidence"][:, CONFIDENCE_FEATURES.index(name)][:, None])
-    return np.concatenate(parts, axis=1)
+    """The verifier kinds this data can train: companion signals exist only if a
+    companion ran at collection, the margin only in data collected since it was recorded."""
+    return tuple(kind for kind in MODELS if has_features(dataset, MODELS[kind]))
 
 
 def split_masks(dataset: VerifierDataset, fractions: tuple[float, float, float], seed: int) -> dict[str, np.ndarray]:
@@ -211,30 +188,49 @@ def score(net: VerifierNet, x: np.ndarray) -> np.ndarray:
         return net(torch.from_numpy(x)).numpy()
 
 
-def train_one(kind: str, dataset: VerifierDataset, labels: np.ndarray, masks: dict[str, np.ndarray],
-              settings: TrainSettings) -> TrainedVerifier:
-    features = MODELS[kind]
+@dataclass(frozen=True)
+class Labels:
+    """Per token: what the verifier is trained toward (0/1, or an acceptance probability) and the
+    accept/reject events rates and thresholds are measured on (the same, or drawn from it)."""
+
+    target: np.ndarray
+    outcome: np.ndarray
+
+
+def measured(scores: np.ndarray, labels: Labels, mask: np.ndarray, threshold: float) -> dict:
+    """One split's metrics: rates on the events, Brier score and calibration against the training target."""
+    metrics = evaluate_scores(scores, labels.outcome[mask], threshold)
+    metrics["brier"] = float(np.mean((scores - labels.target[mask]) ** 2))
+    return metrics
+
+
+def train_one(kind: str, dataset: VerifierDataset, labels: Labels, masks: dict[str, np.ndarray],
+              settings: TrainSettings, features: tuple[str, ...] | None = None) -> TrainedVerifier:
+    """One verifier of `kind` (an MLP unless linear) on `features` (default: the kind's own)."""
+    features = features or MODELS[kind]
     x = feature_matrix(dataset, features)
-    net = fit(x[masks["train"]], labels[masks["train"]], x[masks["calibration"]], labels[masks["calibration"]],
+    train, calibration = masks["train"], masks["calibration"]
+    net = fit(x[train], labels.target[train], x[calibration], labels.target[calibration],
               0 if kind == "linear" else settings.hidden_units, settings,
               log_mask(features, dataset.arrays["hidden"].shape[1]))
-    fit_platt(net, torch.from_numpy(x[masks["calibration"]]), torch.from_numpy(labels[masks["calibration"]]))
-    calibration_scores = score(net, x[masks["calibration"]])
-    threshold = threshold_for_fpr(calibration_scores, labels[masks["calibration"]], settings.max_fpr)
-    thresholds = {f"{f:g}": threshold_for_fpr(calibration_scores, labels[masks["calibration"]], f) for f in CALIBRATION_FPRS}
+    fit_platt(net, torch.from_numpy(x[calibration]), torch.from_numpy(labels.target[calibration]))
+    calibration_scores = score(net, x[calibration])
+    threshold = threshold_for_fpr(calibration_scores, labels.outcome[calibration], settings.max_fpr)
+    thresholds = {f"{f:g}": threshold_for_fpr(calibration_scores, labels.outcome[calibration], f)
+                  for f in CALIBRATION_FPRS}
     trained = TrainedVerifier(kind, features, net.eval(), threshold, thresholds)
     for split in SPLITS:
-        trained.metrics[split] = evaluate_scores(score(net, x[masks[split]]), labels[masks[split]], threshold)
-    trained.reliability = reliability(score(net, x[masks["test"]]), labels[masks["test"]])
+        trained.metrics[split] = measured(score(net, x[masks[split]]), labels, masks[split], threshold)
+    trained.reliability = reliability(score(net, x[masks["test"]]), labels.target[masks["test"]])
     return trained
 
 
-def confidence_baseline(dataset: VerifierDataset, labels: np.ndarray, masks: dict[str, np.ndarray],
+def confidence_baseline(dataset: VerifierDataset, labels: Labels, masks: dict[str, np.ndarray],
                         max_fpr: float) -> dict[str, dict]:
     """The draft's own token probability as the score, thresholded the same way."""
     scores = dataset.arrays["confidence"][:, 0]
-    threshold = threshold_for_fpr(scores[masks["calibration"]], labels[masks["calibration"]], max_fpr)
-    return {split: evaluate_scores(scores[masks[split]], labels[masks[split]], threshold) for split in SPLITS}
+    threshold = threshold_for_fpr(scores[masks["calibration"]], labels.outcome[masks["calibration"]], max_fpr)
+    return {split: measured(scores[masks[split]], labels, masks[split], threshold) for split in SPLITS}
 
 
 @dataclass
@@ -273,13 +269,15 @@ def train(dataset: VerifierDataset, settings: TrainSettings) -> TrainingReport:
     if settings.model not in (*kinds, "auto"):
         raise ValueError(f"--model {settings.model} needs companion signals, and this data has none: "
                          "collect it with --companion SPEC")
-    labels = labels_for(dataset, settings.label)
+    target = labels_for(dataset, settings.label)
+    labels = Labels(target, events(target, settings.seed))
     masks = split_masks(dataset, settings.split, settings.seed)
     for split in SPLITS:
-        if not masks[split].any() or len(np.unique(labels[masks[split]])) < 2:
+        if not masks[split].any() or len(np.unique(labels.outcome[masks[split]])) < 2:
             raise ValueError(f"the {split} split has no tokens or only one label: collect more prompts")
     log.info("training on %d tokens (%d train / %d calibration / %d test), label %s, base rate %.3f",
-             len(dataset), *(int(masks[s].sum()) for s in SPLITS), resolved_label(dataset, settings.label), labels.mean())
+             len(dataset), *(int(masks[s].sum()) for s in SPLITS), resolved_label(dataset, settings.label),
+             target.mean())
     verifiers = {kind: train_one(kind, dataset, labels, masks, settings) for kind in kinds}
     split_sizes = dict(zip(SPLITS, (len(p) for p in split_by_prompt(dataset.prompts, settings.split, settings.seed))))
     return TrainingReport(resolved_label(dataset, settings.label), settings, verifiers,
@@ -306,6 +304,7 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
         "score": "calibrated probability that the target accepts the token (Platt scaling, calibration split)",
         "model": chosen.kind,
         "label": report.label,
+        "temperature": manifest["settings"]["temperature"],  # the regime it scores: --verifier auto picks by it
         "max_fpr": report.settings.max_fpr,
         "thresholds_at_fpr": chosen.thresholds_at_fpr,
         "draft_runtime": manifest["settings"]["draft_runtime"],

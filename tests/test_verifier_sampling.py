@@ -1,0 +1,137 @@
+"""Verifiers for sampling (T > 0): the soft label, the pick by temperature, the warning on a mismatch,
+the free features, the learning-curve study, and the shipped verifiers' metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.cli import main
+from common.verification import token_verify
+from common.verifier import DraftStep, verifier_for
+from edge.verifier_pipeline.collect import load_dataset
+from edge.verifier_pipeline.features import feature_column, labels_for, soft_label
+from edge.verifier_runtime import (FREE_FEATURES, SHIPPED_DIR, LearnedVerifier, TemperatureMatched, load_verifier,
+                                   step_features)
+from prompt_files import short_prompt_file
+
+PAIR = ["--target", "tiny-random", "--draft", "tiny-random-draft", "--dtype", "float32"]
+TRAIN = ["--draft-runtime", "torch", "--epochs", "4", "--threads", "1", "--max-new-tokens", "12"]
+
+
+def test_the_soft_label_is_the_probability_that_speculative_sampling_accepts_the_token():
+    generator = torch.Generator().manual_seed(0)
+    p_draft = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    p_target = torch.tensor([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])  # row 2 only completes the shapes
+    token = torch.tensor([0])  # over-drafted: accepted with probability 0.2 / 0.5
+    accepted = sum(token_verify(token, p_draft[:1], p_target, generator)[0] for _ in range(4000)) / 4000
+    expected = float(soft_label(np.array([0.5]), np.array([0.2]))[0])
+    assert expected == pytest.approx(0.4)
+    assert accepted == pytest.approx(expected, abs=3 * np.sqrt(0.4 * 0.6 / 4000))
+    assert soft_label(np.array([0.2, 0.3]), np.array([0.5, 0.3])).tolist() == [1.0, 1.0]  # never over-drafted
+
+
+@pytest.fixture(scope="module")
+def sampled_and_greedy(tmp_path_factory) -> dict[str, Path]:
+    """A greedy and a sampled (T=1) verifier for the tiny pair, context-mlp: every free feature."""
+    root = tmp_path_factory.mktemp("regimes")
+    prompts = short_prompt_file(root, 24)
+    made = {}
+    for name, temperature in (("greedy", "0"), ("sampling", "1")):
+        out = root / f"tiny-random-draft__tiny-random__{name}"
+        assert main(["verifier", "train", *PAIR, *TRAIN, "--prompts", str(prompts), "--out", str(out),
+                     "--temperature", temperature, "--model", "context-mlp"]) == 0
+        made[name] = out
+    return made
+
+
+def test_a_sampled_collection_trains_on_the_soft_label_and_says_its_temperature(sampled_and_greedy):
+    metadata = json.loads((sampled_and_greedy["sampling"] / "verifier.json").read_text())
+    assert metadata["label"] == "soft" and metadata["temperature"] == 1.0
+    assert metadata["features"] == ["token_prob", "max_prob", "entropy", *FREE_FEATURES]
+    data = load_dataset(sampled_and_greedy["sampling"] / "data")
+    targets = labels_for(data, "auto")
+    assert np.allclose(targets, np.minimum(1, data.arrays["p_target"] / data.arrays["p_draft"]), atol=1e-6)
+    assert ((targets > 0) & (targets < 1)).any()  # probabilities, not events
+    greedy = json.loads((sampled_and_greedy["greedy"] / "verifier.json").read_text())
+    assert greedy["label"] == "greedy" and greedy["temperature"] == 0.0
+
+
+def test_auto_picks_the_verifier_trained_for_the_requested_temperature(sampled_and_greedy, tiny_draft, monkeypatch):
+    shipped = sampled_and_greedy["greedy"].parent
+    monkeypatch.setattr("edge.verifier_runtime.SHIPPED_DIR", shipped)
+    verifier = load_verifier("auto", tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
+    assert isinstance(verifier, TemperatureMatched)
+    assert verifier_for(verifier, 0.0).trained_temperature == 0.0
+    assert verifier_for(verifier, 0.7).trained_temperature == 1.0
+    assert verifier.needs_history  # the drafter records the previous token's features for it
+
+
+def test_a_verifier_of_the_other_regime_scores_with_one_warning(sampled_and_greedy, tiny_draft, caplog):
+    greedy = LearnedVerifier.load(sampled_and_greedy["greedy"] / "verifier.json")
+    with caplog.at_level(logging.WARNING, logger="common.verifier"):
+        assert verifier_for(greedy, 1.0) is greedy
+        verifier_for(greedy, 0.8)
+        assert verifier_for(greedy, 0.0) is greedy  # its own regime: silent
+    warnings = [r for r in caplog.records if "trained on greedy data" in r.getMessage()]
+    assert len(warnings) == 1 and "T=1" in warnings[0].getMessage()
+
+
+def test_free_features_at_the_edge_equal_the_training_columns(sampled_and_greedy, tiny_draft):
+    """The edge computes margin, prev_token_prob and entropy_delta from a DraftStep as training read them."""
+    data = load_dataset(sampled_and_greedy["greedy"] / "data")
+    columns = {name: feature_column(data, name) for name in FREE_FEATURES}
+    second = int(np.flatnonzero(data.arrays["position"] == 1)[0])  # a token with a previous one in its prompt
+    assert columns["prev_token_prob"][second] == pytest.approx(data.arrays["confidence"][second - 1, 0])
+    first = int(np.flatnonzero(data.arrays["position"] == 0)[0])
+    assert columns["prev_token_prob"][first] == data.arrays["confidence"][first, 0] and columns["entropy_delta"][first] == 0
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    step = DraftStep(0, logits, None, previous=(0.25, 1.5))
+    features = dict(zip(FREE_FEATURES, step_features(step, FREE_FEATURES)))
+    p = torch.softmax(logits, dim=-1)
+    entropy = float(-(p * p.log()).sum())
+    assert features["margin"] == pytest.approx(float(p[0] - p[1]), abs=1e-6)
+    assert features["prev_token_prob"] == pytest.approx(0.25)
+    assert features["entropy_delta"] == pytest.approx(entropy - 1.5, abs=1e-6)
+
+
+def test_the_study_writes_a_learning_curve_and_an_ablation(sampled_and_greedy, tmp_path):
+    assert main(["verifier", "study", "--data", str(sampled_and_greedy["greedy"] / "data"), "--out", str(tmp_path),
+                 "--epochs", "2"]) == 0
+    study = json.loads((tmp_path / "study.json").read_text())
+    tokens = sorted({p["train_tokens"] for p in study["learning_curve"]})
+    assert len(tokens) >= 3 and {p["kind"] for p in study["learning_curve"]} >= {"linear", "confidence-mlp"}
+    assert [r["added"] for r in study["ablation"]] == ["-", *FREE_FEATURES, "all free"]
+    assert (tmp_path / "learning_curve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED_DIR.glob("*/verifier.json")), ids=lambda p: p.parent.name)
+def test_shipped_verifiers_say_the_pair_and_regime_they_were_trained_for(path):
+    metadata = json.loads(path.read_text())
+    verifier = LearnedVerifier.load(path)
+    assert metadata["pair"]["draft"] and metadata["pair"]["target"] and (path.parent / metadata["onnx"]).exists()
+    assert metadata["label"] == ("greedy" if verifier.trained_temperature == 0 else "soft")
+
+
+def test_a_temperature_matched_pair_decodes_with_history_features(sampled_and_greedy, tiny_target, tiny_draft,
+                                                                 monkeypatch):
+    from common.cached_lm import CachedLM
+    from common.decoding.local_engine import LocalEngine
+    from common.decoding.modes import DecodeSettings
+    from common.sampling import SamplingParams
+
+    monkeypatch.setattr("edge.verifier_runtime.SHIPPED_DIR", sampled_and_greedy["greedy"].parent)
+    verifier = load_verifier("auto", tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
+    engine = LocalEngine(tiny_target, tiny_draft, verifier, lambda hidden: CachedLM(tiny_draft.model, with_hidden=hidden))
+    prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
+    exact = engine.generate(prompt, DecodeSettings(mode="sprinter-exact", max_new_tokens=20))
+    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=20))
+    assert exact.token_ids == reference.token_ids
+    sampled = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=20,
+                                                     sampling=SamplingParams(temperature=1.0, seed=3)))
+    assert sampled.stats.new_tokens == 20
