@@ -135,3 +135,21 @@ def test_a_temperature_matched_pair_decodes_with_history_features(sampled_and_gr
     sampled = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=20,
                                                      sampling=SamplingParams(temperature=1.0, seed=3)))
     assert sampled.stats.new_tokens == 20
+
+
+def test_bound_picks_the_cheapest_threshold_that_meets_the_quality_on_calibration_prompts(sampled_and_greedy, tmp_path):
+    from edge.verifier_pipeline.quality_bound import QualityBound
+
+    verifier = sampled_and_greedy["greedy"] / "verifier.json"
+    prompts = sampled_and_greedy["greedy"].parent / "prompts.jsonl"
+    assert main(["verifier", "bound", *PAIR, "--prompts", str(prompts), "--verifier", str(verifier), "--out",
+                 str(tmp_path), "--bound", "agreement:0.5", "--limit", "2", "--max-new-tokens", "8",
+                 "--draft-runtime", "torch", "--threads", "1"]) == 0
+    report = json.loads((tmp_path / "bound.json").read_text())
+    swept = [r for r in report["calibration"] if r["mode"] == "sprinter"]
+    meeting = [r for r in swept if r["agreement_with_target"] >= 0.5]
+    assert report["threshold"] == min(meeting, key=lambda r: r["target_calls_per_token"])["threshold"]
+    assert [r["mode"] for r in report["held_out"]] == ["target", "sd", "sprinter"]
+    assert report["held_out"][1]["agreement_with_target"] == 1.0  # sd: lossless
+    with pytest.raises(ValueError, match="agreement:A or nll:R"):
+        QualityBound.parse("quality:0.9")

@@ -62,6 +62,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     study.add_argument("--seed", type=int, default=0)
     study.set_defaults(run=run_study)
 
+    bound = commands.add_parser("bound", help="lossy sprinter at a quality bound: threshold chosen on calibration "
+                                              "prompts, then calls per token vs sd on held-out prompts")
+    _add_pair_arguments(bound)
+    bound.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
+    bound.add_argument("--bound", default="agreement:0.95", help="agreement:A (greedy) or nll:R (NLL within R x the target's)")
+    bound.add_argument("--out", type=Path, required=True)
+    bound.add_argument("--limit", type=int, help="the first N calibration and N held-out prompts only")
+    bound.add_argument("--max-new-tokens", type=int, default=48)
+    bound.add_argument("--temperature", type=float, default=0.0)
+    bound.set_defaults(run=run_bound)
+
     evaluate = commands.add_parser("eval", help="decode held-out prompts: learned verifier vs confidence baseline")
     _add_pair_arguments(evaluate)
     evaluate.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
@@ -180,6 +191,36 @@ def run_study(args: argparse.Namespace) -> int:
     from edge.verifier_pipeline.train import TrainSettings
 
     print(study(load_dataset(args.data), TrainSettings(label=args.label, epochs=args.epochs, seed=args.seed), args.out))
+    return 0
+
+
+def _prompts_of(learned, ids_key: str, args: argparse.Namespace) -> list:
+    from common.prompt_sets import interleave_categories, load_prompts
+
+    wanted = set(learned.metadata["training"].get(ids_key, []))
+    prompts = interleave_categories([p for p in load_prompts(args.prompts) if p.id in wanted])
+    if not prompts:
+        raise SystemExit(f"none of the verifier's {ids_key} are in {args.prompts or 'the default prompt set'} "
+                         "(a verifier trained before they were recorded: train it again)")
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def run_bound(args: argparse.Namespace) -> int:
+    from common.models import load_pair
+    from edge.verifier_pipeline.evaluate import EvalSettings
+    from edge.verifier_pipeline.quality_bound import QualityBound, run_bound as bound, write_report
+    from edge.verifier_runtime import LearnedVerifier
+
+    quality = QualityBound.parse(args.bound)
+    learned = LearnedVerifier.load(args.verifier)
+    calibration = _prompts_of(learned, "calibration_prompt_ids", args)
+    held_out = _prompts_of(learned, "held_out_prompt_ids", args)
+    target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
+    learned.check_pair(draft.tokenizer, args.draft, args.target)
+    settings = EvalSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    report = bound(target, draft, _draft_lm_factory(draft, args), learned, calibration, held_out, settings, quality)
+    write_report(report, args.out)
+    print(report.tables())
     return 0
 
 

@@ -84,14 +84,14 @@ def methods(learned_thresholds: dict[str, float], settings: EvalSettings) -> lis
 
 
 def evaluate(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[bool], DraftLM], learned: LearnedVerifier,
-             prompts: list[PromptRecord], settings: EvalSettings) -> list[EvalRow]:
-    """Decode every prompt with every method; quality is scored by the target afterwards."""
-    learned_thresholds = learned.metadata["thresholds_at_fpr"]
+             prompts: list[PromptRecord], settings: EvalSettings, plan: list[Method] | None = None) -> list[EvalRow]:
+    """Decode every prompt with every method of `plan` (default `methods`: target first, the reference);
+    quality is scored by the target afterwards."""
     sampling = SamplingParams(temperature=settings.temperature, seed=settings.seed)
     prompt_ids = [encode_prompt(target.tokenizer, p.prompt, p.chat) for p in prompts]
     references: list[list[int]] = []
     rows = []
-    plan = methods(learned_thresholds, settings)
+    plan = plan or methods(learned.metadata["thresholds_at_fpr"], settings)
     with tqdm(total=len(plan) * len(prompts), desc="evaluating", unit="run") as progress:
         for method in plan:
             verifier = (replace(learned, threshold=method.threshold) if method.verifier == "learned"

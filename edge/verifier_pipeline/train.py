@@ -311,7 +311,9 @@ def export(report: TrainingReport, dataset: VerifierDataset, out_dir: Path) -> P
         "metrics": {kind: v.metrics for kind, v in report.verifiers.items()} | {"confidence": report.confidence},
         "reliability": chosen.reliability,
         "training": {"settings": asdict(report.settings), "tokens": len(dataset), "prompts": report.split_prompts,
-                     "collection": manifest["settings"], "held_out_prompt_ids": report.held_out_prompt_ids},
+                     "collection": manifest["settings"], "held_out_prompt_ids": report.held_out_prompt_ids,
+                     "calibration_prompt_ids": [p.id for p in split_by_prompt(dataset.prompts, report.settings.split,
+                                                                              report.settings.seed)[1]]},
     }
     if set(chosen.features) & set(COMPANION_FEATURES):  # the edge refuses to run it without this companion
         metadata["companion"] = manifest["settings"]["companion"]
