@@ -26,7 +26,7 @@ demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
 test: $(VENV)/.models-smollm2 $(STUBS) mosquitto
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
 mosquitto:

@@ -90,7 +90,8 @@ SMOLLM2_PROMPTS = ("Write a Python function that reverses a string.", "What caus
 def test_smollm2_lossless_modes_equal_target_greedy(smollm2, smollm2_4_layers, draft_name):
     draft = smollm2 if draft_name == "self" else smollm2_4_layers
     engine = LocalEngine(smollm2, draft)
-    for prompt in SMOLLM2_PROMPTS:
+    # A self-draft's one prompt shows it all (every token accepted); the 4-layer draft's rejections need both.
+    for prompt in SMOLLM2_PROMPTS[:1] if draft_name == "self" else SMOLLM2_PROMPTS:
         ids = encode_prompt(smollm2.tokenizer, prompt, chat=True)
         target = engine.generate(ids, DecodeSettings(mode="target", max_new_tokens=32))
         for mode in LOSSLESS:
