@@ -199,6 +199,14 @@ def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[],
     return out_dir
 
 
+def nothing_to_collect(out_dir: Path, n_prompts: int, settings: CollectSettings, max_tokens: int | None) -> bool:
+    """Every shard is there, or the budget is spent: a caller can skip loading the models."""
+    n_shards = -(-n_prompts // settings.shard_size)
+    if all((out_dir / f"shard-{n:05d}.npz").exists() for n in range(n_shards)):
+        return True
+    return max_tokens is not None and out_dir.exists() and collected_tokens(out_dir) >= max_tokens
+
+
 def _check_manifest(out_dir: Path, manifest: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / MANIFEST

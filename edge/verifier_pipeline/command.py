@@ -140,7 +140,7 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
         return
     from common.companion import companion_factory, load_companion
     from common.models import load_pair
-    from edge.verifier_pipeline.collect import CollectSettings, collect
+    from edge.verifier_pipeline.collect import CollectSettings, collect, nothing_to_collect
 
     if args.worker is not None:  # one of --workers' processes: the target's forward keeps to its core too
         import torch
@@ -148,12 +148,16 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
         torch.set_num_threads(args.threads or 1)
     settings = CollectSettings(max_new_tokens=args.max_new_tokens, segment=args.segment, temperature=args.temperature,
                                seed=args.seed, draft_runtime=_runtime_name(args), companion=args.companion)
+    prompts = _prompts(args)
+    if nothing_to_collect(data_dir, len(prompts), settings, args.max_tokens):
+        log.info("%s: nothing left to collect", data_dir)  # and no models to load for it
+        return
     target, draft = load_pair(args.target, args.draft, DTYPES[args.dtype])
     make_companion = None
     if args.companion:
         make_companion = companion_factory(load_companion(args.companion, draft, DTYPES[args.dtype], (target, draft)))
     new_draft_lm = _draft_lm_factory(draft, args)
-    collect(target, draft, lambda: new_draft_lm(True), _prompts(args), data_dir, settings, make_companion,
+    collect(target, draft, lambda: new_draft_lm(True), prompts, data_dir, settings, make_companion,
             args.max_tokens, (args.worker or 0, args.workers if args.worker is not None else 1))
 
 
