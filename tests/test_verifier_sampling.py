@@ -153,3 +153,27 @@ def test_bound_picks_the_cheapest_threshold_that_meets_the_quality_on_calibratio
     assert report["held_out"][1]["agreement_with_target"] == 1.0  # sd: lossless
     with pytest.raises(ValueError, match="agreement:A or nll:R"):
         QualityBound.parse("quality:0.9")
+
+
+def test_collection_keeps_a_token_budget_and_splits_shards_between_workers(tmp_path, tiny_target, tiny_draft):
+    from common.cached_lm import CachedLM
+    from common.prompt_sets import load_prompts
+    from edge.verifier_pipeline.collect import CollectSettings, collect, collected_tokens
+
+    prompts = load_prompts()[:8]
+    settings = CollectSettings(max_new_tokens=6, shard_size=2, draft_runtime="torch")
+    make_lm = lambda: CachedLM(tiny_draft.model, with_hidden=True)  # noqa: E731
+    collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path / "odd", settings, worker=(1, 2))
+    assert sorted(p.name for p in (tmp_path / "odd").glob("shard-*.npz")) == ["shard-00001.npz", "shard-00003.npz"]
+    collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path / "budget", settings, max_tokens=1)
+    assert len(list((tmp_path / "budget").glob("shard-*.npz"))) == 1  # the budget is checked before each shard
+    collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path / "budget", settings, max_tokens=13)
+    assert collected_tokens(tmp_path / "budget") >= 13 and len(list((tmp_path / "budget").glob("shard-*.npz"))) < 4
+
+
+def test_workers_fill_one_directory_from_the_command_line(tmp_path):
+    prompts = short_prompt_file(tmp_path, 32)  # two shards of 16: one per worker
+    assert main(["verifier", "collect", *PAIR, "--prompts", str(prompts), "--data", str(tmp_path / "data"),
+                 "--max-new-tokens", "4", "--draft-runtime", "torch", "--workers", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "data").glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
+    assert len(load_dataset(tmp_path / "data")) > 0

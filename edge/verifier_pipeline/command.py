@@ -136,7 +136,7 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     if args.workers > 1 and args.worker is None:
         from edge.verifier_pipeline.workers import run_workers
 
-        run_workers(args.workers, data_dir)
+        run_workers(args.workers, data_dir, args.argv)
         return
     from common.companion import companion_factory, load_companion
     from common.models import load_pair
@@ -173,6 +173,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     data_dir = args.data or args.out / "data"
     _collect(args, data_dir)  # resumes: finished shards are kept
+    if args.worker is not None:  # one of --workers' processes: it collects, the command that started it trains
+        return 0
     dataset = load_dataset(data_dir)
     settings = TrainSettings(model=args.model, label=args.label, max_fpr=args.max_fpr, epochs=args.epochs,
                              hidden_units=args.hidden_units, seed=args.seed)

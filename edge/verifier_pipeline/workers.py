@@ -1,7 +1,8 @@
-"""`sprinter verifier collect --workers N`: N collecting processes on one data directory.
+"""`sprinter verifier collect|train --workers N`: N collecting processes on one data directory.
 
-Each process runs the same command with `--worker I` (it collects every N-th shard from the I-th:
-edge/verifier_pipeline/collect.py) and, when the machine has a core for each, is pinned to core I
+Each process runs the same command with `--worker I` and collects every N-th shard from the I-th
+(edge/verifier_pipeline/collect.py; `train` then only collects: the command that started the
+workers trains once they are done). When the machine has a core for each, a worker is pinned to core I
 with one thread, so that the workers do not contend for cores. A worker that fails stops the rest.
 """
 
@@ -28,9 +29,9 @@ def _pinned(core: int | None):
     return lambda: os.sched_setaffinity(0, {core})
 
 
-def run_workers(workers: int, data_dir: Path, argv: list[str] | None = None) -> None:
-    """Start the workers, wait for all of them; raise SystemExit naming the first that failed."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run_workers(workers: int, data_dir: Path, argv: list[str]) -> None:
+    """Start the workers (`argv`: this command's arguments), wait for all of them; raise SystemExit naming the
+    first that failed."""
     cores = sorted(os.sched_getaffinity(0))
     pin = len(cores) >= workers
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
