@@ -90,8 +90,15 @@ class LearnedVerifier:
 
     @property
     def trained_temperature(self) -> float:
-        """The sampling temperature of the data it was trained on (0: greedy labels)."""
-        return float(self.metadata.get("temperature", self.metadata["training"]["collection"]["temperature"]))
+        """The sampling temperature of the data it was trained on (0: greedy labels).
+
+        Verifiers made before the sampling regime existed state no temperature: they were all trained on
+        greedy labels, so a missing field means 0 (a pushed artifact must not fail a request over it).
+        """
+        if "temperature" in self.metadata:
+            return float(self.metadata["temperature"])
+        collection = self.metadata.get("training", {}).get("collection", {})
+        return float(collection.get("temperature", 0.0))
 
     @classmethod
     def load(cls, metadata_path: Path, threads: int = 1) -> "LearnedVerifier":

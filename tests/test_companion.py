@@ -97,7 +97,8 @@ def test_collection_records_the_signals_and_training_exports_them(trained):
     metadata = json.loads((trained / "verifier.json").read_text())
     assert metadata["model"] == "companion-mlp" and metadata["companion"] == COMPANION
     assert metadata["features"] == ["token_prob", "max_prob", "entropy", "companion_overlap", "companion_ratio"]
-    assert set(metadata["metrics"]) == {"linear", "mlp", "confidence-mlp", "companion-mlp", "confidence"}
+    assert set(metadata["metrics"]) == {"linear", "mlp", "confidence-mlp", "context-mlp", "companion-mlp",
+                                        "confidence"}
 
 
 def test_data_without_a_companion_has_no_signals_and_cannot_train_companion_mlp(tmp_path):

@@ -176,6 +176,7 @@ def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused
         verifier = daemon.node.decoder.verifier
         sha256 = verifier_digest((good / "verifier.onnx").read_bytes(), metadata)
         assert isinstance(verifier, LearnedVerifier) and verifier.sha256 == sha256
+        assert verifier.trained_temperature == 0  # metadata from before the sampling regime: greedy
         assert _edges(running.url)["e1"].verifier == {"id": "calibrated-v2", "sha256": sha256}
         assert _complete(daemon, mode="sprinter")["verifier"] == {"id": "calibrated-v2", "sha256": sha256}
 
