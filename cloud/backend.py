@@ -13,12 +13,12 @@ from typing import AsyncIterator, Callable
 
 import grpc
 import torch
-from transformers import DynamicCache
 
 from cloud.batcher import Batcher
 from cloud.errors import CloudError
 from cloud.frames import METHOD_NAMES, ServiceLimits, check_prompt, check_verify, decide, sampling_from_proto
 from cloud.metrics import CloudMetrics
+from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.sessions import Session, SessionStore
 from common.models import LoadedModel
 from common.sampling import SamplingParams, logits_to_probs, sample
@@ -37,6 +37,7 @@ class TargetBackend:
     store: SessionStore
     batcher: Batcher
     metrics: CloudMetrics
+    kv_layout: KVLayout
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +72,7 @@ class TargetBackend:
         check_prompt(prompt_ids, self.vocab_size, self.limits)
         if previous is not None:
             self.close(previous)
-        session = self.store.create(owner, prompt_ids, sampling, DynamicCache(config=self.target.model.config))
+        session = self.store.create(owner, prompt_ids, sampling, ResidentKV(self.kv_layout))
         session.busy = True
         try:
             if len(prompt_ids) > 1:  # the last prompt token is fed with the first block
@@ -118,14 +119,13 @@ class TargetBackend:
             try:
                 n_accepted, next_token = decide(frame, result.logits, session.sampling, session.generator)
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
-                session.cache.crop(-len(new_tokens))
+                session.cache.truncate(session.cached_tokens)
                 raise
             session.cached_tokens += len(new_tokens)
             # Roll the cache back to the accepted prefix; next_token is fed with the next block.
             start_position = session.length
             keep = session.length + n_accepted
-            if session.cached_tokens > keep:
-                session.cache.crop(-(session.cached_tokens - keep))  # transformers 5.23: a negative count
+            session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
             session.cached_tokens = keep
             session.tokens.extend(draft_tokens[:n_accepted] + [next_token])
             session.last_verdict = (start_position, n_accepted, next_token)
@@ -170,7 +170,7 @@ class TargetBackend:
 
     async def _decode(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[pb.GenerateChunk]:
         generator = torch.Generator().manual_seed(sampling.seed)
-        cache = DynamicCache(config=self.target.model.config)
+        cache = ResidentKV(self.kv_layout, reserve_tokens=len(context) + max_new)
         started = time.perf_counter()
         if len(context) > 1:  # the prompt apart from verify batches, like a session's
             await self.batcher.prefill(cache, context[:-1])
@@ -191,3 +191,7 @@ class TargetBackend:
     def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
+        page = self.kv_layout.bytes_per_page
+        used = -(-self.store.kv_bytes // page)
+        self.metrics.kv_pages_used.set(used)
+        self.metrics.kv_pages_free.set(max(0, self.store.limits.kv_budget_bytes // page - used))

@@ -33,10 +33,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
-    p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms)
-    p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="1 turns batching off")
+    p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
+                   help="hold a forward this long for more verifies (default 0: continuous batching, a forward "
+                        "starts as soon as the engine is free and takes everything waiting)")
+    p.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch, help="requests per forward; 1 turns batching off")
     p.add_argument("--max-prefill-chunk", type=int, default=DEFAULTS.max_prefill_chunk,
-                   help="prompt tokens per prefill forward; verify batches run between chunks")
+                   help="prompt tokens per forward; a chunk rides along with the waiting verifies")
+    p.add_argument("--max-forward-tokens", type=int, default=DEFAULTS.max_forward_tokens,
+                   help="tokens per packed forward (verifies plus at most one prefill chunk)")
     p.add_argument("--edge-max-sessions", type=int, help="sessions per edge (default: --max-sessions)")
     p.add_argument("--edge-kv-budget-mb", type=int, help="KV cache per edge (default: --kv-budget-mb); "
                                                          "eviction takes from the edge using most of its quota first")

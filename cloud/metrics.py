@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from cloud.batcher import ForwardStats
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,14 @@ class CloudMetrics:
         self.tokens_generated = Counter("sprinter_cloud_tokens_generated", "Tokens generated in target mode", registry=r)
         self.cloud_batch_size = Histogram("sprinter_cloud_batch_size", "Requests per target forward", registry=r,
                                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+        self.forward_tokens = Histogram("sprinter_cloud_forward_tokens", "Tokens per packed target forward", registry=r,
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        # Resident KV (cloud/resident_kv.py): pages allocated to sessions, and past entries ever copied (growth only:
+        # a forward reads and writes in place, so copied bytes per verify stay near 0).
+        self.kv_pages_used = Gauge("sprinter_cloud_kv_pages_used", "KV pages allocated to sessions", registry=r)
+        self.kv_pages_free = Gauge("sprinter_cloud_kv_pages_free", "KV pages left in the budget", registry=r)
+        self.kv_copied_bytes = Counter("sprinter_cloud_kv_copied_bytes", "Past KV bytes copied (cache growth)",
+                                       registry=r)
         self.target_forward_seconds = Histogram("sprinter_cloud_target_forward_seconds", "Target forward latency",
                                                 registry=r, buckets=(.01, .025, .05, .1, .2, .4, .8, 1.6, 3.2, 6.4))
         # A candidate (VerifyBlock.after) is verified when it matches the verdict it was drafted for, else dropped
@@ -34,9 +43,11 @@ class CloudMetrics:
                                   ["outcome"], registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
 
-    def observe_batch(self, batch_size: int, forward_s: float) -> None:
-        self.cloud_batch_size.observe(batch_size)
-        self.target_forward_seconds.observe(forward_s)
+    def observe_batch(self, forward: ForwardStats) -> None:
+        self.cloud_batch_size.observe(forward.requests)
+        self.forward_tokens.observe(forward.tokens)
+        self.target_forward_seconds.observe(forward.seconds)
+        self.kv_copied_bytes.inc(forward.copied_bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

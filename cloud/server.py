@@ -20,13 +20,14 @@ from grpc_reflection.v1alpha import reflection
 
 from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
-from cloud.batcher import Batcher
+from cloud.batcher import Batcher, ForwardStats
 from cloud.frames import ServiceLimits
 from cloud.load_announcer import LoadAnnouncer, LoadTracker, load_reader
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
 from cloud.service import TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
+from cloud.resident_kv import KVLayout
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
@@ -36,14 +37,6 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 __all__ = ["CloudServer", "CloudSettings", "SERVICE_NAME", "run_until_signalled"]
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
-
-
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    element = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
 
 
 class CloudServer:
@@ -141,7 +134,9 @@ class CloudServer:
         if target is None:
             log.info("loading target %s (%s)", settings.target, settings.dtype)
             target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
-        bytes_per_token = kv_bytes_per_token(target.model)
+        # No session grows past the context limit plus one block (a verify's new tokens are written first).
+        kv_layout = KVLayout.of(target.model, max_tokens=settings.max_context + settings.max_block + 1)
+        bytes_per_token = kv_layout.bytes_per_token
         settings.check_kv_budget(bytes_per_token)
         quotas = EdgeQuotas(settings.edge_max_sessions or settings.max_sessions, settings.edge_kv_budget_bytes,
                             settings.edge_max_generate)
@@ -151,9 +146,10 @@ class CloudServer:
         )
         async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
-                           max_prefill_chunk=settings.max_prefill_chunk) as batcher:
+                           max_prefill_chunk=settings.max_prefill_chunk,
+                           max_forward_tokens=settings.max_forward_tokens) as batcher:
             backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store, batcher,
-                                    self.metrics)
+                                    self.metrics, kv_layout)
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -166,9 +162,9 @@ class CloudServer:
                 await self._drain()
                 sweeper.cancel()
 
-    def _observe_batch(self, batch_size: int, forward_s: float) -> None:
-        self.metrics.observe_batch(batch_size, forward_s)
-        self.load.observe(batch_size, forward_s)
+    def _observe_batch(self, forward: ForwardStats) -> None:
+        self.metrics.observe_batch(forward)
+        self.load.observe(forward.requests, forward.seconds)
 
     def _fleet_presence(self, backend: TargetBackend) -> AbstractAsyncContextManager[LoadAnnouncer | None]:
         """This replica's load on the fleet plane, with --mqtt; nothing without it."""

@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 
 import grpc
 import torch
-from transformers import DynamicCache
 
 from cloud.errors import CloudError, exhausted
+from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.sampling import SamplingParams
 
@@ -37,7 +37,7 @@ class Session:
     session_id: str
     owner: str  # the authenticated edge identity; nobody else may touch this session
     tokens: list[int]  # the context: prompt, then every verified token
-    cache: DynamicCache  # holds the KV of tokens[:cached_tokens]
+    cache: ResidentKV  # holds the KV of tokens[:cached_tokens]
     sampling: SamplingParams
     generator: torch.Generator
     cached_tokens: int = 0
@@ -49,6 +49,11 @@ class Session:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV entries charged to the budget: its allocated pages, or its context if that is not allocated yet."""
+        return max(self.length, self.cache.capacity)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -82,18 +87,18 @@ class SessionStore:
 
     @property
     def kv_bytes(self) -> int:
-        tokens = sum(s.length for s in self._sessions.values()) + sum(n for _, n in self._generations.values())
+        tokens = sum(s.kv_tokens for s in self._sessions.values()) + sum(n for _, n in self._generations.values())
         return tokens * self.kv_bytes_per_token
 
     def owner_kv_bytes(self, owner: str) -> int:
-        tokens = (sum(s.length for s in self._sessions.values() if s.owner == owner)
+        tokens = (sum(s.kv_tokens for s in self._sessions.values() if s.owner == owner)
                   + sum(n for o, n in self._generations.values() if o == owner))
         return tokens * self.kv_bytes_per_token
 
     def owner_sessions(self, owner: str) -> int:
         return sum(1 for s in self._sessions.values() if s.owner == owner)
 
-    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: DynamicCache) -> Session:
+    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: ResidentKV) -> Session:
         """Admit a session for `prompt_ids` (making room first) or refuse it; nothing is computed yet."""
         self._check_fits(owner, len(prompt_ids), "prompt")
         self._make_session_room(owner)

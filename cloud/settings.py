@@ -27,9 +27,10 @@ class CloudSettings:
     max_block: int = 32
     max_context: int = 4096
     idle_timeout_s: float = 300.0
-    batch_window_ms: float = 5.0
+    batch_window_ms: float = 0.0  # continuous batching: a forward starts as soon as the engine is free
     max_batch: int = 8
-    max_prefill_chunk: int = 256  # prompt tokens per prefill forward; verify batches run between chunks
+    max_prefill_chunk: int = 256  # prompt tokens per forward; a chunk rides along with the waiting verifies
+    max_forward_tokens: int = 1024  # tokens per packed forward (verifies plus at most one prefill chunk)
     # Per-edge quotas (an edge is an authenticated identity). None: the global limit. Whatever they are,
     # eviction takes from the edge using the largest share first, so one edge cannot evict the others.
     edge_max_sessions: int | None = None
@@ -67,6 +68,9 @@ class CloudSettings:
             (self.batch_window_ms >= 0, f"--batch-window-ms must be >= 0, got {self.batch_window_ms}"),
             (self.idle_timeout_s > 0, f"--idle-timeout-s must be > 0, got {self.idle_timeout_s}"),
             (self.max_prefill_chunk >= 1, f"--max-prefill-chunk must be >= 1, got {self.max_prefill_chunk}"),
+            (self.max_forward_tokens >= self.max_block + 1,
+             f"--max-forward-tokens must hold one verify of --max-block {self.max_block} (at least "
+             f"{self.max_block + 1}), got {self.max_forward_tokens}"),
             (self.edge_max_sessions is None or 1 <= self.edge_max_sessions <= self.max_sessions,
              f"--edge-max-sessions must be in 1..--max-sessions ({self.max_sessions}), got {self.edge_max_sessions}"),
             (self.edge_kv_budget_mb is None or 1 <= self.edge_kv_budget_mb <= self.kv_budget_mb,

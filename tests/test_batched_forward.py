@@ -1,4 +1,8 @@
-"""forward_batch: one padded forward for many sessions equals each session run alone, before and after."""
+"""forward_packed on resident KV: a session verified in a batch gets what it gets alone, and nothing is copied.
+
+The reference is the model's own forward over a session's whole context with no cache at all, so
+the resident cache, its rollback and its growth are all checked against plain transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,18 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-import cloud.batcher as batcher
-from cloud.batcher import forward_batch
+from cloud.packed_forward import forward_packed, install
+from cloud.resident_kv import KVLayout, ResidentKV
 
 ATOL = 1e-4
 
 
 def _tiny_qwen2() -> PreTrainedModel:
-    """A tiny random Qwen2 (q/k/v biases), with non-zero biases so that they matter."""
+    """A tiny random Qwen2 (q/k/v biases, grouped KV heads), with non-zero biases so that they matter."""
     config = Qwen2Config(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, tie_word_embeddings=False,
@@ -27,139 +33,155 @@ def _tiny_qwen2() -> PreTrainedModel:
             for name, parameter in model.named_parameters():
                 if name.endswith(".bias"):
                     parameter.normal_(0.0, 0.5)
+    install(model)
     return model
 
 
+@pytest.fixture(scope="module")
+def qwen2() -> PreTrainedModel:
+    return _tiny_qwen2()
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny_model(request, tiny_target) -> PreTrainedModel:
-    return tiny_target.model if request.param == "llama" else _tiny_qwen2()
+def tiny_model(request, tiny_target, qwen2) -> PreTrainedModel:
+    if request.param == "qwen2":
+        return qwen2
+    install(tiny_target.model)
+    return tiny_target.model
 
 
-def _alone(model: PreTrainedModel, cache: DynamicCache, tokens: list[int], n_logits: int) -> torch.Tensor:
-    """The reference: one session's plain forward on its own cache."""
+def _plain(model: PreTrainedModel, context: list[int], n_logits: int) -> torch.Tensor:
+    """The reference: the model's own forward over the whole context, no cache; logits of the last n positions."""
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True, logits_to_keep=n_logits)
-    return out.logits[0].float()
+        return model(input_ids=torch.tensor([context]), logits_to_keep=n_logits).logits[0].float()
 
 
-def _random_tokens(rng: random.Random, model: PreTrainedModel, n: int) -> list[int]:
-    return [rng.randrange(model.config.vocab_size) for _ in range(n)]
+def _layout(model: PreTrainedModel, page_tokens: int = 8) -> KVLayout:
+    return KVLayout.of(model, page_tokens=page_tokens)
 
 
-def _sessions(model: PreTrainedModel, rng: random.Random, prompt_lengths: list[int]) -> list[DynamicCache]:
-    caches = []
-    for length in prompt_lengths:
-        cache = DynamicCache(config=model.config)
-        if length:
-            _alone(model, cache, _random_tokens(rng, model, length), 1)
-        caches.append(cache)
-    return caches
+class Session:
+    """A context and its resident cache, kept in step the way the cloud's backend keeps them."""
+
+    def __init__(self, model: PreTrainedModel, rng: random.Random, prompt_length: int, page_tokens: int = 8) -> None:
+        self.model, self.rng = model, rng
+        self.cache = ResidentKV(_layout(model, page_tokens))
+        self.context: list[int] = []
+        if prompt_length:
+            block = self.tokens(prompt_length)
+            forward_packed(model, [self.cache], [block], [1])
+            self.context += block
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.model.config.vocab_size) for _ in range(n)]
+
+    def reject(self, n: int) -> None:
+        self.cache.truncate(self.cache.length - n)
+        del self.context[len(self.context) - n:]
 
 
-def _copy(cache: DynamicCache) -> DynamicCache:
-    copy = DynamicCache()
-    for layer_idx, layer in enumerate(cache.layers):
-        if layer.get_seq_length():
-            copy.update(layer.keys.clone(), layer.values.clone(), layer_idx)
-    return copy
-
-
-def _assert_same_caches(got: list[DynamicCache], want: list[DynamicCache]) -> None:
-    for mine, theirs in zip(got, want):
-        assert mine.get_seq_length() == theirs.get_seq_length()
-        for a, b in zip(mine.layers, theirs.layers):
-            torch.testing.assert_close(a.keys, b.keys, atol=ATOL, rtol=0)
-            torch.testing.assert_close(a.values, b.values, atol=ATOL, rtol=0)
-
-
-def _batched_round(
-    model: PreTrainedModel, rng: random.Random, batched: list[DynamicCache], reference: list[DynamicCache],
-    block_sizes: list[int], n_logits: list[int], atol: float = ATOL,
-) -> None:
-    """One forward_batch round against the same blocks run alone on the reference caches."""
-    blocks = [_random_tokens(rng, model, n) for n in block_sizes]
-    lengths = [cache.get_seq_length() for cache in batched]
-    got = forward_batch(model, batched, blocks, n_logits)
-    want = [_alone(model, cache, block, n) for cache, block, n in zip(reference, blocks, n_logits)]
-    for g, w, n in zip(got, want, n_logits):
-        assert g.dtype == torch.float32 and g.shape == (n, model.config.vocab_size)
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, w, atol=atol, rtol=0)
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
-    assert [cache.get_seq_length() for cache in batched] == [length + n for length, n in zip(lengths, block_sizes)]
-
-
-def _continue_alone(
-    model: PreTrainedModel, rng: random.Random, batched: list[DynamicCache], reference: list[DynamicCache],
-    atol: float = ATOL,
-) -> None:
-    """Caches that went through a batch continue, alone, exactly like caches that never did."""
-    for mine, theirs in zip(batched, reference):
-        block = _random_tokens(rng, model, 3)
-        torch.testing.assert_close(_alone(model, mine, block, 3), _alone(model, theirs, block, 3), atol=atol, rtol=0)
+def _round(model: PreTrainedModel, sessions: list[Session], block_sizes: list[int], n_logits: list[int],
+           atol: float = ATOL) -> None:
+    blocks = [session.tokens(n) for session, n in zip(sessions, block_sizes)]
+    got = forward_packed(model, [s.cache for s in sessions], blocks, n_logits)
+    for session, block, logits, n in zip(sessions, blocks, got, n_logits):
+        session.context += block
+        want = _plain(model, session.context, n)
+        assert logits.dtype == torch.float32 and logits.shape == (n, model.config.vocab_size)
+        torch.testing.assert_close(logits, want, atol=atol, rtol=0)
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
+        assert session.cache.length == len(session.context)
 
 
 def test_batched_equals_alone_then_continues_and_rolls_back(tiny_model):
     rng = random.Random(7)
-    batched = _sessions(tiny_model, rng, [0, 5, 12, 3])
-    reference = [_copy(cache) for cache in batched]
-
-    _batched_round(tiny_model, rng, batched, reference, block_sizes=[4, 1, 6, 3], n_logits=[4, 1, 2, 3])
-    _assert_same_caches(batched, reference)
-    _continue_alone(tiny_model, rng, batched, reference)
-
-    # Rollback after rejections: crop some sessions, then another batched round on the cropped caches.
-    for cache_list in (batched, reference):
-        cache_list[0].crop(-2)
-        cache_list[2].crop(-5)
-        cache_list[3].crop(-1)
-    _batched_round(tiny_model, rng, batched, reference, block_sizes=[2, 5, 1, 3], n_logits=[2, 5, 1, 1])
-    _assert_same_caches(batched, reference)
-    _continue_alone(tiny_model, rng, batched, reference)
+    sessions = [Session(tiny_model, rng, n) for n in (0, 5, 12, 3)]
+    _round(tiny_model, sessions, block_sizes=[4, 1, 6, 3], n_logits=[4, 1, 2, 3])
+    for session, rejected in zip(sessions, (2, 0, 5, 1)):  # rollback after rejections moves a length, nothing else
+        session.reject(rejected)
+    _round(tiny_model, sessions, block_sizes=[2, 5, 1, 3], n_logits=[2, 5, 1, 1])
+    for session in sessions:  # and each continues alone as if it had never been batched
+        _round(tiny_model, [session], block_sizes=[3], n_logits=[3])
 
 
-def test_all_caches_empty(tiny_model):
-    rng = random.Random(3)
-    batched = _sessions(tiny_model, rng, [0, 0, 0])
-    reference = _sessions(tiny_model, rng, [0, 0, 0])
-    _batched_round(tiny_model, rng, batched, reference, block_sizes=[1, 3, 2], n_logits=[1, 3, 1])
-    _assert_same_caches(batched, reference)
-    _continue_alone(tiny_model, rng, batched, reference)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 8)), min_size=1, max_size=6),
+       st.integers(0, 2 ** 16))
+def test_property_a_batch_verdict_equals_the_sessions_alone(qwen2, shapes, seed):
+    """Random batches of sessions with different context lengths and block sizes, rolled back at random."""
+    rng = random.Random(seed)
+    sessions = [Session(qwen2, rng, prompt) for prompt, _, _ in shapes]
+    blocks = [block for _, block, _ in shapes]
+    _round(qwen2, sessions, blocks, [rng.randint(1, n) for n in blocks])
+    for session, (_, block, rejected) in zip(sessions, shapes):
+        session.reject(min(rejected, block))
+    _round(qwen2, sessions, blocks, blocks)
 
 
-def test_one_forward_for_the_whole_batch(tiny_target, monkeypatch):
+def test_growth_keeps_the_past_and_is_the_only_copy(qwen2):
+    rng = random.Random(5)
+    session = Session(qwen2, rng, 6, page_tokens=4)
+    assert session.cache.capacity == 8 and session.cache.copied_bytes == 0
+    _round(qwen2, [session], [2], [2])  # fills the pages it has: nothing moves
+    assert session.cache.copied_bytes == 0
+    _round(qwen2, [session], [3], [3])  # 11 entries: grows, moving the 8 it had once
+    assert session.cache.capacity >= 11 and session.cache.capacity % 4 == 0
+    assert session.cache.copied_bytes == 8 * session.cache.layout.bytes_per_token
+    copied = session.cache.copied_bytes
+    session.reject(3)
+    _round(qwen2, [session], [2], [2])  # within capacity again: verifies copy nothing
+    assert session.cache.copied_bytes == copied
+
+
+def test_one_forward_for_the_whole_batch(tiny_target):
     model = tiny_target.model
+    install(model)
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
-        caches = _sessions(model, random.Random(1), [4, 0, 9])
+        rng = random.Random(1)
+        sessions = [Session(model, rng, n) for n in (4, 0, 9)]
         calls.clear()
-        forward_batch(model, caches, [[1, 2], [3, 4, 5], [6]], [2, 1, 1])
+        forward_packed(model, [s.cache for s in sessions], [[1, 2], [3, 4, 5], [6]], [2, 1, 1])
         assert len(calls) == 1
-
-        # B == 1: a plain forward on the session's own cache, no padded copy.
-        monkeypatch.setattr(batcher, "_left_padded_cache", lambda *args: pytest.fail("B=1 copied the cache"))
-        calls.clear()
-        (logits,) = forward_batch(model, caches[:1], [[7, 8, 9]], [2])
-        assert len(calls) == 1 and logits.shape == (2, model.config.vocab_size)
-        assert caches[0].get_seq_length() == 4 + 2 + 3
+        assert [s.cache.length for s in sessions] == [6, 3, 10]
     finally:
         handle.remove()
 
 
-def test_bad_n_logits_is_refused(tiny_target):
+def test_bad_requests_are_refused_and_change_nothing(tiny_target):
     model = tiny_target.model
+    install(model)
+    caches = [ResidentKV(_layout(model)), ResidentKV(_layout(model))]
     with pytest.raises(ValueError):
-        forward_batch(model, [DynamicCache(), DynamicCache()], [[1, 2], [3]], [1, 2])
+        forward_packed(model, caches, [[1, 2], [3]], [1, 2])
     with pytest.raises(ValueError):
-        forward_batch(model, [DynamicCache(), DynamicCache()], [[1, 2], [3]], [0, 1])
+        forward_packed(model, caches, [[1, 2], [3]], [0, 1])
+    with pytest.raises(ValueError):
+        forward_packed(model, [caches[0], caches[0]], [[1], [2]], [1, 1])
+    assert [c.length for c in caches] == [0, 0]
+    with pytest.raises(ValueError):
+        caches[0].truncate(1)
+
+
+def test_the_model_stays_an_ordinary_model(tiny_target):
+    """Without resident segments the registered attention is SDPA with SDPA's masks (a padded batch included)."""
+    model = tiny_target.model
+    install(model)
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.inference_mode():
+        padded = model(input_ids=ids, attention_mask=mask).logits[1, -1]
+        alone = model(input_ids=ids[1:, 2:]).logits[0, -1]
+    torch.testing.assert_close(padded, alone, atol=ATOL, rtol=0)
 
 
 @pytest.mark.smollm2
 def test_smollm2_batched_equals_alone(smollm2):
     model = smollm2.model
+    install(model)
     rng = random.Random(11)
-    batched = _sessions(model, rng, [7, 0, 15])
-    reference = [_copy(cache) for cache in batched]
-    _batched_round(model, rng, batched, reference, block_sizes=[3, 5, 1], n_logits=[3, 2, 1], atol=2e-4)
-    _continue_alone(model, rng, batched, reference, atol=2e-4)
+    sessions = [Session(model, rng, n, page_tokens=16) for n in (7, 0, 15)]
+    _round(model, sessions, block_sizes=[3, 5, 1], n_logits=[3, 2, 1], atol=2e-4)
+    for session in sessions:
+        _round(model, [session], block_sizes=[3], n_logits=[3], atol=2e-4)

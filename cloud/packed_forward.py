@@ -1,0 +1,125 @@
+"""One target forward for the new tokens of many sessions: packed, unpadded, on resident KV caches.
+
+Session i brings n_i >= 1 new tokens on top of its resident cache of length L_i (cloud/resident_kv.py).
+With N = sum n_i, the forward sees a single row:
+
+    input_ids     [1, N]   session 0's n_0 tokens, then session 1's n_1, ...
+    position_ids  [1, N]   session i's tokens at L_i .. L_i + n_i - 1 (RoPE as if it ran alone)
+    logits rows   [K]      only the rows someone reads: session i's last n_logits[i]
+
+Every linear layer (attention projections, MLP, LM head on the kept rows) runs once over the N
+tokens: that is where batching pays. Attention is per session (`resident_attention`): session i's
+new keys/values [kv_heads, n_i, head_dim] are written into its cache at L_i .. L_i + n_i - 1, then its
+queries [1, heads, n_i, head_dim] attend to `keys[layer, :, :L_i + n_i]`, a view of its own cache,
+under a causal mask shifted by L_i. No past entry is copied, no session pays for another's context
+length, and no padded token is computed. A session alone takes the same path, so its logits are
+the same whether it was batched or not (up to the floating-point order of a GEMM over more rows).
+
+The attention function is registered with transformers under `ATTENTION` and falls back to SDPA
+when a forward carries no resident segments, so the model stays usable as an ordinary one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from cloud.resident_kv import ResidentKV
+
+ATTENTION = "sprinter_resident"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Session i's share of a packed forward: its cache, where its tokens start in the row, and how many."""
+
+    cache: ResidentKV
+    start: int  # first column of its tokens in the packed row
+    count: int  # n_i
+    past: int  # L_i: cache entries before this forward
+
+
+def resident_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, heads, N, head_dim]; key, value [1, kv_heads, N, head_dim] (this forward's tokens only).
+
+    Returns the attention output [1, N, heads, head_dim], as transformers' attention functions do.
+    """
+    segments: list[Segment] | None = kwargs.pop("resident_segments", None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    outputs = []
+    for segment in segments:
+        new, end = slice(segment.start, segment.start + segment.count), segment.past + segment.count
+        keys, values = segment.cache.keys[layer], segment.cache.values[layer]  # [kv_heads, capacity, head_dim]
+        keys[:, segment.past:end] = key[0, :, new]
+        values[:, segment.past:end] = value[0, :, new]
+        # query row r (position past + r) sees keys 0 .. past + r
+        causal = torch.ones(segment.count, end, dtype=torch.bool, device=query.device).tril(diagonal=segment.past)
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, new], keys[None, :, :end], values[None, :, :end], attn_mask=causal, scale=scaling,
+            enable_gqa=keys.shape[0] != query.shape[1]))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def install(model: PreTrainedModel) -> None:
+    """Make `model` run its attention through `resident_attention` (idempotent)."""
+    # Sliding-window or linear-attention layers keep truncated states: a resident full history is another design.
+    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise NotImplementedError(f"the resident KV engine supports full-attention layers only, not {sorted(layer_types)}")
+    AttentionInterface.register(ATTENTION, resident_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the SDPA fallback gets the masks SDPA would
+    if model.config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+
+
+def _check(caches: list[ResidentKV], new_tokens: list[list[int]], n_logits: list[int]) -> None:
+    if not caches or not len(caches) == len(new_tokens) == len(n_logits):
+        raise ValueError("caches, new_tokens and n_logits must be non-empty lists of the same length")
+    if len({id(cache) for cache in caches}) != len(caches):
+        raise ValueError("a session may appear once per forward")
+    for i, (tokens, n) in enumerate(zip(new_tokens, n_logits)):
+        if not 1 <= n <= len(tokens):
+            raise ValueError(f"session {i}: n_logits={n} is outside 1..{len(tokens)} (its number of new tokens)")
+
+
+@torch.inference_mode()
+def forward_packed(model: PreTrainedModel, caches: list[ResidentKV], new_tokens: list[list[int]],
+                   n_logits: list[int]) -> list[torch.Tensor]:
+    """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
+
+    Returns, per session, the float32 logits of its last `n_logits[i]` new positions ([n_logits[i], V]:
+    row r predicts the token after the r-th of those positions). `install(model)` must have run.
+    """
+    _check(caches, new_tokens, n_logits)
+    device = model.device
+    segments, positions, kept_rows, start = [], [], [], 0
+    for cache, tokens, n in zip(caches, new_tokens, n_logits):
+        cache.reserve(cache.length + len(tokens))
+        segments.append(Segment(cache, start, len(tokens), cache.length))
+        positions.extend(range(cache.length, cache.length + len(tokens)))
+        kept_rows.extend(range(start + len(tokens) - n, start + len(tokens)))
+        start += len(tokens)
+    out = model(
+        input_ids=torch.tensor([[t for tokens in new_tokens for t in tokens]], device=device),
+        position_ids=torch.tensor([positions], device=device),
+        use_cache=False,
+        logits_to_keep=torch.tensor(kept_rows, device=device),
+        resident_segments=segments,
+    )
+    for segment in segments:  # only now: a forward that raised leaves every cache as it was
+        segment.cache.length = segment.past + segment.count
+    logits, row = [], 0
+    for n in n_logits:
+        logits.append(out.logits[0, row:row + n].float())
+        row += n
+    return logits

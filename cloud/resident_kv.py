@@ -1,0 +1,117 @@
+"""A session's target KV cache, resident where the target's forward reads and writes it in place.
+
+Glossary
+    length (L)   entries that hold the KV of the session's cached context (positions 0 .. L-1)
+    capacity     entries allocated; always a whole number of pages
+    page         `KVLayout.page_tokens` entries: the unit of allocation and of the cloud's KV budget
+
+Shapes: `keys` and `values` are [layers, kv_heads, capacity, head_dim]; a layer's past is the view
+`keys[layer, :, :L]`.
+
+Why not a transformers `DynamicCache`: its `update` concatenates, so every forward copied the
+session's whole past once per layer, and batching sessions copied every past again into a
+left-padded batch cache. Here a forward writes its n new entries at L .. L+n-1 and attention reads
+`keys[layer, :, :L+n]` as a view (cloud/packed_forward.py); rolling back rejected positions only
+moves L (`truncate`). The one copy left is growth: when the capacity runs out the entries move to a
+buffer `GROWTH` times larger (rounded up to pages), so a generation of N tokens copies at most about
+N / (GROWTH - 1) entries in all, never once per call. `copied_bytes` counts it for the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GROWTH = 1.25  # capacity factor on growth: at most 25% of a session's allocation idle, amortised copies <= 4N
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV in the target model, and how it is allocated."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
+    page_tokens: int = 64
+    max_tokens: int = 1 << 20  # no session grows past this (the cloud's context limit plus a block)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, page_tokens: int = 64, max_tokens: int = 1 << 20) -> "KVLayout":
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        parameter = next(model.parameters())
+        return cls(config.num_hidden_layers, kv_heads, head_dim, parameter.dtype, parameter.device, page_tokens,
+                   max_tokens)
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_tokens * self.bytes_per_token
+
+    def pages(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_tokens)
+
+
+class ResidentKV:
+    """One session's KV: written in place by the packed forward, rolled back by moving `length`."""
+
+    def __init__(self, layout: KVLayout, reserve_tokens: int = 0) -> None:
+        self.layout = layout
+        self.length = 0
+        self.copied_bytes = 0  # growth copies so far (past entries moved to a larger buffer)
+        self.keys = self._allocate(0)
+        self.values = self._allocate(0)
+        if reserve_tokens:
+            self.reserve(reserve_tokens)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def pages(self) -> int:
+        return self.capacity // self.layout.page_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.layout.bytes_per_page
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        layout = self.layout
+        return torch.empty((layout.layers, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype,
+                           device=layout.device)
+
+    def reserve(self, tokens: int) -> int:
+        """Make room for `tokens` entries in all (growing by pages, at least GROWTH x); returns bytes copied."""
+        if tokens <= self.capacity:
+            return 0
+        layout = self.layout
+        if tokens > layout.max_tokens:
+            raise ValueError(f"{tokens} KV entries exceed this cloud's limit of {layout.max_tokens} per session")
+        wanted = max(tokens, math.ceil(self.capacity * GROWTH))
+        capacity = min(layout.pages(wanted), layout.pages(layout.max_tokens)) * layout.page_tokens
+        keys, values = self._allocate(capacity), self._allocate(capacity)
+        keys[:, :, :self.length] = self.keys[:, :, :self.length]
+        values[:, :, :self.length] = self.values[:, :, :self.length]
+        self.keys, self.values = keys, values
+        copied = self.length * layout.bytes_per_token
+        self.copied_bytes += copied
+        return copied
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` entries (a rejected block's positions are simply overwritten later)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate {self.length} KV entries to {length}")
+        self.length = length
+
+    def get_seq_length(self) -> int:
+        return self.length
