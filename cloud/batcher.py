@@ -2,12 +2,18 @@
 
 The target model is used by one worker thread only (it is not thread-safe, and two forwards at once
 would just split the same cores). Whenever that thread is free and work is waiting, the next forward
-starts at once with every verify request that has arrived (up to `max_batch` requests and
-`max_forward_tokens` tokens), so a lone request never waits out a window while the engine idles;
-under load, requests pile up during a forward and all join the next one. Each forward is one packed,
-unpadded pass over resident KV caches (cloud/packed_forward.py), so joining a batch costs a request
-neither padding nor a copy of anyone's past. A positive `window_s` (`--batch-window-ms`) may still
-hold a forward back for stragglers when more sessions are open than requests are waiting.
+takes every verify request that has arrived (up to `max_batch` requests and `max_forward_tokens`
+tokens): under load, requests pile up during a forward and all join the next one. Each forward is
+one packed, unpadded pass over resident KV caches (cloud/packed_forward.py), so joining a batch
+costs a request neither padding nor a copy of anyone's past.
+
+Stragglers: right after a forward, if fewer verifies wait than sessions are open (`demand`), the
+next forward is held for at most `straggler_share` of the previous forward's time, capped at
+`max_hold_s` (or a fixed `window_s`, `--batch-window-ms`). Without it, edges that answer verdicts at
+once fall into two groups that take turns, each forward carrying half of them and each request
+waiting out the other half's forward; with it, the groups merge for a fraction of a forward. A lone
+session (demand 1) never waits, nor does a request that finds the engine idle (no forward ended
+within the last forward's duration): at low load a verify joins the next forward at once.
 
 Prompts are prefilled in chunks of at most `max_prefill_chunk` tokens that ride along with the
 verifies: a forward carries at most one chunk, so a long prompt delays a verify by one chunk's
@@ -67,10 +73,14 @@ class Batcher:
     def __init__(self, model: PreTrainedModel, window_s: float = 0.0, max_batch: int = 8,
                  on_batch: Callable[[ForwardStats], None] | None = None,
                  demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256,
-                 max_forward_tokens: int = 1024) -> None:
+                 max_forward_tokens: int = 1024, straggler_share: float = 0.25, max_hold_s: float = 0.02) -> None:
         install(model)
         self.model = model
         self.window_s = window_s
+        self.straggler_share = straggler_share
+        self.max_hold_s = max_hold_s
+        self._last_forward_s = 0.0
+        self._last_forward_end = 0.0
         self.max_batch = max(1, max_batch)
         self.max_prefill_chunk = max(1, max_prefill_chunk)
         self.max_forward_tokens = max(1, max_forward_tokens)
@@ -126,8 +136,15 @@ class Batcher:
             await self._arrived.wait()
 
     async def _wait_for_stragglers(self) -> None:
-        """With a window: hold the forward until the window closes or as many verifies wait as could come."""
-        deadline = time.perf_counter() + self.window_s
+        """Hold the forward until as many verifies wait as sessions are open, for a bounded time (module docstring)."""
+        now = time.perf_counter()
+        if self.window_s > 0:
+            hold_s = self.window_s
+        elif now - self._last_forward_end > self._last_forward_s:
+            return  # the engine was idle: nobody is about to join
+        else:
+            hold_s = min(self.max_hold_s, self.straggler_share * self._last_forward_s)
+        deadline = now + hold_s
         while len(self._verifies) < self._batch_limit() and not self._prefills:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
@@ -174,7 +191,7 @@ class Batcher:
     async def _run(self) -> None:
         while True:
             await self._wait_for_work()
-            if self.window_s > 0 and self._verifies:
+            if self._verifies:
                 await self._wait_for_stragglers()
             batch = self._without_abandoned(self._next_batch())
             if batch:
@@ -194,6 +211,7 @@ class Batcher:
                     request.future.set_exception(err)
             return
         forward_s = time.perf_counter() - started
+        self._last_forward_s, self._last_forward_end = forward_s, time.perf_counter()
         if self.on_batch:
             self.on_batch(ForwardStats(len(batch), sum(len(r.new_tokens) for r in batch), forward_s,
                                        sum(r.cache.copied_bytes for r in batch) - copied_before))

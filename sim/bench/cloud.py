@@ -1,10 +1,14 @@
 """bench cloud: how much verification one cloud process serves to N concurrent edges, batching on vs off.
 
-    sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --edges 1,2,4,8,16 --out results/bench-cloud
+    sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --edges 1,2,4,8,16 --contexts 128,1024,4096 \
+        --out results/bench-cloud
 
 Each synthetic edge replays draft blocks recorded from the pair's draft model (greedy, k tokens per
-block) over its own Session stream, as fast as verdicts come back. The cloud runs as a separate
-process (`sprinter cloud serve`), once with batching on and once with `--max-batch 1`.
+block) over its own Session stream, as fast as verdicts come back, on top of a prompt of about each
+`--contexts` length (the bench prompt, preceded by filler text cut from the other prompts). The cloud
+runs as a separate process (`sprinter cloud serve`), once with batching on and once with `--max-batch 1`.
+`--source DIR --engine NAME` runs the cloud from another checkout (say, a git worktree of an older
+commit) and labels its rows, so two engines can be compared on one machine in one run.
 Reports verified tokens/s and p50/p99 verify latency; writes results.json, table.md and a plot.
 """
 
@@ -42,13 +46,17 @@ class CloudBenchSettings:
     edges: tuple[int, ...] = (1, 2, 4, 8, 16)
     rounds: int = 8  # verify calls per edge
     k: int = 5  # draft tokens per block
-    batch_window_ms: float = 5.0
+    contexts: tuple[int, ...] = (0,)  # prompt lengths to pad to (0: the bench prompts as they are)
+    batch_window_ms: float | None = None  # None: the cloud's own default
     max_batch: int = 16
     dtype: str = "bfloat16"
     out: Path = Path("results/bench-cloud")
+    source: Path | None = None  # run the cloud from this checkout instead of this one
+    engine: str = "resident"  # the label of the engine that checkout (or this one) runs
+    cpus: tuple[int, ...] = ()  # pin the cloud process (and its threads) to these cores
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "out": str(self.out)}
+        return {**asdict(self), "out": str(self.out), "source": str(self.source) if self.source else None}
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,8 @@ class RecordedEdge:
 @dataclass
 class BenchRow:
     target: str
+    engine: str
+    context: int  # prompt tokens each edge's session opened with
     edges: int
     batching: bool
     verified_tokens_per_s: float
@@ -67,6 +77,19 @@ class BenchRow:
     verify_p99_ms: float
     cloud_batch_size_mean: float
     verify_calls: int
+
+
+def with_context(edges: list[RecordedEdge], context: int) -> list[RecordedEdge]:
+    """Each edge's prompt preceded by filler (the other prompts' tokens, cycled) up to `context` tokens."""
+    if context <= 0:
+        return edges
+    filler = [t for edge in edges for t in edge.prompt_ids]
+    padded = []
+    for edge in edges:
+        missing = max(0, context - len(edge.prompt_ids))
+        prefix = (filler * (missing // max(1, len(filler)) + 1))[:missing]
+        padded.append(RecordedEdge(prefix + edge.prompt_ids, edge.blocks))
+    return padded
 
 
 def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[RecordedEdge]:
@@ -83,11 +106,14 @@ def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[Recorde
 
 
 async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: int, start: asyncio.Event,
-                   latencies_ms: list[float], batch_sizes: list[int]) -> int:
+                   latencies_ms: list[float], batch_sizes: list[int], opened: asyncio.Semaphore) -> int:
     call = stub.Session()
     await call.write(pb.EdgeFrame(open=pb.OpenSession(prompt_ids=edge.prompt_ids)))
-    opened = await call.read()
-    context_length = opened.opened.context_length
+    answer = await call.read()
+    if answer.WhichOneof("frame") != "opened":
+        raise RuntimeError(f"cloud refused the session: {answer}")
+    context_length = answer.opened.context_length
+    opened.release()
     await start.wait()
     verified = 0
     for i in range(rounds):
@@ -116,9 +142,12 @@ async def measure(address: str, edges: list[RecordedEdge], n_edges: int, rounds:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.TargetServiceStub(channel)
         start = asyncio.Event()
-        tasks = [asyncio.create_task(run_edge(stub, edges[i % len(edges)], rounds, start, latencies_ms, batch_sizes))
+        opened = asyncio.Semaphore(0)
+        tasks = [asyncio.create_task(run_edge(stub, edges[i % len(edges)], rounds, start, latencies_ms, batch_sizes,
+                                              opened))
                  for i in range(n_edges)]
-        await asyncio.sleep(0.5)  # let every session open (and prefill) before the clock starts
+        for _ in range(n_edges):  # every session opened (and its prompt prefilled) before the clock starts
+            await opened.acquire()
         started = time.perf_counter()
         start.set()
         verified = sum(await asyncio.gather(*tasks))
@@ -131,60 +160,101 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    lines = ["| target | edges | batching | verified tokens/s | speedup | p50 ms | p99 ms | mean batch |",
-             "|---|---|---|---|---|---|---|---|"]
+    """speedup: over the same engine unbatched; vs old: over the first other engine's row with the same batching."""
+    lines = ["| target | engine | context | edges | batching | verified tokens/s | speedup | vs other engine | "
+             "p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        off = next((r for r in rows if r.target == row.target and r.edges == row.edges and not r.batching), None)
-        speedup = row.verified_tokens_per_s / off.verified_tokens_per_s if off else float("nan")
-        lines.append(f"| {row.target} | {row.edges} | {'on' if row.batching else 'off'} | {row.verified_tokens_per_s:.1f} | "
-                     f"{speedup:.2f}x | {row.verify_p50_ms:.0f} | {row.verify_p99_ms:.0f} | {row.cloud_batch_size_mean:.2f} |")
+        def same(r: BenchRow) -> bool:
+            return (r.target, r.context, r.edges) == (row.target, row.context, row.edges)
+        off = next((r for r in rows if same(r) and r.engine == row.engine and not r.batching), None)
+        other = next((r for r in rows if same(r) and r.engine != row.engine and r.batching == row.batching), None)
+        speedup = f"{row.verified_tokens_per_s / off.verified_tokens_per_s:.2f}x" if off else "-"
+        versus = f"{row.verified_tokens_per_s / other.verified_tokens_per_s:.2f}x" if other else "-"
+        lines.append(f"| {row.target} | {row.engine} | {row.context} | {row.edges} | {'on' if row.batching else 'off'} | "
+                     f"{row.verified_tokens_per_s:.1f} | {speedup} | {versus} | {row.verify_p50_ms:.0f} | "
+                     f"{row.verify_p99_ms:.0f} | {row.cloud_batch_size_mean:.2f} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[BenchRow], path: Path) -> None:
+    """Verified tokens/s against edges: a panel per target and context, a line per engine and batching."""
     plt = pyplot()
-    targets = list(dict.fromkeys(r.target for r in rows))
-    fig, axes = plt.subplots(1, len(targets), figsize=(5 * len(targets), 4), squeeze=False)
-    for ax, target in zip(axes[0], targets):
-        for batching in (True, False):
-            series = [r for r in rows if r.target == target and r.batching == batching]
-            ax.plot([r.edges for r in series], [r.verified_tokens_per_s for r in series], marker="o",
-                    label=f"batching {'on' if batching else 'off'}")
+    panels = list(dict.fromkeys((r.target, r.context) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (target, context) in zip(axes[0], panels):
+        for engine in dict.fromkeys(r.engine for r in rows):
+            for batching in (True, False):
+                series = [r for r in rows if (r.target, r.context, r.engine, r.batching) == (target, context, engine,
+                                                                                               batching)]
+                if series:
+                    ax.plot([r.edges for r in series], [r.verified_tokens_per_s for r in series], marker="o",
+                            linestyle="-" if batching else ":", label=f"{engine}, batching {'on' if batching else 'off'}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent edges")
         ax.set_ylabel("verified tokens/s")
-        ax.set_title(target)
-        ax.legend()
+        ax.set_title(f"{target}, context {context}")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def _serve_args(settings: CloudBenchSettings, target: str, batching: bool) -> list[str]:
+    longest = max(settings.contexts) + settings.k * (settings.rounds + 2) + 64
+    args = ["--target", target, "--dtype", settings.dtype, "--max-sessions", str(max(settings.edges) + 4),
+            "--max-context", str(max(4096, longest)), "--kv-budget-mb", "16384",
+            "--max-batch", str(settings.max_batch if batching else 1)]
+    if settings.batch_window_ms is not None:  # else each engine's own default
+        args += ["--batch-window-ms", str(settings.batch_window_ms)]
+    return args
+
+
+def _environment(settings: CloudBenchSettings) -> dict[str, str]:
+    env = {}
+    if settings.source is not None:  # its packages and its generated stubs come first on the path
+        source = settings.source.resolve()
+        env["PYTHONPATH"] = f"{source}:{source / 'proto'}"
+    if settings.cpus:
+        env["OMP_NUM_THREADS"] = str(len(settings.cpus))
+    return env
+
+
 def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edges: list[RecordedEdge]) -> list[BenchRow]:
-    """One cloud process for `target`, batching on or off (`--max-batch 1`); a row per edge count."""
-    serve_args = ["--target", target, "--dtype", settings.dtype, "--max-sessions", str(max(settings.edges) + 4),
-                  "--batch-window-ms", str(settings.batch_window_ms),
-                  "--max-batch", str(settings.max_batch if batching else 1)]
-    log_path = settings.out / f"cloud-{target}-{'batched' if batching else 'unbatched'}.log"
+    """One cloud process for `target`, batching on or off (`--max-batch 1`); a row per context and edge count."""
+    log_path = settings.out / f"cloud-{target}-{settings.engine}-{'batched' if batching else 'unbatched'}.log"
     rows = []
-    with cloud_process(*serve_args, log_path=log_path) as address:
+    with cloud_process(*_serve_args(settings, target, batching), log_path=log_path, cpus=set(settings.cpus) or None,
+                       env=_environment(settings)) as address:
         asyncio.run(measure(address, edges, 1, 2))  # warm-up
-        for n_edges in tqdm(settings.edges, desc=f"{target} batching {'on' if batching else 'off'}"):
-            tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, edges, n_edges, settings.rounds))
-            rows.append(BenchRow(target, n_edges, batching, tokens_per_s, statistics.median(latencies),
-                                 percentile(latencies, 0.99), statistics.fmean(batch_sizes), len(latencies)))
+        for context in settings.contexts:
+            replayed = with_context(edges, context)
+            for n_edges in tqdm(settings.edges, desc=f"{target} {settings.engine} context {context} "
+                                                     f"batching {'on' if batching else 'off'}"):
+                tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, replayed, n_edges, settings.rounds))
+                rows.append(BenchRow(target, settings.engine, len(replayed[0].prompt_ids), n_edges, batching,
+                                     tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
+                                     statistics.fmean(batch_sizes), len(latencies)))
     return rows
 
 
+def _earlier_rows(settings: CloudBenchSettings) -> list[BenchRow]:
+    """Rows of other engines already in OUT/results.json: a second run with another --engine adds to them."""
+    path = settings.out / "results.json"
+    if not path.exists():
+        return []
+    rows = [BenchRow(**row) for row in json.loads(path.read_text())["rows"] if "engine" in row]
+    return [row for row in rows if row.engine != settings.engine]
+
+
 def bench_cloud(settings: CloudBenchSettings) -> str:
-    """Every target, batching on and off, every edge count; writes OUT, returns the table."""
+    """Every target, batching on and off, every context and edge count; writes OUT, returns the table."""
     settings.out.mkdir(parents=True, exist_ok=True)
-    rows: list[BenchRow] = []
+    rows = _earlier_rows(settings)
     for target in settings.targets:
         edges = record_edges(target, DEFAULT_DRAFTS.get(target, target), settings.k,
                              n_tokens=settings.k * settings.rounds)
         for batching in (True, False):
             rows += measure_cloud(settings, target, batching, edges)
-    rows.sort(key=lambda r: (r.target, r.edges, not r.batching))
+    rows.sort(key=lambda r: (r.target, r.context, r.edges, r.engine, not r.batching))
     table = format_table(rows)
     (settings.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
                                                            "args": settings.to_dict(),

@@ -83,9 +83,15 @@ def _register_cloud(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--edges", type=_ints, default=(1, 2, 4, 8, 16), help="comma list (default 1,2,4,8,16)")
     p.add_argument("--rounds", type=int, default=8, help="verify calls per edge")
     p.add_argument("--k", type=int, default=5, help="draft tokens per block")
-    p.add_argument("--batch-window-ms", type=float, default=5.0)
+    p.add_argument("--contexts", type=_ints, default=(0,),
+                   help="prompt lengths in tokens, comma list (default 0: the bench prompts as they are)")
+    p.add_argument("--batch-window-ms", type=float, help="default: the cloud's own")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--source", type=Path, help="run the cloud from this checkout (e.g. a worktree of an older commit)")
+    p.add_argument("--engine", default="resident", help="label of the engine measured (rows of other labels in "
+                                                        "OUT/results.json are kept, so two runs compare two engines)")
+    p.add_argument("--cpus", type=_ints, default=(), help="pin the cloud process to these cores (comma list)")
     p.add_argument("--out", type=Path, default=Path("results/bench-cloud"))
     p.set_defaults(run=run_cloud)
 
@@ -143,8 +149,9 @@ def run_local(args: argparse.Namespace) -> int:
 
 def run_cloud(args: argparse.Namespace) -> int:
     settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges, rounds=args.rounds, k=args.k,
-                                  batch_window_ms=args.batch_window_ms, max_batch=args.max_batch, dtype=args.dtype,
-                                  out=args.out)
+                                        contexts=args.contexts, batch_window_ms=args.batch_window_ms,
+                                        max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
+                                        engine=args.engine, cpus=args.cpus)
     print(cloud.bench_cloud(settings))
     print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
     return 0
