@@ -66,7 +66,7 @@ def test_a_prefill_rides_along_in_chunks_one_per_forward(tiny_target, forwards):
             for _ in range(3):
                 await batcher.forward(busy, [3], 1)
             await prefill
-            assert prompt.length == 20 and prompt.capacity == 32  # all its pages reserved up front
+            assert prompt.length == 20 and prompt.capacity == 64  # its pages and two more, reserved up front
 
     asyncio.run(run())
     chunks = [[n for n in forward if n == 8 or n == 4] for forward in forwards]

@@ -5,9 +5,10 @@ Target forward time model (`ForwardModel`), fitted to measured batched forwards:
     t_forward_ms(b, n) = c0_ms + c_tok_ms * n + c_seq_ms * b
 
 b is the number of requests in the batch and n the number of tokens the forward runs. The cloud
-runs one left-padded forward per batch, so by default (`FleetCosts.padded_batches`) n counts the
-padded tokens, b x the longest request. c0 is the fixed cost of a forward (weights streamed once),
-c_tok the marginal cost of a token, c_seq a per-sequence overhead (KV gathering, padding masks).
+runs one packed, unpadded forward per batch (cloud/packed_forward.py), so by default n counts the
+requests' own tokens; `FleetCosts.padded_batches` models the engine before it (one left-padded
+forward: n = b x the longest request). c0 is the fixed cost of a forward (weights streamed once),
+c_tok the marginal cost of a token, c_seq a per-sequence overhead (per-session attention calls).
 Context length is not a term: its attention cost is small next to the weights at these sizes.
 
 A `ModeProfile` says what one edge does per cloud call, as an empirical distribution of
@@ -115,9 +116,9 @@ class FleetCosts:
     verifier_ms: float  # per drafted token, sprinter modes only (the others run no verifier)
     forward: ForwardModel
     rtt: RttModel = field(default_factory=RttModel)
-    window_ms: float = 5.0  # cloud batching window (`--batch-window-ms`)
+    window_ms: float = 0.0  # cloud batching window (`--batch-window-ms`; 0: continuous batching)
     max_batch: int = 8  # cloud `--max-batch`
-    padded_batches: bool = True  # n = b x longest request, as the cloud's padded forward runs it
+    padded_batches: bool = False  # True: n = b x longest request, as the engine before the packed forward ran it
     uplink_mbps: float | None = None  # None: transfer time not modelled
     downlink_mbps: float | None = None
     uplink_bytes_per_token: float = 8.0  # a draft token id and its draft probability
@@ -245,7 +246,7 @@ def demo_costs() -> FleetCosts:
         verifier_ms=0.8,
         forward=fit_forward_model(DEMO_FORWARD_SAMPLES),
         rtt=RttModel(mean_ms=30.0, jitter_ms=10.0),  # assumed WAN link; the measurements ran on loopback
-        window_ms=5.0, max_batch=16,  # bench-cloud's settings
+        window_ms=5.0, max_batch=16, padded_batches=True,  # bench-cloud's settings (the padded engine)
         note=ILLUSTRATIVE + "draft 18 ms/step (ONNX int8), verifier 0.8 ms/token, target forward fitted to "
              "bench-cloud (1x6 tokens 171 ms, 8x6 405 ms, 16x6 609 ms) and a 136 ms 1-token step; RTT 30+-10 ms assumed",
     )
