@@ -116,7 +116,7 @@ class Batcher:
     async def prefill(self, cache: ResidentKV, tokens: list[int], abandoned: Callable[[], bool] | None = None) -> None:
         """Append `tokens` to `cache` in chunks, one per forward; raises CancelledError if the caller left."""
         # The prompt's pages and two more at once: no growth copy mid-prefill, nor in the first verifies.
-        cache.reserve(cache.length + len(tokens) + 2 * cache.layout.page_tokens)
+        cache.reserve(cache.length + len(tokens), headroom=2 * cache.layout.page_tokens)
         for start in range(0, len(tokens), self.max_prefill_chunk):
             request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned)
             self._prefills.append(request)

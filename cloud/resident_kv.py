@@ -90,14 +90,15 @@ class ResidentKV:
         return torch.empty((layout.layers, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype,
                            device=layout.device)
 
-    def reserve(self, tokens: int) -> int:
-        """Make room for `tokens` entries in all (growing by pages, at least GROWTH x); returns bytes copied."""
+    def reserve(self, tokens: int, headroom: int = 0) -> int:
+        """Make room for `tokens` entries in all, growing by pages (at least GROWTH x, plus up to `headroom` more
+        within the session limit); returns the bytes of past entries copied."""
         if tokens <= self.capacity:
             return 0
         layout = self.layout
         if tokens > layout.max_tokens:
             raise ValueError(f"{tokens} KV entries exceed this cloud's limit of {layout.max_tokens} per session")
-        wanted = max(tokens, math.ceil(self.capacity * GROWTH))
+        wanted = max(tokens + headroom, math.ceil(self.capacity * GROWTH))
         capacity = min(layout.pages(wanted), layout.pages(layout.max_tokens)) * layout.page_tokens
         keys, values = self._allocate(capacity), self._allocate(capacity)
         keys[:, :, :self.length] = self.keys[:, :, :self.length]
