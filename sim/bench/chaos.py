@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from common.decoding.modes import PIPELINES
 from sim.bench.load import RequestOutcome, RequestSpec, failure_lines, http_client, latency_summary, seconds, send_request
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess, edge_daemon_process, free_port
@@ -49,6 +50,7 @@ class ChaosSettings:
     kill_after_s: tuple[float, float] = (0.3, 1.5)  # from a phase's first request to the kill
     recovery_timeout_s: float = 60.0  # for the edge to see the cloud again before the last phase
     seed: int = 0
+    pipeline: str = "off"  # the edge daemon's default --pipeline (off, ahead, send-ahead)
     startup_timeout_s: float = 900.0
     out: Path = Path("results/bench-chaos")
 
@@ -89,6 +91,8 @@ def register_chaos(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-after-s", type=lambda t: tuple(float(x) for x in t.split(",")), default=d.kill_after_s,
                    metavar="MIN,MAX", help="seconds from a phase's first request to the kill (default 0.3,1.5)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
+                   help="the edge daemon's default pipeline (off, ahead, send-ahead), for every request")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_chaos)
 
@@ -99,7 +103,8 @@ def settings_from_args(args: argparse.Namespace) -> ChaosSettings:
                          f"({args.kills + 1}): every phase needs a request")
     return ChaosSettings(target=args.target, draft=args.draft, dtype=args.dtype, requests=args.requests,
                          kills=args.kills, max_tokens=args.max_tokens, modes=args.modes, stagger_s=args.stagger_s,
-                         kill_after_s=args.kill_after_s, seed=args.seed, out=args.out)
+                         kill_after_s=args.kill_after_s, seed=args.seed,
+                        pipeline=args.pipeline, out=args.out)
 
 
 def run_chaos(args: argparse.Namespace) -> int:
@@ -116,6 +121,7 @@ def chaos(settings: ChaosSettings) -> ChaosResult:
     cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--drain-s", "2",
                          log_path=settings.out / "cloud.log", startup_timeout_s=settings.startup_timeout_s)
     edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
+                 "--pipeline", settings.pipeline,
                  "--model-name", f"{settings.draft}+{settings.target}"]
     with cloud, edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
                                     settings.startup_timeout_s) as edge:

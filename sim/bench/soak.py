@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from common.decoding.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
 from sim.bench.prompts import load_bench_prompts
@@ -53,6 +54,7 @@ class SoakSettings:
     max_sessions: int = 64
     sample_s: float = 0.5
     seed: int = 0
+    pipeline: str = "off"  # the edge daemon's default --pipeline (off, ahead, send-ahead)
     startup_timeout_s: float = 900.0
     out: Path = Path("results/bench-soak")
 
@@ -89,6 +91,8 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="the cloud's --max-sessions")
     p.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS and metrics sampling period")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
+                   help="the edge daemon's default pipeline (off, ahead, send-ahead), for every request")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_soak)
 
@@ -105,7 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
     return SoakSettings(target=args.target, draft=args.draft, dtype=args.dtype, sessions=args.sessions,
                         duration_s=args.duration_s, max_tokens=args.max_tokens, modes=args.modes,
                         temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb, max_context=args.max_context,
-                        max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed, out=args.out)
+                        max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed,
+                        pipeline=args.pipeline, out=args.out)
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -127,6 +132,7 @@ def soak(settings: SoakSettings) -> SoakResult:
                          "--drain-s", "5", log_path=settings.out / "cloud.log",
                          startup_timeout_s=settings.startup_timeout_s)
     edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
+                 "--pipeline", settings.pipeline,
                  "--model-name", f"{settings.draft}+{settings.target}"]
     with cloud, edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
                                     settings.startup_timeout_s) as edge:
