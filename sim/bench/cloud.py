@@ -237,12 +237,14 @@ def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edg
 
 
 def _earlier_rows(settings: CloudBenchSettings) -> list[BenchRow]:
-    """Rows of other engines already in OUT/results.json: a second run with another --engine adds to them."""
+    """Rows already in OUT/results.json that this run does not measure again (other engines, targets or contexts),
+    so runs with another --engine or other --contexts add to one table."""
     path = settings.out / "results.json"
     if not path.exists():
         return []
     rows = [BenchRow(**row) for row in json.loads(path.read_text())["rows"] if "engine" in row]
-    return [row for row in rows if row.engine != settings.engine]
+    return [row for row in rows if not (row.engine == settings.engine and row.target in settings.targets
+                                        and row.context in settings.contexts)]
 
 
 def bench_cloud(settings: CloudBenchSettings) -> str:
