@@ -210,9 +210,10 @@ def _serve_args(settings: CloudBenchSettings, target: str, batching: bool) -> li
 
 def _environment(settings: CloudBenchSettings) -> dict[str, str]:
     env = {}
-    if settings.source is not None:  # its packages and its generated stubs come first on the path
+    if settings.source is not None:  # its packages and its generated stubs come first on the path ...
         source = settings.source.resolve()
         env["PYTHONPATH"] = f"{source}:{source / 'proto'}"
+        env["PYTHONSAFEPATH"] = "1"  # ... and `python -m` must not put this checkout (the cwd) before them
     if settings.cpus:
         env["OMP_NUM_THREADS"] = str(len(settings.cpus))
     return env
