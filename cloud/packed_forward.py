@@ -42,6 +42,7 @@ class Segment:
     start: int  # first column of its tokens in the packed row
     count: int  # n_i
     past: int  # L_i: cache entries before this forward
+    causal: torch.Tensor | None  # [n_i, L_i + n_i] bool: query row r sees keys 0 .. L_i + r (None: one query sees all)
 
 
 def resident_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -62,10 +63,8 @@ def resident_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         keys, values = segment.cache.keys[layer], segment.cache.values[layer]  # [kv_heads, capacity, head_dim]
         keys[:, segment.past:end] = key[0, :, new]
         values[:, segment.past:end] = value[0, :, new]
-        # query row r (position past + r) sees keys 0 .. past + r
-        causal = torch.ones(segment.count, end, dtype=torch.bool, device=query.device).tril(diagonal=segment.past)
         outputs.append(F.scaled_dot_product_attention(
-            query[:, :, new], keys[None, :, :end], values[None, :, :end], attn_mask=causal, scale=scaling,
+            query[:, :, new], keys[None, :, :end], values[None, :, :end], attn_mask=segment.causal, scale=scaling,
             enable_gqa=keys.shape[0] != query.shape[1]))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -105,7 +104,10 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV], new_tokens:
     segments, positions, kept_rows, start = [], [], [], 0
     for cache, tokens, n in zip(caches, new_tokens, n_logits):
         cache.reserve(cache.length + len(tokens))
-        segments.append(Segment(cache, start, len(tokens), cache.length))
+        end = cache.length + len(tokens)
+        causal = (None if len(tokens) == 1 else  # built once per forward, read by every layer
+                  torch.ones(len(tokens), end, dtype=torch.bool, device=device).tril(diagonal=cache.length))
+        segments.append(Segment(cache, start, len(tokens), cache.length, causal))
         positions.extend(range(cache.length, cache.length + len(tokens)))
         kept_rows.extend(range(start + len(tokens) - n, start + len(tokens)))
         start += len(tokens)
