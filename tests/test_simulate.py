@@ -247,3 +247,10 @@ def test_telemetry_plots_with_phase_spans_and_nothing_without_data(tmp_path: Pat
     (tmp_path / "telemetry.jsonl").write_text("".join(json.dumps(m) + "\n" for m in recorded) + '{"rec')  # cut short
     assert plot_telemetry(tmp_path) == tmp_path / "telemetry.png"
     assert (tmp_path / "telemetry.png").stat().st_size > 1000
+
+
+def test_the_real_cli_namespace_makes_settings(tmp_path):
+    """What `sprinter simulate` gets from common/cli.py (argv included) is accepted (it once was refused)."""
+    from common.cli import parse_args
+    settings = settings_from_args(parse_args(["simulate", "--out", str(tmp_path), "--rtt-ms", "0,50", "--mqtt", "off"]))
+    assert settings.rtt_ms == (0.0, 50.0) and settings.out == tmp_path

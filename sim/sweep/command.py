@@ -67,7 +67,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> SimulateSettings:
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command", "log_level")}
+    # what common/cli.py adds to every command's namespace (argv: for commands that start copies of themselves)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command", "log_level", "argv")}
     config = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
     if not isinstance(config, dict):
         raise ValueError(f"{args.config}: expected a JSON object")
