@@ -77,14 +77,6 @@ class ResidentKV:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def pages(self) -> int:
-        return self.capacity // self.layout.page_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self.pages * self.layout.bytes_per_page
-
     def _allocate(self, capacity: int) -> torch.Tensor:
         layout = self.layout
         return torch.empty((layout.layers, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype,
@@ -113,6 +105,3 @@ class ResidentKV:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate {self.length} KV entries to {length}")
         self.length = length
-
-    def get_seq_length(self) -> int:
-        return self.length

@@ -13,7 +13,6 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection

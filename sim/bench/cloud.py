@@ -69,7 +69,7 @@ class RecordedEdge:
 class BenchRow:
     target: str
     engine: str
-    context: int  # prompt tokens each edge's session opened with
+    context: int  # prompt tokens each edge's session opened with (0: the bench prompts as they are)
     edges: int
     batching: bool
     verified_tokens_per_s: float
@@ -231,7 +231,7 @@ def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edg
             for n_edges in tqdm(settings.edges, desc=f"{target} {settings.engine} context {context} "
                                                      f"batching {'on' if batching else 'off'}"):
                 tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, replayed, n_edges, settings.rounds))
-                rows.append(BenchRow(target, settings.engine, len(replayed[0].prompt_ids), n_edges, batching,
+                rows.append(BenchRow(target, settings.engine, context, n_edges, batching,
                                      tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
                                      statistics.fmean(batch_sizes), len(latencies)))
     return rows
