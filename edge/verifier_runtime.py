@@ -138,8 +138,11 @@ class LearnedVerifier:
             raise VerifierMismatch(f"this verifier was trained with companion {trained_with!r}, not {companion_spec!r}")
 
     def score(self, step: DraftStep) -> float:
-        features = step_features(step, tuple(self.metadata["features"]))[None, :]
-        return float(self.session.run(None, {self.session.get_inputs()[0].name: features})[0].reshape(-1)[0])
+        return float(self.score_features(step_features(step, tuple(self.metadata["features"]))[None, :])[0])
+
+    def score_features(self, features: np.ndarray) -> np.ndarray:
+        """[n, F] feature rows (the metadata's features, in order) -> [n] acceptance probabilities."""
+        return self.session.run(None, {self.session.get_inputs()[0].name: features.astype(np.float32)})[0].reshape(-1)
 
 
 SHIPPED_DIR = Path(__file__).parent / "verifiers"

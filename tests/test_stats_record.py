@@ -25,3 +25,14 @@ def test_stats_carry_the_record(tiny_target, tiny_draft):
     assert len(stats.token_times_ms) == stats.new_tokens
     assert stats.token_times_ms == sorted(stats.token_times_ms)
     assert sum(stats.block_lengths) == stats.drafted_tokens
+
+
+def test_the_sweeps_hindsight_oracle_counts_the_sessions_open_as_a_call_of_its_own():
+    from sim.sweep.summary import hindsight_calls_per_token
+
+    never_rejected = {"target_calls": 3, "stats": {"block_lengths": [5, 5], "accepted_lengths": [5, 5]}}
+    # 2 verified blocks + the open (target_calls 3): 1 call for the open's token, 1/21 per token after it
+    assert hindsight_calls_per_token([{"sprinter": never_rejected}], 13) == pytest.approx((1 + 12 / 21) / 13)
+    no_open = {"target_calls": 2, "stats": never_rejected["stats"]}
+    assert hindsight_calls_per_token([{"sprinter": no_open}], 12) == pytest.approx(1 / 21)
+    assert hindsight_calls_per_token([{"sprinter": {"target_calls": 1, "stats": {}}}], 4) is None

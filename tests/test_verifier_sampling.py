@@ -177,3 +177,16 @@ def test_workers_fill_one_directory_from_the_command_line(tmp_path):
                  "--max-new-tokens", "4", "--draft-runtime", "torch", "--workers", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "data").glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz"]
     assert len(load_dataset(tmp_path / "data")) > 0
+
+
+def test_replay_reads_the_sampled_verifiers_held_out_traces_from_the_command_line(sampled_and_greedy, tmp_path):
+    verifier = sampled_and_greedy["sampling"]
+    assert main(["verifier", "replay", "--data", str(verifier / "data"), "--verifier", str(verifier / "verifier.json"),
+                 "--out", str(tmp_path), "--rtt-ms", "0,100", "--draft-ms", "40", "--verify-ms", "700",
+                 "--verify-per-token-ms", "40", "--seeds", "2"]) == 0
+    report = json.loads((tmp_path / "replay.json").read_text())
+    held_out = json.loads((verifier / "verifier.json").read_text())["training"]["held_out_prompt_ids"]
+    assert report["traces"] == len(held_out) and report["tokens"] > 0
+    policies = {r["policy"] for r in report["rows"] if r["rtt_ms"] == 100}
+    assert {"hindsight oracle", "goodput", "goodput exact-a", "fixed:5"} <= policies
+    assert (tmp_path / "replay.png").stat().st_size > 0 and "hindsight" in (tmp_path / "replay.md").read_text()

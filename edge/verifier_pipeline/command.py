@@ -1,4 +1,4 @@
-"""`sprinter verifier collect | train | eval`: make a learned verifier for a draft/target pair.
+"""`sprinter verifier collect | train | eval | study | bound | replay`: make a learned verifier for a pair, and measure it.
 
     sprinter verifier train --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out verifiers/qwen
 collects decoding data (resumable, in OUT/data unless --data says otherwise), trains the linear and
@@ -73,6 +73,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     bound.add_argument("--temperature", type=float, default=0.0)
     bound.set_defaults(run=run_bound)
 
+    _add_replay(commands)
+
     evaluate = commands.add_parser("eval", help="decode held-out prompts: learned verifier vs confidence baseline")
     _add_pair_arguments(evaluate)
     evaluate.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
@@ -81,6 +83,20 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-new-tokens", type=int, default=48)
     evaluate.add_argument("--temperature", type=float, default=0.0)
     evaluate.set_defaults(run=run_eval)
+
+
+def _add_replay(commands: argparse._SubParsersAction) -> None:
+    replay = commands.add_parser("replay", help="call policies replayed on the held-out traces of collected data, "
+                                                "against the hindsight and exact-probability oracles (no models)")
+    replay.add_argument("--data", type=Path, required=True, help="the data the verifier was trained on")
+    replay.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
+    replay.add_argument("--out", type=Path, required=True, help="directory for replay.json, replay.md, replay.png")
+    replay.add_argument("--rtt-ms", default="0,50,100,200", help="comma-separated round-trip times")
+    replay.add_argument("--draft-ms", type=float, required=True, help="the edge's time per drafted token")
+    replay.add_argument("--verify-ms", type=float, required=True, help="the cloud's verify time for an empty block")
+    replay.add_argument("--verify-per-token-ms", type=float, required=True, help="the verify time each block token adds")
+    replay.add_argument("--seeds", type=int, default=8, help="acceptance draws per trace")
+    replay.set_defaults(run=run_replay)
 
 
 def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +243,22 @@ def run_bound(args: argparse.Namespace) -> int:
     report = bound(target, draft, _draft_lm_factory(draft, args), learned, calibration, held_out, settings, quality)
     write_report(report, args.out)
     print(report.tables())
+    return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from edge.verifier_pipeline.collect import load_dataset
+    from edge.verifier_pipeline.plots import plot_replay
+    from edge.verifier_pipeline.replay import ReplaySettings, RoundCosts, held_out_traces, replay, write_report
+    from edge.verifier_runtime import LearnedVerifier
+
+    learned = LearnedVerifier.load(args.verifier)
+    traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features)
+    costs = RoundCosts(args.draft_ms, args.verify_ms, args.verify_per_token_ms)
+    settings = ReplaySettings(rtts_ms=tuple(float(x) for x in args.rtt_ms.split(",")), seeds=args.seeds)
+    rows = replay(traces, costs, settings)
+    print(write_report(rows, costs, settings, traces, args.out))
+    plot_replay(rows, args.out / "replay.png")
     return 0
 
 

@@ -53,3 +53,37 @@ def plot_tradeoff(rows: list[EvalRow], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_replay(rows: list, path: Path) -> None:
+    """Per RTT: tokens/s against calls per token for every replayed policy (replay.ReplayRow), with the
+    hindsight oracle's call rate and 1.2x of it marked."""
+    plt = pyplot()
+
+    rtts = sorted({r.rtt_ms for r in rows})
+    fig, axes = plt.subplots(1, len(rtts), figsize=(4.2 * len(rtts), 4.0), squeeze=False, sharey=True)
+    for ax, rtt in zip(axes[0], rtts):
+        at = [r for r in rows if r.rtt_ms == rtt]
+        fixed = sorted((r for r in at if r.policy.startswith("fixed:")), key=lambda r: r.calls_per_token)
+        ax.plot([r.calls_per_token for r in fixed], [r.tokens_per_s for r in fixed], "s--", color="grey", label="fixed K")
+        for r in fixed:
+            ax.annotate(r.policy.split(":")[1], (r.calls_per_token, r.tokens_per_s), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+        for prefix, style in (("goodput exact-a", "o-"), ("goodput", "^-")):
+            curve = sorted((r for r in at if r.policy == prefix or r.policy.startswith(prefix + " +price")),
+                           key=lambda r: r.calls_per_token)
+            ax.plot([r.calls_per_token for r in curve], [r.tokens_per_s for r in curve], style,
+                    label=f"{prefix} (+ call price)")
+        hindsight = next(r for r in at if r.policy == "hindsight oracle")
+        ax.plot(hindsight.calls_per_token, hindsight.tokens_per_s, "k*", markersize=11, label="hindsight oracle")
+        ax.axvspan(hindsight.calls_per_token, 1.2 * hindsight.calls_per_token, color="green", alpha=0.12,
+                   label="within 1.2x of its calls")
+        ax.set_title(f"RTT {rtt:g} ms")
+        ax.set_xlabel("target calls per token")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tokens/s (modelled rounds)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("call policies replayed on held-out traces")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

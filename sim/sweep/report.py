@@ -47,7 +47,7 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def markdown_table(rows: list[SummaryRow]) -> str:
     lines = ["| RTT ms | mode | pipeline | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
-             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | oracle calls/token "
+             "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | hindsight-oracle calls/token "
              "| ahead hit rate | candidate hits | uplink bytes/token |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -49,7 +49,7 @@ class SummaryRow:
     agreement_with_target: float | None
     exact_match_rate: float | None
     degraded: int
-    oracle_calls_per_token: float | None = None  # a perfect verifier's call rate on this run's acceptance record
+    oracle_calls_per_token: float | None = None  # the hindsight oracle's: hindsight_calls_per_token
     ahead_hit_rate: float | None = None
     candidate_hits: int = 0
     uplink_bytes_per_token: float | None = None
@@ -99,6 +99,22 @@ def _sort_key(key: tuple[float, str, str]) -> tuple:
     return rtt, mode_rank(mode), mode, pipeline_rank(pipeline)
 
 
+def hindsight_calls_per_token(group: list[dict[str, Any]], tokens: int) -> float | None:
+    """The hindsight oracle's calls per token on these requests' acceptance record (common.stats), with the
+    calls no verifier decides counted as they are: a session's open that samples the first token is a target
+    call in every mode (target_calls less the verified blocks), so the ratio of a mode's calls to this one
+    compares only what its verifier and policy chose. From a handful of requests it is a rough estimate."""
+    stats = [r["sprinter"].get("stats", {}) for r in group]
+    called = [g for s in stats for g in s.get("block_lengths") or []]
+    accepted = [n for s in stats for n in s.get("accepted_lengths") or []]
+    rate = oracle_calls_per_token(called, accepted) if called else None
+    if rate is None or not tokens:
+        return None
+    opens = sum(max(0, int(r["sprinter"].get("target_calls") or 0) - len(s.get("block_lengths") or []))
+                for r, s in zip(group, stats))
+    return (opens + rate * max(0, tokens - opens)) / tokens
+
+
 def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> list[SummaryRow]:
     groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
     for r in records:
@@ -108,8 +124,6 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
         tokens = sum(r["completion_tokens"] for r in group)
         wall_s = sum(r["wall_ms"] for r in group) / 1e3
         blocks, calls = [], 0
-        accepted = [n for r in group for n in r["sprinter"].get("stats", {}).get("accepted_lengths") or []]
-        called = [g for r in group for g in r["sprinter"].get("stats", {}).get("block_lengths") or []]
         for r in group:
             b, c = _calls(r)
             blocks += b
@@ -136,6 +150,6 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             agreement_with_target=_mean(agreements),
             exact_match_rate=_mean(exact),
             degraded=sum(bool(r["degraded"]) for r in group),
-            oracle_calls_per_token=oracle_calls_per_token(called, accepted) if called else None,
+            oracle_calls_per_token=hindsight_calls_per_token(group, tokens),
             **_pipeline_columns(group, tokens)))
     return rows

@@ -1,0 +1,236 @@
+"""`sprinter verifier replay`: call policies replayed on recorded traces, against two oracles.
+
+What bounds the goodput policy's cloud calls? Decoding the pair for every policy, RTT and seed costs
+hours on this machine; the collected data already holds what a round depends on, so this replays the
+rounds on it in seconds, with the same random acceptances for every policy.
+
+Glossary
+    trace       one held-out prompt's recorded continuation: per drafted token x_i its acceptance
+                probability a_i (min(1, p_target/p_draft) at T > 0, 0/1 under greedy) and the verifier's
+                score s_i (its estimate of a_i from what the edge sees).
+    coin        u_i ~ U(0, 1), drawn once per trace position and seed; the cloud keeps x_i iff u_i < a_i
+                (token verification). Every policy meets the same coins.
+    round       the edge drafts g tokens at `pos` and sends them; the cloud keeps the run n before the
+                first failing coin and adds its own token, so the trace moves on by n + 1. A round takes
+                g * t_draft + rtt + t_verify(g), t_verify(g) = a + b g (RoundCosts: the pair's measured costs).
+
+Policies (every block stops at the cap, 20, and at the trace's end):
+    fixed:K             send every K tokens.
+    goodput             common.call_policy.GoodputPolicy reading the verifier's scores s_i.
+    goodput exact-a     the same policy reading a_i itself: a perfectly sharp and calibrated verifier, the
+                        best any verifier can do under this policy. The learned one's gap to it is what a
+                        better verifier could still win.
+    hindsight oracle    knows the coins and sends the accepted run just before the first failing coin: no
+                        drafted token is ever thrown away. At T > 0 no edge verifier can match it, since the
+                        coin is flipped at the cloud after the edge has sent. Its calls per token equal
+                        drafting to the cap every round (the same runs are kept); what it saves is drafting.
+    ... +price:P        goodput planning with P ms added to each round trip: a price on a cloud call, which
+                        buys fewer calls with tokens/s (the frontier in the plot).
+
+Approximation: after a rejection the real edge drafts on from the target's token, the trace from the draft's
+own; the trace's later tokens stand in for that continuation (at segment-0 collection, the a_i of tokens
+after a draft mistake are judged on a prefix that holds it, as in sprinter's own contexts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
+from edge.verifier_pipeline.collect import VerifierDataset
+from edge.verifier_pipeline.features import feature_matrix, labels_for
+
+log = logging.getLogger(__name__)
+
+CAP = 20  # the run-length cap of the edge's loop
+HINDSIGHT = "hindsight oracle"
+EXACT = "goodput exact-a"
+LEARNED = "goodput"
+
+BlockChooser = Callable[[int, int, np.ndarray], int]  # (pos, cap, kept-by-coin) -> tokens to draft, g
+
+
+@dataclass(frozen=True)
+class Trace:
+    accept_prob: list[float]  # [n] a_i
+    score: list[float]  # [n] s_i
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    draft_ms: float  # per drafted token
+    verify_base_ms: float  # t_verify(g) = verify_base_ms + verify_per_token_ms * g
+    verify_per_token_ms: float
+
+    def round_ms(self, g: int, rtt_ms: float) -> float:
+        return g * self.draft_ms + rtt_ms + self.verify_base_ms + self.verify_per_token_ms * g
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    rtts_ms: tuple[float, ...] = (0.0, 50.0, 100.0, 200.0)
+    fixed_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 14, 20)
+    prices_ms: tuple[float, ...] = (500.0, 1000.0, 2000.0, 4000.0)
+    seeds: int = 8
+
+
+@dataclass
+class Tally:
+    calls: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    kept: int = 0  # drafted tokens the cloud kept
+    time_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplayRow:
+    rtt_ms: float
+    policy: str
+    calls_per_token: float
+    tokens_per_s: float
+    block_length_mean: float
+    wasted_draft_share: float  # drafted tokens the cloud threw away / drafted
+    calls_vs_hindsight: float
+    calls_vs_exact: float  # against goodput exact-a at the same RTT
+
+
+def kept_run(kept: np.ndarray, pos: int, g: int) -> int:
+    """How many of the g tokens at pos the cloud keeps: those before the first failing coin."""
+    failing = np.flatnonzero(~kept[pos:pos + g])
+    return int(failing[0]) if len(failing) else g
+
+
+def policy_chooser(policy: CallPolicy, scores: Sequence[float]) -> BlockChooser:
+    """Draft while the policy, asked after every token with the scores so far, says not to send."""
+    def choose(pos: int, cap: int, kept: np.ndarray) -> int:
+        g = 1
+        while not policy.should_send(scores[pos:pos + g], cap):
+            g += 1
+        return g
+    return choose
+
+
+def hindsight_chooser(pos: int, cap: int, kept: np.ndarray) -> int:
+    return kept_run(kept, pos, cap)
+
+
+def replay_trace(choose: BlockChooser, kept: np.ndarray, costs: RoundCosts, rtt_ms: float, tally: Tally) -> None:
+    """Play one trace's rounds to its end, adding them to tally."""
+    pos, n = 0, len(kept)
+    while pos < n:
+        g = choose(pos, min(CAP, n - pos), kept)
+        run = kept_run(kept, pos, g)
+        tally.calls += 1
+        tally.tokens += run + 1  # the kept run and the target's own token
+        tally.drafted += g
+        tally.kept += run
+        tally.time_ms += costs.round_ms(g, rtt_ms)
+        pos += run + 1
+
+
+def goodput_policy(costs: RoundCosts, rtt_ms: float, price_ms: float = 0.0) -> GoodputPolicy:
+    """Goodput planning with these costs known from the start (no observations: the priors answer)."""
+    return GoodputPolicy(CostModel(prior_draft_ms=costs.draft_ms, prior_rtt_ms=rtt_ms + price_ms,
+                                   prior_verify_base_ms=costs.verify_base_ms,
+                                   prior_verify_per_token_ms=costs.verify_per_token_ms), max_block=CAP)
+
+
+def _choosers(trace: Trace, costs: RoundCosts, rtt_ms: float, settings: ReplaySettings) -> dict[str, BlockChooser]:
+    choosers: dict[str, BlockChooser] = {HINDSIGHT: hindsight_chooser}
+    choosers |= {f"fixed:{k}": policy_chooser(FixedPolicy(k), trace.score) for k in settings.fixed_ks}
+    for name, scores in ((LEARNED, trace.score), (EXACT, trace.accept_prob)):
+        choosers[name] = policy_chooser(goodput_policy(costs, rtt_ms), scores)
+        for price in settings.prices_ms:
+            choosers[f"{name} +price:{price:g}"] = policy_chooser(goodput_policy(costs, rtt_ms, price), scores)
+    return choosers
+
+
+def replay(traces: list[Trace], costs: RoundCosts, settings: ReplaySettings) -> list[ReplayRow]:
+    rows: list[ReplayRow] = []
+    for rtt in settings.rtts_ms:
+        tallies: dict[str, Tally] = {}
+        for seed in range(settings.seeds):
+            rng = np.random.default_rng(seed)
+            for trace in traces:
+                kept = rng.random(len(trace.accept_prob)) < np.asarray(trace.accept_prob)
+                for name, choose in _choosers(trace, costs, rtt, settings).items():
+                    replay_trace(choose, kept, costs, rtt, tallies.setdefault(name, Tally()))
+        rows += _rows(rtt, tallies)
+    return rows
+
+
+def _rows(rtt_ms: float, tallies: dict[str, Tally]) -> list[ReplayRow]:
+    def calls_per_token(t: Tally) -> float:
+        return t.calls / t.tokens
+
+    hindsight, exact = calls_per_token(tallies[HINDSIGHT]), calls_per_token(tallies[EXACT])
+    return [ReplayRow(rtt_ms, name, calls_per_token(t), t.tokens / t.time_ms * 1e3, t.drafted / t.calls,
+                      1 - t.kept / t.drafted if t.drafted else 0.0, calls_per_token(t) / hindsight,
+                      calls_per_token(t) / exact)
+            for name, t in tallies.items()]
+
+
+def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[np.ndarray], np.ndarray]) -> list[Trace]:
+    """One trace per held-out prompt of the verifier (never its training or calibration prompts), in position order."""
+    held_out = set(metadata.get("training", {}).get("held_out_prompt_ids", []))
+    indices = [i for i, p in enumerate(dataset.prompts) if p.id in held_out]
+    if not indices:
+        raise ValueError("none of the verifier's held-out prompts are in this data: replay it on the data it was "
+                         "trained on (sprinter verifier train --data)")
+    accept = labels_for(dataset, "soft" if dataset.manifest["settings"]["temperature"] > 0 else "greedy")
+    scores = score(feature_matrix(dataset, tuple(metadata["features"])))
+    prompt_index, position = dataset.arrays["prompt_index"], dataset.arrays["position"]
+    traces = []
+    for i in indices:
+        rows = np.flatnonzero(prompt_index == i)
+        rows = rows[np.argsort(position[rows])]
+        if len(rows):
+            traces.append(Trace(accept[rows].astype(float).tolist(), scores[rows].astype(float).tolist()))
+    return traces
+
+
+def table(rows: list[ReplayRow]) -> str:
+    lines = ["| RTT ms | policy | calls/token | tokens/s | block length | drafted thrown away | calls / hindsight "
+             "| calls / exact-a |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.rtt_ms:g} | {r.policy} | {r.calls_per_token:.3f} | {r.tokens_per_s:.2f} | "
+              f"{r.block_length_mean:.2f} | {r.wasted_draft_share:.0%} | {r.calls_vs_hindsight:.2f}x | "
+              f"{r.calls_vs_exact:.2f}x |" for r in rows]
+    return "\n".join(lines)
+
+
+def best_fixed(rows: list[ReplayRow], rtt_ms: float) -> ReplayRow:
+    return max((r for r in rows if r.rtt_ms == rtt_ms and r.policy.startswith("fixed:")), key=lambda r: r.tokens_per_s)
+
+
+def headline(rows: list[ReplayRow]) -> str:
+    """Per RTT: the best fixed K, goodput with the verifier, with exact a_i, and the hindsight oracle."""
+    lines = ["| RTT ms | best fixed K (tokens/s, calls/token) | goodput | goodput exact-a | hindsight oracle |",
+             "|---|---|---|---|---|"]
+    for rtt in sorted({r.rtt_ms for r in rows}):
+        at = {r.policy: r for r in rows if r.rtt_ms == rtt}
+        fixed = best_fixed(rows, rtt)
+        cell = lambda r: f"{r.tokens_per_s:.2f} tok/s, {r.calls_per_token:.3f} ({r.calls_vs_hindsight:.2f}x)"  # noqa: E731
+        lines.append(f"| {rtt:g} | {fixed.policy}: {cell(fixed)} | {cell(at[LEARNED])} | {cell(at[EXACT])} | "
+                     f"{cell(at[HINDSIGHT])} |")
+    return "\n".join(lines)
+
+
+def write_report(rows: list[ReplayRow], costs: RoundCosts, settings: ReplaySettings, traces: list[Trace],
+                 out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = sum(len(t.accept_prob) for t in traces)
+    summary = (f"Replay on {len(traces)} held-out traces ({tokens} drafted tokens) x {settings.seeds} seeds; "
+               f"costs {asdict(costs)} ms. calls/token (x the hindsight oracle's) per policy:\n\n"
+               f"{headline(rows)}\n\nEvery policy\n\n{table(rows)}")
+    (out / "replay.md").write_text(summary + "\n")
+    (out / "replay.json").write_text(json.dumps({"costs": asdict(costs), "settings": asdict(settings),
+                                                 "traces": len(traces), "tokens": tokens,
+                                                 "rows": [asdict(r) for r in rows]}, indent=1))
+    return summary
