@@ -96,6 +96,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--verify-ms", type=float, required=True, help="the cloud's verify time for an empty block")
     replay.add_argument("--verify-per-token-ms", type=float, required=True, help="the verify time each block token adds")
     replay.add_argument("--seeds", type=int, default=8, help="acceptance draws per trace")
+    replay.add_argument("--limit", type=int, help="the first N held-out prompts (as `sprinter simulate --limit N` picks them)")
     replay.set_defaults(run=run_replay)
 
 
@@ -253,7 +254,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from edge.verifier_runtime import LearnedVerifier
 
     learned = LearnedVerifier.load(args.verifier)
-    traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features)
+    traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features, args.limit)
     costs = RoundCosts(args.draft_ms, args.verify_ms, args.verify_per_token_ms)
     settings = ReplaySettings(rtts_ms=tuple(float(x) for x in args.rtt_ms.split(",")), seeds=args.seeds)
     rows = replay(traces, costs, settings)

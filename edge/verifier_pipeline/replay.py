@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from common.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
+from common.prompt_sets import interleave_categories
 from edge.verifier_pipeline.collect import VerifierDataset
 from edge.verifier_pipeline.features import feature_matrix, labels_for
 
@@ -177,10 +178,15 @@ def _rows(rtt_ms: float, tallies: dict[str, Tally]) -> list[ReplayRow]:
             for name, t in tallies.items()]
 
 
-def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[np.ndarray], np.ndarray]) -> list[Trace]:
-    """One trace per held-out prompt of the verifier (never its training or calibration prompts), in position order."""
+def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[np.ndarray], np.ndarray],
+                    limit: int | None = None) -> list[Trace]:
+    """One trace per held-out prompt of the verifier (never its training or calibration prompts), in position
+    order; `limit`: the first N prompts with categories interleaved, the ones `sprinter simulate --limit N` decodes."""
     held_out = set(metadata.get("training", {}).get("held_out_prompt_ids", []))
-    indices = [i for i, p in enumerate(dataset.prompts) if p.id in held_out]
+    index_of = {p.id: i for i, p in enumerate(dataset.prompts)}
+    # id order is the shipped prompt file's order, from which simulate interleaves its prompts
+    chosen = interleave_categories(sorted((p for p in dataset.prompts if p.id in held_out), key=lambda p: p.id))[:limit]
+    indices = [index_of[p.id] for p in chosen]
     if not indices:
         raise ValueError("none of the verifier's held-out prompts are in this data: replay it on the data it was "
                          "trained on (sprinter verifier train --data)")
