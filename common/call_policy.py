@@ -281,21 +281,29 @@ class GoodputPolicy:
     block length is a concave numerator over an affine denominator, hence unimodal, so the first
     non-increase is the maximum and a one-step look-ahead suffices. A larger rtt inflates every
     denominator alike, which favours longer blocks: a slow link gets longer blocks with no retuning.
+
+    call_price_ms puts a price on a cloud call: the policy plans as if each round took that much longer,
+    so it drafts longer blocks and calls less, at some tokens/s (`sprinter verifier replay` traces the
+    trade-off). 0: tokens/s alone decides.
     """
 
     cost_model: CostModel = field(default_factory=CostModel)
     max_block: int = 20  # the reference code's run-length cap
+    call_price_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
             raise ValueError(f"goodput max block must be >= 1, got {self.max_block}")
+        if self.call_price_ms < 0:
+            raise ValueError(f"goodput call price must be >= 0 ms, got {self.call_price_ms:g}")
 
     @property
     def name(self) -> str:
         return "goodput"
 
     def describe(self) -> str:
-        return f"goodput:max={self.max_block}"
+        price = f",price={self.call_price_ms:g}" if self.call_price_ms else ""
+        return f"goodput:max={self.max_block}{price}"
 
     def should_send(self, accept_probs: Sequence[float], cap: int) -> bool:
         g = len(accept_probs)
@@ -304,7 +312,7 @@ class GoodputPolicy:
         if g == 0:
             return False
         cm = self.cost_model
-        t_draft, rtt = cm.effective_draft_ms, cm.rtt_ms
+        t_draft, rtt = cm.effective_draft_ms, cm.rtt_ms + self.call_price_ms
         now = goodput(accept_probs, t_draft, rtt, cm.t_verify_ms(g))
         longer = goodput([*accept_probs, predict_next_accept(accept_probs)], t_draft, rtt, cm.t_verify_ms(g + 1))
         return longer <= now
@@ -314,11 +322,25 @@ class GoodputPolicy:
         _check_verdict(block_length, n_accepted)
 
 
-POLICY_FORMS = ("fixed:K", "heuristic", "flag", "flag:THRESHOLD", "goodput", "goodput:max=N")
+POLICY_FORMS = ("fixed:K", "heuristic", "flag", "flag:THRESHOLD", "goodput", "goodput:max=N", "goodput:price=MS",
+                "goodput:max=N,price=MS")
+
+
+def _goodput_options(value: str) -> dict[str, float | int] | None:
+    """'max=16,price=500' -> GoodputPolicy's keyword arguments; None when a part is not one of them."""
+    names = {"max": ("max_block", int), "price": ("call_price_ms", float)}
+    options: dict[str, float | int] = {}
+    for part in value.split(","):
+        key, eq, n = part.partition("=")
+        if key not in names or not eq or names[key][0] in options:
+            return None
+        name, kind = names[key]
+        options[name] = kind(n)
+    return options
 
 
 def parse_policy(spec: str, cost_model: CostModel | None = None) -> CallPolicy:
-    """'fixed:5' | 'heuristic' | 'flag' | 'flag:0.5' | 'goodput' | 'goodput:max=16' -> a policy.
+    """'fixed:5' | 'heuristic' | 'flag' | 'flag:0.5' | 'goodput' | 'goodput:max=16,price=500' -> a policy.
 
     cost_model is shared with the caller, which feeds it observations; goodput gets a fresh one
     with default priors when none is given.
@@ -335,9 +357,9 @@ def parse_policy(spec: str, cost_model: CostModel | None = None) -> CallPolicy:
             model = cost_model if cost_model is not None else CostModel()
             if not sep:
                 return GoodputPolicy(model)
-            key, eq, n = value.partition("=")
-            if key == "max" and eq:
-                return GoodputPolicy(model, max_block=int(n))
+            options = _goodput_options(value)
+            if options is not None:
+                return GoodputPolicy(model, **options)
     except ValueError as err:
         raise ValueError(f"bad call policy {spec!r}: {err}; valid forms: {', '.join(POLICY_FORMS)}") from err
     raise ValueError(f"unknown call policy {spec!r}; valid forms: {', '.join(POLICY_FORMS)}")

@@ -121,6 +121,12 @@ def test_goodput_respects_max_block() -> None:
     assert block_length(policy, [1.0] * 30) == 6
 
 
+def test_a_price_on_cloud_calls_plans_as_a_slower_link_does() -> None:
+    priced = GoodputPolicy(steady_cost_model(0.0), call_price_ms=300.0)
+    assert block_length(priced, [0.8] * 50) == block_length(GoodputPolicy(steady_cost_model(300.0)), [0.8] * 50)
+    assert block_length(priced, [0.8] * 50) > block_length(GoodputPolicy(steady_cost_model(0.0)), [0.8] * 50)
+
+
 def test_goodput_learns_from_its_cost_model() -> None:
     costs = steady_cost_model(0.0)
     policy = GoodputPolicy(costs)
@@ -197,6 +203,8 @@ def test_cost_model_rejects_bad_alpha() -> None:
     ("flag:0.3", FlagPolicy, "flag:0.3"),
     ("goodput", GoodputPolicy, "goodput:max=20"),
     ("goodput:max=16", GoodputPolicy, "goodput:max=16"),
+    ("goodput:price=500", GoodputPolicy, "goodput:max=20,price=500"),
+    ("goodput:max=16,price=250.5", GoodputPolicy, "goodput:max=16,price=250.5"),
 ])
 def test_parse_policy_round_trips(spec: str, kind: type, described: str) -> None:
     policy = parse_policy(spec)
@@ -213,6 +221,7 @@ def test_parse_policy_shares_the_cost_model() -> None:
 
 @pytest.mark.parametrize("spec", ["", "fixed", "fixed:", "fixed:0", "fixed:x", "heuristic:3", "flag:", "flag:1.5",
                                   "flag:abc", "goodput:16", "goodput:max=", "goodput:max=0", "goodput:min=3",
+                                  "goodput:price=", "goodput:price=-5", "goodput:max=8,max=9", "goodput:max=8,",
                                   "greedy"])
 def test_parse_policy_errors_list_the_valid_forms(spec: str) -> None:
     with pytest.raises(ValueError, match="valid forms: fixed:K, heuristic, flag"):

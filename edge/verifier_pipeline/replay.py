@@ -24,8 +24,9 @@ Policies (every block stops at the cap, 20, and at the trace's end):
                         drafted token is ever thrown away. At T > 0 no edge verifier can match it, since the
                         coin is flipped at the cloud after the edge has sent. Its calls per token equal
                         drafting to the cap every round (the same runs are kept); what it saves is drafting.
-    ... +price:P        goodput planning with P ms added to each round trip: a price on a cloud call, which
-                        buys fewer calls with tokens/s (the frontier in the plot).
+    ... +price:P        goodput with a price of P ms on a cloud call (`--policy goodput:price=P`): it plans as
+                        if every round took P ms longer, which buys fewer calls with tokens/s (the frontier
+                        in the plot).
 
 Approximation: after a rejection the real edge drafts on from the target's token, the trace from the draft's
 own; the trace's later tokens stand in for that continuation (at segment-0 collection, the a_i of tokens
@@ -138,9 +139,10 @@ def replay_trace(choose: BlockChooser, kept: np.ndarray, costs: RoundCosts, rtt_
 
 def goodput_policy(costs: RoundCosts, rtt_ms: float, price_ms: float = 0.0) -> GoodputPolicy:
     """Goodput planning with these costs known from the start (no observations: the priors answer)."""
-    return GoodputPolicy(CostModel(prior_draft_ms=costs.draft_ms, prior_rtt_ms=rtt_ms + price_ms,
+    return GoodputPolicy(CostModel(prior_draft_ms=costs.draft_ms, prior_rtt_ms=rtt_ms,
                                    prior_verify_base_ms=costs.verify_base_ms,
-                                   prior_verify_per_token_ms=costs.verify_per_token_ms), max_block=CAP)
+                                   prior_verify_per_token_ms=costs.verify_per_token_ms), max_block=CAP,
+                         call_price_ms=price_ms)
 
 
 def _choosers(trace: Trace, costs: RoundCosts, rtt_ms: float, settings: ReplaySettings) -> dict[str, BlockChooser]:
