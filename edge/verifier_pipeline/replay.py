@@ -36,7 +36,6 @@ after a draft mistake are judged on a prefix that holds it, as in sprinter's own
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,8 +46,6 @@ from common.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
 from common.prompt_sets import interleave_categories
 from edge.verifier_pipeline.collect import VerifierDataset
 from edge.verifier_pipeline.features import feature_matrix, labels_for
-
-log = logging.getLogger(__name__)
 
 CAP = 20  # the run-length cap of the edge's loop
 HINDSIGHT = "hindsight oracle"
