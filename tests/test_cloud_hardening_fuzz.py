@@ -30,7 +30,11 @@ DOCUMENTED = {S.OK, S.INVALID_ARGUMENT, S.FAILED_PRECONDITION, S.NOT_FOUND, S.OU
               S.PERMISSION_DENIED, S.ABORTED, S.UNAUTHENTICATED, S.UNAVAILABLE}
 DOCUMENTED_CODES = {code.value[0] for code in DOCUMENTED}
 TOKENS = {"alpha": "token-alpha", "beta": "token-beta"}
-TIMEOUT = 20.0
+TIMEOUT = 20.0  # each call's deadline
+# How long a session waits for the answer to a frame before it half-closes. Some frames get none by design
+# (a candidate that does not follow the session's last verdict is dropped unread), so this must be well
+# under the deadline: waiting the full deadline made the half-close race DEADLINE_EXCEEDED on a loaded host.
+ANSWER_WAIT = 5.0
 
 # ---------------------------------------------------------------------- strategies from the descriptors
 
@@ -109,7 +113,7 @@ def _session(stub: pb_grpc.TargetServiceStub, metadata, frames: list[tuple[pb.Ed
             if frame.WhichOneof("frame") == "verify" and steer:
                 frame.verify.start_position = length
             yield frame
-            if frame.WhichOneof("frame") == "close" or not answered.acquire(timeout=TIMEOUT):
+            if frame.WhichOneof("frame") == "close" or not answered.acquire(timeout=ANSWER_WAIT):
                 return
 
     call = stub.Session(requests(), metadata=metadata, timeout=TIMEOUT)
