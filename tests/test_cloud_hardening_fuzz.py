@@ -33,7 +33,8 @@ TOKENS = {"alpha": "token-alpha", "beta": "token-beta"}
 TIMEOUT = 20.0  # each call's deadline
 # How long a session waits for the answer to a frame before it half-closes. Some frames get none by design
 # (a candidate that does not follow the session's last verdict is dropped unread), so this must be well
-# under the deadline: waiting the full deadline made the half-close race DEADLINE_EXCEEDED on a loaded host.
+# under the deadline: waiting the full deadline let the half-close race DEADLINE_EXCEEDED (the suspected
+# cause of one CI failure, never reproduced); a server that stalls still fails on the deadline.
 ANSWER_WAIT = 5.0
 
 # ---------------------------------------------------------------------- strategies from the descriptors

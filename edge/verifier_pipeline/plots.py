@@ -6,6 +6,7 @@ from pathlib import Path
 
 from common.plots import pyplot
 from edge.verifier_pipeline.evaluate import EvalRow
+from edge.verifier_pipeline.replay import EXACT, HINDSIGHT, LEARNED, ReplayRow
 
 
 def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:
@@ -55,8 +56,8 @@ def plot_tradeoff(rows: list[EvalRow], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_replay(rows: list, path: Path) -> None:
-    """Per RTT: tokens/s against calls per token for every replayed policy (replay.ReplayRow), with the
+def plot_replay(rows: list[ReplayRow], path: Path) -> None:
+    """Per RTT: tokens/s against calls per token for every replayed policy, with the
     hindsight oracle's call rate and 1.2x of it marked."""
     plt = pyplot()
 
@@ -69,13 +70,13 @@ def plot_replay(rows: list, path: Path) -> None:
         for r in fixed:
             ax.annotate(r.policy.split(":")[1], (r.calls_per_token, r.tokens_per_s), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
-        for prefix, style in (("goodput exact-a", "o-"), ("goodput", "^-")):
+        for prefix, style in ((EXACT, "o-"), (LEARNED, "^-")):
             curve = sorted((r for r in at if r.policy == prefix or r.policy.startswith(prefix + " +price")),
                            key=lambda r: r.calls_per_token)
             ax.plot([r.calls_per_token for r in curve], [r.tokens_per_s for r in curve], style,
                     label=f"{prefix} (+ call price)")
-        hindsight = next(r for r in at if r.policy == "hindsight oracle")
-        ax.plot(hindsight.calls_per_token, hindsight.tokens_per_s, "k*", markersize=11, label="hindsight oracle")
+        hindsight = next(r for r in at if r.policy == HINDSIGHT)
+        ax.plot(hindsight.calls_per_token, hindsight.tokens_per_s, "k*", markersize=11, label=HINDSIGHT)
         ax.axvspan(hindsight.calls_per_token, 1.2 * hindsight.calls_per_token, color="green", alpha=0.12,
                    label="within 1.2x of its calls")
         ax.set_title(f"RTT {rtt:g} ms")

@@ -189,7 +189,7 @@ def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[n
     if not indices:
         raise ValueError("none of the verifier's held-out prompts are in this data: replay it on the data it was "
                          "trained on (sprinter verifier train --data)")
-    accept = labels_for(dataset, "soft" if dataset.manifest["settings"]["temperature"] > 0 else "greedy")
+    accept = labels_for(dataset, "auto")  # a_i: the soft label when sampled, 0/1 under greedy
     scores = score(feature_matrix(dataset, tuple(metadata["features"])))
     prompt_index, position = dataset.arrays["prompt_index"], dataset.arrays["position"]
     traces = []
@@ -221,9 +221,9 @@ def headline(rows: list[ReplayRow]) -> str:
     for rtt in sorted({r.rtt_ms for r in rows}):
         at = {r.policy: r for r in rows if r.rtt_ms == rtt}
         fixed = best_fixed(rows, rtt)
-        cell = lambda r: f"{r.tokens_per_s:.2f} tok/s, {r.calls_per_token:.3f} ({r.calls_vs_hindsight:.2f}x)"  # noqa: E731
-        lines.append(f"| {rtt:g} | {fixed.policy}: {cell(fixed)} | {cell(at[LEARNED])} | {cell(at[EXACT])} | "
-                     f"{cell(at[HINDSIGHT])} |")
+        cells = [f"{r.tokens_per_s:.2f} tok/s, {r.calls_per_token:.3f} ({r.calls_vs_hindsight:.2f}x)"
+                 for r in (fixed, at[LEARNED], at[EXACT], at[HINDSIGHT])]
+        lines.append(f"| {rtt:g} | {fixed.policy}: {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
