@@ -75,6 +75,8 @@ class TargetBackend:
         session = self.store.create(owner, prompt_ids, sampling, ResidentKV(self.kv_layout))
         session.busy = True
         try:
+            # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
+            self.store.grant_kv(session, len(prompt_ids), headroom=2 * self.kv_layout.page_tokens)
             if len(prompt_ids) > 1:  # the last prompt token is fed with the first block
                 await self.batcher.prefill(session.cache, prompt_ids[:-1], abandoned)
                 session.cached_tokens = len(prompt_ids) - 1
@@ -93,6 +95,7 @@ class TargetBackend:
         (as a Generate's first token is) and appended to its context."""
         session.busy = True
         try:
+            self.store.grant_kv(session, session.length)
             result = await self.batcher.forward(session.cache, session.tokens[session.cached_tokens:], n_logits=1,
                                                 abandoned=abandoned)
             session.cached_tokens = session.length
@@ -114,6 +117,7 @@ class TargetBackend:
             draft_tokens = list(frame.draft_tokens)
             g = len(draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
+            self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
             result = await self.batcher.forward(session.cache, new_tokens, n_logits=g + 1, abandoned=abandoned)
             started = time.perf_counter()
             try:

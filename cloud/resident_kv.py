@@ -68,6 +68,9 @@ class ResidentKV:
         self.layout = layout
         self.length = 0
         self.copied_bytes = 0  # growth copies so far (past entries moved to a larger buffer)
+        # Capacity the session store charged to the KV budget before the forward that allocates it (the store
+        # decides on the event loop, the forward grows the buffers in the model's thread).
+        self.granted = 0
         self.keys = self._allocate(0)
         self.values = self._allocate(0)
         if reserve_tokens:
@@ -82,21 +85,28 @@ class ResidentKV:
         return torch.empty((layout.layers, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype,
                            device=layout.device)
 
-    def reserve(self, tokens: int, headroom: int = 0) -> int:
-        """Make room for `tokens` entries in all, growing by pages (at least GROWTH x, plus up to `headroom` more
-        within the session limit); returns the bytes of past entries copied."""
+    def capacity_for(self, tokens: int, headroom: int = 0) -> int:
+        """The capacity the growth rule gives for `tokens` entries (the current one if it holds them): at least
+        GROWTH x, plus up to `headroom` more, in whole pages, within the session limit."""
         if tokens <= self.capacity:
-            return 0
+            return self.capacity
         layout = self.layout
         if tokens > layout.max_tokens:
             raise ValueError(f"{tokens} KV entries exceed this cloud's limit of {layout.max_tokens} per session")
         wanted = max(tokens + headroom, math.ceil(self.capacity * GROWTH))
-        capacity = min(layout.pages(wanted), layout.pages(layout.max_tokens)) * layout.page_tokens
+        return min(layout.pages(wanted), layout.pages(layout.max_tokens)) * layout.page_tokens
+
+    def reserve(self, tokens: int, headroom: int = 0) -> int:
+        """Make room for `tokens` entries in all: to the granted capacity if it holds them, else by the growth
+        rule; returns the bytes of past entries copied."""
+        if tokens <= self.capacity:
+            return 0
+        capacity = self.granted if tokens <= self.granted else self.capacity_for(tokens, headroom)
         keys, values = self._allocate(capacity), self._allocate(capacity)
         keys[:, :, :self.length] = self.keys[:, :, :self.length]
         values[:, :, :self.length] = self.values[:, :, :self.length]
         self.keys, self.values = keys, values
-        copied = self.length * layout.bytes_per_token
+        copied = self.length * self.layout.bytes_per_token
         self.copied_bytes += copied
         return copied
 

@@ -6,8 +6,10 @@ session or a Generate that cannot fit is refused with RESOURCE_EXHAUSTED, never 
 evicted. An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
 with its full context, so eviction costs a prefill, never correctness.
 
-KV is counted per context token (a session's `length`, a Generate's prompt plus its new tokens),
-so an open is charged for its whole prompt before its prefill runs.
+KV is counted in the pages a session holds or has been granted (at least its context), and a
+Generate's prompt plus its new tokens; an open is charged for its whole prompt before its prefill
+runs, and every forward's growth is granted before it runs (`grant_kv`), so the budget is never
+exceeded while forwards are in flight.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class Session:
 
     @property
     def kv_tokens(self) -> int:
-        """KV entries charged to the budget: its allocated pages, or its context if that is not allocated yet."""
-        return max(self.length, self.cache.capacity)
+        """KV entries charged to the budget: its allocated or granted pages, or its context if larger."""
+        return max(self.length, self.cache.capacity, self.cache.granted)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -141,6 +143,22 @@ class SessionStore:
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+
+    def grant_kv(self, session: Session, tokens: int, headroom: int = 0) -> None:
+        """Charge `session` for `tokens` KV entries before the forward that writes them runs, so the budget
+        holds while forwards are in flight: room for the pages it needs is made (idle sessions evicted) or the
+        call is refused with RESOURCE_EXHAUSTED, nothing computed; the growth rule's spare pages (GROWTH x,
+        `headroom`) are granted only as far as the budget has them free."""
+        cache = session.cache
+        if tokens <= max(cache.capacity, cache.granted):
+            return
+        page = cache.layout.page_tokens
+        needed = cache.layout.pages(tokens) * page
+        roomy = cache.capacity_for(tokens, headroom)
+        charged = session.kv_tokens
+        self._make_kv_room((needed - charged) * self.kv_bytes_per_token)
+        free_tokens = (self.limits.kv_budget_bytes - self.kv_bytes) // self.kv_bytes_per_token
+        cache.granted = max(needed, min(roomy, (charged + free_tokens) // page * page))
 
     def enforce_budget(self, protect: Session | None = None) -> None:
         """Evict idle sessions, fair share first, until the KV fits the budget; `protect` is never evicted."""

@@ -321,6 +321,36 @@ def test_an_open_that_cannot_fit_beside_busy_sessions_is_refused_with_a_retry_hi
         newcomer.close()
 
 
+def test_a_verify_whose_growth_cannot_fit_beside_busy_sessions_is_refused_and_the_budget_holds(tiny_target, monkeypatch):
+    # 1 MiB = 2048 tiny tokens in 64-token pages. The first session is granted its prompt's pages and two spare
+    # (1152); the second only the pages the budget has left (896 of its 880-token prompt's 960 with spares).
+    spy = ForwardSpy(monkeypatch)
+    settings = CloudSettings(kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
+    with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
+        store = server.server.servicer.backend.store
+        busy, grower = SessionStream(channel), SessionStream(channel)
+        busy.open([GOOD] * 1000)
+        grower.open([GOOD] * 880)
+        assert store.kv_bytes == 1 << 20
+        spy.hold()
+        held, verified = in_thread(busy.verify, 1000, [GOOD])
+        assert spy.entered.wait(TIMEOUT)
+        refused = grower.verify(880, [GOOD] * 20)  # 900 entries need a 15th page, and the busy session holds the rest
+        assert store.kv_bytes <= 1 << 20
+        spy.release()
+        held.join(TIMEOUT)
+        assert refused.WhichOneof("frame") == "error", refused
+        assert refused.error.code == S.RESOURCE_EXHAUSTED.value[0] and refused.error.retry_after_ms > 0
+        assert "KV" in refused.error.message
+        assert verified["result"].WhichOneof("frame") == "verdict"
+        # Nothing was computed for the refused block: the same frame goes through once the other session is idle
+        # (and is evicted for it), and the budget still holds.
+        assert grower.verify(880, [GOOD] * 20).WhichOneof("frame") == "verdict"
+        assert store.kv_bytes <= 1 << 20 and len(store) == 1
+        grower.close()
+        busy.close()
+
+
 @pytest.mark.parametrize("settings, flag", [
     (dict(kv_budget_mb=0), "--kv-budget-mb"),
     (dict(kv_budget_mb=-5), "--kv-budget-mb"),
