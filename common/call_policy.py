@@ -9,7 +9,9 @@ Goodput, as a renewal-reward rate (one round = draft g tokens, one round trip, o
     E(g)       = sum_{j<=g} prod_{i<=j} a_i                      expected accepted draft tokens
     goodput(g) = (E(g) + 1) / (g * t_draft + rtt + t_verify(g))  tokens per ms; +1: the target's own token
 With a pipeline (edge/pipeline.py) t_draft is the effective cost: the share of blocks drafted while the
-previous block was in flight costs no time of its own.
+previous block was in flight costs no time of its own. The plan counts the a_i as the cloud has been
+seen to keep them (`CostModel.keep`, common/keep_model.py): block verification keeps more of a long
+block than E(g) says.
 """
 
 from __future__ import annotations
@@ -18,14 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-def expected_accepted_length(accept_probs: Sequence[float]) -> float:
-    """E(g) = sum_{j<=g} prod_{i<=j} a_i: token j counts only if it and every token before it survive."""
-    expected, survive = 0.0, 1.0
-    for a in accept_probs:
-        survive *= a
-        expected += survive
-    return expected
+from common.keep_model import KeepModel, expected_accepted_length
 
 
 def goodput(accept_probs: Sequence[float], t_draft_ms: float, rtt_ms: float, t_verify_ms: float) -> float:
@@ -171,7 +166,8 @@ class CostModel:
     over (g, verify_ms) with a ridge pull of the slope toward its prior: with 0 observations the
     priors answer; while all observed g are equal (fixed-K drafting) the slope stays at its prior and
     only the intercept is learned; as g varies the data take over. alpha is the weight of the newest
-    observation, so a link that slows down shows within a few round trips.
+    observation, so a link that slows down shows within a few round trips. `keep` learns the other side
+    of a round from the verdicts: how much of a block the cloud keeps (common/keep_model.py).
     """
 
     prior_draft_ms: float = 20.0
@@ -180,6 +176,7 @@ class CostModel:
     prior_verify_per_token_ms: float = 10.0  # b
     alpha: float = 0.25
     slope_prior_weight: float = 1.0  # pseudo-observations (in token^2) behind the prior slope
+    keep: KeepModel = field(default_factory=KeepModel)
     _draft: _Ewma = field(init=False, repr=False)
     _rtt: _Ewma = field(init=False, repr=False)
     _hidden: _Ewma = field(init=False, repr=False)  # share of a block drafted behind the previous round trip
@@ -270,6 +267,8 @@ class CostModel:
             "draft_steps_observed": self._draft.n,
             "round_trips_observed": self._rtt.n,
             "alpha": self.alpha,
+            "rescue_share": self.keep.rescue_share,
+            "verdicts_observed": self.keep.verdicts,
         }
 
 
@@ -313,12 +312,13 @@ class GoodputPolicy:
             return False
         cm = self.cost_model
         t_draft, rtt = cm.effective_draft_ms, cm.rtt_ms + self.call_price_ms
-        now = goodput(accept_probs, t_draft, rtt, cm.t_verify_ms(g))
-        longer = goodput([*accept_probs, predict_next_accept(accept_probs)], t_draft, rtt, cm.t_verify_ms(g + 1))
+        keep_probs = cm.keep.keep_probs(accept_probs)
+        now = goodput(keep_probs, t_draft, rtt, cm.t_verify_ms(g))
+        longer = goodput([*keep_probs, predict_next_accept(keep_probs)], t_draft, rtt, cm.t_verify_ms(g + 1))
         return longer <= now
 
     def observe_verdict(self, block_length: int, n_accepted: int) -> None:
-        # Nothing to adapt: the a_i are calibrated per token and the costs arrive via the cost model.
+        # Nothing to adapt here: the edge feeds costs and verdicts to the cost model (and its keep model).
         _check_verdict(block_length, n_accepted)
 
 

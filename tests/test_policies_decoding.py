@@ -170,6 +170,7 @@ def test_edge_goodput_is_lossless_and_learns_the_round_trip(tiny_cloud, tiny_tar
     # the first block is drafted beside the prompt's prefill: not a step's cost
     assert 0 < first["draft_steps_observed"] <= results[0].stats.drafted_tokens
     assert first["rtt_ms"] > 0.0  # loopback gRPC: the edge waits longer than the cloud verifies
+    assert first["verdicts_observed"] == results[0].stats.target_calls - 1  # every verdict feeds the keep model
     # one cost model per decoder: the second request keeps learning where the first left off
     assert second["round_trips_observed"] == first["round_trips_observed"] + results[1].stats.target_calls - 1
 
