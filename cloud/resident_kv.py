@@ -4,6 +4,7 @@ Glossary
     length (L)   entries that hold the KV of the session's cached context (positions 0 .. L-1)
     capacity     entries allocated; always a whole number of pages
     page         `KVLayout.page_tokens` entries: the unit of allocation and of the cloud's KV budget
+    granted      capacity the session store has charged to the KV budget for the next forward to allocate
 
 Shapes: `keys` and `values` are [layers, kv_heads, capacity, head_dim]; a layer's past is the view
 `keys[layer, :, :L]`.

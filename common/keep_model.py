@@ -46,7 +46,7 @@ class KeepModel:
 
     alpha: float = 0.02  # weight of the newest verdict: about the last 50 verdicts decide
     min_verdicts: int = 20
-    verdicts: int = 0
+    verdicts: int = field(default=0, init=False)  # verdicts observed so far
     _kept: float = field(default=0.0, init=False, repr=False)  # decayed sum of tokens the cloud kept
     _predicted: list[float] = field(default_factory=lambda: [0.0] * len(RESCUE_GRID), init=False, repr=False)
 
