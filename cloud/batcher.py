@@ -115,8 +115,8 @@ class Batcher:
 
     async def prefill(self, cache: ResidentKV, tokens: list[int], abandoned: Callable[[], bool] | None = None) -> None:
         """Append `tokens` to `cache` in chunks, one per forward; raises CancelledError if the caller left."""
-        # The prompt's pages and two more at once: no growth copy mid-prefill, nor in the first verifies.
-        cache.reserve(cache.length + len(tokens), headroom=2 * cache.layout.page_tokens)
+        # The whole prompt at once (a session's spare pages are the session store's grant): no copy mid-prefill.
+        cache.reserve(cache.length + len(tokens))
         for start in range(0, len(tokens), self.max_prefill_chunk):
             request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned)
             self._prefills.append(request)

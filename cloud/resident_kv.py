@@ -97,12 +97,12 @@ class ResidentKV:
         wanted = max(tokens + headroom, math.ceil(self.capacity * GROWTH))
         return min(layout.pages(wanted), layout.pages(layout.max_tokens)) * layout.page_tokens
 
-    def reserve(self, tokens: int, headroom: int = 0) -> int:
+    def reserve(self, tokens: int) -> int:
         """Make room for `tokens` entries in all: to the granted capacity if it holds them, else by the growth
         rule; returns the bytes of past entries copied."""
         if tokens <= self.capacity:
             return 0
-        capacity = self.granted if tokens <= self.granted else self.capacity_for(tokens, headroom)
+        capacity = self.granted if tokens <= self.granted else self.capacity_for(tokens)
         keys, values = self._allocate(capacity), self._allocate(capacity)
         keys[:, :, :self.length] = self.keys[:, :, :self.length]
         values[:, :, :self.length] = self.values[:, :, :self.length]

@@ -174,7 +174,7 @@ class PipelinedRounds:
         recorder.verified(len(block), verdict.n_accepted)
         if self.policy is not None:
             self.policy.observe_verdict(len(block), verdict.n_accepted)
-        if self.cost_model is not None and len(block.accept_probs) == len(block):
+        if self.cost_model is not None:
             self.cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
         if self.cost_model is not None and generation.new_tokens and verdict.round_trip_ms is not None:
             self.cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))

@@ -121,7 +121,7 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
     generation.recorder.verified(len(block), verdict.n_accepted)
     if policy is not None:
         policy.observe_verdict(len(block), verdict.n_accepted)
-    if cost_model is not None and len(block.accept_probs) == len(block):  # every round: the first keeps too
+    if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
         cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
     if learn is not None and verdict.round_trip_ms is not None:
         learn.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
