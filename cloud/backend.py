@@ -1,58 +1,58 @@
-"""The target backend: what the gRPC service asks of the loaded model (open, verify, generate).
+"""The target backend: what the gRPC service asks of the target (open, verify, generate).
 
 Every method checks its input (cloud/frames.py) and is admitted by the session store (KV budget,
-quotas) before it costs a forward. `abandoned` is how a caller says it has left: work it queued
-is then skipped before its forward (cloud/batcher.py).
+quotas) before it costs a forward. The target itself runs in an engine behind one seam
+(cloud/engine.py: resident or vllm); the rule that turns its logits into a verdict is the same for
+both (cloud/frames.py:decide). `abandoned` is how a caller says it has left: work it queued is then
+skipped before its forward.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import grpc
-import torch
 
-from cloud.batcher import Batcher
+from cloud.engine import Abandoned, TargetEngine
 from cloud.errors import CloudError
 from cloud.frames import METHOD_NAMES, ServiceLimits, check_prompt, check_verify, decide, sampling_from_proto
 from cloud.metrics import CloudMetrics
-from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.sessions import Session, SessionStore
-from common.models import LoadedModel
-from common.sampling import SamplingParams, logits_to_probs, sample
+from common.sampling import logits_to_probs, sample
 from sprinter.v1 import decoding_pb2 as pb
-
-Abandoned = Callable[[], bool]
 
 
 @dataclass
 class TargetBackend:
-    """What exists once the target model is loaded."""
+    """What exists once the target is loaded."""
 
-    target: LoadedModel
-    vocab_fingerprint: str
+    engine: TargetEngine
     limits: ServiceLimits
     store: SessionStore
-    batcher: Batcher
     metrics: CloudMetrics
-    kv_layout: KVLayout
 
     @property
     def vocab_size(self) -> int:
-        return self.target.vocab_size
+        return self.engine.info.vocab_size
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        return self.engine.info.vocab_fingerprint
 
     def info(self) -> pb.ServiceInfo:
-        return pb.ServiceInfo(model_id=self.target.spec, vocab_fingerprint=self.vocab_fingerprint,
-                              vocab_size=self.vocab_size, limits=self.limits.to_proto(),
-                              eos_token_ids=sorted(self.target.eos_token_ids))
+        target = self.engine.info
+        return pb.ServiceInfo(model_id=target.spec, vocab_fingerprint=target.vocab_fingerprint,
+                              vocab_size=target.vocab_size, limits=self.limits.to_proto(),
+                              eos_token_ids=sorted(target.eos_token_ids))
 
     def _check_fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.vocab_fingerprint:
             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"vocabulary fingerprint {fingerprint[:12]}... differs from this cloud's "
-                             f"({self.vocab_fingerprint[:12]}..., model {self.target.spec}): the draft must share the target's tokenizer")
+                             f"({self.vocab_fingerprint[:12]}..., model {self.engine.info.spec}): "
+                             "the draft must share the target's tokenizer")
 
     def close(self, session: Session) -> None:
         self.store.close(session.session_id)
@@ -68,17 +68,18 @@ class TargetBackend:
                 self.close(previous)
             return session, True
         sampling = sampling_from_proto(request.sampling)
+        self.engine.check_sampling(sampling)
         prompt_ids = list(request.prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.limits)
         if previous is not None:
             self.close(previous)
-        session = self.store.create(owner, prompt_ids, sampling, ResidentKV(self.kv_layout))
+        session = self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv())
         session.busy = True
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
-            self.store.grant_kv(session, len(prompt_ids), headroom=2 * self.kv_layout.page_tokens)
+            self.store.grant_kv(session, len(prompt_ids), headroom_pages=2)
             if len(prompt_ids) > 1:  # the last prompt token is fed with the first block
-                await self.batcher.prefill(session.cache, prompt_ids[:-1], abandoned)
+                await self.engine.prefill(session, prompt_ids[:-1], abandoned)
                 session.cached_tokens = len(prompt_ids) - 1
         except BaseException:
             self.close(session)
@@ -96,8 +97,8 @@ class TargetBackend:
         session.busy = True
         try:
             self.store.grant_kv(session, session.length)
-            result = await self.batcher.forward(session.cache, session.tokens[session.cached_tokens:], n_logits=1,
-                                                abandoned=abandoned)
+            result = await self.engine.forward(session, session.tokens[session.cached_tokens:], n_logits=1,
+                                               abandoned=abandoned)
             session.cached_tokens = session.length
             token = sample(logits_to_probs(result.logits[-1], session.sampling), session.generator)
             session.tokens.append(token)
@@ -118,18 +119,18 @@ class TargetBackend:
             g = len(draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
             self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
-            result = await self.batcher.forward(session.cache, new_tokens, n_logits=g + 1, abandoned=abandoned)
+            result = await self.engine.forward(session, new_tokens, n_logits=g + 1, abandoned=abandoned)
             started = time.perf_counter()
             try:
                 n_accepted, next_token = decide(frame, result.logits, session.sampling, session.generator)
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
-                session.cache.truncate(session.cached_tokens)
+                self.engine.rollback(session, session.cached_tokens)
                 raise
             session.cached_tokens += len(new_tokens)
             # Roll the cache back to the accepted prefix; next_token is fed with the next block.
             start_position = session.length
             keep = session.length + n_accepted
-            session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
+            self.engine.rollback(session, keep)
             session.cached_tokens = keep
             session.tokens.extend(draft_tokens[:n_accepted] + [next_token])
             session.last_verdict = (start_position, n_accepted, next_token)
@@ -159,6 +160,7 @@ class TargetBackend:
         """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = sampling_from_proto(request.sampling)
+        self.engine.check_sampling(sampling)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         if request.max_new_tokens < 1:
@@ -167,35 +169,22 @@ class TargetBackend:
         with self.store.generation(owner, len(context) + max_new):
             self.update_gauges()
             try:
-                async for chunk in self._decode(context, max_new, sampling):
-                    yield chunk
+                async for step in self.engine.generate(context, max_new, sampling):
+                    self.metrics.tokens_generated.inc()
+                    if step.token in self.engine.info.eos_token_ids:
+                        yield pb.GenerateChunk(token_ids=[step.token], finished=True, finish_reason="stop",
+                                               step_ms=step.step_ms)
+                        return
+                    yield pb.GenerateChunk(token_ids=[step.token], step_ms=step.step_ms)
+                yield pb.GenerateChunk(finished=True, finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
-
-    async def _decode(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[pb.GenerateChunk]:
-        generator = torch.Generator().manual_seed(sampling.seed)
-        cache = ResidentKV(self.kv_layout, reserve_tokens=len(context) + max_new)
-        started = time.perf_counter()
-        if len(context) > 1:  # the prompt apart from verify batches, like a session's
-            await self.batcher.prefill(cache, context[:-1])
-        prefill_ms = (time.perf_counter() - started) * 1e3
-        new_tokens = context[-1:]
-        for _ in range(max_new):
-            result = await self.batcher.forward(cache, new_tokens, n_logits=1)
-            token = sample(logits_to_probs(result.logits[-1], sampling), generator)
-            self.metrics.tokens_generated.inc()
-            if token in self.target.eos_token_ids:
-                yield pb.GenerateChunk(token_ids=[token], finished=True, finish_reason="stop",
-                                       step_ms=prefill_ms + result.queue_ms + result.forward_ms)
-                return
-            yield pb.GenerateChunk(token_ids=[token], step_ms=prefill_ms + result.queue_ms + result.forward_ms)
-            new_tokens, prefill_ms = [token], 0.0
-        yield pb.GenerateChunk(finished=True, finish_reason="length")  # max_new_tokens, or the context limit
 
     def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
-        page = self.kv_layout.bytes_per_page
-        used = -(-self.store.kv_bytes // page)
-        self.metrics.kv_pages_used.set(used)
-        self.metrics.kv_pages_free.set(max(0, self.store.limits.kv_budget_bytes // page - used))
+        page = self.engine.kv_bytes_per_page
+        if page:  # an engine that keeps its own KV (vllm) reports its cache in its own metrics
+            used = -(-self.store.kv_bytes // page)
+            self.metrics.kv_pages_used.set(used)
+            self.metrics.kv_pages_free.set(max(0, self.store.limits.kv_budget_bytes // page - used))

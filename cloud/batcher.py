@@ -30,23 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from transformers import PreTrainedModel
 
+from cloud.engine import ForwardResult, ForwardStats
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import ResidentKV
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ForwardStats:
-    """What one forward did, for the metrics."""
-
-    requests: int
-    tokens: int
-    seconds: float
-    copied_bytes: int  # past KV entries moved by cache growth (0 unless a cache ran out of pages)
 
 
 @dataclass
@@ -57,14 +47,6 @@ class ForwardRequest:
     abandoned: Callable[[], bool] | None = None  # true once nobody waits for the answer: the forward is skipped
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued_at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(frozen=True)
-class ForwardResult:
-    logits: torch.Tensor  # [n_logits, V] float32
-    batch_size: int
-    queue_ms: float
-    forward_ms: float
 
 
 class Batcher:

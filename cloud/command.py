@@ -8,6 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from cloud.server import CloudSettings, run_until_signalled
+from cloud.settings import ENGINES
+from cloud.vllm_launch import relaunch_under_vllm, vllm_importable
 from common.fleet_plane.command import add_broker_arguments
 
 DEFAULTS = CloudSettings()
@@ -19,6 +21,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
+                   help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
+                        "`make vllm` builds (.venv-vllm; this command moves there by itself)")
     p.add_argument("--host", default=DEFAULTS.host, help="a non-loopback address needs --auth-tokens "
                                                           "(or --allow-unauthenticated)")
     p.add_argument("--port", type=int, default=DEFAULTS.port)
@@ -56,15 +61,34 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
+    _add_vllm_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
 
 
+def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    vllm = p.add_argument_group("vllm engine", "passed to vLLM; --kv-budget-mb sizes its KV cache, --max-context "
+                                               "its max_model_len, --max-batch its max_num_seqs, --max-forward-tokens "
+                                               "its max_num_batched_tokens")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=DEFAULTS.tensor_parallel_size,
+                      help="GPUs to shard the target over")
+    vllm.add_argument("--gpu-memory-utilization", type=float, help="size the KV cache as this share of each GPU's "
+                                                                  "memory instead of by --kv-budget-mb")
+    vllm.add_argument("--quantization", help="vLLM's quantization method (e.g. fp8, awq)")
+    vllm.add_argument("--max-logprobs", type=int, default=DEFAULTS.max_logprobs,
+                      help="sampled verifies read each row's top_k target logprobs (the whole vocabulary without "
+                           "top_k); sessions that need more are refused")
+    vllm.add_argument("--kv-block-tokens", type=int, help="prefix-cache block size (default: 32 on CPU, vLLM's "
+                                                          "default on GPUs)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # a bad flag is refused before anything loads, with the flag's name; the KV budget once the model is known
         settings = CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
+        if settings.engine == "vllm" and not vllm_importable():
+            relaunch_under_vllm(args.argv, settings.target)
         asyncio.run(run_until_signalled(settings))
     except ValueError as err:
         raise SystemExit(f"sprinter cloud serve: {err}") from None

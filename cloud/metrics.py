@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from cloud.batcher import ForwardStats
+from cloud.engine import ForwardStats
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,16 @@ class CloudMetrics:
         # before any check or forward: dropped candidates cost uplink bytes, never compute.
         self.candidates = Counter("sprinter_cloud_candidates", "Candidate blocks by outcome (verified, dropped)",
                                   ["outcome"], registry=r)
+        # An engine with its own prefix cache (vllm): context tokens it served from the cache, context tokens it had
+        # seen but computed again (evicted, or a partial cache block), and verifies re-run with the cache skipped
+        # because it covered a row the rule reads (cloud/vllm_engine.py).
+        self.engine_cached_tokens = Counter("sprinter_cloud_engine_cached_tokens",
+                                            "Context tokens served from the engine's prefix cache", registry=r)
+        self.engine_recomputed_tokens = Counter("sprinter_cloud_engine_recomputed_tokens",
+                                                "Context tokens the engine had cached before and computed again",
+                                                registry=r)
+        self.engine_cache_bypasses = Counter("sprinter_cloud_engine_cache_bypasses",
+                                             "Verifies re-run with the prefix cache skipped", registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
 
     def observe_batch(self, forward: ForwardStats) -> None:

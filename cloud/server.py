@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from contextlib import AbstractAsyncContextManager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
+from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,17 +20,19 @@ from grpc_reflection.v1alpha import reflection
 
 from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
-from cloud.batcher import Batcher, ForwardStats
+from cloud.batcher import Batcher
+from cloud.engine import ForwardStats, TargetEngine
 from cloud.frames import ServiceLimits
 from cloud.load_announcer import LoadAnnouncer, LoadTracker, load_reader
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
 from cloud.service import TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
+from cloud.resident_engine import ResidentEngine
 from cloud.resident_kv import KVLayout
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
-from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
+from common.models import DTYPES, LoadedModel, load_model
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -129,37 +132,54 @@ class CloudServer:
 
     async def _load_and_serve(self) -> None:
         settings = self.settings
-        target = self.preloaded_target
-        if target is None:
-            log.info("loading target %s (%s)", settings.target, settings.dtype)
-            target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
-        # No session grows past the context limit plus one block (a verify's new tokens are written first).
-        kv_layout = KVLayout.of(target.model, max_tokens=settings.max_context + settings.max_block + 1)
-        bytes_per_token = kv_layout.bytes_per_token
-        settings.check_kv_budget(bytes_per_token)
-        quotas = EdgeQuotas(settings.edge_max_sessions or settings.max_sessions, settings.edge_kv_budget_bytes,
-                            settings.edge_max_generate)
-        store = SessionStore(
-            SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas),
-            bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
-        )
-        async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
-                           on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
-                           max_prefill_chunk=settings.max_prefill_chunk,
-                           max_forward_tokens=settings.max_forward_tokens) as batcher:
-            backend = TargetBackend(target, vocab_fingerprint(target.tokenizer), self.limits, store, batcher,
-                                    self.metrics, kv_layout)
+        async with self._engine() as engine:
+            quotas = EdgeQuotas(settings.edge_max_sessions or settings.max_sessions, settings.edge_kv_budget_bytes,
+                                settings.edge_max_generate)
+            store = SessionStore(
+                SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas),
+                engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
+            )
+            backend = TargetBackend(engine, self.limits, store, self.metrics)
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 self._ready.set()
-                log.info("serving %s on %s:%d", target.spec, settings.host, self.port)
+                log.info("serving %s (engine %s) on %s:%d", engine.info.spec, engine.name, settings.host, self.port)
                 sweeper = asyncio.create_task(self._expire_idle(store))
                 await self._stopping.wait()
                 if announcer is not None:
                     await announcer.draining()
                 await self._drain()
                 sweeper.cancel()
+
+    @asynccontextmanager
+    async def _engine(self) -> AsyncIterator[TargetEngine]:
+        """The target loaded into the engine `--engine` names, for as long as the service runs."""
+        settings = self.settings
+        if settings.engine == "vllm":
+            from cloud.vllm_engine import VllmEngine, VllmOptions  # vLLM's own environment (`make vllm`)
+
+            log.info("loading target %s into vLLM (%s)", settings.target, settings.dtype)
+            options = await asyncio.to_thread(VllmOptions.of, settings)
+            engine = await asyncio.to_thread(VllmEngine.start, settings.target, options, self.metrics,
+                                             self._observe_batch)
+            try:
+                yield engine
+            finally:
+                engine.shutdown()
+            return
+        target = self.preloaded_target
+        if target is None:
+            log.info("loading target %s (%s)", settings.target, settings.dtype)
+            target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
+        # No session grows past the context limit plus one block (a verify's new tokens are written first).
+        kv_layout = KVLayout.of(target.model, max_tokens=settings.max_context + settings.max_block + 1)
+        settings.check_kv_budget(kv_layout.bytes_per_token)
+        async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
+                           on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
+                           max_prefill_chunk=settings.max_prefill_chunk,
+                           max_forward_tokens=settings.max_forward_tokens) as batcher:
+            yield ResidentEngine(target, batcher, kv_layout)
 
     def _observe_batch(self, forward: ForwardStats) -> None:
         self.metrics.observe_batch(forward)
@@ -174,9 +194,9 @@ class CloudServer:
                                       key_file=settings.mqtt_key, keepalive_s=settings.mqtt_keepalive)
         replica_id = settings.replica_id or f"cloud-{self.port}"
         store = backend.store
-        read = load_reader(replica_id, backend.target.spec, backend.vocab_fingerprint,
+        read = load_reader(replica_id, backend.engine.info.spec, backend.vocab_fingerprint,
                            settings.advertise or f"{settings.host}:{self.port}", self.load, lambda: len(store),
-                           lambda: backend.batcher.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
+                           lambda: backend.engine.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
         return LoadAnnouncer(broker, replica_id, read)
 
     async def _expire_idle(self, store: SessionStore) -> None:

@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from cloud.errors import CloudError, exhausted
+from cloud.engine import ExternalKV
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.sampling import SamplingParams
@@ -39,7 +40,7 @@ class Session:
     session_id: str
     owner: str  # the authenticated edge identity; nobody else may touch this session
     tokens: list[int]  # the context: prompt, then every verified token
-    cache: ResidentKV  # holds the KV of tokens[:cached_tokens]
+    cache: ResidentKV | ExternalKV  # holds the KV of tokens[:cached_tokens] (cloud/engine.py)
     sampling: SamplingParams
     generator: torch.Generator
     cached_tokens: int = 0
@@ -144,17 +145,18 @@ class SessionStore:
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
-    def grant_kv(self, session: Session, tokens: int, headroom: int = 0) -> None:
+    def grant_kv(self, session: Session, tokens: int, headroom_pages: int = 0) -> None:
         """Charge `session` for `tokens` KV entries before the forward that writes them runs, so the budget
         holds while forwards are in flight: room for the pages it needs is made (idle sessions evicted) or the
         call is refused with RESOURCE_EXHAUSTED, nothing computed; the growth rule's spare pages (GROWTH x,
-        `headroom`) are granted only as far as the budget has them free."""
+        `headroom_pages`) are granted only as far as the budget has them free. An engine that keeps its own
+        KV (kv_bytes_per_token 0) is granted nothing: its cache evicts by itself."""
         cache = session.cache
-        if tokens <= max(cache.capacity, cache.granted):
+        if not self.kv_bytes_per_token or tokens <= max(cache.capacity, cache.granted):
             return
         page = cache.layout.page_tokens
         needed = cache.layout.pages(tokens) * page
-        roomy = cache.capacity_for(tokens, headroom)
+        roomy = cache.capacity_for(tokens, headroom_pages * page)
         charged = session.kv_tokens
         self._make_kv_room((needed - charged) * self.kv_bytes_per_token)
         free_tokens = (self.limits.kv_budget_bytes - self.kv_bytes) // self.kv_bytes_per_token

@@ -12,10 +12,20 @@ from pathlib import Path
 from common.addresses import is_loopback
 
 
+ENGINES = ("resident", "vllm")
+
+
 @dataclass(frozen=True)
 class CloudSettings:
     target: str = "tiny-random"
     dtype: str = "bfloat16"
+    engine: str = "resident"  # cloud/engine.py: the embedded engine, or vLLM (its own environment, `make vllm`)
+    # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # instead of --kv-budget-mb: a share of each GPU's memory
+    quantization: str | None = None
+    max_logprobs: int = 64  # the largest support a sampled verify may read per row (cloud/vllm_engine.py)
+    kv_block_tokens: int | None = None  # vLLM's prefix-cache block; None: 32 on CPU, vLLM's default elsewhere
     host: str = "127.0.0.1"
     port: int = 50051
     tls_cert: Path | None = None
@@ -86,8 +96,33 @@ class CloudSettings:
              f"--host {self.host} is reachable from other machines, and without --auth-tokens anyone there could use "
              f"this cloud: pass --auth-tokens FILE, or --allow-unauthenticated if the network is trusted"),
             (self.mqtt_keepalive >= 1, f"--mqtt-keepalive must be >= 1, got {self.mqtt_keepalive}"),
+            (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"),
+            (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.max_logprobs >= 1, f"--max-logprobs must be >= 1, got {self.max_logprobs}"),
+            (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
+             f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
         ]
-        return [message for ok, message in checks if not ok]
+        return [message for ok, message in checks if not ok] + self._engine_problems()
+
+    def _engine_problems(self) -> list[str]:
+        """Flags that mean something to one engine only are refused on the other, never ignored."""
+        defaults = CloudSettings.__dataclass_fields__
+        if self.engine == "vllm":
+            resident_only = {
+                "batch_window_ms": "--batch-window-ms (vLLM schedules its own batches)",
+                "max_prefill_chunk": "--max-prefill-chunk (vLLM chunks prefills within --max-forward-tokens)",
+                "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
+            }
+        else:
+            resident_only = {
+                "tensor_parallel_size": "--tensor-parallel-size", "gpu_memory_utilization": "--gpu-memory-utilization",
+                "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens",
+                "max_logprobs": "--max-logprobs (the resident engine reads whole rows)",
+            }
+        return [f"{flag} does not apply to --engine {self.engine}" for name, flag in resident_only.items()
+                if getattr(self, name) != defaults[name].default]
 
     @property
     def kv_budget_bytes(self) -> int:

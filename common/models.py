@@ -79,6 +79,22 @@ def load_model(spec: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 
+def model_dir(spec: str) -> Path | str:
+    """The spec as a checkpoint another engine can load (vLLM): a GGUF preset's dense copy (converted once),
+    a tiny or truncated model saved once under `cache_root()`, or the Hugging Face id or directory as it is."""
+    name, n_layers = parse_spec(spec)
+    if name not in TINY_PRESETS and n_layers is None:
+        return _dense_dir(name) if name in GGUF_PRESETS else name
+    saved = cache_root() / "models" / "saved" / spec.replace("/", "--").replace(":", "--")
+    if not (saved / "config.json").exists():
+        loaded = load_model(spec, torch.float32 if name in TINY_PRESETS else torch.bfloat16)
+        partial = saved.with_name(saved.name + ".partial")
+        loaded.model.save_pretrained(partial)
+        loaded.tokenizer.save_pretrained(partial)
+        partial.rename(saved)
+    return saved
+
+
 def load_pair(target_spec: str, draft_spec: str, dtype: torch.dtype = torch.bfloat16) -> tuple[LoadedModel, LoadedModel]:
     target = load_model(target_spec, dtype)
     draft = target if draft_spec == target_spec else load_model(draft_spec, dtype)

@@ -105,7 +105,8 @@ def gguf_path(name: str, cache_root: Path) -> Path:
 
 # Tiny random models: milliseconds to build, a byte-level vocabulary, peaked distributions so that
 # greedy decoding is stable and a truncated draft agrees with its target often but not always.
-TINY_PRESETS = ("tiny-random", "tiny-random-draft")
+# `tiny-random-wide` has heads of 32 dimensions, the smallest vLLM's CPU attention kernels take (16 is refused).
+TINY_PRESETS = ("tiny-random", "tiny-random-draft", "tiny-random-wide")
 TINY_SEED = 1234
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -127,11 +128,13 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """`tiny-random`: 2 layers, hidden 64; `tiny-random-draft`: its first layer (same embeddings and head)."""
+    """`tiny-random`: 2 layers, hidden 64; `tiny-random-draft`: its first layer (same embeddings and head);
+    `tiny-random-wide`: 2 layers of 2 heads of 32 (`tiny-random-wide:layers=1` is its draft)."""
     tokenizer = build_tiny_tokenizer()
+    heads = dict(num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192) \
+        if name == "tiny-random-wide" else dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, **heads,
         initializer_range=0.25, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )

@@ -8,7 +8,8 @@ import time
 import pytest
 
 import cloud.batcher
-from cloud.batcher import Batcher, ForwardStats
+from cloud.batcher import Batcher
+from cloud.engine import ForwardStats
 from cloud.resident_kv import KVLayout, ResidentKV
 
 

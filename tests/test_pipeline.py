@@ -207,7 +207,7 @@ def test_a_cancelled_generation_leaves_no_work_on_the_cloud(tiny_cloud, tiny_tar
 
     verified_at_cancel = asyncio.run(_on_edge(tiny_cloud, tiny_draft, work))
     backend = tiny_cloud.server.servicer.backend
-    assert backend.batcher.queue_depth == 0
+    assert backend.engine.queue_depth == 0
     assert not any(s.busy for s in backend.store._sessions.values())
     assert tiny_cloud.server.metrics.verify_calls.labels("block")._value.get() == verified_at_cancel
     assert tiny_cloud.server.servicer.open_streams == 0

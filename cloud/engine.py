@@ -1,0 +1,116 @@
+"""The verify-engine seam: what the target backend (cloud/backend.py) asks of whatever runs the target.
+
+Two engines sit behind it:
+    resident  cloud/resident_engine.py, the embedded default: each session's KV stays where the
+              forward writes it; concurrent sessions share one packed forward (cloud/batcher.py).
+    vllm      cloud/vllm_engine.py: vLLM in-process, which batches and caches by itself; a session
+              holds no KV of ours, its context is served from vLLM's prefix cache.
+
+Glossary
+    session.tokens          the context the edge and the cloud agree on
+    session.cached_tokens   how much of it the engine has seen (its KV, or vLLM's cached prefix)
+    forward                 append new tokens after the cached context; return the target's logits
+                            [n_logits, V] at the last n_logits positions, the rows the rule reads
+    rollback                forget the KV past `keep` tokens (rejected draft tokens)
+
+An engine that cannot give the rule exactly what it needs for a session's sampling settings refuses
+the session in `check_sampling`, before anything is computed; it never approximates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
+
+import torch
+
+from common.sampling import SamplingParams
+
+Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
+
+
+class Session(Protocol):
+    """What an engine reads of a session (cloud/sessions.py)."""
+
+    tokens: list[int]
+    cached_tokens: int
+    cache: Any  # the engine's own handle, from new_session_kv
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the service tells edges about its target (GetInfo, the fleet plane)."""
+
+    spec: str  # the model spec it was started with (preset, Hugging Face id or directory)
+    vocab_size: int  # logits per row
+    eos_token_ids: frozenset[int]
+    vocab_fingerprint: str
+
+
+@dataclass
+class ExternalKV:
+    """Session.cache for an engine that keeps the KV itself (vllm): nothing is held or granted here."""
+
+    capacity: int = 0
+    granted: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    logits: torch.Tensor  # [n_logits, V] float32; -inf outside the support an engine was asked for
+    batch_size: int  # requests in the same forward (vllm: verifies in flight at once)
+    queue_ms: float
+    forward_ms: float
+
+
+@dataclass(frozen=True)
+class ForwardStats:
+    """What one forward did, for the metrics (vllm: one request, whatever vLLM batched it with)."""
+
+    requests: int
+    tokens: int
+    seconds: float
+    copied_bytes: int  # past KV entries moved by cache growth (0 unless a cache ran out of pages)
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One step of target-alone decoding (Generate)."""
+
+    token: int
+    step_ms: float  # the prefill is counted in the first step
+
+
+class TargetEngine(Protocol):
+    """The target behind the service: sessions' forwards, rollbacks and target-alone decoding."""
+
+    name: str
+    info: TargetInfo
+    # KV accounting for admission: what the session store charges per context token, and the unit it
+    # allocates in; both 0 for an engine that sizes and evicts its own KV cache (vllm).
+    kv_bytes_per_token: int
+    kv_bytes_per_page: int
+
+    @property
+    def queue_depth(self) -> int:
+        """Forwards waiting for the target."""
+
+    def new_session_kv(self) -> Any:
+        """A fresh session's KV handle (Session.cache)."""
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse (CloudError) sampling settings whose verification this engine cannot do exactly."""
+
+    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+        """Make `tokens`, which follow the session's cached context, part of it."""
+
+    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+                      abandoned: Abandoned | None = None) -> ForwardResult:
+        """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions."""
+
+    def rollback(self, session: Session, keep: int) -> None:
+        """Keep the KV of the first `keep` context tokens only."""
+
+    def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+        """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token)."""

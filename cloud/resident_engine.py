@@ -1,0 +1,76 @@
+"""The resident engine, the embedded default: the target in this process, KV resident per session.
+
+Each session's KV stays where the forward writes it (cloud/resident_kv.py); concurrent sessions'
+new tokens go through one packed, unpadded forward with continuous batching and prefill chunks
+(cloud/batcher.py). The session store charges every page to the KV budget (cloud/sessions.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from cloud.batcher import Batcher
+from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo
+from cloud.resident_kv import KVLayout, ResidentKV
+from common.models import LoadedModel, vocab_fingerprint
+from common.sampling import SamplingParams, logits_to_probs, sample
+
+
+def target_info(target: LoadedModel) -> TargetInfo:
+    return TargetInfo(target.spec, target.vocab_size, target.eos_token_ids, vocab_fingerprint(target.tokenizer))
+
+
+@dataclass
+class ResidentEngine:
+    """`TargetEngine` over a loaded transformers model and its batcher (which the caller runs)."""
+
+    target: LoadedModel
+    batcher: Batcher
+    kv_layout: KVLayout
+    name: str = "resident"
+
+    def __post_init__(self) -> None:
+        self.info = target_info(self.target)
+        self.kv_bytes_per_token = self.kv_layout.bytes_per_token
+        self.kv_bytes_per_page = self.kv_layout.bytes_per_page
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.queue_depth
+
+    def new_session_kv(self) -> ResidentKV:
+        return ResidentKV(self.kv_layout)
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Every sampling setting: the forward returns full-vocabulary logits."""
+
+    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+        await self.batcher.prefill(session.cache, tokens, abandoned)
+
+    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+                      abandoned: Abandoned | None = None) -> ForwardResult:
+        return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned)
+
+    def rollback(self, session: Session, keep: int) -> None:
+        session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
+
+    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens."""
+        generator = torch.Generator().manual_seed(sampling.seed)
+        cache = ResidentKV(self.kv_layout, reserve_tokens=len(context) + max_new)
+        started = time.perf_counter()
+        if len(context) > 1:  # the prompt apart from verify batches, like a session's
+            await self.batcher.prefill(cache, context[:-1])
+        prefill_ms = (time.perf_counter() - started) * 1e3
+        new_tokens = context[-1:]
+        for _ in range(max_new):
+            result = await self.batcher.forward(cache, new_tokens, n_logits=1)
+            token = sample(logits_to_probs(result.logits[-1], sampling), generator)
+            yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
+            if token in self.info.eos_token_ids:
+                return
+            new_tokens, prefill_ms = [token], 0.0

@@ -1,0 +1,243 @@
+"""The vllm engine: the target on vLLM (v1 `AsyncLLM`, in this process), for users who outgrow one device.
+
+vLLM batches and caches by itself, so the cloud's batcher stays out of its way and a session holds
+no KV of ours. A verify is one request whose prompt is the session's context plus the new tokens,
+with the context served from vLLM's prefix cache; vLLM's eviction just costs a session a prefill.
+
+Glossary
+    row r           the target's logits at prompt position r; they score the token at r + 1
+    rows the rule   the last n_logits rows: the one before the first new draft token, one per draft
+    reads           token (the last row is the one after the block)
+    prompt rows     every row but the last, returned as `prompt_logprobs`; vLLM computes only the rows
+                    from `num_cached_tokens` on and leaves cached rows uninitialised (vLLM issue
+                    42019), so a request whose cached prefix covers a row the rule reads is run again
+                    with the prefix cache skipped (counted: sprinter_cloud_engine_cache_bypasses)
+    last row        the row after the whole prompt: the logprobs of the one token the request samples
+    support K       how many of each row's largest logprobs are read: 1 when greedy (the argmax),
+                    top_k when sampling with top-k, the whole vocabulary otherwise
+
+Exactness: vLLM's logprobs are of the raw logits, so each row becomes dense logits with -inf outside
+the K read, and the session's temperature, top-k and top-p are applied to them by the same function
+the resident engine uses (common/sampling.py). With K >= top_k that is the target's distribution
+exactly, so every verify method (token, block, sprinter) runs its own rule unchanged. Building K
+Python objects per row is vLLM's cost; a session whose K exceeds `--max-logprobs` is refused at open,
+never truncated.
+
+Shapes: a forward's logits are [n_logits, V] float32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+import torch
+
+from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, GeneratedToken, Session, TargetInfo
+from cloud.errors import CloudError
+from cloud.metrics import CloudMetrics
+from cloud.settings import CloudSettings
+from common.models import model_dir
+from common.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """How vLLM is started: the service's limits mapped onto vLLM's settings, and its own knobs."""
+
+    model_dir: str  # a checkpoint directory (common/models.py:model_dir) or a Hugging Face id
+    dtype: str = "bfloat16"
+    max_model_len: int = 4097  # --max-context + 1: the longest prompt plus the one token a request samples
+    kv_cache_bytes: int = 2 << 30  # --kv-budget-mb
+    max_num_seqs: int = 8  # --max-batch
+    max_num_batched_tokens: int = 1024  # --max-forward-tokens
+    max_logprobs: int = 64  # --max-logprobs: the largest support K a session may need
+    block_size: int | None = None  # prefix-cache granularity; None: 32 on CPU, vLLM's default elsewhere
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    quantization: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, settings: CloudSettings) -> "VllmOptions":
+        """The service's settings in vLLM's terms; the target as a directory vLLM can load (converted once)."""
+        return cls(model_dir=str(model_dir(settings.target)), dtype=settings.dtype,
+                   max_model_len=settings.max_context + 1, kv_cache_bytes=settings.kv_budget_bytes,
+                   max_num_seqs=settings.max_batch, max_num_batched_tokens=settings.max_forward_tokens,
+                   max_logprobs=settings.max_logprobs, block_size=settings.kv_block_tokens,
+                   tensor_parallel_size=settings.tensor_parallel_size,
+                   gpu_memory_utilization=settings.gpu_memory_utilization, quantization=settings.quantization)
+
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        extra: dict[str, Any] = {}
+        if self.gpu_memory_utilization is not None:
+            extra["gpu_memory_utilization"] = self.gpu_memory_utilization
+        else:  # the budget sizes the cache; vLLM's own default would take a share of the device instead
+            extra["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        block_size = self.block_size or (32 if current_platform.is_cpu() else None)
+        if block_size:
+            extra["block_size"] = block_size
+        return AsyncEngineArgs(
+            model=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len, enable_prefix_caching=True,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_model_len),
+            max_logprobs=self.max_logprobs, tensor_parallel_size=self.tensor_parallel_size,
+            quantization=self.quantization, seed=self.seed, disable_log_stats=True, **extra)
+
+
+class VllmEngine:
+    """`TargetEngine` over an `AsyncLLM`; `async with VllmEngine.start(...)` owns it."""
+
+    name = "vllm"
+    kv_bytes_per_token = 0  # vLLM sizes and evicts its own cache (--kv-budget-mb sets its size)
+    kv_bytes_per_page = 0
+
+    def __init__(self, llm: Any, info: TargetInfo, options: VllmOptions, metrics: CloudMetrics,
+                 on_batch: Callable[[ForwardStats], None] | None = None) -> None:
+        self.llm = llm
+        self.info = info
+        self.options = options
+        self.metrics = metrics
+        self.on_batch = on_batch  # every verify's ForwardStats, as the resident batcher reports its forwards
+        self._request_ids = itertools.count()
+        self._in_flight = 0
+
+    @classmethod
+    def start(cls, spec: str, options: VllmOptions, metrics: CloudMetrics,
+              on_batch: Callable[[ForwardStats], None] | None = None) -> "VllmEngine":
+        """Load the target into vLLM (blocking: tens of seconds; call it from a thread)."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from common.models import vocab_fingerprint
+
+        tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
+        config = AutoConfig.from_pretrained(options.model_dir)
+        eos = _eos_token_ids(options.model_dir, tokenizer, GenerationConfig)
+        info = TargetInfo(spec, config.get_text_config().vocab_size, eos, vocab_fingerprint(tokenizer))
+        llm = AsyncLLM.from_engine_args(options.engine_args())
+        return cls(llm, info, options, metrics, on_batch)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._in_flight
+
+    def new_session_kv(self) -> ExternalKV:
+        return ExternalKV()
+
+    def support(self, sampling: SamplingParams) -> int:
+        """K: how many logprobs per row make the session's distribution exact (module docstring)."""
+        if sampling.greedy:
+            return 1
+        return min(sampling.top_k, self.info.vocab_size) if sampling.top_k > 0 else self.info.vocab_size
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        k = self.support(sampling)
+        if k > self.options.max_logprobs:
+            what = f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)"
+            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"this cloud's vllm engine verifies sampling exactly from each row's {k} largest target "
+                             f"logprobs ({what}), more than its --max-logprobs {self.options.max_logprobs}: sample with "
+                             f"top_k <= {self.options.max_logprobs}, or use a cloud with --engine resident")
+
+    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+        """Put the context into vLLM's prefix cache, so the first verify computes only its block."""
+        prompt = session.tokens[:session.cached_tokens] + tokens
+        await self._request(prompt, self._params(1, logprobs=None), abandoned)
+
+    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+                      abandoned: Abandoned | None = None) -> ForwardResult:
+        prompt = session.tokens[:session.cached_tokens] + new_tokens
+        first_row = len(prompt) - n_logits
+        k = self.support(session.sampling)
+        started = time.perf_counter()
+        batch = self._in_flight + 1
+        params = self._params(1, logprobs=k, prompt_logprobs=k if n_logits > 1 else None)
+        output = await self._request(prompt, params, abandoned)
+        if output.num_cached_tokens > first_row:  # a row the rule reads was served from the cache, unset
+            self.metrics.engine_cache_bypasses.inc()
+            params.skip_reading_prefix_cache = True
+            output = await self._request(prompt, params, abandoned)
+        self.metrics.engine_cached_tokens.inc(output.num_cached_tokens)
+        self.metrics.engine_recomputed_tokens.inc(max(0, session.cached_tokens - output.num_cached_tokens))
+        rows = (output.prompt_logprobs or [])[first_row + 1:] + [output.outputs[0].logprobs[0]]
+        forward_s = time.perf_counter() - started
+        if self.on_batch:
+            self.on_batch(ForwardStats(1, len(prompt) - output.num_cached_tokens, forward_s, 0))
+        return ForwardResult(_dense_logits(rows, self.info.vocab_size), batch, 0.0, forward_s * 1e3)
+
+    def rollback(self, session: Session, keep: int) -> None:
+        """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
+
+    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+        """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._params(max_new, logprobs=None, sampling=sampling)
+        params.output_kind = RequestOutputKind.DELTA
+        params.stop_token_ids = sorted(self.info.eos_token_ids)
+        started = time.perf_counter()
+        async for output in self.llm.generate({"prompt_token_ids": context}, params, request_id=self._next_id()):
+            now = time.perf_counter()
+            for token in output.outputs[0].token_ids:
+                yield GeneratedToken(token, (now - started) * 1e3)
+                started = now
+
+    def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                sampling: SamplingParams | None = None) -> Any:
+        from vllm import SamplingParams as VllmSampling
+
+        sampling = sampling or SamplingParams()  # a verify reads logprobs; what it samples is never used
+        return VllmSampling(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p, seed=sampling.seed if not sampling.greedy else None,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                            # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
+                            detokenize=False, skip_reading_prefix_cache=False, ignore_eos=max_tokens == 1)
+
+    async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None) -> Any:
+        if abandoned is not None and abandoned():
+            raise CloudError(grpc.StatusCode.CANCELLED, "the caller left before its forward")
+        self._in_flight += 1
+        try:
+            final = None
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=self._next_id()):
+                final = output
+            return final
+        finally:
+            self._in_flight -= 1
+
+    def _next_id(self) -> str:
+        return f"sprinter-{next(self._request_ids)}"
+
+
+def _dense_logits(rows: list[dict[int, Any]], vocab_size: int) -> torch.Tensor:
+    """[len(rows), V] float32: each row's logprobs where it has them, -inf elsewhere (softmax-equivalent to the
+    raw logits on that support, since a logprob is the logit less the row's log-normaliser)."""
+    logits = torch.full((len(rows), vocab_size), float("-inf"))
+    for i, row in enumerate(rows):
+        ids = torch.tensor(list(row.keys()), dtype=torch.long)
+        logits[i, ids] = torch.tensor([entry.logprob for entry in row.values()], dtype=torch.float32)
+    return logits
+
+
+def _eos_token_ids(model_dir: str, tokenizer: Any, generation_config: Any) -> frozenset[int]:
+    ids: list[int] = []
+    try:
+        configured = generation_config.from_pretrained(model_dir).eos_token_id
+        ids = [configured] if isinstance(configured, int) else list(configured or [])
+    except OSError:  # no generation_config.json
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)
