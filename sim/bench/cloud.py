@@ -7,9 +7,12 @@ Each synthetic edge replays draft blocks recorded from the pair's draft model (g
 block) over its own Session stream, as fast as verdicts come back, on top of a prompt of about each
 `--contexts` length (the bench prompt, preceded by filler text cut from the other prompts). The cloud
 runs as a separate process (`sprinter cloud serve`), once with batching on and once with `--max-batch 1`.
-`--source DIR --engine NAME` runs the cloud from another checkout (say, a git worktree of an older
-commit) and labels its rows, so two engines can be compared on one machine in one run.
-Reports verified tokens/s and p50/p99 verify latency; writes results.json, table.md and a plot.
+`--engine resident|vllm` picks the cloud's engine (vllm: from `make vllm`'s environment), and its
+rows are labelled by the engine; `--source DIR --label NAME` runs the cloud from another checkout
+(say, a git worktree of an older commit) under another label, so two engines or two versions of one
+are compared on one machine in one run (rows of other labels in OUT/results.json are kept).
+Reports verified tokens/s, p50/p99 verify latency and, for vllm, the share of the context served
+from its prefix cache; writes results.json, table.md and a plot.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+import urllib.request
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,7 @@ from common.models import load_model
 from common.plots import pyplot
 from common.prompting import encode_prompt
 from sim.bench.prompts import load_bench_prompts
-from sim.processes import cloud_process
+from sim.processes import cloud_process, free_port
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -52,8 +56,14 @@ class CloudBenchSettings:
     dtype: str = "bfloat16"
     out: Path = Path("results/bench-cloud")
     source: Path | None = None  # run the cloud from this checkout instead of this one
-    engine: str = "resident"  # the label of the engine that checkout (or this one) runs
+    engine: str = "resident"  # the cloud's --engine
+    label: str | None = None  # what its rows are called (default: the engine's name)
+    batching: tuple[bool, ...] = (True, False)  # measure with batching on, off, or both
     cpus: tuple[int, ...] = ()  # pin the cloud process (and its threads) to these cores
+
+    @property
+    def row_label(self) -> str:
+        return self.label or self.engine
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "out": str(self.out), "source": str(self.source) if self.source else None}
@@ -68,7 +78,7 @@ class RecordedEdge:
 @dataclass
 class BenchRow:
     target: str
-    engine: str
+    engine: str  # the row's label: an engine (resident, vllm), or a name for another checkout's
     context: int  # prompt tokens each edge's session opened with (0: the bench prompts as they are)
     edges: int
     batching: bool
@@ -77,6 +87,7 @@ class BenchRow:
     verify_p99_ms: float
     cloud_batch_size_mean: float
     verify_calls: int
+    prefix_cache_share: float | None = None  # vllm: context tokens served from its prefix cache / all context tokens
 
 
 def with_context(edges: list[RecordedEdge], context: int) -> list[RecordedEdge]:
@@ -162,7 +173,7 @@ def percentile(values: list[float], q: float) -> float:
 def format_table(rows: list[BenchRow]) -> str:
     """speedup: over the same engine unbatched; vs old: over the first other engine's row with the same batching."""
     lines = ["| target | engine | context | edges | batching | verified tokens/s | speedup | vs other engine | "
-             "p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "p50 ms | p99 ms | mean batch | prefix cache |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         def same(r: BenchRow) -> bool:
             return (r.target, r.context, r.edges) == (row.target, row.context, row.edges)
@@ -170,9 +181,10 @@ def format_table(rows: list[BenchRow]) -> str:
         other = next((r for r in rows if same(r) and r.engine != row.engine and r.batching == row.batching), None)
         speedup = f"{row.verified_tokens_per_s / off.verified_tokens_per_s:.2f}x" if off else "-"
         versus = f"{row.verified_tokens_per_s / other.verified_tokens_per_s:.2f}x" if other else "-"
+        cached = f"{row.prefix_cache_share:.0%}" if row.prefix_cache_share is not None else "-"
         lines.append(f"| {row.target} | {row.engine} | {row.context} | {row.edges} | {'on' if row.batching else 'off'} | "
                      f"{row.verified_tokens_per_s:.1f} | {speedup} | {versus} | {row.verify_p50_ms:.0f} | "
-                     f"{row.verify_p99_ms:.0f} | {row.cloud_batch_size_mean:.2f} |")
+                     f"{row.verify_p99_ms:.0f} | {row.cloud_batch_size_mean:.2f} | {cached} |")
     return "\n".join(lines)
 
 
@@ -198,14 +210,40 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _serve_args(settings: CloudBenchSettings, target: str, batching: bool) -> list[str]:
+def _serve_args(settings: CloudBenchSettings, target: str, batching: bool, metrics_port: int) -> list[str]:
     longest = max(settings.contexts) + settings.k * (settings.rounds + 2) + 64
-    args = ["--target", target, "--dtype", settings.dtype, "--max-sessions", str(max(settings.edges) + 4),
-            "--max-context", str(max(4096, longest)), "--kv-budget-mb", "16384",
-            "--max-batch", str(settings.max_batch if batching else 1)]
+    # vLLM allocates its whole KV cache at start: 2 GiB holds 16 edges at 4k tokens of SmolLM2 in bf16.
+    budget_mb = 2048 if settings.engine == "vllm" else 16384
+    args = ["--engine", settings.engine, "--target", target, "--dtype", settings.dtype,
+            "--max-sessions", str(max(settings.edges) + 4), "--max-context", str(max(4096, longest)),
+            "--kv-budget-mb", str(budget_mb), "--max-batch", str(settings.max_batch if batching else 1),
+            "--metrics-port", str(metrics_port)]
     if settings.batch_window_ms is not None:  # else each engine's own default
         args += ["--batch-window-ms", str(settings.batch_window_ms)]
     return args
+
+
+@dataclass
+class CacheCounters:
+    """The cloud's prefix-cache counters (vllm), read from its Prometheus endpoint around a measurement."""
+
+    port: int
+    start: dict[str, float] = field(default_factory=dict)
+
+    def read(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        wanted = ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum")
+        return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)}
+
+    def mark(self) -> None:
+        self.start = self.read()
+
+    def share(self) -> float | None:
+        """Context tokens served from the cache over all prompt tokens of the verifies since `mark`."""
+        now = self.read()
+        cached, computed = (now.get(k, 0.0) - self.start.get(k, 0.0) for k in
+                            ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum"))
+        return cached / (cached + computed) if cached else None
 
 
 def _environment(settings: CloudBenchSettings) -> dict[str, str]:
@@ -221,19 +259,22 @@ def _environment(settings: CloudBenchSettings) -> dict[str, str]:
 
 def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edges: list[RecordedEdge]) -> list[BenchRow]:
     """One cloud process for `target`, batching on or off (`--max-batch 1`); a row per context and edge count."""
-    log_path = settings.out / f"cloud-{target}-{settings.engine}-{'batched' if batching else 'unbatched'}.log"
+    label = settings.row_label
+    log_path = settings.out / f"cloud-{target}-{label}-{'batched' if batching else 'unbatched'}.log"
+    counters = CacheCounters(free_port())
     rows = []
-    with cloud_process(*_serve_args(settings, target, batching), log_path=log_path, cpus=set(settings.cpus) or None,
-                       env=_environment(settings)) as address:
+    with cloud_process(*_serve_args(settings, target, batching, counters.port), log_path=log_path,
+                       cpus=set(settings.cpus) or None, env=_environment(settings)) as address:
         asyncio.run(measure(address, edges, 1, 2))  # warm-up
         for context in settings.contexts:
             replayed = with_context(edges, context)
-            for n_edges in tqdm(settings.edges, desc=f"{target} {settings.engine} context {context} "
+            for n_edges in tqdm(settings.edges, desc=f"{target} {label} context {context} "
                                                      f"batching {'on' if batching else 'off'}"):
+                counters.mark()
                 tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, replayed, n_edges, settings.rounds))
-                rows.append(BenchRow(target, settings.engine, context, n_edges, batching,
+                rows.append(BenchRow(target, label, context, n_edges, batching,
                                      tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
-                                     statistics.fmean(batch_sizes), len(latencies)))
+                                     statistics.fmean(batch_sizes), len(latencies), counters.share()))
     return rows
 
 
@@ -244,8 +285,8 @@ def _earlier_rows(settings: CloudBenchSettings) -> list[BenchRow]:
     if not path.exists():
         return []
     rows = [BenchRow(**row) for row in json.loads(path.read_text())["rows"] if "engine" in row]
-    return [row for row in rows if not (row.engine == settings.engine and row.target in settings.targets
-                                        and row.context in settings.contexts)]
+    return [row for row in rows if not (row.engine == settings.row_label and row.target in settings.targets
+                                        and row.context in settings.contexts and row.batching in settings.batching)]
 
 
 def bench_cloud(settings: CloudBenchSettings) -> str:
@@ -255,7 +296,7 @@ def bench_cloud(settings: CloudBenchSettings) -> str:
     for target in settings.targets:
         edges = record_edges(target, DEFAULT_DRAFTS.get(target, target), settings.k,
                              n_tokens=settings.k * settings.rounds)
-        for batching in (True, False):
+        for batching in settings.batching:
             rows += measure_cloud(settings, target, batching, edges)
     rows.sort(key=lambda r: (r.target, r.context, r.edges, r.engine, not r.batching))
     table = format_table(rows)

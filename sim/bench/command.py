@@ -89,8 +89,12 @@ def _register_cloud(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--source", type=Path, help="run the cloud from this checkout (e.g. a worktree of an older commit)")
-    p.add_argument("--engine", default="resident", help="label of the engine measured (rows of other labels in "
-                                                        "OUT/results.json are kept, so two runs compare two engines)")
+    p.add_argument("--engine", default="resident", choices=("resident", "vllm"),
+                   help="the cloud's engine (vllm: the environment `make vllm` builds)")
+    p.add_argument("--label", help="name of this run's rows (default: the engine's); rows of other labels in "
+                                   "OUT/results.json are kept, so runs compare engines or checkouts")
+    p.add_argument("--batching", choices=("both", "on", "off"), default="both",
+                   help="measure with batching on, off (--max-batch 1), or both")
     p.add_argument("--cpus", type=_ints, default=(), help="pin the cloud process to these cores (comma list)")
     p.add_argument("--out", type=Path, default=Path("results/bench-cloud"))
     p.set_defaults(run=run_cloud)
@@ -151,7 +155,8 @@ def run_cloud(args: argparse.Namespace) -> int:
     settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges, rounds=args.rounds, k=args.k,
                                         contexts=args.contexts, batch_window_ms=args.batch_window_ms,
                                         max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
-                                        engine=args.engine, cpus=args.cpus)
+                                        engine=args.engine, label=args.label, cpus=args.cpus,
+                                        batching={"both": (True, False), "on": (True,), "off": (False,)}[args.batching])
     print(cloud.bench_cloud(settings))
     print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
     return 0
