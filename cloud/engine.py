@@ -54,6 +54,7 @@ class ExternalKV:
 
     capacity: int = 0
     granted: int = 0
+    cache_salt: str | None = None  # vllm: set once the session must stop sharing prefix-cache blocks
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,18 @@ Glossary
     reads           token (the last row is the one after the block)
     prompt rows     every row but the last, returned as `prompt_logprobs`; vLLM computes only the rows
                     from `num_cached_tokens` on and leaves cached rows uninitialised (vLLM issue
-                    42019), so a request whose cached prefix covers a row the rule reads is run again
-                    with the prefix cache skipped (counted: sprinter_cloud_engine_cache_bypasses)
+                    42019), so the rows the rule reads must not be served from the cache
     last row        the row after the whole prompt: the logprobs of the one token the request samples
     support K       how many of each row's largest logprobs are read: 1 when greedy (the argmax),
                     top_k when sampling with top-k, the whole vocabulary otherwise
+
+Within a session the first row the rule reads is never cached: it follows the context's last
+token, which no earlier request of the session had at that place (a verdict's next token differs
+from the draft token it replaced, or follows the whole block). Another session can have computed the
+very same context, though (two edges with one prompt, greedy). Sessions share prefix-cache blocks (a
+common system prompt is prefilled once) until that happens; then the session is given a cache salt
+of its own, its request runs again without the shared blocks (one full prefill, counted:
+sprinter_cloud_engine_cache_bypasses), and it never meets another session's blocks again.
 
 Exactness: vLLM's logprobs are of the raw logits, so each row becomes dense logits with -inf outside
 the K read, and the session's temperature, top-k and top-p are applied to them by the same function
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -154,7 +162,7 @@ class VllmEngine:
     async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
         """Put the context into vLLM's prefix cache, so the first verify computes only its block."""
         prompt = session.tokens[:session.cached_tokens] + tokens
-        await self._request(prompt, self._params(1, logprobs=None), abandoned)
+        await self._request(prompt, self._params(1, logprobs=None), abandoned, session.cache.cache_salt)
 
     async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
@@ -164,11 +172,11 @@ class VllmEngine:
         started = time.perf_counter()
         batch = self._in_flight + 1
         params = self._params(1, logprobs=k, prompt_logprobs=k if n_logits > 1 else None)
-        output = await self._request(prompt, params, abandoned)
-        if output.num_cached_tokens > first_row:  # a row the rule reads was served from the cache, unset
+        output = await self._request(prompt, params, abandoned, session.cache.cache_salt)
+        if output.num_cached_tokens > first_row:  # another session's blocks covered a row the rule reads (unset)
             self.metrics.engine_cache_bypasses.inc()
-            params.skip_reading_prefix_cache = True
-            output = await self._request(prompt, params, abandoned)
+            session.cache.cache_salt = secrets.token_hex(8)
+            output = await self._request(prompt, params, abandoned, session.cache.cache_salt)
         self.metrics.engine_cached_tokens.inc(output.num_cached_tokens)
         self.metrics.engine_recomputed_tokens.inc(max(0, session.cached_tokens - output.num_cached_tokens))
         rows = (output.prompt_logprobs or [])[first_row + 1:] + [output.outputs[0].logprobs[0]]
@@ -205,13 +213,17 @@ class VllmEngine:
                             # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
                             detokenize=False, skip_reading_prefix_cache=False, ignore_eos=max_tokens == 1)
 
-    async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None) -> Any:
+    async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None,
+                       cache_salt: str | None = None) -> Any:
         if abandoned is not None and abandoned():
             raise CloudError(grpc.StatusCode.CANCELLED, "the caller left before its forward")
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+        if cache_salt is not None:
+            inputs["cache_salt"] = cache_salt
         self._in_flight += 1
         try:
             final = None
-            async for output in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=self._next_id()):
+            async for output in self.llm.generate(inputs, params, request_id=self._next_id()):
                 final = output
             return final
         finally:
