@@ -54,7 +54,7 @@ class ExternalKV:
 
     capacity: int = 0
     granted: int = 0
-    cache_salt: str | None = None  # vllm: set once the session must stop sharing prefix-cache blocks
+    cache_salt: str | None = None  # vllm: keeps the session's prefix-cache blocks its own
 
 
 @dataclass(frozen=True)
