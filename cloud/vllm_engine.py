@@ -105,7 +105,7 @@ class VllmOptions:
 
 
 class VllmEngine:
-    """`TargetEngine` over an `AsyncLLM`; `async with VllmEngine.start(...)` owns it."""
+    """`TargetEngine` over an `AsyncLLM`: `VllmEngine.start` loads the target, `shutdown` ends vLLM's processes."""
 
     name = "vllm"
     kv_bytes_per_token = 0  # vLLM sizes and evicts its own cache (--kv-budget-mb sets its size)

@@ -56,14 +56,26 @@ def stop_process(process: subprocess.Popen, sig: int, grace_s: float) -> None:
         process.wait()
 
 
-def _popen(command: list[str], log_file: IO[str] | int, cpus: set[int] | None, env: dict[str, str] | None) -> subprocess.Popen:
-    """Start `command`, confined to `cpus` if given, so two programs behave like two machines."""
-    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+def _popen(command: list[str], log_file: IO[str] | int, cpus: set[int] | None, env: dict[str, str] | None,
+           own_group: bool = False) -> subprocess.Popen:
+    """Start `command`, confined to `cpus` if given, so two programs behave like two machines; with `own_group`,
+    in a process group of its own, which `_kill_group` takes down with everything the program started."""
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                               start_new_session=own_group)
     if cpus:
         # Pinned from here rather than in a preexec_fn (unsafe with threads): the child is still
         # starting its interpreter, and every thread it creates later inherits the mask.
         os.sched_setaffinity(process.pid, cpus)
     return process
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group `process` leads (started with own_group), members left behind included."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nobody left in it
+        pass
+    process.wait()
 
 
 class CloudProcess:
@@ -94,7 +106,7 @@ class CloudProcess:
         """Start it and wait until it is SERVING (the model loaded)."""
         log_file = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         try:
-            self.process = _popen(self.command, log_file, self.cpus, self.env)
+            self.process = _popen(self.command, log_file, self.cpus, self.env, own_group=True)
         finally:
             if self.log_path:
                 log_file.close()  # the child holds its own descriptor
@@ -102,15 +114,17 @@ class CloudProcess:
         wait_until_serving(self.address, self.startup_timeout_s, self.process)
 
     def kill(self) -> None:
-        """SIGKILL: no drain, no goodbye, as when a machine dies."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        """SIGKILL to the cloud and every process it started (vLLM's engine processes): no drain, no goodbye,
+        as when a machine dies. Killing the cloud alone would leave vLLM's engine core running, orphaned."""
+        if self.process is not None:
+            _kill_group(self.process)
 
     def stop(self, grace_s: float = 60.0) -> None:
-        """SIGTERM (it drains open sessions), then SIGKILL after `grace_s`."""
-        if self.process is not None and self.process.poll() is None:
-            stop_process(self.process, signal.SIGTERM, grace_s)
+        """SIGTERM (it drains open sessions), then SIGKILL after `grace_s`; whatever it left running goes too."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                stop_process(self.process, signal.SIGTERM, grace_s)
+            _kill_group(self.process)
 
     def __enter__(self) -> "CloudProcess":
         try:

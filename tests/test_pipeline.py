@@ -9,7 +9,6 @@ generation cancelled with candidates in flight leaves no work behind.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 from collections import Counter
 
@@ -19,11 +18,12 @@ from scipy.stats import chisquare
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
+from exact_distributions import first_tokens_distribution, near_draft as noisy_head_draft
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
 from common.prompting import encode_prompt
-from common.sampling import SamplingParams, logits_to_probs
+from common.sampling import SamplingParams
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge.pipeline import likely_outcomes
@@ -111,39 +111,13 @@ NEW_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def near_draft(tiny_target) -> LoadedModel:
-    """The tiny target with noise on its LM head: it agrees with the target often, not always, so that
-    rejections, replacements and hits all happen (tiny-random-draft is rejected nearly every time at T=1)."""
-    model = copy.deepcopy(tiny_target.model)
-    noise = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        head = model.get_output_embeddings().weight
-        head.add_(torch.randn(head.shape, generator=noise) * 0.3 * head.std())
-    return LoadedModel("tiny-random", model, tiny_target.tokenizer)
-
-
-def _target_distribution(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """P(first NEW_TOKENS tokens) under the target with SAMPLED, exactly (a sequence ends at EOS)."""
-    eos = target.eos_token_ids
-    dist: dict[tuple[int, ...], float] = {}
-
-    def expand(prefix: tuple[int, ...], p: float) -> None:
-        if len(prefix) == NEW_TOKENS or (prefix and prefix[-1] in eos):
-            dist[prefix] = dist.get(prefix, 0.0) + p
-            return
-        with torch.inference_mode():
-            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
-        probs = logits_to_probs(logits, SAMPLED)
-        for token in torch.nonzero(probs).flatten().tolist():
-            expand(prefix + (token,), p * float(probs[token]))
-
-    expand((), 1.0)
-    return dist
+    return noisy_head_draft(tiny_target)
 
 
 @pytest.mark.parametrize("mode,pipeline", [("sd", "send-ahead"), ("sd-block", "send-ahead"), ("sd", "ahead")])
 def test_sampled_output_follows_the_target_with_a_pipeline(tiny_cloud, tiny_target, near_draft, mode, pipeline):
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
-    exact = _target_distribution(tiny_target, prompt)
+    exact = first_tokens_distribution(tiny_target, prompt, SAMPLED, NEW_TOKENS)
     n = 300
 
     async def work(node: EdgeNode):

@@ -11,7 +11,6 @@ a vLLM replica and a resident one keep the output the target's.
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import urllib.request
 from collections import Counter
@@ -24,11 +23,12 @@ from scipy.stats import chisquare
 
 from cloud.vllm_launch import cpu_problem, vllm_environment
 from cloud_harness import SessionStream
+from exact_distributions import first_tokens_distribution, near_draft
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel, load_model
 from common.prompting import encode_prompt
-from common.sampling import SamplingParams, logits_to_probs
+from common.sampling import SamplingParams
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.processes import CloudProcess, free_port
@@ -72,13 +72,7 @@ def wide_target() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def wide_draft(wide_target) -> LoadedModel:
-    """The tiny target with noise on its LM head: it agrees with the target often, not always."""
-    model = copy.deepcopy(wide_target.model)
-    noise = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        head = model.get_output_embeddings().weight
-        head.add_(torch.randn(head.shape, generator=noise) * 0.3 * head.std())
-    return LoadedModel("tiny-random-wide", model, wide_target.tokenizer)
+    return near_draft(wide_target)
 
 
 @pytest.fixture(scope="module")
@@ -152,28 +146,10 @@ def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_
     assert cached > 0, "verifies were served from vLLM's prefix cache"
 
 
-def _target_distribution(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """P(first NEW_TOKENS tokens) under the target with SAMPLED, exactly (a sequence ends at EOS)."""
-    dist: dict[tuple[int, ...], float] = {}
-
-    def expand(prefix: tuple[int, ...], p: float) -> None:
-        if len(prefix) == NEW_TOKENS or (prefix and prefix[-1] in target.eos_token_ids):
-            dist[prefix] = dist.get(prefix, 0.0) + p
-            return
-        with torch.inference_mode():
-            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
-        probs = logits_to_probs(logits, SAMPLED)
-        for token in torch.nonzero(probs).flatten().tolist():
-            expand(prefix + (token,), p * float(probs[token]))
-
-    expand((), 1.0)
-    return dist
-
-
 @pytest.mark.parametrize("mode", ["sd", "sd-block"])
 def test_sampled_output_on_vllm_follows_the_target(wide_vllm, wide_target, wide_draft, mode):
     prompt = wide_target.tokenizer("Once upon a time")["input_ids"]
-    exact = _target_distribution(wide_target, prompt)
+    exact = first_tokens_distribution(wide_target, prompt, SAMPLED, NEW_TOKENS)
     n = 240
 
     async def work(node: EdgeNode):

@@ -1,0 +1,40 @@
+"""Exact references for the statistical tests: a target's distribution over its first tokens, and a near draft."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from common.models import LoadedModel
+from common.sampling import SamplingParams, logits_to_probs
+
+
+def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: SamplingParams,
+                              n_tokens: int) -> dict[tuple[int, ...], float]:
+    """P(first `n_tokens` tokens) under the target with `sampling`, exactly (a sequence ends at EOS)."""
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], p: float) -> None:
+        if len(prefix) == n_tokens or (prefix and prefix[-1] in target.eos_token_ids):
+            dist[prefix] = dist.get(prefix, 0.0) + p
+            return
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        probs = logits_to_probs(logits, sampling)
+        for token in torch.nonzero(probs).flatten().tolist():
+            expand(prefix + (token,), p * float(probs[token]))
+
+    expand((), 1.0)
+    return dist
+
+
+def near_draft(target: LoadedModel, noise: float = 0.3, seed: int = 7) -> LoadedModel:
+    """The target with noise on its LM head: it agrees with the target often, not always, so that
+    rejections, replacements and hits all happen (a truncated tiny draft is rejected nearly every time at T=1)."""
+    model = copy.deepcopy(target.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=generator) * noise * head.std())
+    return LoadedModel(target.spec, model, target.tokenizer)
