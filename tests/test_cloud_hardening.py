@@ -360,6 +360,15 @@ def test_a_verify_whose_growth_cannot_fit_beside_busy_sessions_is_refused_and_th
     (dict(max_batch=0), "--max-batch"),
     (dict(idle_timeout_s=0), "--idle-timeout-s"),
     (dict(batch_window_ms=-1), "--batch-window-ms"),
+    (dict(engine="tensorrt"), "--engine"),
+    (dict(engine="vllm", max_logprobs=0), "--max-logprobs"),
+    (dict(engine="vllm", gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
+    # a flag one engine does not have is refused with the other, never ignored
+    (dict(engine="vllm", batch_window_ms=5), "--batch-window-ms"),
+    (dict(engine="vllm", edge_kv_budget_mb=64), "--edge-kv-budget-mb"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+    (dict(quantization="fp8"), "--quantization"),
+    (dict(max_logprobs=128), "--max-logprobs"),
 ])
 def test_nonsense_flags_are_refused(settings, flag):
     with pytest.raises(ValueError, match=flag):

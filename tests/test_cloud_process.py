@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -39,3 +40,11 @@ def test_cloud_serve_process_serves_then_drains_on_sigterm(tmp_path):
             if process.poll() is None:
                 process.kill()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_the_vllm_engine_without_its_environment_says_what_to_run(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "common.cli", "cloud", "serve", "--engine", "vllm"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "SPRINTER_VLLM_ENV": str(tmp_path / "no-such-env")})
+    assert result.returncode != 0
+    assert "make vllm" in result.stderr and "SPRINTER_VLLM_ENV" in result.stderr
