@@ -160,7 +160,6 @@ class TargetBackend:
         """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = sampling_from_proto(request.sampling)
-        self.engine.check_sampling(sampling)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         if request.max_new_tokens < 1:

@@ -101,7 +101,7 @@ class TargetEngine(Protocol):
         """A fresh session's KV handle (Session.cache)."""
 
     def check_sampling(self, sampling: SamplingParams) -> None:
-        """Refuse (CloudError) sampling settings whose verification this engine cannot do exactly."""
+        """Refuse (CloudError) a session whose verification this engine cannot do exactly with these settings."""
 
     async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
         """Make `tokens`, which follow the session's cached context, part of it."""

@@ -157,7 +157,8 @@ class VllmEngine:
         k = self.support(sampling)
         if k > self.options.max_logprobs:
             what = f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)"
-            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
+            # INVALID_ARGUMENT, not FAILED_PRECONDITION: edges read that as a lost context and reopen
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"this cloud's vllm engine verifies sampling exactly from each row's {k} largest target "
                              f"logprobs ({what}), more than its --max-logprobs {self.options.max_logprobs}: sample with "
                              f"top_k <= {self.options.max_logprobs}, or use a cloud with --engine resident")

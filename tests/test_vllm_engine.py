@@ -128,7 +128,7 @@ def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_
         cached = _metric(cloud, "sprinter_cloud_engine_cached_tokens_total")
     finally:
         cloud.stop(grace_s=20)
-    assert refused.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "--max-logprobs" in refused.error.message and "top_k" in refused.error.message
     ties = []
     for p, prompt in enumerate(prompts):
