@@ -11,6 +11,7 @@ a vLLM replica and a resident one keep the output the target's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import urllib.request
 from collections import Counter
@@ -31,6 +32,8 @@ from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
+from sim.link.proxy import LinkProxy
+from sim.link.shaping import LinkSettings
 from sim.processes import CloudProcess, free_port
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -204,23 +207,34 @@ def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path
                             log_path=tmp_path / "resident.log", startup_timeout_s=120)
 
     def run(clouds: list[CloudProcess], victim: CloudProcess) -> list:
-        async def work(node: EdgeNode):
-            async def kill_when_busy():
-                for _ in range(2000):
-                    if any(r["sessions"] for r in node.cloud.describe() if r["address"] == victim.address):
-                        await asyncio.sleep(0.15)  # past the open: the sessions hold context there
-                        await asyncio.to_thread(victim.kill)
-                        return
-                    await asyncio.sleep(0.01)
-                raise AssertionError("no session ever reached the replica to kill")
+        """Four generations over links of 10 ms each way (rounds long enough for the kill to land mid-way)."""
+        async def work() -> list:
+            async with contextlib.AsyncExitStack() as stack:
+                links = {c: await stack.enter_async_context(LinkProxy(LinkSettings(delay_ms=10.0), ("127.0.0.1", c.port)))
+                         for c in clouds}
+                settings = EdgeNodeSettings(draft=wide_draft.spec, cloud=",".join(link.address for link in links.values()),
+                                            draft_runtime="torch", dtype="float32", verifier="confidence:0.3")
+                node = await stack.enter_async_context(EdgeNode(settings, wide_draft))
 
-            killer = asyncio.create_task(kill_when_busy())
-            results = await asyncio.gather(*(node.decoder.generate(p, EdgeSettings(DecodeSettings(
-                mode=mode, max_new_tokens=160, k=3))) for p in prompts for mode in ("sd-block", "sprinter-exact")))
-            await killer
-            return results
+                def busy() -> bool:
+                    return any(r["sessions"] for r in node.cloud.describe() if r["address"] == links[victim].address)
 
-        return asyncio.run(_on_edge(",".join(c.address for c in clouds), wide_draft, work))
+                async def kill_when_busy():
+                    for _ in range(2000):
+                        if busy():
+                            await asyncio.sleep(0.2)  # the sessions there are past their open, mid-generation
+                            await asyncio.to_thread(victim.kill)
+                            return
+                        await asyncio.sleep(0.01)
+                    raise AssertionError("no session ever reached the replica to kill")
+
+                killer = asyncio.create_task(kill_when_busy())
+                results = await asyncio.gather(*(node.decoder.generate(p, EdgeSettings(DecodeSettings(
+                    mode=mode, max_new_tokens=160, k=3))) for p in prompts for mode in ("sd-block", "sprinter-exact")))
+                await killer
+                return results
+
+        return asyncio.run(work())
 
     first, second = resident(), resident()
     first.start()
