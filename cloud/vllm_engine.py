@@ -52,7 +52,7 @@ from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, Gen
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
-from common.models import model_dir
+from common.models import eos_token_ids, model_dir, vocab_fingerprint
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -128,12 +128,14 @@ class VllmEngine:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from common.models import vocab_fingerprint
-
         tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
         config = AutoConfig.from_pretrained(options.model_dir)
-        eos = _eos_token_ids(options.model_dir, tokenizer, GenerationConfig)
-        info = TargetInfo(spec, config.get_text_config().vocab_size, eos, vocab_fingerprint(tokenizer))
+        try:
+            configured = GenerationConfig.from_pretrained(options.model_dir).eos_token_id
+        except OSError:  # no generation_config.json
+            configured = None
+        info = TargetInfo(spec, config.get_text_config().vocab_size, eos_token_ids(configured, tokenizer),
+                          vocab_fingerprint(tokenizer))
         llm = AsyncLLM.from_engine_args(options.engine_args())
         return cls(llm, info, options, metrics, on_batch)
 
@@ -215,7 +217,7 @@ class VllmEngine:
                             top_p=sampling.top_p, seed=sampling.seed if not sampling.greedy else None,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
-                            detokenize=False, skip_reading_prefix_cache=False, ignore_eos=max_tokens == 1)
+                            detokenize=False, skip_reading_prefix_cache=False)
 
     async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None,
                        cache_salt: str | None = None) -> Any:
@@ -245,15 +247,3 @@ def _dense_logits(rows: list[dict[int, Any]], vocab_size: int) -> torch.Tensor:
         ids = torch.tensor(list(row.keys()), dtype=torch.long)
         logits[i, ids] = torch.tensor([entry.logprob for entry in row.values()], dtype=torch.float32)
     return logits
-
-
-def _eos_token_ids(model_dir: str, tokenizer: Any, generation_config: Any) -> frozenset[int]:
-    ids: list[int] = []
-    try:
-        configured = generation_config.from_pretrained(model_dir).eos_token_id
-        ids = [configured] if isinstance(configured, int) else list(configured or [])
-    except OSError:  # no generation_config.json
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -41,11 +41,15 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer)
+
+
+def eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that end a generation: the generation config's (one id or several) and the tokenizer's."""
+    ids = [configured] if isinstance(configured, int) else list(configured or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 
 def cache_root() -> Path:

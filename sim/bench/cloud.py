@@ -35,6 +35,7 @@ from common.decoding.modes import DecodeSettings
 from common.models import load_model
 from common.plots import pyplot
 from common.prompting import encode_prompt
+from sim.bench.load import parse_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import cloud_process, free_port
 from sprinter.v1 import decoding_pb2 as pb
@@ -231,9 +232,8 @@ class CacheCounters:
     start: dict[str, float] = field(default_factory=dict)
 
     def read(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
-        wanted = ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum")
-        return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)}
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            return parse_metrics(response.read().decode())
 
     def mark(self) -> None:
         self.start = self.read()
