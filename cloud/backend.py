@@ -20,7 +20,6 @@ from cloud.errors import CloudError
 from cloud.frames import METHOD_NAMES, ServiceLimits, check_prompt, check_verify, decide, sampling_from_proto
 from cloud.metrics import CloudMetrics
 from cloud.sessions import Session, SessionStore
-from common.sampling import logits_to_probs, sample
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -100,7 +99,7 @@ class TargetBackend:
             result = await self.engine.forward(session, session.tokens[session.cached_tokens:], n_logits=1,
                                                abandoned=abandoned)
             session.cached_tokens = session.length
-            token = sample(logits_to_probs(result.logits[-1], session.sampling), session.generator)
+            token = result.rows.next_token(session.sampling, session.generator)
             session.tokens.append(token)
         finally:
             session.busy = False
@@ -122,7 +121,7 @@ class TargetBackend:
             result = await self.engine.forward(session, new_tokens, n_logits=g + 1, abandoned=abandoned)
             started = time.perf_counter()
             try:
-                n_accepted, next_token = decide(frame, result.logits, session.sampling, session.generator)
+                n_accepted, next_token = decide(frame, result.rows, session.sampling, session.generator)
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise

@@ -45,6 +45,7 @@ class ForwardRequest:
     new_tokens: list[int]
     n_logits: int
     abandoned: Callable[[], bool] | None = None  # true once nobody waits for the answer: the forward is skipped
+    full_logits: bool = True  # False: the argmax is all the caller reads (greedy), the logits stay on the device
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued_at: float = field(default_factory=time.perf_counter)
 
@@ -88,9 +89,9 @@ class Batcher:
         self._worker.shutdown(wait=True)
 
     async def forward(self, cache: ResidentKV, new_tokens: list[int], n_logits: int,
-                      abandoned: Callable[[], bool] | None = None) -> ForwardResult:
-        """Append `new_tokens` to `cache` (in place) and return the logits of the last `n_logits` positions."""
-        request = ForwardRequest(cache, new_tokens, n_logits, abandoned)
+                      abandoned: Callable[[], bool] | None = None, full_logits: bool = True) -> ForwardResult:
+        """Append `new_tokens` to `cache` (in place) and return the rows of the last `n_logits` positions."""
+        request = ForwardRequest(cache, new_tokens, n_logits, abandoned, full_logits)
         self._verifies.append(request)
         self._arrived.set()
         return await request.future
@@ -184,9 +185,9 @@ class Batcher:
         started = time.perf_counter()
         copied_before = sum(r.cache.copied_bytes for r in batch)
         try:
-            logits = await asyncio.get_running_loop().run_in_executor(
+            rows = await asyncio.get_running_loop().run_in_executor(
                 self._worker, forward_packed, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
-                [r.n_logits for r in batch])
+                [r.n_logits for r in batch], [r.full_logits for r in batch])
         except Exception as err:  # a failed forward fails its requests, never the batcher
             log.exception("target forward failed for a batch of %d", len(batch))
             for request in batch:
@@ -198,7 +199,7 @@ class Batcher:
         if self.on_batch:
             self.on_batch(ForwardStats(len(batch), sum(len(r.new_tokens) for r in batch), forward_s,
                                        sum(r.cache.copied_bytes for r in batch) - copied_before))
-        for request, request_logits in zip(batch, logits):
+        for request, request_rows in zip(batch, rows):
             if not request.future.done():
                 request.future.set_result(ForwardResult(
-                    request_logits, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))
+                    request_rows, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))

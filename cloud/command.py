@@ -10,6 +10,7 @@ from pathlib import Path
 from cloud.server import CloudSettings, run_until_signalled
 from cloud.settings import ENGINES
 from cloud.vllm_launch import relaunch_under_vllm, vllm_importable
+from common.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
 
 DEFAULTS = CloudSettings()
@@ -21,6 +22,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"])
+    add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
     p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
                    help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
                         "`make vllm` builds (.venv-vllm; this command moves there by itself)")

@@ -9,8 +9,9 @@ Two engines sit behind it:
 Glossary
     session.tokens          the context the edge and the cloud agree on
     session.cached_tokens   how much of it the engine has seen (its KV, or vLLM's cached prefix)
-    forward                 append new tokens after the cached context; return the target's logits
-                            [n_logits, V] at the last n_logits positions, the rows the rule reads
+    forward                 append new tokens after the cached context; return the target's rows at
+                            the last n_logits positions (TargetRows): the argmax, and the logits
+                            [n_logits, V] unless the session is greedy (then the argmax is all a rule reads)
     rollback                forget the KV past `keep` tokens (rejected draft tokens)
 
 An engine that cannot give the rule exactly what it needs for a session's sampling settings refuses
@@ -24,7 +25,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 import torch
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, logits_to_probs, sample
 
 Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
 
@@ -58,8 +59,22 @@ class ExternalKV:
 
 
 @dataclass(frozen=True)
+class TargetRows:
+    """The target's rows a rule reads, on the host: the argmax always, the logits unless greedy."""
+
+    argmax: torch.Tensor  # [n_logits] int64: the target's most likely token after each position
+    logits: torch.Tensor | None  # [n_logits, V] float32, -inf outside the support asked for; None: greedy
+
+    def next_token(self, sampling: SamplingParams, generator: torch.Generator) -> int:
+        """The token after the last row: its argmax when greedy, else sampled with the session's generator."""
+        if sampling.greedy or self.logits is None:
+            return int(self.argmax[-1])
+        return sample(logits_to_probs(self.logits[-1], sampling), generator)
+
+
+@dataclass(frozen=True)
 class ForwardResult:
-    logits: torch.Tensor  # [n_logits, V] float32; -inf outside the support an engine was asked for
+    rows: TargetRows
     batch_size: int  # requests in the same forward (vllm: verifies in flight at once)
     queue_ms: float
     forward_ms: float

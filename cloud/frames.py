@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from common.decoding.modes import VERIFY_METHODS, verify_rule
+from common.verification import greedy_verdict
 from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -129,11 +131,14 @@ def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_s
     return p_draft
 
 
-def decide(frame: pb.VerifyBlock, target_logits: torch.Tensor, sampling: SamplingParams,
+def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
            generator: torch.Generator) -> tuple[int, int]:
-    """(n_accepted, next_token) for a checked frame, given the target's logits [g + 1, V] along the block."""
-    vocab_size = target_logits.shape[-1]
+    """(n_accepted, next_token) for a checked frame, given the target's rows [g + 1] along the block."""
+    method = METHOD_NAMES[frame.method]
+    if sampling.greedy:  # one-hot distributions: every rule reads the target's argmax alone
+        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=method == "sprinter")
+    vocab_size = target.logits.shape[-1]
     p_draft = draft_distributions(frame, sampling, vocab_size)
-    p_target = logits_to_probs(target_logits, sampling)
-    rule = verify_rule(METHOD_NAMES[frame.method], sampling)
+    p_target = logits_to_probs(target.logits, sampling)
+    rule = verify_rule(method, sampling)
     return rule(torch.tensor(list(frame.draft_tokens)), p_draft, p_target, generator)

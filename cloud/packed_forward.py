@@ -22,6 +22,7 @@ when a forward carries no resident segments, so the model stays usable as an ord
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from cloud.engine import TargetRows
 from cloud.resident_kv import ResidentKV
 
 ATTENTION = "sprinter_resident"
@@ -93,13 +95,17 @@ def _check(caches: list[ResidentKV], new_tokens: list[list[int]], n_logits: list
 
 @torch.inference_mode()
 def forward_packed(model: PreTrainedModel, caches: list[ResidentKV], new_tokens: list[list[int]],
-                   n_logits: list[int]) -> list[torch.Tensor]:
+                   n_logits: list[int], full_logits: list[bool] | None = None) -> list[TargetRows]:
     """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
 
-    Returns, per session, the float32 logits of its last `n_logits[i]` new positions ([n_logits[i], V]:
-    row r predicts the token after the r-th of those positions). `install(model)` must have run.
+    Returns, per session, the rows of its last `n_logits[i]` new positions (row r predicts the token
+    after the r-th of them): their argmax [n], and their float32 logits [n, V] where `full_logits[i]`
+    (default: every session). On a GPU the inputs go over in one host-to-device copy and the rows
+    come back in one device-to-host copy, with no synchronisation per session. `install(model)` must
+    have run.
     """
     _check(caches, new_tokens, n_logits)
+    full_logits = [True] * len(caches) if full_logits is None else full_logits
     device = model.device
     segments, positions, kept_rows, start = [], [], [], 0
     for cache, tokens, n in zip(caches, new_tokens, n_logits):
@@ -111,17 +117,35 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV], new_tokens:
         positions.extend(range(cache.length, cache.length + len(tokens)))
         kept_rows.extend(range(start + len(tokens) - n, start + len(tokens)))
         start += len(tokens)
+    packed = torch.tensor([t for tokens in new_tokens for t in tokens] + positions + kept_rows).to(device)
     out = model(
-        input_ids=torch.tensor([[t for tokens in new_tokens for t in tokens]], device=device),
-        position_ids=torch.tensor([positions], device=device),
+        input_ids=packed[None, :start],
+        position_ids=packed[None, start:2 * start],
         use_cache=False,
-        logits_to_keep=torch.tensor(kept_rows, device=device),
+        logits_to_keep=packed[2 * start:],
         resident_segments=segments,
     )
     for segment in segments:  # only now: a forward that raised leaves every cache as it was
         segment.cache.length = segment.past + segment.count
-    logits, row = [], 0
-    for n in n_logits:
-        logits.append(out.logits[0, row:row + n].float())
-        row += n
-    return logits
+    return _read_rows(out.logits[0], n_logits, full_logits)
+
+
+def _read_rows(logits: torch.Tensor, n_logits: list[int], full_logits: list[bool]) -> list[TargetRows]:
+    """logits [K, V] on the model's device -> each session's TargetRows on the host, in one copy.
+
+    The argmaxes ride along as float32 (exact for token ids below 2^24), after the full rows.
+    """
+    bounds = list(accumulate(n_logits, initial=0))
+    if logits.shape[-1] > 1 << 24:
+        raise ValueError(f"a vocabulary of {logits.shape[-1]} ids does not fit the float32 readout")
+    full = torch.cat([logits[bounds[i]:bounds[i + 1]] for i, f in enumerate(full_logits) if f] or [logits[:0]]).float()
+    host = torch.cat([full.flatten(), logits.argmax(-1).float()]).cpu()
+    argmax = host[full.numel():].long()
+    full = host[:full.numel()].view(-1, logits.shape[-1])
+    rows, offset = [], 0
+    for i, n in enumerate(n_logits):
+        session_logits = None
+        if full_logits[i]:
+            session_logits, offset = full[offset:offset + n], offset + n
+        rows.append(TargetRows(argmax[bounds[i]:bounds[i + 1]], session_logits))
+    return rows

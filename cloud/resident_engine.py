@@ -17,7 +17,7 @@ from cloud.batcher import Batcher
 from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
-from common.sampling import SamplingParams, logits_to_probs, sample
+from common.sampling import SamplingParams
 
 
 def target_info(target: LoadedModel) -> TargetInfo:
@@ -53,13 +53,14 @@ class ResidentEngine:
 
     async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
-        return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned)
+        return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
+                                          full_logits=not session.sampling.greedy)
 
     def rollback(self, session: Session, keep: int) -> None:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
-        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens."""
+        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py)."""
         generator = torch.Generator().manual_seed(sampling.seed)
         cache = ResidentKV(self.kv_layout, reserve_tokens=len(context) + max_new)
         started = time.perf_counter()
@@ -68,8 +69,8 @@ class ResidentEngine:
         prefill_ms = (time.perf_counter() - started) * 1e3
         new_tokens = context[-1:]
         for _ in range(max_new):
-            result = await self.batcher.forward(cache, new_tokens, n_logits=1)
-            token = sample(logits_to_probs(result.logits[-1], sampling), generator)
+            result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=not sampling.greedy)
+            token = result.rows.next_token(sampling, generator)
             yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
             if token in self.info.eos_token_ids:
                 return

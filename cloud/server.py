@@ -32,6 +32,7 @@ from cloud.resident_engine import ResidentEngine
 from cloud.resident_kv import KVLayout
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
+from common.devices import resolve_device
 from common.models import DTYPES, LoadedModel, load_model
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
@@ -170,8 +171,9 @@ class CloudServer:
             return
         target = self.preloaded_target
         if target is None:
-            log.info("loading target %s (%s)", settings.target, settings.dtype)
-            target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype])
+            device = resolve_device(settings.device)
+            log.info("loading target %s (%s) on %s", settings.target, settings.dtype, device)
+            target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype], device)
         # No session grows past the context limit plus one block (a verify's new tokens are written first).
         kv_layout = KVLayout.of(target.model, max_tokens=settings.max_context + settings.max_block + 1)
         settings.check_kv_budget(kv_layout.bytes_per_token)

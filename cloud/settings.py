@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.addresses import is_loopback
+from common.devices import DeviceError, resolve_device
 
 
 ENGINES = ("resident", "vllm")
@@ -19,6 +20,7 @@ ENGINES = ("resident", "vllm")
 class CloudSettings:
     target: str = "tiny-random"
     dtype: str = "bfloat16"
+    device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
     engine: str = "resident"  # cloud/engine.py: the embedded engine, or vLLM (its own environment, `make vllm`)
     # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
     tensor_parallel_size: int = 1
@@ -104,7 +106,14 @@ class CloudSettings:
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
         ]
-        return [message for ok, message in checks if not ok] + self._engine_problems()
+        return [message for ok, message in checks if not ok] + self._engine_problems() + self._device_problems()
+
+    def _device_problems(self) -> list[str]:
+        try:
+            resolve_device(self.device)
+        except DeviceError as err:
+            return [str(err)]
+        return []
 
     def _engine_problems(self) -> list[str]:
         """Flags that mean something to one engine only are refused on the other, never ignored."""
@@ -114,6 +123,7 @@ class CloudSettings:
                 "batch_window_ms": "--batch-window-ms (vLLM schedules its own batches)",
                 "max_prefill_chunk": "--max-prefill-chunk (vLLM chunks prefills within --max-forward-tokens)",
                 "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
+                "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
             }
         else:
             resident_only = {

@@ -48,7 +48,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import torch
 
-from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, GeneratedToken, Session, TargetInfo
+from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, GeneratedToken, Session, TargetInfo, TargetRows
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
@@ -189,7 +189,8 @@ class VllmEngine:
         forward_s = time.perf_counter() - started
         if self.on_batch:
             self.on_batch(ForwardStats(1, len(prompt) - output.num_cached_tokens, forward_s, 0))
-        return ForwardResult(_dense_logits(rows, self.info.vocab_size), batch, 0.0, forward_s * 1e3)
+        logits = _dense_logits(rows, self.info.vocab_size)
+        return ForwardResult(TargetRows(logits.argmax(-1), logits), batch, 0.0, forward_s * 1e3)
 
     def rollback(self, session: Session, keep: int) -> None:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""

@@ -61,7 +61,7 @@ class CachedLM:
         self.rollback(keep)
         new_tokens = context[keep:]
         out = self.model(
-            input_ids=torch.tensor([new_tokens]),
+            input_ids=torch.tensor([new_tokens], device=self.model.device),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=self.with_hidden,
@@ -69,5 +69,6 @@ class CachedLM:
         )
         self.tokens.extend(new_tokens)
         self.forward_calls += 1
-        hidden = out.hidden_states[-1][0, -n_logits:] if self.with_hidden else None
-        return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
+        hidden = out.hidden_states[-1][0, -n_logits:].cpu() if self.with_hidden else None
+        # The rules and their coins run on the host (common/devices.py): a no-op on the CPU.
+        return ForwardOutput(logits=out.logits[0].float().cpu(), hidden=hidden)

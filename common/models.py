@@ -69,7 +69,8 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return name, int(option)
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+def load_model(spec: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> LoadedModel:
+    """The model `spec` names, in `dtype`, its weights on `device` (common/devices.py)."""
     name, n_layers = parse_spec(spec)
     if name in TINY_PRESETS:
         model, tokenizer = build_tiny_model(name)
@@ -79,7 +80,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     if n_layers is not None:
         keep_first_layers(model, n_layers)
-    model.eval()
+    model.to(device).eval()
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 

@@ -43,6 +43,17 @@ def greedy_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: t
     return n_accepted, int(target_argmax[n_accepted].item())
 
 
+def greedy_verdict(draft_tokens: list[int], target_argmax: list[int], only_last: bool = False) -> tuple[int, int]:
+    """`greedy_verify` (or, with `only_last`, `sprinter_verify` under greedy) from the target's argmaxes [g + 1]
+    alone: what the rules compute on one-hot distributions, without building them."""
+    if only_last and not draft_tokens:
+        raise ValueError("sprinter_verify needs the flagged token: the block is empty")
+    n_accepted = len(draft_tokens) - 1 if only_last else 0
+    while n_accepted < len(draft_tokens) and draft_tokens[n_accepted] == target_argmax[n_accepted]:
+        n_accepted += 1
+    return n_accepted, target_argmax[n_accepted]
+
+
 def token_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
                  generator: torch.Generator) -> tuple[int, int]:
     """Standard speculative sampling: accept x_i with prob min(1, p_t(x_i) / p_d(x_i)), stop at the first rejection."""

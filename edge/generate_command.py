@@ -16,6 +16,7 @@ from pathlib import Path
 from common.call_policy import POLICY_FORMS, parse_policy
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import MODES, PIPELINES, POLICY_MODES, DecodeSettings
+from common.devices import DeviceError, add_device_argument, resolve_device
 from common.models import DTYPES, load_model
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
@@ -35,6 +36,7 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
                    help="sprinter modes and the call policy's acceptance estimates: 'auto' (the verifier shipped for this pair, else confidence:0.5), "
                         "'confidence:THRESHOLD' or a learned verifier's .json metadata file")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    add_device_argument(p, "the local engine's torch models run (not with --cloud: the edge's draft is ONNX)")
 
 
 def add_companion_argument(p: argparse.ArgumentParser) -> None:
@@ -127,11 +129,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     if args.cloud:
+        if args.device != "auto":
+            print("sprinter generate: --device is for the local engine; with --cloud the target runs where the "
+                  "cloud put it (sprinter cloud serve --device)", file=sys.stderr)
+            return 2
         return asyncio.run(_run_on_cloud(args, settings))
-    target = load_model(args.target, dtype) if args.mode != "draft" else None
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as err:
+        print(f"sprinter generate: {err}", file=sys.stderr)
+        return 2
+    target = load_model(args.target, dtype, device) if args.mode != "draft" else None
     draft = None
     if args.mode != "target":
-        draft = target if args.draft == args.target and target is not None else load_model(args.draft, dtype)
+        draft = (target if args.draft == args.target and target is not None
+                 else load_model(args.draft, dtype, device))
     model = target or draft
     verifier = load_verifier(args.verifier, model.tokenizer, args.draft, args.target, args.companion)
     make_companion = None

@@ -84,7 +84,9 @@ def _round(model: PreTrainedModel, sessions: list[Session], block_sizes: list[in
            atol: float = ATOL) -> None:
     blocks = [session.tokens(n) for session, n in zip(sessions, block_sizes)]
     got = forward_packed(model, [s.cache for s in sessions], blocks, n_logits)
-    for session, block, logits, n in zip(sessions, blocks, got, n_logits):
+    for session, block, rows, n in zip(sessions, blocks, got, n_logits):
+        logits = rows.logits
+        assert torch.equal(rows.argmax, logits.argmax(-1))
         session.context += block
         want = _plain(model, session.context, n)
         assert logits.dtype == torch.float32 and logits.shape == (n, model.config.vocab_size)

@@ -51,11 +51,11 @@ class ForwardSpy:
     def release(self) -> None:
         self.released.set()
 
-    def __call__(self, model, caches, new_tokens, n_logits):
+    def __call__(self, model, caches, new_tokens, *rest):
         self.calls.append([list(tokens) for tokens in new_tokens])
         self.entered.set()
         self.released.wait(TIMEOUT)
-        return self.real(model, caches, new_tokens, n_logits)
+        return self.real(model, caches, new_tokens, *rest)
 
 
 def in_thread(function, *args) -> tuple[threading.Thread, dict]:

@@ -19,9 +19,9 @@ def forwards(monkeypatch) -> list[list[int]]:
     calls: list[list[int]] = []
     real = cloud.batcher.forward_packed
 
-    def spy(model, caches, new_tokens, n_logits):
+    def spy(model, caches, new_tokens, *rest):
         calls.append([len(tokens) for tokens in new_tokens])
-        return real(model, caches, new_tokens, n_logits)
+        return real(model, caches, new_tokens, *rest)
 
     monkeypatch.setattr(cloud.batcher, "forward_packed", spy)
     return calls

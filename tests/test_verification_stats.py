@@ -28,6 +28,7 @@ from scipy.stats import chisquare
 from common.sampling import SamplingParams, logits_to_probs, sample
 from common.verification import (
     block_verify,
+    greedy_verdict,
     greedy_verify,
     residual,
     sprinter_verify,
@@ -417,6 +418,10 @@ def test_temperature_zero_rules_agree():
         for rule in (greedy_verify, token_verify, block_verify):
             got = rule(draft_tokens, p_draft, p_target, gen_rule)
             assert got == expected, (case, rule.__name__, got, expected)
+        argmax = target_logits.argmax(-1).tolist()  # what the cloud reads of a greedy session
+        assert greedy_verdict(draft_tokens.tolist(), argmax) == expected
+        sprinter = sprinter_verify(draft_tokens, p_draft, p_target, gen_rule)
+        assert greedy_verdict(draft_tokens.tolist(), argmax, only_last=True) == sprinter, case
         seen.add((n_match == 0, n_match == g))
     assert seen >= {(True, False), (False, True), (False, False)}
 

@@ -7,7 +7,9 @@ Each synthetic edge replays draft blocks recorded from the pair's draft model (g
 block) over its own Session stream, as fast as verdicts come back, on top of a prompt of about each
 `--contexts` length (the bench prompt, preceded by filler text cut from the other prompts). The cloud
 runs as a separate process (`sprinter cloud serve`), once with batching on and once with `--max-batch 1`.
-`--engine resident|vllm` picks the cloud's engine (vllm: from `make vllm`'s environment), and its
+`--device` puts the resident engine's target on a GPU; `--random-weights` runs the engine in-process
+instead, on real architectures with random weights (sim/bench/engine.py: for GPU hosts without model
+packages). `--engine resident|vllm` picks the cloud's engine (vllm: from `make vllm`'s environment), and its
 rows are labelled by the engine; `--source DIR --label NAME` runs the cloud from another checkout
 (say, a git worktree of an older commit) under another label, so two engines or two versions of one
 are compared on one machine in one run (rows of other labels in OUT/results.json are kept).
@@ -61,6 +63,7 @@ class CloudBenchSettings:
     label: str | None = None  # what its rows are called (default: the engine's name)
     batching: tuple[bool, ...] = (True, False)  # measure with batching on, off, or both
     cpus: tuple[int, ...] = ()  # pin the cloud process (and its threads) to these cores
+    device: str = "auto"  # the cloud's --device (passed only when set: an older --source may predate it)
 
     @property
     def row_label(self) -> str:
@@ -219,6 +222,8 @@ def _serve_args(settings: CloudBenchSettings, target: str, batching: bool, metri
             "--max-sessions", str(max(settings.edges) + 4), "--max-context", str(max(4096, longest)),
             "--kv-budget-mb", str(budget_mb), "--max-batch", str(settings.max_batch if batching else 1),
             "--metrics-port", str(metrics_port)]
+    if settings.device != "auto":
+        args += ["--device", settings.device]
     if settings.batch_window_ms is not None:  # else each engine's own default
         args += ["--batch-window-ms", str(settings.batch_window_ms)]
     return args

@@ -16,8 +16,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from common.devices import add_device_argument
 from common.models import DTYPES
-from sim.bench import chaos, cloud, draft, fleet, local, pipeline, policy, prefill, readme, rollout, soak
+from sim.bench import chaos, cloud, draft, engine, fleet, local, pipeline, policy, prefill, readme, rollout, soak
 from sim.bench.prompts import PROMPTS_FILE
 from sim.sweep.report import format_summary
 
@@ -96,7 +97,14 @@ def _register_cloud(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--batching", choices=("both", "on", "off"), default="both",
                    help="measure with batching on, off (--max-batch 1), or both")
     p.add_argument("--cpus", type=_ints, default=(), help="pin the cloud process to these cores (comma list)")
-    p.add_argument("--out", type=Path, default=Path("results/bench-cloud"))
+    add_device_argument(p, "the cloud's target runs (resident engine)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="no cloud process: the engine in-process on --device, each target a real architecture with "
+                        "random weights (sim/bench/architectures; no model packages needed)")
+    p.add_argument("--accepted", type=int, help="--random-weights only: advance each context by this many accepted "
+                                                "tokens per round (default: as the random target verifies, about 0)")
+    p.add_argument("--warmup", type=int, default=3, help="--random-weights only: untimed rounds first")
+    p.add_argument("--out", type=Path, help="default results/bench-cloud (--random-weights: results/bench-engine)")
     p.set_defaults(run=run_cloud)
 
 
@@ -152,13 +160,41 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def run_cloud(args: argparse.Namespace) -> int:
+    batching = {"both": (True, False), "on": (True,), "off": (False,)}[args.batching]
+    if args.random_weights:
+        return _run_engine(args, batching)
+    if args.accepted is not None:
+        raise SystemExit("sprinter bench cloud: --accepted is for --random-weights (a real target decides)")
+    args.out = args.out or Path("results/bench-cloud")
     settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges, rounds=args.rounds, k=args.k,
                                         contexts=args.contexts, batch_window_ms=args.batch_window_ms,
                                         max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
-                                        engine=args.engine, label=args.label, cpus=args.cpus,
-                                        batching={"both": (True, False), "on": (True,), "off": (False,)}[args.batching])
+                                        engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
+                                        device=args.device)
     print(cloud.bench_cloud(settings))
     print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
+    return 0
+
+
+def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
+    """`--random-weights`: the engine in-process (sim/bench/engine.py)."""
+    refused = [flag for flag, given in (("--source", args.source), ("--label", args.label), ("--cpus", args.cpus),
+                                        ("--batch-window-ms", args.batch_window_ms is not None),
+                                        ("--engine vllm", args.engine != "resident")) if given]
+    if refused:
+        raise SystemExit(f"sprinter bench cloud: {', '.join(refused)} need a cloud process; --random-weights runs "
+                         "the resident engine in this one")
+    if args.contexts == (0,):
+        args.contexts = engine.EngineBenchSettings.contexts
+    settings = engine.EngineBenchSettings(
+        targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges, contexts=args.contexts,
+        k=args.k, rounds=args.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
+        out=args.out or Path("results/bench-engine"))
+    try:
+        print(engine.bench_engine(settings))
+    except ValueError as err:  # an unknown architecture or device
+        raise SystemExit(f"sprinter bench cloud: {err}") from None
+    print(f"\nwrote {settings.out}/results.json, table.md, verified_tokens_per_s.png")
     return 0
 
 

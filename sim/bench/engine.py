@@ -1,0 +1,221 @@
+"""bench cloud --random-weights: the resident engine's verify forward, in-process, on any device.
+
+    sprinter bench cloud --random-weights --device cuda --targets qwen2.5-1.5b,qwen2.5-7b \
+        --edges 1,8,32,64 --contexts 128,1024,4096 --out results/bench-engine
+
+No network, no gRPC stubs and no model packages: the target is a real architecture built from its
+`config.json` with random weights, on the device (sim/bench/random_weights.py), and the benchmark
+drives the engine's packed forward (cloud/packed_forward.py) the way the cloud's batcher does. Each
+edge holds a session of about `--contexts` tokens; a round sends every edge's verify: the token of
+its last verdict and `k` draft tokens (k + 1 new tokens, k + 1 rows read, greedy). With batching on
+they share one forward; off, they run one after another, as `--max-batch 1` would serve them.
+
+Random weights reject nearly every draft token, so by default a session's context grows one token
+per round (the verdict's token). `--accepted N` (benchmarks only) advances each context by N
+accepted tokens per round instead, as a recorded acceptance profile would.
+
+Reports, per target, context and edge count: forward p50/p99 (one forward of the round), verify
+p50/p99 (from the round's start to the edge's rows on the host: an unbatched edge waits for the
+edges before it), and verified draft tokens/s. Writes results.json, table.md and a plot.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cloud.packed_forward import forward_packed, install
+from cloud.resident_kv import KVLayout, ResidentKV
+from common.devices import resolve_device
+from common.models import DTYPES
+from common.plots import pyplot
+from common.verification import greedy_verdict
+from sim.bench.random_weights import random_model
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+
+
+@dataclass(frozen=True)
+class EngineBenchSettings:
+    targets: tuple[str, ...] = ("qwen2.5-1.5b",)  # architectures (sim/bench/architectures)
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    edges: tuple[int, ...] = (1, 8, 32, 64)
+    contexts: tuple[int, ...] = (128, 1024, 4096)
+    k: int = 5  # draft tokens per verify
+    rounds: int = 20  # timed rounds per row
+    warmup: int = 3  # untimed rounds first (allocator, kernels' autotuning)
+    accepted: int | None = None  # advance each context by this many accepted tokens per round (None: as verified)
+    batching: tuple[bool, ...] = (True, False)
+    out: Path = Path("results/bench-engine")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class EngineRow:
+    target: str
+    device: str
+    context: int
+    edges: int
+    batching: bool
+    forward_p50_ms: float
+    forward_p99_ms: float
+    verify_p50_ms: float
+    verify_p99_ms: float
+    tokens_per_s: float  # verified draft tokens per second, all edges together
+    growth_per_round: float  # context tokens each session gained per round
+
+
+@dataclass
+class BenchSession:
+    cache: ResidentKV
+    pending: int  # the last verdict's token: fed first in the next verify
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _open_sessions(model: torch.nn.Module, layout: KVLayout, n: int, context: int,
+                   rng: random.Random) -> list[BenchSession]:
+    vocab = model.config.vocab_size
+    sessions = []
+    for _ in range(n):
+        cache = ResidentKV(layout, reserve_tokens=context + 64)
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        for start in range(0, context - 1, PREFILL_CHUNK):
+            forward_packed(model, [cache], [prompt[start:min(start + PREFILL_CHUNK, context - 1)]], [1], [False])
+        sessions.append(BenchSession(cache, prompt[-1]))
+    return sessions
+
+
+def _verify(model: torch.nn.Module, sessions: list[BenchSession], k: int, accepted: int | None,
+            rng: random.Random) -> list[tuple[float, float]]:
+    """One forward for `sessions`' verifies; each session's (forward, end) perf_counter times; caches roll back."""
+    vocab = model.config.vocab_size
+    blocks = [[rng.randrange(vocab) for _ in range(k)] for _ in sessions]
+    pasts = [session.cache.length for session in sessions]
+    started = time.perf_counter()
+    rows = forward_packed(model, [s.cache for s in sessions], [[s.pending] + b for s, b in zip(sessions, blocks)],
+                          [k + 1] * len(sessions), [False] * len(sessions))
+    ended = time.perf_counter()  # the rows are on the host: the device has finished
+    for session, block, past, row in zip(sessions, blocks, pasts, rows):
+        n_accepted, next_token = greedy_verdict(block, row.argmax.tolist())
+        if accepted is not None:
+            n_accepted, next_token = min(accepted, k), block[min(accepted, k - 1)]
+        session.cache.truncate(past + 1 + n_accepted)
+        session.pending = next_token
+    return [(ended - started, ended)] * len(sessions)
+
+
+def _round(model: torch.nn.Module, sessions: list[BenchSession], settings: EngineBenchSettings, batching: bool,
+           rng: random.Random) -> tuple[list[float], list[float], float]:
+    """One round: every session verifies once. (forward times, verify latencies, round seconds)."""
+    started = time.perf_counter()
+    if batching:
+        timings = _verify(model, sessions, settings.k, settings.accepted, rng)
+    else:
+        timings = [t for session in sessions for t in _verify(model, [session], settings.k, settings.accepted, rng)]
+    round_s = time.perf_counter() - started
+    forwards = [timings[0][0]] if batching else [forward_s for forward_s, _ in timings]
+    return forwards, [end - started for _, end in timings], round_s
+
+
+def measure_row(model: torch.nn.Module, layout: KVLayout, target: str, context: int, n_edges: int, batching: bool,
+                settings: EngineBenchSettings) -> EngineRow:
+    rng = random.Random(context * 1000 + n_edges)
+    sessions = _open_sessions(model, layout, n_edges, context, rng)
+    start_length = sessions[0].cache.length
+    forwards, latencies, seconds = [], [], 0.0
+    for i in range(settings.warmup + settings.rounds):
+        round_forwards, round_latencies, round_s = _round(model, sessions, settings, batching, rng)
+        if i >= settings.warmup:
+            forwards += round_forwards
+            latencies += round_latencies
+            seconds += round_s
+    rounds = settings.warmup + settings.rounds
+    return EngineRow(target, str(layout.device), context, n_edges, batching,
+                     statistics.median(forwards) * 1e3, _percentile(forwards, 0.99) * 1e3,
+                     statistics.median(latencies) * 1e3, _percentile(latencies, 0.99) * 1e3,
+                     n_edges * settings.k * settings.rounds / seconds,
+                     (sessions[0].cache.length - start_length) / rounds)
+
+
+def format_table(rows: list[EngineRow]) -> str:
+    lines = ["| target | device | context | edges | batching | forward p50 ms | forward p99 ms | verify p50 ms | "
+             "verify p99 ms | verified tok/s | batched/unbatched | context growth/round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        partner = next((r for r in rows if (r.target, r.context, r.edges) == (row.target, row.context, row.edges)
+                        and not r.batching), None)
+        ratio = f"{row.tokens_per_s / partner.tokens_per_s:.2f}x" if row.batching and partner else ""
+        lines.append(f"| {row.target} | {row.device} | {row.context} | {row.edges} | {'on' if row.batching else 'off'} "
+                     f"| {row.forward_p50_ms:.2f} | {row.forward_p99_ms:.2f} | {row.verify_p50_ms:.2f} "
+                     f"| {row.verify_p99_ms:.2f} | {row.tokens_per_s:.0f} | {ratio} | {row.growth_per_round:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[EngineRow], path: Path) -> None:
+    plt = pyplot()
+    targets = sorted({r.target for r in rows})
+    fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        for context in sorted({r.context for r in rows if r.target == target}):
+            for batching in (True, False):
+                line = sorted((r for r in rows if (r.target, r.context, r.batching) == (target, context, batching)),
+                              key=lambda r: r.edges)
+                if line:
+                    ax.plot([r.edges for r in line], [r.tokens_per_s for r in line], marker="o",
+                            linestyle="-" if batching else ":",
+                            label=f"context {context}, batching {'on' if batching else 'off'}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent edges")
+        ax.set_ylabel("verified draft tokens/s")
+        ax.set_title(f"{target} ({rows[0].device}, random weights)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def bench_engine(settings: EngineBenchSettings) -> str:
+    """Every target, context, edge count and batching setting; writes OUT, returns the table."""
+    device = resolve_device(settings.device)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for target in settings.targets:
+        model = random_model(target, DTYPES[settings.dtype], device)
+        install(model)
+        longest = max(settings.contexts) + (settings.warmup + settings.rounds) * (settings.k + 1) + 64
+        layout = KVLayout.of(model, max_tokens=longest)
+        cases = [(c, e, b) for c in settings.contexts for e in settings.edges for b in settings.batching]
+        for context, n_edges, batching in tqdm(cases, desc=f"{target} on {device}"):
+            rows.append(measure_row(model, layout, target, context, n_edges, batching, settings))
+        del model, layout
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    table = format_table(rows)
+    (settings.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                           "device_name": _device_name(device),
+                                                           "args": settings.to_dict(),
+                                                           "rows": [asdict(r) for r in rows]}, indent=1))
+    (settings.out / "table.md").write_text(table + "\n")
+    plot(rows, settings.out / "verified_tokens_per_s.png")
+    return table
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
