@@ -20,6 +20,7 @@ import json
 import logging
 from pathlib import Path
 
+from common.devices import DEVICE_HELP
 from sim.sweep.report import format_summary
 from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
 from sim.sweep.simulate import simulate
@@ -54,6 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default 64")
     p.add_argument("--policy", help="the edge's default call policy (default: each mode's own)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="of both models (default bfloat16)")
+    p.add_argument("--device", help=f"where the cloud's target runs: {DEVICE_HELP}")
     p.add_argument("--threads", type=int, help="intra-op threads per process (default: the cores it may use)")
     p.add_argument("--pin-cpus", dest="pin_cpus", action=argparse.BooleanOptionalAction,
                    help="cloud on one core, edge on another (default on with >= 2 cores)")

@@ -80,7 +80,8 @@ class SweepSystem:
         try:
             # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
             address = self._stack.enter_context(cloud_process(
-                "--target", s.target, "--dtype", s.dtype, "--drain-s", "2", *cloud_fleet_args(self.mqtt_url),
+                "--target", s.target, "--dtype", s.dtype, "--device", s.device, "--drain-s", "2",
+                *cloud_fleet_args(self.mqtt_url),
                 log_path=s.out / "cloud.log",
                 startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))
             host, _, port = address.rpartition(":")

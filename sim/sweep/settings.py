@@ -33,7 +33,9 @@ def run_label(method: str, pipeline: str = "off") -> str:
 # rtt_ms, modes, pipeline and limit may change between runs: new combinations are added, done ones kept.
 # mqtt is not here: the fleet plane only watches the sweep (telemetry.jsonl), it changes no result.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
-                   "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed")
+                   "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed", "device")
+# Settings added to RESULT_IDENTITY later: an OUT from before ran with these values.
+IDENTITY_BEFORE = {"device": "auto"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class SimulateSettings:
     max_new_tokens: int = 64
     policy: str | None = None  # the edge's default call policy (None: each mode's own default)
     dtype: str = "bfloat16"
+    device: str = "auto"  # the cloud's --device (common/devices.py)
     threads: int | None = None  # intra-op threads of each process (None: the cores it may use)
     pin_cpus: bool = field(default_factory=lambda: len(os.sched_getaffinity(0)) >= 2)
     fleet_validation: bool = True

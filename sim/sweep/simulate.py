@@ -27,7 +27,7 @@ from sim.sweep.quality import judge
 from sim.sweep.report import write_report
 from sim.sweep.results import ResultStore, result_key
 from sim.sweep.run import run_sweep
-from sim.sweep.settings import SimulateSettings
+from sim.sweep.settings import IDENTITY_BEFORE, SimulateSettings
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def check_out_dir(settings: SimulateSettings) -> None:
     path = settings.out / "config.json"
     if path.exists():
         previous = json.loads(path.read_text()).get("identity", {})
+        previous = {**IDENTITY_BEFORE, **previous}
         changed = {k: (previous.get(k), v) for k, v in settings.identity().items() if previous.get(k) != v}
         if changed:
             raise ValueError(f"{settings.out} holds a sweep run with other settings ({changed}: before, now); "
