@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from cloud.server import CloudSettings, run_until_signalled
-from cloud.settings import ENGINES
+from cloud.settings import ATTENTIONS, ENGINES
 from cloud.vllm_launch import relaunch_under_vllm, vllm_importable
 from common.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
@@ -23,6 +23,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"])
     add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
+    p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
+                   help="resident engine: per-session (each session's KV in its own buffers, one attention call per "
+                        "session per layer) or paged (one page pool, one flex_attention call per layer for all "
+                        "sessions); auto: paged on CUDA, per-session on a CPU (default)")
     p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
                    help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
                         "`make vllm` builds (.venv-vllm; this command moves there by itself)")

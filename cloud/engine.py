@@ -57,6 +57,9 @@ class ExternalKV:
     granted: int = 0
     cache_salt: str | None = None  # vllm: keeps the session's prefix-cache blocks its own
 
+    def release(self) -> None:
+        """Nothing is held here."""
+
 
 @dataclass(frozen=True)
 class TargetRows:

@@ -31,6 +31,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cloud.engine import TargetRows
+from cloud.kv_pool import PagedKV
+from cloud.paged_attention import PagedBatch, PagedPlan, paged_attention
 from cloud.resident_kv import ResidentKV
 
 ATTENTION = "sprinter_resident"
@@ -54,6 +56,9 @@ def resident_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
     Returns the attention output [1, N, heads, head_dim], as transformers' attention functions do.
     """
+    paged: PagedBatch | None = kwargs.pop("paged_batch", None)
+    if paged is not None:
+        return paged_attention(module, query, key, value, paged, scaling), None
     segments: list[Segment] | None = kwargs.pop("resident_segments", None)
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -83,9 +88,11 @@ def install(model: PreTrainedModel) -> None:
         model.set_attn_implementation(ATTENTION)
 
 
-def _check(caches: list[ResidentKV], new_tokens: list[list[int]], n_logits: list[int]) -> None:
+def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_logits: list[int]) -> None:
     if not caches or not len(caches) == len(new_tokens) == len(n_logits):
         raise ValueError("caches, new_tokens and n_logits must be non-empty lists of the same length")
+    if len({type(cache) for cache in caches}) != 1 or len({id(getattr(c, "pool", None)) for c in caches}) != 1:
+        raise ValueError("one forward's caches must be of one kind (ResidentKV, or PagedKV of one pool)")
     if len({id(cache) for cache in caches}) != len(caches):
         raise ValueError("a session may appear once per forward")
     for i, (tokens, n) in enumerate(zip(new_tokens, n_logits)):
@@ -94,40 +101,44 @@ def _check(caches: list[ResidentKV], new_tokens: list[list[int]], n_logits: list
 
 
 @torch.inference_mode()
-def forward_packed(model: PreTrainedModel, caches: list[ResidentKV], new_tokens: list[list[int]],
+def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
                    n_logits: list[int], full_logits: list[bool] | None = None) -> list[TargetRows]:
     """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
 
     Returns, per session, the rows of its last `n_logits[i]` new positions (row r predicts the token
     after the r-th of them): their argmax [n], and their float32 logits [n, V] where `full_logits[i]`
-    (default: every session). On a GPU the inputs go over in one host-to-device copy and the rows
-    come back in one device-to-host copy, with no synchronisation per session. `install(model)` must
-    have run.
+    (default: every session). The inputs go to the device in one copy and the rows come back in one,
+    with no synchronisation per session. Caches are ResidentKV (attention per session) or PagedKV of
+    one pool (cloud/paged_attention.py). `install(model)` must have run.
     """
     _check(caches, new_tokens, n_logits)
-    full_logits = [True] * len(caches) if full_logits is None else full_logits
-    device = model.device
-    segments, positions, kept_rows, start = [], [], [], 0
-    for cache, tokens, n in zip(caches, new_tokens, n_logits):
+    for cache, tokens in zip(caches, new_tokens):
         cache.reserve(cache.length + len(tokens))
+    ids = [t for tokens in new_tokens for t in tokens]
+    positions = [p for cache, tokens in zip(caches, new_tokens) for p in range(cache.length, cache.length + len(tokens))]
+    ends = list(accumulate(len(tokens) for tokens in new_tokens))
+    kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
+    plan = PagedPlan.of(caches, new_tokens) if isinstance(caches[0], PagedKV) else None
+    n, k = len(ids), len(kept_rows)
+    packed = torch.tensor(ids + positions + kept_rows + (plan.ints if plan else [])).to(model.device)
+    attention = ({"paged_batch": plan.on_device(packed[2 * n + k:], packed[n:2 * n])} if plan else
+                 {"resident_segments": _segments(caches, new_tokens, model.device)})
+    out = model(input_ids=packed[None, :n], position_ids=packed[None, n:2 * n], use_cache=False,
+                logits_to_keep=packed[2 * n:2 * n + k], **attention)
+    for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
+        cache.length += len(tokens)
+    return _read_rows(out.logits[0], n_logits, full_logits or [True] * len(caches))
+
+
+def _segments(caches: list[ResidentKV], new_tokens: list[list[int]], device: torch.device) -> list[Segment]:
+    segments, start = [], 0
+    for cache, tokens in zip(caches, new_tokens):
         end = cache.length + len(tokens)
         causal = (None if len(tokens) == 1 else  # built once per forward, read by every layer
                   torch.ones(len(tokens), end, dtype=torch.bool, device=device).tril(diagonal=cache.length))
         segments.append(Segment(cache, start, len(tokens), cache.length, causal))
-        positions.extend(range(cache.length, cache.length + len(tokens)))
-        kept_rows.extend(range(start + len(tokens) - n, start + len(tokens)))
         start += len(tokens)
-    packed = torch.tensor([t for tokens in new_tokens for t in tokens] + positions + kept_rows).to(device)
-    out = model(
-        input_ids=packed[None, :start],
-        position_ids=packed[None, start:2 * start],
-        use_cache=False,
-        logits_to_keep=packed[2 * start:],
-        resident_segments=segments,
-    )
-    for segment in segments:  # only now: a forward that raised leaves every cache as it was
-        segment.cache.length = segment.past + segment.count
-    return _read_rows(out.logits[0], n_logits, full_logits)
+    return segments
 
 
 def _read_rows(logits: torch.Tensor, n_logits: list[int], full_logits: list[bool]) -> list[TargetRows]:

@@ -1,8 +1,10 @@
-"""The resident engine, the embedded default: the target in this process, KV resident per session.
+"""The resident engine, the embedded default: the target in this process, KV resident on its device.
 
-Each session's KV stays where the forward writes it (cloud/resident_kv.py); concurrent sessions'
-new tokens go through one packed, unpadded forward with continuous batching and prefill chunks
-(cloud/batcher.py). The session store charges every page to the KV budget (cloud/sessions.py).
+Each session's KV stays where the forward writes it: in buffers of its own (cloud/resident_kv.py,
+attention per session) or in pages of one pool (cloud/kv_pool.py, one attention call per layer for
+all sessions: `--attention paged`, the default on CUDA). Concurrent sessions' new tokens go through
+one packed, unpadded forward with continuous batching and prefill chunks (cloud/batcher.py). The
+session store charges every page to the KV budget (cloud/sessions.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 from cloud.batcher import Batcher
 from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo
+from cloud.kv_pool import KVPool, PagedKV
+from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
@@ -31,6 +35,7 @@ class ResidentEngine:
     target: LoadedModel
     batcher: Batcher
     kv_layout: KVLayout
+    kv_pool: KVPool | None = None  # paged: every session's pages; None: each session's own buffers
     name: str = "resident"
 
     def __post_init__(self) -> None:
@@ -42,8 +47,24 @@ class ResidentEngine:
     def queue_depth(self) -> int:
         return self.batcher.queue_depth
 
-    def new_session_kv(self) -> ResidentKV:
-        return ResidentKV(self.kv_layout)
+    def new_session_kv(self) -> ResidentKV | PagedKV:
+        return self.kv_pool.session() if self.kv_pool is not None else ResidentKV(self.kv_layout)
+
+    def warm_up(self) -> None:
+        """Run the forward's shapes once before serving (on CUDA this compiles paged attention); refuses to start,
+        naming the way out, when the device cannot run this attention."""
+        caches = [self.new_session_kv(), self.new_session_kv()]
+        try:
+            for new_tokens in ([[0]], [[0] * 3, [0] * 4]):
+                forward_packed(self.batcher.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens))
+        except Exception as err:
+            if self.kv_pool is None:
+                raise
+            raise ValueError(f"paged attention does not run on {self.kv_layout.device} ({type(err).__name__}: {err}); "
+                             "start with --attention per-session") from err
+        finally:
+            for cache in caches:
+                cache.release()
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: the forward returns full-vocabulary logits."""
@@ -62,16 +83,20 @@ class ResidentEngine:
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
         """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py)."""
         generator = torch.Generator().manual_seed(sampling.seed)
-        cache = ResidentKV(self.kv_layout, reserve_tokens=len(context) + max_new)
-        started = time.perf_counter()
-        if len(context) > 1:  # the prompt apart from verify batches, like a session's
-            await self.batcher.prefill(cache, context[:-1])
-        prefill_ms = (time.perf_counter() - started) * 1e3
-        new_tokens = context[-1:]
-        for _ in range(max_new):
-            result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=not sampling.greedy)
-            token = result.rows.next_token(sampling, generator)
-            yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
-            if token in self.info.eos_token_ids:
-                return
-            new_tokens, prefill_ms = [token], 0.0
+        cache = self.new_session_kv()
+        try:
+            cache.reserve(len(context) + max_new)
+            started = time.perf_counter()
+            if len(context) > 1:  # the prompt apart from verify batches, like a session's
+                await self.batcher.prefill(cache, context[:-1])
+            prefill_ms = (time.perf_counter() - started) * 1e3
+            new_tokens = context[-1:]
+            for _ in range(max_new):
+                result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=not sampling.greedy)
+                token = result.rows.next_token(sampling, generator)
+                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
+                if token in self.info.eos_token_ids:
+                    return
+                new_tokens, prefill_ms = [token], 0.0
+        finally:
+            cache.release()

@@ -116,3 +116,6 @@ class ResidentKV:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate {self.length} KV entries to {length}")
         self.length = length
+
+    def release(self) -> None:
+        """The session is gone: its buffers go with the last reference (a forward under way may still hold one)."""

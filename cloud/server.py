@@ -29,6 +29,8 @@ from cloud.quotas import EdgeQuotas
 from cloud.service import TargetServicer
 from cloud.sessions import SessionLimits, SessionStore
 from cloud.resident_engine import ResidentEngine
+from cloud.kv_pool import KVPool
+from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
@@ -174,14 +176,22 @@ class CloudServer:
             device = resolve_device(settings.device)
             log.info("loading target %s (%s) on %s", settings.target, settings.dtype, device)
             target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype], device)
+        paged = settings.paged(target.model.device.type)
         # No session grows past the context limit plus one block (a verify's new tokens are written first).
-        kv_layout = KVLayout.of(target.model, max_tokens=settings.max_context + settings.max_block + 1)
+        kv_layout = KVLayout.of(target.model, page_tokens=PAGE_TOKENS_PAGED if paged else 64,
+                                max_tokens=settings.max_context + settings.max_block + 1)
         settings.check_kv_budget(kv_layout.bytes_per_token)
+        # The pool holds the budget, plus a forward's and the Generate calls' page rounding of slack.
+        kv_pool = KVPool(kv_layout, settings.kv_budget_bytes, slack_tokens=settings.max_forward_tokens
+                         + settings.max_batch * kv_layout.page_tokens) if paged else None
         async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher:
-            yield ResidentEngine(target, batcher, kv_layout)
+            engine = ResidentEngine(target, batcher, kv_layout, kv_pool)
+            log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
+            await asyncio.to_thread(engine.warm_up)
+            yield engine
 
     def _observe_batch(self, forward: ForwardStats) -> None:
         self.metrics.observe_batch(forward)

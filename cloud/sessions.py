@@ -28,6 +28,7 @@ import torch
 
 from cloud.errors import CloudError, exhausted
 from cloud.engine import ExternalKV
+from cloud.kv_pool import PagedKV
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.sampling import SamplingParams
@@ -40,7 +41,7 @@ class Session:
     session_id: str
     owner: str  # the authenticated edge identity; nobody else may touch this session
     tokens: list[int]  # the context: prompt, then every verified token
-    cache: ResidentKV | ExternalKV  # holds the KV of tokens[:cached_tokens] (cloud/engine.py)
+    cache: ResidentKV | PagedKV | ExternalKV  # holds the KV of tokens[:cached_tokens] (cloud/engine.py)
     sampling: SamplingParams
     generator: torch.Generator
     cached_tokens: int = 0
@@ -101,7 +102,7 @@ class SessionStore:
     def owner_sessions(self, owner: str) -> int:
         return sum(1 for s in self._sessions.values() if s.owner == owner)
 
-    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: ResidentKV) -> Session:
+    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: ResidentKV | PagedKV | ExternalKV) -> Session:
         """Admit a session for `prompt_ids` (making room first) or refuse it; nothing is computed yet."""
         self._check_fits(owner, len(prompt_ids), "prompt")
         self._make_session_room(owner)
@@ -143,7 +144,9 @@ class SessionStore:
         return session_id in self._sessions
 
     def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.cache.release()
 
     def grant_kv(self, session: Session, tokens: int, headroom_pages: int = 0) -> None:
         """Charge `session` for `tokens` KV entries before the forward that writes them runs, so the budget

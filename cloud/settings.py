@@ -14,6 +14,7 @@ from common.devices import DeviceError, resolve_device
 
 
 ENGINES = ("resident", "vllm")
+ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout and attention (cloud/packed_forward.py)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class CloudSettings:
     target: str = "tiny-random"
     dtype: str = "bfloat16"
     device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
+    attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
     engine: str = "resident"  # cloud/engine.py: the embedded engine, or vLLM (its own environment, `make vllm`)
     # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
     tensor_parallel_size: int = 1
@@ -99,6 +101,7 @@ class CloudSettings:
              f"this cloud: pass --auth-tokens FILE, or --allow-unauthenticated if the network is trusted"),
             (self.mqtt_keepalive >= 1, f"--mqtt-keepalive must be >= 1, got {self.mqtt_keepalive}"),
             (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"),
+            (self.attention in ATTENTIONS, f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"),
             (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
@@ -124,6 +127,7 @@ class CloudSettings:
                 "max_prefill_chunk": "--max-prefill-chunk (vLLM chunks prefills within --max-forward-tokens)",
                 "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
                 "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
+                "attention": "--attention (vLLM has its own attention backends)",
             }
         else:
             resident_only = {
@@ -133,6 +137,10 @@ class CloudSettings:
             }
         return [f"{flag} does not apply to --engine {self.engine}" for name, flag in resident_only.items()
                 if getattr(self, name) != defaults[name].default]
+
+    def paged(self, device_type: str) -> bool:
+        """Whether the resident engine keeps its KV in one page pool (`--attention`, auto by device)."""
+        return self.attention == "paged" or (self.attention == "auto" and device_type == "cuda")
 
     @property
     def kv_budget_bytes(self) -> int:

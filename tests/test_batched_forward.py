@@ -1,7 +1,8 @@
 """forward_packed on resident KV: a session verified in a batch gets what it gets alone, and nothing is copied.
 
 The reference is the model's own forward over a session's whole context with no cache at all, so
-the resident cache, its rollback and its growth are all checked against plain transformers.
+the resident cache, its rollback and its growth are all checked against plain transformers; so
+is the paged layout (one KV pool, flex_attention over the page tables), which runs here unfused.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from cloud.kv_pool import KVPool, KVPoolExhausted, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
 
@@ -63,9 +65,10 @@ def _layout(model: PreTrainedModel, page_tokens: int = 8) -> KVLayout:
 class Session:
     """A context and its resident cache, kept in step the way the cloud's backend keeps them."""
 
-    def __init__(self, model: PreTrainedModel, rng: random.Random, prompt_length: int, page_tokens: int = 8) -> None:
+    def __init__(self, model: PreTrainedModel, rng: random.Random, prompt_length: int, page_tokens: int = 8,
+                 pool: KVPool | None = None) -> None:
         self.model, self.rng = model, rng
-        self.cache = ResidentKV(_layout(model, page_tokens))
+        self.cache = pool.session() if pool is not None else ResidentKV(_layout(model, page_tokens))
         self.context: list[int] = []
         if prompt_length:
             block = self.tokens(prompt_length)
@@ -187,3 +190,64 @@ def test_smollm2_batched_equals_alone(smollm2):
     _round(model, sessions, block_sizes=[3, 5, 1], n_logits=[3, 2, 1], atol=2e-4)
     for session in sessions:
         _round(model, [session], block_sizes=[3], n_logits=[3], atol=2e-4)
+
+
+def _pool(model: PreTrainedModel, pages: int = 64, page_tokens: int = 8) -> KVPool:
+    layout = _layout(model, page_tokens)
+    return KVPool(layout, budget_bytes=pages * layout.bytes_per_page)
+
+
+def test_paged_batch_equals_alone_then_continues_and_rolls_back(tiny_model):
+    """The same sessions as above on one page pool: a session never sees another's pages."""
+    pool = _pool(tiny_model)
+    rng = random.Random(7)
+    sessions = [Session(tiny_model, rng, n, pool=pool) for n in (0, 5, 12, 3)]
+    _round(tiny_model, sessions, block_sizes=[4, 1, 6, 3], n_logits=[4, 1, 2, 3])
+    for session, rejected in zip(sessions, (2, 0, 5, 1)):
+        session.reject(rejected)
+    _round(tiny_model, sessions, block_sizes=[2, 5, 1, 3], n_logits=[2, 5, 1, 1])
+    for session in sessions:
+        _round(tiny_model, [session], block_sizes=[3], n_logits=[3])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 8)), min_size=1, max_size=6),
+       st.integers(0, 2 ** 16))
+def test_property_paged_batches_equal_the_sessions_alone(qwen2, shapes, seed):
+    """Random batches on a pool whose pages are handed out interleaved (sessions grow in turns)."""
+    rng = random.Random(seed)
+    pool = _pool(qwen2, pages=128, page_tokens=4)
+    sessions = [Session(qwen2, rng, prompt, pool=pool) for prompt, _, _ in shapes]
+    blocks = [block for _, block, _ in shapes]
+    for _ in range(2):
+        _round(qwen2, sessions, blocks, [rng.randint(1, n) for n in blocks])
+        for session, (_, block, rejected) in zip(sessions, shapes):
+            session.reject(min(rejected, block))
+    for session in sessions:
+        session.cache.release()
+    assert pool.free_pages == pool.pages
+
+
+def test_paged_growth_takes_pages_and_copies_nothing(qwen2):
+    pool = _pool(qwen2, pages=8, page_tokens=4)
+    rng = random.Random(3)
+    session = Session(qwen2, rng, 6, pool=pool)
+    assert session.cache.capacity == 8 and pool.free_pages == 6
+    _round(qwen2, [session], [5], [5])  # 11 entries: a third page, the first two untouched
+    assert session.cache.capacity == 12 and session.cache.copied_bytes == 0 and pool.free_pages == 5
+    with pytest.raises(KVPoolExhausted):  # more than the pool holds: refused before anything is written
+        forward_packed(qwen2, [session.cache], [session.tokens(30)], [1])
+    assert session.cache.length == 11
+    _round(qwen2, [session], [1], [1])  # and the session goes on
+    session.cache.release()
+    assert pool.free_pages == pool.pages and session.cache.released
+    session.cache.release()  # once only: a second release gives nothing back twice
+    assert pool.free_pages == pool.pages
+
+
+def test_one_forward_takes_one_kind_of_cache(qwen2):
+    pool = _pool(qwen2)
+    with pytest.raises(ValueError, match="one kind"):
+        forward_packed(qwen2, [pool.session(), ResidentKV(_layout(qwen2))], [[1], [2]], [1, 1])
+    with pytest.raises(ValueError, match="one kind"):
+        forward_packed(qwen2, [pool.session(), _pool(qwen2).session()], [[1], [2]], [1, 1])

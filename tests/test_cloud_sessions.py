@@ -23,9 +23,11 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 OK = grpc.StatusCode.OK.value[0]
 
 
-@pytest.fixture(scope="module")
-def cloud(tiny_target):
-    with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=2), tiny_target) as server:
+@pytest.fixture(scope="module", params=["per-session", "paged"])
+def cloud(request, tiny_target):
+    """Every test here runs on both KV layouts of the resident engine (cloud/packed_forward.py)."""
+    settings = CloudSettings(target="tiny-random", batch_window_ms=2, attention=request.param)
+    with ServerThread(settings, tiny_target) as server:
         yield server
 
 

@@ -1,0 +1,119 @@
+"""Attention of a packed forward over the KV pool: one flex_attention call per layer for all sessions.
+
+Shapes (N new tokens in the packed row; S = P * T slots, P the pages up to the highest one read, T a page):
+    query         [1, heads, N, head_dim]
+    key, value    [1, kv_heads, N, head_dim]   this forward's entries, written to their slots first
+    pool layer    [1, kv_heads, S, head_dim]   what every query reads, through the block mask
+
+The block mask is the sessions' page tables: query rows go in blocks of Q_BLOCK, and each block lists
+the pages of the sessions its rows belong to (a kv block is a page). Within those, `mask_mod` keeps
+slot s for query q when s's page is q's session's and s's position there is at most q's position: a
+session sees its own past and the causal part of its block, nothing of any other session's. No
+past entry is copied and no page outside a block's sessions is read. On CUDA flex_attention is
+compiled into one fused kernel; on the CPU it runs unfused (per-session attention, the CPU default,
+is faster there: cloud/packed_forward.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from cloud.kv_pool import KVPool, PagedKV
+
+Q_BLOCK = 128  # query rows per block of the mask
+# A pool's page, and so the mask's kv block: a multiple of the fused kernel's key block (64 or 128 on Hopper).
+PAGE_TOKENS_PAGED = 128
+
+
+@functools.cache
+def flex_for(device_type: str) -> Callable[..., torch.Tensor]:
+    """flex_attention compiled for CUDA; as it is on the CPU (a reference path: tests and small models)."""
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=True)
+    return _unfused_flex
+
+
+def _unfused_flex(*args, **kwargs) -> torch.Tensor:
+    with warnings.catch_warnings():  # the CPU's choice, said in the module docstring: not worth a warning per layer
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """What every layer of one forward needs: the pool, the new entries' slots and the block mask."""
+
+    pool: KVPool
+    span_slots: int  # S: the slots attention reads, 0 .. S - 1 (the unfused path computes a score for each)
+    slots: torch.Tensor  # [N] int64: pool slot of each new token
+    block_mask: BlockMask
+    attend: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """A forward's page tables, as host integers that travel with the packed inputs (one copy)."""
+
+    pool: KVPool
+    n_tokens: int
+    span: int  # P: pages 0 .. P-1 hold every page this forward reads (pages are taken lowest first)
+    q_blocks: int
+    width: int  # kv blocks listed per query block (the most any block has)
+    ints: list[int]  # slots [N], q_session [N], page_owner [P], page_index [P], kv_num_blocks [B], kv_indices [B, W]
+
+    @classmethod
+    def of(cls, caches: list[PagedKV], new_tokens: list[list[int]]) -> PagedPlan:
+        """After every cache reserved its new entries (their pages are taken), before their lengths move."""
+        pool = caches[0].pool
+        read = [cache.pages[:cache.layout.pages(cache.length + len(tokens))] for cache, tokens in zip(caches, new_tokens)]
+        span = max(page for pages in read for page in pages) + 1
+        slots, q_session = [], []
+        page_owner, page_index = [-1] * span, [0] * span
+        for i, (cache, tokens) in enumerate(zip(caches, new_tokens)):
+            slots += cache.slots(cache.length, cache.length + len(tokens))
+            q_session += [i] * len(tokens)
+            for j, page in enumerate(read[i]):
+                page_owner[page], page_index[page] = i, j
+        block_pages = [[page for s in dict.fromkeys(q_session[start:start + Q_BLOCK]) for page in read[s]]
+                       for start in range(0, len(q_session), Q_BLOCK)]
+        width = max(len(pages) for pages in block_pages)
+        indices = [p for pages in block_pages for p in pages + [0] * (width - len(pages))]
+        ints = slots + q_session + page_owner + page_index + [len(p) for p in block_pages] + indices
+        return cls(pool, len(slots), span, len(block_pages), width, ints)
+
+    def on_device(self, packed: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
+        """`packed`: this plan's ints on the device; `positions` [N]: each new token's position in its session."""
+        n, pages, blocks, page_tokens = self.n_tokens, self.span, self.q_blocks, self.pool.layout.page_tokens
+        slots, q_session = packed[:n], packed[n:2 * n]
+        page_owner, page_index = packed[2 * n:2 * n + pages], packed[2 * n + pages:2 * n + 2 * pages]
+        rest = packed[2 * n + 2 * pages:]
+        kv_num_blocks = rest[:blocks].to(torch.int32).view(1, 1, blocks)
+        kv_indices = rest[blocks:].to(torch.int32).view(1, 1, blocks, self.width)
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            page = kv // page_tokens
+            return (page_owner[page] == q_session[q]) & (page_index[page] * page_tokens + kv % page_tokens <= positions[q])
+
+        block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, page_tokens),
+                                              mask_mod=mask_mod, seq_lengths=(n, pages * page_tokens),
+                                              compute_q_blocks=False)
+        return PagedBatch(self.pool, pages * page_tokens, slots, block_mask, flex_for(packed.device.type))
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    batch: PagedBatch, scaling: float | None) -> torch.Tensor:
+    """Write this forward's keys and values into their slots, then attend over the pool; [1, N, heads, head_dim]."""
+    layer = module.layer_idx
+    keys, values = batch.pool.keys[layer], batch.pool.values[layer]  # [kv_heads, pool slots, head_dim]
+    keys.index_copy_(1, batch.slots, key[0])
+    values.index_copy_(1, batch.slots, value[0])
+    keys, values = keys[:, :batch.span_slots], values[:, :batch.span_slots]  # [kv_heads, S, head_dim]
+    out = batch.attend(query, keys[None], values[None], block_mask=batch.block_mask, scale=scaling,
+                       enable_gqa=keys.shape[0] != query.shape[1])
+    return out.transpose(1, 2).contiguous()
