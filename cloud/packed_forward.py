@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cloud.engine import TargetRows
 from cloud.kv_pool import PagedKV
-from cloud.paged_attention import PagedBatch, PagedPlan, paged_attention
+from cloud.paged_attention import PagedBatch, PagedPlan, fused, paged_attention
 from cloud.resident_kv import ResidentKV
 
 ATTENTION = "sprinter_resident"
@@ -118,7 +118,7 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     positions = [p for cache, tokens in zip(caches, new_tokens) for p in range(cache.length, cache.length + len(tokens))]
     ends = list(accumulate(len(tokens) for tokens in new_tokens))
     kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
-    plan = PagedPlan.of(caches, new_tokens) if isinstance(caches[0], PagedKV) else None
+    plan = PagedPlan.of(caches, new_tokens, fused(model.device.type)) if isinstance(caches[0], PagedKV) else None
     n, k = len(ids), len(kept_rows)
     packed = torch.tensor(ids + positions + kept_rows + (plan.ints if plan else [])).to(model.device)
     attention = ({"paged_batch": plan.on_device(packed[2 * n + k:], packed[n:2 * n])} if plan else

@@ -31,10 +31,15 @@ Q_BLOCK = 128  # query rows per block of the mask
 PAGE_TOKENS_PAGED = 128
 
 
+def fused(device_type: str) -> bool:
+    """Whether flex_attention is compiled into a fused kernel on this device: CUDA; on a CPU it runs unfused."""
+    return device_type == "cuda"
+
+
 @functools.cache
 def flex_for(device_type: str) -> Callable[..., torch.Tensor]:
     """flex_attention compiled for CUDA; as it is on the CPU (a reference path: tests and small models)."""
-    if device_type == "cuda":
+    if fused(device_type):
         return torch.compile(flex_attention, dynamic=True)
     return _unfused_flex
 
@@ -68,11 +73,15 @@ class PagedPlan:
     ints: list[int]  # slots [N], q_session [N], page_owner [P], page_index [P], kv_num_blocks [B], kv_indices [B, W]
 
     @classmethod
-    def of(cls, caches: list[PagedKV], new_tokens: list[list[int]]) -> PagedPlan:
-        """After every cache reserved its new entries (their pages are taken), before their lengths move."""
+    def of(cls, caches: list[PagedKV], new_tokens: list[list[int]], fused: bool) -> PagedPlan:
+        """After every cache reserved its new entries (their pages are taken), before their lengths move.
+
+        `fused`: the mask spans the whole pool and lists up to every page per block, so the compiled kernel
+        sees the same key length and mask width in every forward; the fused kernel reads only the listed
+        pages. Unfused, a score is computed for every slot of the span: it ends at the highest page read."""
         pool = caches[0].pool
         read = [cache.pages[:cache.layout.pages(cache.length + len(tokens))] for cache, tokens in zip(caches, new_tokens)]
-        span = max(page for pages in read for page in pages) + 1
+        span = pool.pages if fused else max(page for pages in read for page in pages) + 1
         slots, q_session = [], []
         page_owner, page_index = [-1] * span, [0] * span
         for i, (cache, tokens) in enumerate(zip(caches, new_tokens)):
@@ -82,7 +91,7 @@ class PagedPlan:
                 page_owner[page], page_index[page] = i, j
         block_pages = [[page for s in dict.fromkeys(q_session[start:start + Q_BLOCK]) for page in read[s]]
                        for start in range(0, len(q_session), Q_BLOCK)]
-        width = max(len(pages) for pages in block_pages)
+        width = span if fused else max(len(pages) for pages in block_pages)
         indices = [p for pages in block_pages for p in pages + [0] * (width - len(pages))]
         ints = slots + q_session + page_owner + page_index + [len(p) for p in block_pages] + indices
         return cls(pool, len(slots), span, len(block_pages), width, ints)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+import cloud.packed_forward
 from cloud.kv_pool import KVPool, KVPoolExhausted, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
@@ -251,3 +252,15 @@ def test_one_forward_takes_one_kind_of_cache(qwen2):
         forward_packed(qwen2, [pool.session(), ResidentKV(_layout(qwen2))], [[1], [2]], [1, 1])
     with pytest.raises(ValueError, match="one kind"):
         forward_packed(qwen2, [pool.session(), _pool(qwen2).session()], [[1], [2]], [1, 1])
+
+
+def test_the_fused_plan_spans_the_whole_pool(qwen2, monkeypatch):
+    """On CUDA the mask spans the pool and lists up to every page per block (fixed shapes for the compiled
+    kernel); the same plan, run unfused here, gives the same rows."""
+    monkeypatch.setattr(cloud.packed_forward, "fused", lambda device_type: True)
+    pool = _pool(qwen2, pages=32, page_tokens=4)
+    rng = random.Random(9)
+    sessions = [Session(qwen2, rng, n, pool=pool) for n in (3, 17, 0)]
+    _round(qwen2, sessions, block_sizes=[5, 2, 4], n_logits=[5, 1, 2])
+    sessions[1].reject(2)
+    _round(qwen2, sessions, block_sizes=[1, 3, 2], n_logits=[1, 3, 2])

@@ -104,6 +104,8 @@ def _register_cloud(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--accepted", type=int, help="--random-weights only: advance each context by this many accepted "
                                                 "tokens per round (default: as the random target verifies, about 0)")
     p.add_argument("--warmup", type=int, default=3, help="--random-weights only: untimed rounds first")
+    p.add_argument("--attention", type=_names, default=("per-session", "paged"),
+                   help="--random-weights only: the resident engine's layouts to measure (default per-session,paged)")
     p.add_argument("--out", type=Path, help="default results/bench-cloud (--random-weights: results/bench-engine)")
     p.set_defaults(run=run_cloud)
 
@@ -189,6 +191,7 @@ def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
     settings = engine.EngineBenchSettings(
         targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges, contexts=args.contexts,
         k=args.k, rounds=args.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
+        attention=args.attention,
         out=args.out or Path("results/bench-engine"))
     try:
         print(engine.bench_engine(settings))

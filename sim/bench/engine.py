@@ -14,7 +14,11 @@ Random weights reject nearly every draft token, so by default a session's contex
 per round (the verdict's token). `--accepted N` (benchmarks only) advances each context by N
 accepted tokens per round instead, as a recorded acceptance profile would.
 
-Reports, per target, context and edge count: forward p50/p99 (one forward of the round), verify
+Both of the resident engine's layouts are measured (`--attention`, default both): per-session
+buffers with one attention call per session per layer, and the paged pool with one flex_attention
+call per layer (fused on CUDA, unfused on a CPU).
+
+Reports, per target, layout, context and edge count: forward p50/p99 (one forward of the round), verify
 p50/p99 (from the round's start to the edge's rows on the host: an unbatched edge waits for the
 edges before it), and verified draft tokens/s. Writes results.json, table.md and a plot.
 """
@@ -32,7 +36,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed, install
+from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.devices import resolve_device
 from common.models import DTYPES
@@ -55,6 +61,7 @@ class EngineBenchSettings:
     warmup: int = 3  # untimed rounds first (allocator, kernels' autotuning)
     accepted: int | None = None  # advance each context by this many accepted tokens per round (None: as verified)
     batching: tuple[bool, ...] = (True, False)
+    attention: tuple[str, ...] = ("per-session", "paged")  # cloud serve's --attention, each measured
     out: Path = Path("results/bench-engine")
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,6 +72,7 @@ class EngineBenchSettings:
 class EngineRow:
     target: str
     device: str
+    attention: str
     context: int
     edges: int
     batching: bool
@@ -78,7 +86,7 @@ class EngineRow:
 
 @dataclass
 class BenchSession:
-    cache: ResidentKV
+    cache: ResidentKV | PagedKV
     pending: int  # the last verdict's token: fed first in the next verify
 
 
@@ -87,12 +95,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _open_sessions(model: torch.nn.Module, layout: KVLayout, n: int, context: int,
+def _open_sessions(model: torch.nn.Module, kv: KVLayout | KVPool, n: int, context: int,
                    rng: random.Random) -> list[BenchSession]:
     vocab = model.config.vocab_size
     sessions = []
     for _ in range(n):
-        cache = ResidentKV(layout, reserve_tokens=context + 64)
+        cache = kv.session() if isinstance(kv, KVPool) else ResidentKV(kv)
+        cache.reserve(context + 64)
         prompt = [rng.randrange(vocab) for _ in range(context)]
         for start in range(0, context - 1, PREFILL_CHUNK):
             forward_packed(model, [cache], [prompt[start:min(start + PREFILL_CHUNK, context - 1)]], [1], [False])
@@ -132,10 +141,10 @@ def _round(model: torch.nn.Module, sessions: list[BenchSession], settings: Engin
     return forwards, [end - started for _, end in timings], round_s
 
 
-def measure_row(model: torch.nn.Module, layout: KVLayout, target: str, context: int, n_edges: int, batching: bool,
-                settings: EngineBenchSettings) -> EngineRow:
+def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, context: int, n_edges: int,
+                batching: bool, settings: EngineBenchSettings) -> EngineRow:
     rng = random.Random(context * 1000 + n_edges)
-    sessions = _open_sessions(model, layout, n_edges, context, rng)
+    sessions = _open_sessions(model, kv, n_edges, context, rng)
     start_length = sessions[0].cache.length
     forwards, latencies, seconds = [], [], 0.0
     for i in range(settings.warmup + settings.rounds):
@@ -145,7 +154,11 @@ def measure_row(model: torch.nn.Module, layout: KVLayout, target: str, context: 
             latencies += round_latencies
             seconds += round_s
     rounds = settings.warmup + settings.rounds
-    return EngineRow(target, str(layout.device), context, n_edges, batching,
+    for session in sessions:
+        session.cache.release()
+    layout = kv.layout if isinstance(kv, KVPool) else kv
+    return EngineRow(target, str(layout.device), "paged" if isinstance(kv, KVPool) else "per-session", context,
+                     n_edges, batching,
                      statistics.median(forwards) * 1e3, _percentile(forwards, 0.99) * 1e3,
                      statistics.median(latencies) * 1e3, _percentile(latencies, 0.99) * 1e3,
                      n_edges * settings.k * settings.rounds / seconds,
@@ -153,14 +166,14 @@ def measure_row(model: torch.nn.Module, layout: KVLayout, target: str, context: 
 
 
 def format_table(rows: list[EngineRow]) -> str:
-    lines = ["| target | device | context | edges | batching | forward p50 ms | forward p99 ms | verify p50 ms | "
+    lines = ["| target | device | attention | context | edges | batching | forward p50 ms | forward p99 ms | verify p50 ms | "
              "verify p99 ms | verified tok/s | batched/unbatched | context growth/round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        partner = next((r for r in rows if (r.target, r.context, r.edges) == (row.target, row.context, row.edges)
-                        and not r.batching), None)
+        key = (row.target, row.attention, row.context, row.edges)
+        partner = next((r for r in rows if (r.target, r.attention, r.context, r.edges) == key and not r.batching), None)
         ratio = f"{row.tokens_per_s / partner.tokens_per_s:.2f}x" if row.batching and partner else ""
-        lines.append(f"| {row.target} | {row.device} | {row.context} | {row.edges} | {'on' if row.batching else 'off'} "
+        lines.append(f"| {row.target} | {row.device} | {row.attention} | {row.context} | {row.edges} | {'on' if row.batching else 'off'} "
                      f"| {row.forward_p50_ms:.2f} | {row.forward_p99_ms:.2f} | {row.verify_p50_ms:.2f} "
                      f"| {row.verify_p99_ms:.2f} | {row.tokens_per_s:.0f} | {ratio} | {row.growth_per_round:.1f} |")
     return "\n".join(lines)
@@ -171,14 +184,13 @@ def plot(rows: list[EngineRow], path: Path) -> None:
     targets = sorted({r.target for r in rows})
     fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4), squeeze=False)
     for ax, target in zip(axes[0], targets):
-        for context in sorted({r.context for r in rows if r.target == target}):
-            for batching in (True, False):
-                line = sorted((r for r in rows if (r.target, r.context, r.batching) == (target, context, batching)),
-                              key=lambda r: r.edges)
-                if line:
-                    ax.plot([r.edges for r in line], [r.tokens_per_s for r in line], marker="o",
-                            linestyle="-" if batching else ":",
-                            label=f"context {context}, batching {'on' if batching else 'off'}")
+        for attention, context, batching in sorted({(r.attention, r.context, r.batching) for r in rows
+                                                    if r.target == target}):
+            line = sorted((r for r in rows if (r.target, r.attention, r.context, r.batching)
+                           == (target, attention, context, batching)), key=lambda r: r.edges)
+            ax.plot([r.edges for r in line], [r.tokens_per_s for r in line], marker="o" if batching else "x",
+                    linestyle="-" if attention == "paged" else "--" if batching else ":",
+                    label=f"{attention}, context {context}, batching {'on' if batching else 'off'}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("concurrent edges")
@@ -197,12 +209,13 @@ def bench_engine(settings: EngineBenchSettings) -> str:
     for target in settings.targets:
         model = random_model(target, DTYPES[settings.dtype], device)
         install(model)
-        longest = max(settings.contexts) + (settings.warmup + settings.rounds) * (settings.k + 1) + 64
-        layout = KVLayout.of(model, max_tokens=longest)
-        cases = [(c, e, b) for c in settings.contexts for e in settings.edges for b in settings.batching]
-        for context, n_edges, batching in tqdm(cases, desc=f"{target} on {device}"):
-            rows.append(measure_row(model, layout, target, context, n_edges, batching, settings))
-        del model, layout
+        for attention in settings.attention:
+            kv = _kv_store(model, attention, settings)
+            cases = [(c, e, b) for c in settings.contexts for e in settings.edges for b in settings.batching]
+            for context, n_edges, batching in tqdm(cases, desc=f"{target} {attention} on {device}"):
+                rows.append(measure_row(model, kv, target, context, n_edges, batching, settings))
+            del kv
+        del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     table = format_table(rows)
@@ -213,6 +226,17 @@ def bench_engine(settings: EngineBenchSettings) -> str:
     (settings.out / "table.md").write_text(table + "\n")
     plot(rows, settings.out / "verified_tokens_per_s.png")
     return table
+
+
+def _kv_store(model: torch.nn.Module, attention: str, settings: EngineBenchSettings) -> KVLayout | KVPool:
+    """Per-session buffers, or a pool that holds every edge's longest context (as --kv-budget-mb would)."""
+    longest = max(settings.contexts) + (settings.warmup + settings.rounds) * (settings.k + 1) + 64
+    if attention == "per-session":
+        return KVLayout.of(model, max_tokens=longest)
+    if attention != "paged":
+        raise ValueError(f"--attention {attention!r}: per-session or paged")
+    layout = KVLayout.of(model, page_tokens=PAGE_TOKENS_PAGED, max_tokens=longest)
+    return KVPool(layout, max(settings.edges) * layout.pages(longest) * layout.bytes_per_page)
 
 
 def _device_name(device: torch.device) -> str:

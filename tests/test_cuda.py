@@ -1,0 +1,104 @@
+"""The resident engine on a CUDA GPU: the properties tests/test_batched_forward.py and tests/test_devices.py
+check on the CPU, on the device (skipped, with the reason, where torch sees no GPU).
+
+    python -m pytest tests/test_cuda.py     # on a GPU host; needs no model packages and no network
+
+On CUDA the default layout is paged: one pool, flex_attention compiled into a fused kernel.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from cloud.kv_pool import KVPool
+from cloud.packed_forward import forward_packed, install
+from cloud.resident_kv import KVLayout, ResidentKV
+from common.devices import resolve_device
+from common.verification import greedy_verdict
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason=f"no CUDA GPU here (torch {torch.__version__}): the CUDA engine is untested")
+
+
+def _tiny_qwen2(dtype: torch.dtype) -> PreTrainedModel:
+    """A tiny random Qwen2 (biases, grouped KV heads, head_dim 32) built on the GPU."""
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.25, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    install(model)
+    return model
+
+
+def _plain(model: PreTrainedModel, context: list[int], n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        ids = torch.tensor([context], device=model.device)
+        return model(input_ids=ids, logits_to_keep=n).logits[0].float().cpu()
+
+
+def _caches(model: PreTrainedModel, kind: str, n: int) -> list:
+    if kind == "paged":
+        layout = KVLayout.of(model, page_tokens=128)
+        pool = KVPool(layout, 64 * layout.bytes_per_page)
+        return [pool.session() for _ in range(n)]
+    return [ResidentKV(KVLayout.of(model, page_tokens=16)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["per-session", "paged"])
+def test_cuda_batches_equal_the_model_alone_in_float32(kind):
+    model = _tiny_qwen2(torch.float32)
+    rng = random.Random(3)
+    caches = _caches(model, kind, 4)
+    contexts = [[rng.randrange(300) for _ in range(n)] for n in (1, 9, 200, 40)]
+    for cache, context in zip(caches, contexts):
+        forward_packed(model, [cache], [context], [1])
+    for _ in range(3):  # verify, roll back part of each block, verify again
+        blocks = [[rng.randrange(300) for _ in range(rng.randint(1, 7))] for _ in caches]
+        rows = forward_packed(model, caches, blocks, [len(b) for b in blocks])
+        for cache, context, block, row in zip(caches, contexts, blocks, rows):
+            context += block
+            want = _plain(model, context, len(block))
+            assert row.logits.device.type == "cpu" and row.argmax.device.type == "cpu"
+            torch.testing.assert_close(row.logits, want, atol=1e-4, rtol=0)
+            assert torch.equal(row.argmax, want.argmax(-1))
+            rejected = rng.randint(0, len(block) - 1)
+            cache.truncate(cache.length - rejected)
+            del context[len(context) - rejected:]
+
+
+@pytest.mark.parametrize("kind", ["per-session", "paged"])
+def test_cuda_bf16_batches_agree_with_the_sessions_alone(kind):
+    model = _tiny_qwen2(torch.bfloat16)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 130, 1)]
+    blocks = [[rng.randrange(300) for _ in range(n)] for n in (6, 2, 6)]
+    alone = []
+    for prompt, block in zip(prompts, blocks):
+        (own,) = _caches(model, kind, 1)
+        forward_packed(model, [own], [prompt], [1])
+        alone.append(forward_packed(model, [own], [block], [len(block)])[0])
+    batched = _caches(model, kind, len(prompts))
+    for cache, prompt in zip(batched, prompts):
+        forward_packed(model, [cache], [prompt], [1])
+    together = forward_packed(model, batched, blocks, [len(b) for b in blocks])
+    for one, many in zip(alone, together):
+        torch.testing.assert_close(many.logits, one.logits, atol=0.05, rtol=0.02)
+
+
+def test_cuda_greedy_rows_bring_back_the_argmax_alone():
+    model = _tiny_qwen2(torch.bfloat16)
+    caches = _caches(model, "paged", 2)
+    rows = forward_packed(model, caches, [[1, 2, 3], [4, 5]], [3, 2], [False, True])
+    assert rows[0].logits is None and rows[0].argmax.shape == (3,)
+    assert rows[1].logits.shape == (2, 300) and torch.equal(rows[1].argmax, rows[1].logits.argmax(-1))
+    assert greedy_verdict([2, 3], rows[0].argmax.tolist())[0] in (0, 1, 2)
+
+
+def test_cuda_is_what_auto_picks():
+    assert resolve_device("auto").type == "cuda"
