@@ -110,6 +110,9 @@ def check_settings(line: CommandLine, args: argparse.Namespace, monkeypatch: pyt
         from common.fleet_plane.command import broker_settings
         from common.fleet_plane.topics import check_identifier
 
+        if args.device.startswith("cuda"):  # the gpu overlay's pods see a GPU; this machine may not
+            monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+            monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
         CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
         if args.mqtt:  # checked when the announcer starts, after the model has loaded: better here
             broker_settings(args)
@@ -403,6 +406,7 @@ def test_overlays_differ_only_where_they_should() -> None:
     assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
     assert int(gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) == 1
     assert any(t["key"] == "nvidia.com/gpu" for t in gpu["tolerations"])
+    assert gpu["containers"][0]["args"][-2:] == ["--device", "cuda"] and "--device" not in cpu["containers"][0]["args"]
     edge = find(render("cpu"), "Deployment", "sprinter-edge")["spec"]["template"]["spec"]["containers"][0]
     assert edge["image"] == "sprinter-edge:0.1.0"
     targets = set(dockerfile_stages())
