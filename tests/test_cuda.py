@@ -102,3 +102,27 @@ def test_cuda_greedy_rows_bring_back_the_argmax_alone():
 
 def test_cuda_is_what_auto_picks():
     assert resolve_device("auto").type == "cuda"
+
+
+@pytest.mark.parametrize("attention", ["per-session", "paged"])
+def test_cuda_cloud_over_grpc_equals_the_target_alone(tiny_target, tiny_draft, attention):
+    """The service with its target on the GPU (float32): greedy sd-block blocks give the target's own tokens."""
+    pytest.importorskip("sprinter.v1.decoding_pb2", reason="generated gRPC stubs are missing (make proto)")
+    import grpc
+
+    from cloud.server import CloudSettings
+    from cloud_harness import ServerThread
+    from common.decoding.local_engine import LocalEngine
+    from common.decoding.modes import DecodeSettings
+    from common.models import load_model
+    from common.sampling import SamplingParams
+    from test_cloud_sessions import _edge_loop
+
+    on_gpu = load_model("tiny-random", torch.float32, torch.device("cuda"))
+    settings = CloudSettings(target="tiny-random", dtype="float32", device="cuda", attention=attention)
+    ids = tiny_target.tokenizer("def f(x):")["input_ids"]
+    expected = LocalEngine(tiny_target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=24)).token_ids
+    with ServerThread(settings, on_gpu) as server, grpc.insecure_channel(server.address) as channel:
+        remote = _edge_loop(channel, tiny_draft, ids, 24, 4, SamplingParams())
+    cut = next((i + 1 for i, t in enumerate(remote) if t in tiny_target.eos_token_ids), len(remote))
+    assert remote[:cut] == expected
