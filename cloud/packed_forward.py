@@ -15,6 +15,13 @@ under a causal mask shifted by L_i. No past entry is copied, no session pays for
 length, and no padded token is computed. A session alone takes the same path, so its logits are
 the same whether it was batched or not (up to the floating-point order of a GEMM over more rows).
 
+With the paged layout (cloud/kv_pool.py, the default on CUDA) the sessions' caches are pages of one
+pool, and attention is one call per layer for all of them (cloud/paged_attention.py) instead of
+one per session: a GPU pays per kernel launch, a CPU per score computed.
+
+On the way in, every integer the forward needs travels to the device as one tensor; on the way
+out, the kept rows' argmaxes and the logits of the sessions that read them come back as one tensor.
+
 The attention function is registered with transformers under `ATTENTION` and falls back to SDPA
 when a forward carries no resident segments, so the model stays usable as an ordinary one.
 """
@@ -120,7 +127,8 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
     plan = PagedPlan.of(caches, new_tokens, fused(model.device.type)) if isinstance(caches[0], PagedKV) else None
     n, k = len(ids), len(kept_rows)
-    packed = torch.tensor(ids + positions + kept_rows + (plan.ints if plan else [])).to(model.device)
+    host = torch.tensor(ids + positions + kept_rows)
+    packed = (torch.cat([host, plan.host]) if plan else host).to(model.device)
     attention = ({"paged_batch": plan.on_device(packed[2 * n + k:], packed[n:2 * n])} if plan else
                  {"resident_segments": _segments(caches, new_tokens, model.device)})
     out = model(input_ids=packed[None, :n], position_ids=packed[None, n:2 * n], use_cache=False,

@@ -70,7 +70,8 @@ class PagedPlan:
     span: int  # P: pages 0 .. P-1 hold every page this forward reads (pages are taken lowest first)
     q_blocks: int
     width: int  # kv blocks listed per query block (the most any block has)
-    ints: list[int]  # slots [N], q_session [N], page_owner [P], page_index [P], kv_num_blocks [B], kv_indices [B, W]
+    host: torch.Tensor  # int64, on the host: slots [N], q_session [N], page_owner [P], page_index [P],
+    #                     kv_num_blocks [B], kv_indices [B, W]
 
     @classmethod
     def of(cls, caches: list[PagedKV], new_tokens: list[list[int]], fused: bool) -> PagedPlan:
@@ -82,19 +83,26 @@ class PagedPlan:
         pool = caches[0].pool
         read = [cache.pages[:cache.layout.pages(cache.length + len(tokens))] for cache, tokens in zip(caches, new_tokens)]
         span = pool.pages if fused else max(page for pages in read for page in pages) + 1
-        slots, q_session = [], []
-        page_owner, page_index = [-1] * span, [0] * span
-        for i, (cache, tokens) in enumerate(zip(caches, new_tokens)):
-            slots += cache.slots(cache.length, cache.length + len(tokens))
-            q_session += [i] * len(tokens)
-            for j, page in enumerate(read[i]):
-                page_owner[page], page_index[page] = i, j
+        slots = [slot for cache, tokens in zip(caches, new_tokens)
+                 for slot in cache.slots(cache.length, cache.length + len(tokens))]
+        q_session = [i for i, tokens in enumerate(new_tokens) for _ in tokens]
         block_pages = [[page for s in dict.fromkeys(q_session[start:start + Q_BLOCK]) for page in read[s]]
                        for start in range(0, len(q_session), Q_BLOCK)]
         width = span if fused else max(len(pages) for pages in block_pages)
-        indices = [p for pages in block_pages for p in pages + [0] * (width - len(pages))]
-        ints = slots + q_session + page_owner + page_index + [len(p) for p in block_pages] + indices
-        return cls(pool, len(slots), span, len(block_pages), width, ints)
+        # Tensors, not lists, where the size is the pool's: a fused plan's cost grows with the pages read only.
+        tables = torch.zeros(2 * span + len(block_pages) * (1 + width), dtype=torch.long)
+        page_owner, page_index = tables[:span], tables[span:2 * span]
+        kv_num_blocks = tables[2 * span:2 * span + len(block_pages)]
+        kv_indices = tables[2 * span + len(block_pages):].view(len(block_pages), width)
+        page_owner.fill_(-1)
+        read_pages = torch.tensor([page for pages in read for page in pages])
+        page_owner[read_pages] = torch.tensor([i for i, pages in enumerate(read) for _ in pages])
+        page_index[read_pages] = torch.tensor([j for pages in read for j in range(len(pages))])
+        for b, pages in enumerate(block_pages):
+            kv_num_blocks[b] = len(pages)
+            kv_indices[b, :len(pages)] = torch.tensor(pages)
+        host = torch.cat([torch.tensor(slots + q_session), tables])
+        return cls(pool, len(slots), span, len(block_pages), width, host)
 
     def on_device(self, packed: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
         """`packed`: this plan's ints on the device; `positions` [N]: each new token's position in its session."""

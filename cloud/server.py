@@ -190,7 +190,8 @@ class CloudServer:
                            max_forward_tokens=settings.max_forward_tokens) as batcher:
             engine = ResidentEngine(target, batcher, kv_layout, kv_pool)
             log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
-            await asyncio.to_thread(engine.warm_up)
+            if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
+                await asyncio.to_thread(engine.warm_up)
             yield engine
 
     def _observe_batch(self, forward: ForwardStats) -> None:

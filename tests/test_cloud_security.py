@@ -235,7 +235,7 @@ def test_not_serving_and_unavailable_while_the_model_loads(tiny_target, monkeypa
     release = threading.Event()
     loads: list[str] = []
 
-    def slow_load(spec, dtype):  # the real CLI path, with a load that finishes when the test says so
+    def slow_load(spec, dtype, device):  # the real CLI path, with a load that finishes when the test says so
         loads.append(spec)
         assert release.wait(30), "the test never released the model load"
         return tiny_target
