@@ -81,8 +81,8 @@ def _register_cloud(benches: argparse._SubParsersAction) -> None:
                            **_described(cloud.__doc__))
     p.add_argument("--targets", type=_names, default=("smollm2-135m", "qwen2.5-coder-1.5b"),
                    help="comma list (default smollm2-135m,qwen2.5-coder-1.5b)")
-    p.add_argument("--edges", type=_ints, default=(1, 2, 4, 8, 16), help="comma list (default 1,2,4,8,16)")
-    p.add_argument("--rounds", type=int, default=8, help="verify calls per edge")
+    p.add_argument("--edges", type=_ints, help="comma list (default 1,2,4,8,16; --random-weights: 1,8,32,64)")
+    p.add_argument("--rounds", type=int, help="verify calls per edge (default 8; --random-weights: 20 timed)")
     p.add_argument("--k", type=int, default=5, help="draft tokens per block")
     p.add_argument("--contexts", type=_ints, default=(0,),
                    help="prompt lengths in tokens, comma list (default 0: the bench prompts as they are)")
@@ -168,7 +168,9 @@ def run_cloud(args: argparse.Namespace) -> int:
     if args.accepted is not None:
         raise SystemExit("sprinter bench cloud: --accepted is for --random-weights (a real target decides)")
     args.out = args.out or Path("results/bench-cloud")
-    settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges, rounds=args.rounds, k=args.k,
+    defaults = cloud.CloudBenchSettings()
+    settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges or defaults.edges,
+                                        rounds=args.rounds or defaults.rounds, k=args.k,
                                         contexts=args.contexts, batch_window_ms=args.batch_window_ms,
                                         max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
                                         engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
@@ -186,11 +188,11 @@ def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
     if refused:
         raise SystemExit(f"sprinter bench cloud: {', '.join(refused)} need a cloud process; --random-weights runs "
                          "the resident engine in this one")
-    if args.contexts == (0,):
-        args.contexts = engine.EngineBenchSettings.contexts
+    defaults = engine.EngineBenchSettings()
     settings = engine.EngineBenchSettings(
-        targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges, contexts=args.contexts,
-        k=args.k, rounds=args.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
+        targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges or defaults.edges,
+        contexts=defaults.contexts if args.contexts == (0,) else args.contexts, k=args.k,
+        rounds=args.rounds or defaults.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
         attention=args.attention,
         out=args.out or Path("results/bench-engine"))
     try:
