@@ -13,33 +13,54 @@ from common.decoding.generation import StopSequences
 
 class IncrementalText:
     """Decodes a growing token list into text deltas, holding back half-finished UTF-8 characters and any
-    tail that might begin a stop sequence (the client must never see a stop sequence, even in part)."""
+    tail that might begin a stop sequence (the client must never see a stop sequence, even in part).
+
+    Linear in the stream's length: each push decodes a window, not the whole list. The window starts
+    at `prefix` (tokens already turned into text) and its text up to `read` is known; the delta is
+    what decoding the window with the new tokens adds to that. Starting the window a token early
+    keeps the decoding in context (a leading space, a byte-level merge), so the deltas add up to the
+    whole list's decoding. A stop string cannot begin in text already sent: every tail that could
+    begin one was held back, so matching runs over the unsent text alone.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = StopSequences(stop, self._decode) if stop else None
         self.tokens: list[int] = []
-        self.sent = ""
+        self.prefix = 0  # the window's first token
+        self.read = 0  # tokens whose text has been taken
+        self.unsent = ""  # decoded, not yet sent: a tail that may begin a stop string
+        self.sent_chars = 0
+        self.stopped = False  # a stop string was found: nothing more is sent before `finish`
+        self.decoded_tokens = 0  # tokens decoded so far, all windows together (the work a stream costs)
 
     def _decode(self, tokens: list[int]) -> str:
+        self.decoded_tokens += len(tokens)
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self._decode(self.tokens)
-        if text.endswith("\ufffd"):
+        if self.stopped:
             return ""
+        known = self._decode(self.tokens[self.prefix:self.read])
+        window = self._decode(self.tokens[self.prefix:])
+        if window.endswith("\ufffd") or len(window) <= len(known):
+            return ""  # inside a multi-byte character, or nothing visible yet
+        self.unsent += window[len(known):]
+        self.prefix, self.read = self.read, len(self.tokens)
+        text = self.unsent
         if self.stop is not None:
             text = self.stop.cut(text)
+            self.stopped = len(text) < len(self.unsent)
             text = text[: len(text) - self.stop.held_back(text)]
-        if len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        self.unsent = self.unsent[len(text):]
+        self.sent_chars += len(text)
+        return text
 
     def finish(self, final_text: str) -> str:
         """The rest of the final text (held-back characters, a character the generation ended inside)."""
-        delta, self.sent = final_text[len(self.sent):], final_text
+        delta = final_text[self.sent_chars:]
+        self.sent_chars = len(final_text)
         return delta
 
 
