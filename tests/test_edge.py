@@ -138,11 +138,17 @@ def test_openai_client_streams_a_chat_completion(system):
     assert [m.id for m in client.models.list().data] == ["sprinter-tiny"]
     chunks = list(client.chat.completions.create(
         model="sprinter-tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=24, temperature=0,
-        stream=True))
+        stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[-1].usage.completion_tokens >= 1
-    final = chunks[-1].model_extra["sprinter"]
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    # as OpenAI sends it: a last chunk of its own, no choices, and `usage` null on every chunk before it
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+    final = chunks[-2].model_extra["sprinter"]
+    unasked = list(client.chat.completions.create(
+        model="sprinter-tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=24, temperature=0,
+        stream=True))
+    assert all(c.choices and c.usage is None and "usage" not in c.model_fields_set for c in unasked)
     assert final["mode"] == "sd-block" and final["degraded"] is False and final["target_calls"] >= 1
 
     whole = client.chat.completions.create(model="sprinter-tiny", messages=[{"role": "user", "content": "Say hi"}],
@@ -163,6 +169,13 @@ def test_malformed_requests_get_openai_style_4xx(system):
     with pytest.raises(BadRequestError) as err:
         client.completions.create(model="x", prompt="hi", max_tokens=5, extra_body={"mode": "warp-speed"})
     assert "unknown mode" in err.value.body["message"]
+    with pytest.raises(BadRequestError) as err:  # as OpenAI: only a streamed request takes stream_options
+        client.completions.create(model="x", prompt="hi", max_tokens=5, stream_options={"include_usage": True})
+    assert err.value.body["param"] == "stream_options"
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model="x", prompt="hi", max_tokens=5, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert "stream_options" in err.value.body["message"]
     request = urllib.request.Request(f"{system['base']}/v1/completions", data=b"{not json",
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as http_err:
@@ -174,12 +187,13 @@ def test_cloud_killed_mid_generation_degrades_then_recovers(system):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{system['base']}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = client.completions.create(model="x", prompt="Once upon a time", max_tokens=600, temperature=0, stream=True)
+    stream = client.completions.create(model="x", prompt="Once upon a time", max_tokens=600, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
     chunks = [next(stream)]
     system["cloud"].send_signal(signal.SIGKILL)  # no drain, no goodbye
     system["cloud"].wait(10)
     chunks += list(stream)
-    assert chunks[-1].model_extra["sprinter"]["degraded"] is True and chunks[-1].usage.completion_tokens >= 100
+    assert chunks[-2].model_extra["sprinter"]["degraded"] is True and chunks[-1].usage.completion_tokens >= 100
 
     system["cloud"] = _start(system["cloud_args"], system["tmp"] / "cloud-restarted.log")
     port = system["cloud_args"][system["cloud_args"].index("--port") + 1]

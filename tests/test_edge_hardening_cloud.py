@@ -102,14 +102,14 @@ def test_cloud_restarted_with_a_smaller_context_ends_the_stream_cleanly(tiny_tar
             with ServerThread(replace(TINY_CLOUD, port=port, max_context=64), tiny_target):
                 with httpx.stream("POST", edge.base + "/v1/completions", timeout=60, json={
                         "model": "x", "prompt": "y" * 40, "max_tokens": 100, "temperature": 0, "stream": True,
-                        "mode": mode}) as response:
+                        "stream_options": {"include_usage": True}, "mode": mode}) as response:
                     assert response.status_code == 200
                     events, done = sse_events(response)
     assert done, "the stream was cut: no [DONE]"
-    final = events[-1]
-    assert final["choices"][0]["finish_reason"] == "length"
-    assert 0 < final["usage"]["completion_tokens"] <= 24
-    assert "".join(e["choices"][0]["text"] for e in events)
+    final, usage = events[-2], events[-1]
+    assert final["choices"][0]["finish_reason"] == "length" and usage["choices"] == []
+    assert 0 < usage["usage"]["completion_tokens"] <= 24
+    assert "".join(e["choices"][0]["text"] for e in events[:-1])
 
 
 def test_a_refusal_mid_generation_keeps_the_tokens_and_names_the_error(tiny_draft):

@@ -73,6 +73,7 @@ class Reply:
     model: str
     chat: bool
     prompt_tokens: int
+    include_usage: bool = False  # streamed: stream_options.include_usage
 
 
 class GuardedStream(StreamingResponse):
@@ -179,7 +180,8 @@ class Completions:
                 self.metrics.rejected.labels("invalid").inc()
                 return settings
             reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()),
-                          self.api.model_name, chat, len(prompt_ids))
+                          self.api.model_name, chat, len(prompt_ids),
+                          body.stream_options is not None and body.stream_options.include_usage)
             if not body.stream:
                 return await self._whole(request, prompt_ids, settings, reply)
             response = await self._streamed(prompt_ids, settings, reply)
@@ -230,7 +232,7 @@ class Completions:
 
     async def stream(self, first: Any, items: AsyncIterator[Any], settings: EdgeSettings, reply: Reply,
                      finished: asyncio.Event) -> AsyncIterator[str]:
-        chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat)
+        chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat, reply.include_usage)
         text = IncrementalText(self.node.draft.tokenizer, settings.stop)
         degraded = False
         if reply.chat:
@@ -252,8 +254,9 @@ class Completions:
         self.metrics.observe(item)
         if tail := text.finish(item.text):
             yield chunks.event(tail, degraded=degraded)
-        yield chunks.event(None, item.finish_reason, usage=usage(reply.prompt_tokens, item),
-                           sprinter=sprinter_extension(item))
+        yield chunks.event(None, item.finish_reason, sprinter=sprinter_extension(item))
+        if chunks.include_usage:
+            yield chunks.usage(usage(reply.prompt_tokens, item))
         yield DONE
 
     async def health(self) -> dict:

@@ -39,6 +39,11 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk of its own, with empty `choices`, carries the usage
+
+
 class SamplingFields(BaseModel):
     # Unknown fields are kept (not dropped silently) so that `unsupported_field` can name them.
     model_config = ConfigDict(extra="allow")
@@ -50,6 +55,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=2**31 - 1, description="0 or -1: off")
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
     # sprinter extensions
@@ -82,7 +88,6 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
 # OpenAI fields accepted only with a value that asks for nothing; any other value is refused by name.
 NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
     "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
-    "stream_options": lambda value: value is None or isinstance(value, dict) and set(value) <= {"include_usage"},
     "presence_penalty": _none_or(0), "frequency_penalty": _none_or(0), "repetition_penalty": _none_or(1),
     "logprobs": _none_or(False), "top_logprobs": _none_or(0), "echo": _none_or(False), "best_of": _none_or(1),
     "suffix": _none_or(""), "logit_bias": _none_or({}), "response_format": _none_or({"type": "text"}),
@@ -97,6 +102,8 @@ def request_problem(body: SamplingFields) -> tuple[str, str] | None:
             return name, f"unsupported field {name!r}: this server does not implement it"
         if not NO_OP_FIELDS[name](value):
             return name, f"unsupported value of {name!r}: this server does not implement it (leave it unset)"
+    if body.stream_options is not None and not body.stream:
+        return "stream_options", "stream_options is only allowed when stream is true"
     stops = body.stop_sequences
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         return "stop", f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings"

@@ -72,11 +72,14 @@ class ChunkFormat:
     created: int
     model: str
     chat: bool
+    include_usage: bool = False  # stream_options.include_usage: every chunk has `usage`, null until the last
 
-    def _line(self, choice: dict[str, Any], **extra: Any) -> str:
+    def _line(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.include_usage:
+            extra.setdefault("usage", None)
         return "data: " + json.dumps({"id": self.request_id, "object": kind, "created": self.created,
-                                      "model": self.model, "choices": [choice], **extra}) + "\n\n"
+                                      "model": self.model, "choices": choices, **extra}) + "\n\n"
 
     @staticmethod
     def error_object(message: str) -> str:
@@ -85,7 +88,7 @@ class ChunkFormat:
 
     def role(self) -> str:
         """A chat stream opens by naming the assistant's role."""
-        return self._line({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
     def event(self, delta: str | None, finish: str | None = None, degraded: bool = False, **extra: Any) -> str:
         """One chunk; from the point a generation degrades, every chunk says so (`sprinter.degraded`)."""
@@ -95,7 +98,11 @@ class ChunkFormat:
             choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return self._line(choice, **extra)
+        return self._line([choice], **extra)
+
+    def usage(self, usage: dict[str, int]) -> str:
+        """The chunk `include_usage` asks for, after the last choice: no choices, the whole request's usage."""
+        return self._line([], usage=usage)
 
 
 DONE = "data: [DONE]\n\n"

@@ -64,6 +64,8 @@ def request_body(spec: RequestSpec) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of the request: chat prompts to /v1/chat/completions, others to /v1/completions."""
     body: dict[str, Any] = {"model": "sprinter", "max_tokens": spec.max_tokens, "temperature": spec.temperature,
                             "seed": spec.seed, "stream": spec.stream, "mode": spec.mode}
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
     if spec.chat:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": spec.prompt}]}
     return "/v1/completions", {**body, "prompt": spec.prompt}
@@ -113,9 +115,11 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
             content = choice.get("text") or (choice.get("delta") or {}).get("content")
             if content and outcome.ttft_s is None:
                 outcome.ttft_s = time.monotonic() - outcome.started_s
-            if "usage" in event:  # the final chunk (degraded ones before it carry a partial `sprinter`)
+            if choice.get("finish_reason"):  # the final chunk (degraded ones before it carry a partial `sprinter`)
                 _read_final(event, outcome)
                 final = True
+            if event.get("usage"):  # after it, a chunk of its own (stream_options.include_usage)
+                outcome.tokens = event["usage"]["completion_tokens"]
     if not (final and done):
         outcome.error = f"cut stream: {'no final event' if not final else 'no [DONE]'} (HTTP 200)"
         return
@@ -123,7 +127,8 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
 
 
 def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
-    outcome.tokens = answer["usage"]["completion_tokens"]
+    if answer.get("usage"):  # a whole (not streamed) answer
+        outcome.tokens = answer["usage"]["completion_tokens"]
     outcome.degraded = bool(answer["sprinter"]["degraded"])
     outcome.finish_reason = answer["choices"][0].get("finish_reason") if answer.get("choices") else None
 

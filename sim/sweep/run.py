@@ -146,7 +146,8 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
     """One streamed generation through the OpenAI API, timed at the client."""
     body: dict[str, Any] = {"model": "sprinter", "max_tokens": max_tokens or settings.max_new_tokens,
                             "temperature": settings.temperature, "seed": settings.seed, "stream": True,
-                            "mode": mode.partition("@")[0], "pipeline": pipeline}
+                            "stream_options": {"include_usage": True}, "mode": mode.partition("@")[0],
+                            "pipeline": pipeline}
     if "@" in mode:  # a method like sprinter-exact@fixed:3: the mode with that call policy
         body["policy"] = mode.partition("@")[2]
     if prompt.chat:  # the daemon applies the chat template, as common.prompting.encode_prompt(chat=True) does
@@ -168,6 +169,9 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
                 break
             event = json.loads(payload)
             now_ms = (time.perf_counter() - started) * 1e3
+            if not event["choices"]:  # the last chunk of its own: the usage (stream_options.include_usage)
+                usage = event["usage"]
+                continue
             choice = event["choices"][0]
             delta = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             if delta:
@@ -176,7 +180,7 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
                 text.append(delta)
             finish = choice.get("finish_reason") or finish
             if "sprinter" in event:
-                final, usage = event["sprinter"], event.get("usage", {})
+                final = event["sprinter"]
     wall_ms = (time.perf_counter() - started) * 1e3
     if final is None:
         raise RuntimeError(f"{run_label(mode, pipeline)} request for prompt {prompt.id}: the stream ended without its final event")
