@@ -2,14 +2,19 @@
 `EdgeControls` over the node (verifier, cloud, cost model) and the API's request defaults (mode,
 policy, k, pipeline).
 
-A config is checked whole before anything changes; the one step that can still fail after the
-checks (reaching a new cloud) runs first; then the new defaults, cloud and verifier are put in
-force together, with no await between them, so a request starts wholly under the old config or
-wholly under the new one. Requests in flight keep what they started with.
+A config is the group's whole desired state (common/fleet_plane/messages.py:FleetConfig): it is
+applied over the daemon's own settings from its command line, never over the previous config, so a
+field the group cleared goes back to this daemon's own and every edge of a group, early or late,
+runs the same document. It is checked whole before anything changes; the steps that can still fail
+after the checks (reaching a new cloud, loading the daemon's own verifier again) run first; then
+the new defaults, cloud and verifier are put in force together, with no await between them, so a
+request starts wholly under the old config or wholly under the new one. Requests in flight keep
+what they started with.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +32,10 @@ class DaemonControls:
         self.service = service
         self.identity = identity
         self._last_report = (time.monotonic(), replace(service.metrics.totals))
+        # The daemon's own settings, which a config's fields override and a cleared field returns to.
+        self.own_api = service.api
+        self.own_verifier = node.verifier_identity
+        self.clouds_from_config = False
 
     def state(self, status: str, config_version: int) -> EdgeState:
         api = self.service.api
@@ -59,11 +68,16 @@ class DaemonControls:
 
     async def apply(self, config: FleetConfig, verifier: VerifierSetup | None) -> None:
         api = self._checked_defaults(config)
+        if verifier is None and self.node.verifier_identity != self.own_verifier:  # the group cleared its verifier
+            verifier = await asyncio.to_thread(self.node.prepare_verifier, self.node.settings.verifier)
         if config.clouds:
             await self.node.use_clouds([str(address) for address in config.clouds])
-        elif api.default_mode == "target" and self.node.cloud is None:
+        elif self.clouds_from_config and self.node.settings.cloud:  # the group cleared its clouds
+            await self.node.use_clouds(self.node.settings.cloud.split(","))
+        if api.default_mode == "target" and self.node.cloud is None:
             raise ValueError("mode 'target' needs a cloud, and this edge has none: name one in 'clouds'")
         # From here on nothing awaits: the next request sees all of it.
+        self.clouds_from_config = bool(config.clouds) or (self.clouds_from_config and not self.node.settings.cloud)
         self.service.api = api
         if verifier is not None:
             self.node.use_verifier(verifier)
@@ -72,7 +86,7 @@ class DaemonControls:
         changes = {name: value for name, value in (("default_mode", config.mode), ("default_policy", config.policy),
                                                    ("default_k", config.k), ("default_pipeline", config.pipeline))
                    if value is not None}
-        api = replace(self.service.api, **changes)
+        api = replace(self.own_api, **changes)
         policy = api.default_policy if api.default_mode in POLICY_MODES else None
         DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
         return api

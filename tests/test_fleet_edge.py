@@ -113,7 +113,7 @@ def test_a_config_rolls_out_to_three_edges_and_their_next_responses_follow_it(tm
               10, "three edges online")
         assert _complete(e1)["policy"] == "fixed:5"  # the daemon's own default before any config
 
-        results = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, mode="sd", policy="fixed:3")))
+        results = asyncio.run(apply_config(_fast(running.url), "g1", {"mode": "sd", "policy": "fixed:3"}))
         assert [(r.edge_id, r.ok) for r in results] == [("e1", True), ("e2", True), ("e3", True)]
         for daemon in (e1, e2, e3):
             assert (_complete(daemon)["mode"], _complete(daemon)["policy"]) == ("sd", "fixed:3")
@@ -126,8 +126,11 @@ def test_a_config_rolls_out_to_three_edges_and_their_next_responses_follow_it(tm
         assert all("sometimes" in a.reason for a in answers)
         assert _complete(e3)["policy"] == "fixed:3" and _edges(running.url)["e3"].config_version == 1
 
-        # mode target needs no policy: the next config switches mode and the responses say so
-        results = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, mode="target")))
+        # The group's document now holds the refused policy: an apply on top of it is refused by the operator's
+        # check, naming it, until it is cleared (null); mode target needs no policy, and the responses say so.
+        with pytest.raises(ValueError, match="sometimes"):
+            asyncio.run(apply_config(_fast(running.url), "g1", {"mode": "target"}))
+        results = asyncio.run(apply_config(_fast(running.url), "g1", {"mode": "target", "policy": None}))
         assert all(r.ok for r in results) and _complete(e1)["mode"] == "target"
 
         assert sprinter(["fleet", "status", "--mqtt", running.url]) == 0
@@ -136,6 +139,32 @@ def test_a_config_rolls_out_to_three_edges_and_their_next_responses_follow_it(tm
             assert f"| {name} |" in status
         telemetry = asyncio.run(read_fleet(_fast(running.url), wait_s=0.8)).telemetry
         assert {t.cloud for t in telemetry.values()} == {cloud.address}
+
+
+def test_a_late_joiner_converges_on_everything_its_group_was_given(tmp_path: Path, tiny_target, tiny_draft,
+                                                                   capsys) -> None:
+    """Applies merge into one document per group: an edge that joins after two applies runs both, and a field
+    the group clears returns every edge to its own setting. `fleet apply` takes inline JSON or a file."""
+    with broker(tmp_path) as running, ServerThread(CloudSettings(port=0), tiny_target) as cloud, \
+            fleet_edge(tiny_draft, cloud.address, running.url, "early") as (early, early_agent):
+        _wait(lambda: "early" in _edges(running.url), 10, "the early edge online")
+        (tmp_path / "first.json").write_text(json.dumps({"mode": "sd", "policy": "fixed:3"}))
+        base = ["fleet", "apply", "--mqtt", running.url, "--group", "g1", "--timeout", "10"]
+        assert sprinter([*base, str(tmp_path / "first.json")]) == 0
+        assert sprinter([*base, '{"k": 4}']) == 0  # inline JSON
+        with fleet_edge(tiny_draft, cloud.address, running.url, "late") as (late, late_agent):
+            _wait(lambda: {e: s.config_version for e, s in _edges(running.url).items()} == {"early": 2, "late": 2},
+                  10, "both edges at config version 2")
+            for daemon, agent in ((early, early_agent), (late, late_agent)):
+                answer = _complete(daemon)
+                assert (answer["mode"], answer["policy"], agent.controls.service.api.default_k) == ("sd", "fixed:3", 4)
+            assert sprinter([*base, '{"policy": null}']) == 0  # cleared: each edge's own default again
+            assert [_complete(daemon)["policy"] for daemon in (early, late)] == ["fixed:4", "fixed:4"]  # sd, k 4
+        capsys.readouterr()
+        for argument, said in (("no-such-file.json", "neither a JSON object nor a file"),
+                               ("{not json", "not valid JSON"), ('{"speed": "warp"}', "unknown config field(s) speed")):
+            assert sprinter([*base, argument]) == 2
+            assert said in capsys.readouterr().err
 
 
 def _write_verifier(directory: Path, tokenizer, fingerprint: str | None = None) -> dict:
@@ -158,8 +187,8 @@ def _push(url: str, directory: Path, metadata: dict, onnx: bytes | None = None, 
     if onnx is not None:
         artifact = VerifierArtifact(sha256, metadata, VerifierArtifact.from_onnx(onnx, metadata).onnx_base64)
     asyncio.run(push_verifier(_fast(url), artifact))
-    config = FleetConfig("g1", 0, verifier={"id": directory.name, "sha256": artifact.sha256})
-    return asyncio.run(apply_config(_fast(url), config, timeout_s=15))
+    return asyncio.run(apply_config(_fast(url), "g1", {"verifier": {"id": directory.name, "sha256": artifact.sha256}},
+                                    timeout_s=15))
 
 
 def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused(tmp_path: Path, tiny_target,
@@ -169,6 +198,7 @@ def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused
     with broker(tmp_path / "broker") as running, ServerThread(CloudSettings(port=0), tiny_target) as cloud, \
             fleet_edge(tiny_draft, cloud.address, running.url, "e1") as (daemon, _):
         _wait(lambda: "e1" in _edges(running.url), 10, "the edge online")
+        own = daemon.node.verifier_identity
         good = tmp_path / "calibrated-v2"
         metadata = _write_verifier(good, tiny_draft.tokenizer)
         [result] = _push(running.url, good, metadata)
@@ -190,11 +220,12 @@ def test_a_pushed_verifier_is_swapped_in_and_a_corrupt_or_foreign_one_is_refused
         foreign = tmp_path / "foreign"
         [refused] = _push(running.url, foreign, _write_verifier(foreign, tiny_draft.tokenizer, fingerprint="other"))
         assert not refused.ok and "vocabulary" in refused.reason
-        missing = asyncio.run(apply_config(_fast(running.url), FleetConfig("g1", 0, verifier={"id": "x",
-                                                                                             "sha256": "cd" * 32})))
+        missing = asyncio.run(apply_config(_fast(running.url), "g1", {"verifier": {"id": "x", "sha256": "cd" * 32}}))
         assert not missing[0].ok and "was not published" in missing[0].reason
         assert daemon.node.decoder.verifier is verifier  # every refusal kept what was in force
         assert _edges(running.url)["e1"].verifier["sha256"] == sha256
+        [cleared] = asyncio.run(apply_config(_fast(running.url), "g1", {"verifier": None}))
+        assert cleared.ok and daemon.node.verifier_identity == own  # the group cleared it: the daemon's own again
 
 
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT])

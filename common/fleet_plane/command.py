@@ -15,11 +15,12 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from common.fleet_plane.connection import BrokerSettings
-from common.fleet_plane.messages import FleetConfig, VerifierArtifact
+from common.fleet_plane.messages import VerifierArtifact
 from common.fleet_plane.operator import apply_config, format_status, push_verifier, read_fleet
 
 
@@ -52,7 +53,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add_broker_arguments(apply, required=True)
     apply.add_argument("--group", required=True)
     apply.add_argument("--timeout", type=float, default=10.0, metavar="S")
-    apply.add_argument("config", type=Path, help="JSON: any of mode, policy, k, verifier, clouds (version optional)")
+    apply.add_argument("config", help="a JSON object, inline or in a file: any of mode, policy, k, pipeline, verifier, "
+                                      "clouds (null clears one), version optional; merged into the group's config")
     apply.set_defaults(run=run_apply)
     push = programs.add_parser("push-verifier", help="publish a verifier and point a group's edges at it")
     add_broker_arguments(push, required=True)
@@ -95,12 +97,30 @@ def _report(results: list, group: str) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def run_apply(args: argparse.Namespace) -> int:
-    fields = json.loads(args.config.read_text())
-    fields.pop("schema", None)
-    config = FleetConfig(**{"version": 0, **fields, "group": args.group})
+def config_changes(text: str) -> dict[str, Any]:
+    """`fleet apply`'s argument: inline JSON (an object) or the path of a file holding one; ValueError otherwise."""
+    source, body = "the argument", text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"{text!r} is neither a JSON object nor a file: pass '{{\"mode\": \"sd\"}}' or a path")
+        source, body = str(path), path.read_text()
     try:
-        results = asyncio.run(apply_config(broker_settings(args), config, args.timeout))
+        changes = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source} is not valid JSON: {err}") from None
+    if not isinstance(changes, dict):
+        raise ValueError(f"{source} must hold a JSON object, not {type(changes).__name__}")
+    changes.pop("schema", None)
+    if "group" in changes and changes.pop("group") is not None:
+        raise ValueError("the group is --group's, not the config's")
+    return changes
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    try:
+        changes = config_changes(args.config)
+        results = asyncio.run(apply_config(broker_settings(args), args.group, changes, args.timeout))
     except ValueError as err:
         print(f"sprinter fleet apply: {err}", file=sys.stderr)
         return 2
@@ -114,5 +134,5 @@ def run_push_verifier(args: argparse.Namespace) -> int:
     asyncio.run(push_verifier(settings, artifact))
     verifier = {"id": metadata.get("id") or args.directory.name, "sha256": artifact.sha256}
     print(f"published verifier {verifier['id']} ({artifact.sha256[:12]}...)")
-    results = asyncio.run(apply_config(settings, FleetConfig(args.group, 0, verifier=verifier), args.timeout))
+    results = asyncio.run(apply_config(settings, args.group, {"verifier": verifier}, args.timeout))
     return _report(results, args.group)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 from common.addresses import split_host_port
@@ -84,7 +84,11 @@ class CloudLoad:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """Desired state of a group of edges; fields left None keep each edge's own setting."""
+    """Desired state of a group of edges, one document per group; fields left None keep each edge's own setting.
+
+    Each apply merges its changes into the group's document (`merged`), so an edge that joins later
+    gets everything applied so far, not only the last change.
+    """
 
     SCHEMA: ClassVar[str] = "sprinter.fleet.config/1"
     group: str
@@ -95,6 +99,17 @@ class FleetConfig:
     verifier: dict | None = None
     clouds: list | None = None
     pipeline: str | None = None
+
+    DESIRED: ClassVar[tuple[str, ...]] = ("mode", "policy", "k", "verifier", "clouds", "pipeline")
+
+    def merged(self, changes: dict[str, Any], version: int | None = None) -> FleetConfig:
+        """This document with `changes` applied (a None value clears a field: edges go back to their own), as
+        `version` (default: the next one). Raises ValueError naming a field that is not part of it."""
+        unknown = sorted(set(changes) - set(self.DESIRED))
+        if unknown:
+            raise ValueError(f"unknown config field(s) {', '.join(unknown)}; a config sets any of "
+                             f"{', '.join(self.DESIRED)} (and version)")
+        return replace(self, **changes, version=self.version + 1 if version is None else version)
 
     def check(self) -> None:
         """Raise ValueError naming the first field an edge must refuse."""

@@ -2,7 +2,7 @@
 
     snapshot = await read_fleet(settings, wait_s=1.5)       # retained state + the telemetry seen meanwhile
     print(format_status(snapshot))
-    results = await apply_config(settings, config, timeout_s=10)   # one ApplyResult per online edge of the group
+    results = await apply_config(settings, "g1", {"mode": "sd"}, timeout_s=10)   # one ApplyResult per online edge
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiomqtt
 
 from common.fleet_plane import topics
+from common.fleet_plane.topics import check_identifier
 from common.fleet_plane.connection import BrokerSettings, FleetConnection, publish_properties
 from common.fleet_plane.messages import (BadMessage, CloudLoad, ConfigApplied, EdgeState, EdgeTelemetry, FleetConfig,
                                          VerifierArtifact, decode, encode)
@@ -115,16 +117,20 @@ def format_status(snapshot: FleetSnapshot, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-async def apply_config(settings: BrokerSettings, config: FleetConfig, timeout_s: float = 10.0,
+async def apply_config(settings: BrokerSettings, group: str, changes: dict[str, Any], timeout_s: float = 10.0,
                        snapshot: FleetSnapshot | None = None) -> list[ApplyResult]:
-    """Publish `config` (retained) to its group and wait for every online edge's answer (or the timeout).
+    """Merge `changes` into the group's desired state, publish it (retained) and wait for every online edge's
+    answer (or the timeout).
 
-    With `config.version` 0 the next version after the retained one is used.
+    The retained document holds every field applied so far (a None value clears one), so an edge that joins
+    later converges on all of it. `changes` may name a `version`; by default the next one is used. Two
+    operators applying at the same moment race: the later publish wins whole.
     """
+    check_identifier(group, "group")
     snapshot = snapshot or await read_fleet(settings, wait_s=0.3)
-    if config.version == 0:
-        current = snapshot.configs.get(config.group)
-        config = replace(config, version=(current.version if current else 0) + 1)
+    changes = dict(changes)
+    version = changes.pop("version", None)
+    config = (snapshot.configs.get(group) or FleetConfig(group, 0)).merged(changes, version)
     config.check()
     waiting = set(snapshot.online_edges(config.group))
     answers: dict[str, ApplyResult] = {}

@@ -166,8 +166,8 @@ async def measure(settings: RolloutSettings) -> RolloutResult:
             await _wait_online(broker, settings.real_edges + settings.simulated_edges)
             log.info("%d edges online; %d rounds", settings.real_edges + settings.simulated_edges, settings.rounds)
             for round_index in range(settings.rounds):
-                config = FleetConfig(GROUP, 0, policy=POLICIES[round_index % 2])
-                answers: list[ApplyResult] = await apply_config(broker, config, timeout_s=30)
+                answers: list[ApplyResult] = await apply_config(broker, GROUP, {"policy": POLICIES[round_index % 2]},
+                                                                timeout_s=30)
                 result.rounds.append([asdict(a) for a in answers])
                 log.info("round %d: %d acks, p99 %.0f ms", round_index + 1, sum(a.ok for a in answers),
                          percentile([a.latency_ms for a in answers if a.ok], 99) or 0.0)
