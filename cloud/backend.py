@@ -80,6 +80,7 @@ class TargetBackend:
             if len(prompt_ids) > 1:  # the last prompt token is fed with the first block
                 await self.engine.prefill(session, prompt_ids[:-1], abandoned)
                 session.cached_tokens = len(prompt_ids) - 1
+                self.store.check_kv("forward")
         except BaseException:
             self.close(session)
             raise
@@ -99,6 +100,7 @@ class TargetBackend:
             result = await self.engine.forward(session, session.tokens[session.cached_tokens:], n_logits=1,
                                                abandoned=abandoned)
             session.cached_tokens = session.length
+            self.store.check_kv("forward")
             token = result.rows.next_token(session.sampling, session.generator)
             session.tokens.append(token)
         finally:
@@ -119,6 +121,7 @@ class TargetBackend:
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
             self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
             result = await self.engine.forward(session, new_tokens, n_logits=g + 1, abandoned=abandoned)
+            self.store.check_kv("forward")
             started = time.perf_counter()
             try:
                 n_accepted, next_token = decide(frame, result.rows, session.sampling, session.generator)
@@ -164,10 +167,11 @@ class TargetBackend:
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
-        with self.store.generation(owner, len(context) + max_new):
+        with self.store.generation(owner, self._whole_pages(len(context) + max_new)):
             self.update_gauges()
             try:
                 async for step in self.engine.generate(context, max_new, sampling):
+                    self.store.check_kv("forward")
                     self.metrics.tokens_generated.inc()
                     if step.token in self.engine.info.eos_token_ids:
                         yield pb.GenerateChunk(token_ids=[step.token], finished=True, finish_reason="stop",
@@ -177,6 +181,13 @@ class TargetBackend:
                 yield pb.GenerateChunk(finished=True, finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
+
+    def _whole_pages(self, tokens: int) -> int:
+        """`tokens` rounded up to the engine's pages: what a Generate's cache allocates, so what it is charged."""
+        if not self.engine.kv_bytes_per_page:
+            return tokens
+        page = self.engine.kv_bytes_per_page // self.engine.kv_bytes_per_token
+        return -(-tokens // page) * page
 
     def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))

@@ -163,7 +163,8 @@ class Batcher:
         """Skip requests nobody waits for: their caller was cancelled, or `abandoned()` says it left."""
         kept = []
         for request in batch:
-            if not request.future.done() and request.abandoned is not None and request.abandoned():
+            if not request.future.done() and (request.cache.released or
+                                              request.abandoned is not None and request.abandoned()):
                 request.future.cancel()
             if request.future.done():
                 self.dropped += 1
@@ -184,6 +185,8 @@ class Batcher:
     async def _forward(self, batch: list[ForwardRequest]) -> None:
         started = time.perf_counter()
         copied_before = sum(r.cache.copied_bytes for r in batch)
+        for request in batch:  # a session closed meanwhile keeps its KV until this forward is done with it
+            request.cache.in_forward = True
         try:
             rows = await asyncio.get_running_loop().run_in_executor(
                 self._worker, forward_packed, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
@@ -194,6 +197,9 @@ class Batcher:
                 if not request.future.done():
                     request.future.set_exception(err)
             return
+        finally:
+            for request in batch:
+                request.cache.end_forward()
         forward_s = time.perf_counter() - started
         self._last_forward_s, self._last_forward_end = forward_s, time.perf_counter()
         if self.on_batch:

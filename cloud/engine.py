@@ -118,6 +118,10 @@ class TargetEngine(Protocol):
     def new_session_kv(self) -> Any:
         """A fresh session's KV handle (Session.cache)."""
 
+    def kv_bytes_in_use(self) -> int | None:
+        """Bytes of KV this engine holds right now, measured, not from the store's ledger: the budget invariant
+        (cloud/sessions.py) is checked against it. None: the engine sizes its own cache (vllm)."""
+
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (CloudError) a session whose verification this engine cannot do exactly with these settings."""
 

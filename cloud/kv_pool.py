@@ -81,6 +81,8 @@ class PagedKV:
         self.length = 0
         self.granted = 0  # as ResidentKV.granted: charged to the budget before the forward that takes it
         self.released = False
+        self.in_forward = False  # as ResidentKV.in_forward
+        self._pages_returned = False
 
     @property
     def capacity(self) -> int:
@@ -116,9 +118,13 @@ class PagedKV:
         return [self.pages[i // page_tokens] * page_tokens + i % page_tokens for i in range(start, stop)]
 
     def release(self) -> None:
-        """Give every page back to the pool, once (the session is gone). The page table stays as it was: a forward
-        already under way still finds its slots, and a page taken again is written only by later forwards (one
-        thread runs them in order)."""
-        if not self.released:
-            self.released = True
+        """Give every page back to the pool, once (the session is gone), or when the forward using them ends."""
+        self.released = True
+        if not self.in_forward and not self._pages_returned:
+            self._pages_returned = True
             self.pool.give_back(self.pages)
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+        if self.released:
+            self.release()

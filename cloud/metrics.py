@@ -33,6 +33,8 @@ class CloudMetrics:
         # a forward reads and writes in place, so copied bytes per verify stay near 0).
         self.kv_pages_used = Gauge("sprinter_cloud_kv_pages_used", "KV pages allocated to sessions", registry=r)
         self.kv_pages_free = Gauge("sprinter_cloud_kv_pages_free", "KV pages left in the budget", registry=r)
+        self.kv_over_budget = Counter("sprinter_cloud_kv_over_budget", "Checks that found the KV in use over the "
+                                      "budget (a broken invariant: must stay 0)", registry=r)
         self.kv_copied_bytes = Counter("sprinter_cloud_kv_copied_bytes", "Past KV bytes copied (cache growth)",
                                        registry=r)
         self.target_forward_seconds = Histogram("sprinter_cloud_target_forward_seconds", "Target forward latency",

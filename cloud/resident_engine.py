@@ -10,6 +10,7 @@ session store charges every page to the KV budget (cloud/sessions.py).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -39,6 +40,7 @@ class ResidentEngine:
     name: str = "resident"
 
     def __post_init__(self) -> None:
+        self._caches: weakref.WeakSet[ResidentKV] = weakref.WeakSet()  # every live per-session buffer pair
         self.info = target_info(self.target)
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token
         self.kv_bytes_per_page = self.kv_layout.bytes_per_page
@@ -48,7 +50,18 @@ class ResidentEngine:
         return self.batcher.queue_depth
 
     def new_session_kv(self) -> ResidentKV | PagedKV:
-        return self.kv_pool.session() if self.kv_pool is not None else ResidentKV(self.kv_layout)
+        if self.kv_pool is not None:
+            return self.kv_pool.session()
+        cache = ResidentKV(self.kv_layout)
+        self._caches.add(cache)
+        return cache
+
+    def kv_bytes_in_use(self) -> int:
+        """Paged: the pool's pages taken; per session: the bytes of every buffer still alive (a session's, a
+        Generate's, one a forward under way still holds)."""
+        if self.kv_pool is not None:
+            return (self.kv_pool.pages - self.kv_pool.free_pages) * self.kv_layout.bytes_per_page
+        return sum(cache.keys.nbytes + cache.values.nbytes for cache in list(self._caches))
 
     def warm_up(self) -> None:
         """Run the forward's shapes once before serving (on CUDA this compiles paged attention); refuses to start,

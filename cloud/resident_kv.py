@@ -72,6 +72,8 @@ class ResidentKV:
         # Capacity the session store charged to the KV budget before the forward that allocates it (the store
         # decides on the event loop, the forward grows the buffers in the model's thread).
         self.granted = 0
+        self.released = False  # the session is gone: the buffers are freed (after the forward under way, if any)
+        self.in_forward = False  # the batcher's forward is using the buffers (set and cleared on the event loop)
         self.keys = self._allocate(0)
         self.values = self._allocate(0)
         if reserve_tokens:
@@ -102,6 +104,8 @@ class ResidentKV:
         rule; returns the bytes of past entries copied."""
         if tokens <= self.capacity:
             return 0
+        if self.released:
+            raise ValueError("this session's KV was released")
         capacity = self.granted if tokens <= self.granted else self.capacity_for(tokens)
         keys, values = self._allocate(capacity), self._allocate(capacity)
         keys[:, :, :self.length] = self.keys[:, :, :self.length]
@@ -118,4 +122,13 @@ class ResidentKV:
         self.length = length
 
     def release(self) -> None:
-        """The session is gone: its buffers go with the last reference (a forward under way may still hold one)."""
+        """The session is gone: free the buffers now, or when the forward using them ends (`end_forward`), even if
+        something (a stream's handler) still holds this handle; what the budget no longer charges is not held."""
+        self.released = True
+        if not self.in_forward:
+            self.keys, self.values, self.length = self._allocate(0), self._allocate(0), 0
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+        if self.released:
+            self.release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
@@ -27,7 +28,7 @@ from cloud.load_announcer import LoadAnnouncer, LoadTracker, load_reader
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
 from cloud.service import TargetServicer
-from cloud.sessions import SessionLimits, SessionStore
+from cloud.sessions import KVInvariant, SessionLimits, SessionStore
 from cloud.resident_engine import ResidentEngine
 from cloud.kv_pool import KVPool
 from cloud.paged_attention import PAGE_TOKENS_PAGED
@@ -138,9 +139,12 @@ class CloudServer:
         async with self._engine() as engine:
             quotas = EdgeQuotas(settings.edge_max_sessions or settings.max_sessions, settings.edge_kv_budget_bytes,
                                 settings.edge_max_generate)
+            invariant = KVInvariant(engine.kv_bytes_in_use, lambda used, where: self.metrics.kv_over_budget.inc(),
+                                    strict=os.environ.get("SPRINTER_CHECK_INVARIANTS") == "1")
             store = SessionStore(
                 SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas),
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
+                invariant=invariant,
             )
             backend = TargetBackend(engine, self.limits, store, self.metrics)
             self.servicer.backend = backend

@@ -10,6 +10,11 @@ KV is counted in the pages a session holds or has been granted (at least its con
 Generate's prompt plus its new tokens; an open is charged for its whole prompt before its prefill
 runs, and every forward's growth is granted before it runs (`grant_kv`), so the budget is never
 exceeded while forwards are in flight.
+
+That is checked, not assumed: `check_kv` compares the KV the engine measures (the bytes of its live
+KV tensors, or the pool's pages taken; not this ledger) with the budget after every grant, forward
+and eviction. A breach is counted (`sprinter_cloud_kv_over_budget_total`, which must stay 0) and
+logged; with `strict` (SPRINTER_CHECK_INVARIANTS=1, for tests and soaks) it raises.
 """
 
 from __future__ import annotations
@@ -75,13 +80,27 @@ class SessionLimits:
             self.edge = EdgeQuotas(self.max_sessions, self.kv_budget_bytes, max_generate=4)
 
 
+class KVBudgetExceeded(AssertionError):
+    """The KV the engine holds is over the budget (a broken invariant: a bug, never a load condition)."""
+
+
+@dataclass
+class KVInvariant:
+    """What `SessionStore.check_kv` measures and what it does about a breach."""
+
+    measure: Callable[[], int | None]  # the engine's KV in use (TargetEngine.kv_bytes_in_use)
+    on_breach: Callable[[int, str], None] = lambda used, where: None  # counts it (the metric)
+    strict: bool = False  # raise KVBudgetExceeded
+
+
 class SessionStore:
     def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
-                 on_evict: Callable[[Session], None] | None = None) -> None:
+                 on_evict: Callable[[Session], None] | None = None, invariant: KVInvariant | None = None) -> None:
         self.limits = limits
         self.edge = limits.edge
         self.kv_bytes_per_token = kv_bytes_per_token
         self.on_evict = on_evict
+        self.invariant = invariant
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._generations: dict[int, tuple[str, int]] = {}  # running Generate calls: id -> (owner, KV tokens)
         self._generation_ids = itertools.count()
@@ -164,11 +183,25 @@ class SessionStore:
         self._make_kv_room((needed - charged) * self.kv_bytes_per_token)
         free_tokens = (self.limits.kv_budget_bytes - self.kv_bytes) // self.kv_bytes_per_token
         cache.granted = max(needed, min(roomy, (charged + free_tokens) // page * page))
+        self.check_kv("grant")
 
     def enforce_budget(self, protect: Session | None = None) -> None:
         """Evict idle sessions, fair share first, until the KV fits the budget; `protect` is never evicted."""
         while self.kv_bytes > self.limits.kv_budget_bytes and self._evict(self._kv_share, "KV budget", protect):
             pass
+        self.check_kv("eviction")
+
+    def check_kv(self, where: str) -> None:
+        """The budget invariant (module docstring), after a grant, a forward or an eviction."""
+        used = self.invariant.measure() if self.invariant is not None else None
+        if used is None or used <= self.limits.kv_budget_bytes:
+            return
+        message = (f"KV in use {used} bytes > budget {self.limits.kv_budget_bytes} after a {where} "
+                   f"(the ledger says {self.kv_bytes})")
+        log.error("broken invariant: %s", message)
+        self.invariant.on_breach(used, where)
+        if self.invariant.strict:
+            raise KVBudgetExceeded(message)
 
     def expire_idle(self) -> int:
         now = time.monotonic()

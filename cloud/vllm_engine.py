@@ -149,6 +149,10 @@ class VllmEngine:
     def new_session_kv(self) -> ExternalKV:
         return ExternalKV(cache_salt=secrets.token_hex(8))
 
+    def kv_bytes_in_use(self) -> None:
+        """vLLM sizes and evicts its own KV cache: no budget of ours to hold."""
+        return None
+
     def support(self, sampling: SamplingParams) -> int:
         """K: how many logprobs per row make the session's distribution exact (module docstring)."""
         if sampling.greedy:

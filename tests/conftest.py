@@ -6,6 +6,8 @@ import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A KV budget breach raises in every cloud a test starts, in-process or as a process (cloud/sessions.py).
+os.environ.setdefault("SPRINTER_CHECK_INVARIANTS", "1")
 
 import pytest
 import torch

@@ -154,6 +154,7 @@ def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, cont
             latencies += round_latencies
             seconds += round_s
     rounds = settings.warmup + settings.rounds
+    growth = (sessions[0].cache.length - start_length) / rounds
     for session in sessions:
         session.cache.release()
     layout = kv.layout if isinstance(kv, KVPool) else kv
@@ -161,8 +162,7 @@ def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, cont
                      n_edges, batching,
                      statistics.median(forwards) * 1e3, _percentile(forwards, 0.99) * 1e3,
                      statistics.median(latencies) * 1e3, _percentile(latencies, 0.99) * 1e3,
-                     n_edges * settings.k * settings.rounds / seconds,
-                     (sessions[0].cache.length - start_length) / rounds)
+                     n_edges * settings.k * settings.rounds / seconds, growth)
 
 
 def format_table(rows: list[EngineRow]) -> str:

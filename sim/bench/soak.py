@@ -130,7 +130,8 @@ def soak(settings: SoakSettings) -> SoakResult:
                          "--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
                          "--max-sessions", str(settings.max_sessions),
                          "--drain-s", "5", log_path=settings.out / "cloud.log",
-                         startup_timeout_s=settings.startup_timeout_s)
+                         startup_timeout_s=settings.startup_timeout_s,
+                         env={"SPRINTER_CHECK_INVARIANTS": "1"})  # a KV budget breach fails the run loudly
     edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
                  "--pipeline", settings.pipeline,
                  "--model-name", f"{settings.draft}+{settings.target}"]

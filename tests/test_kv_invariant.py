@@ -1,0 +1,112 @@
+"""The KV budget as an invariant: after every step of random session traffic, the KV the engine measures
+(live buffers, or the pool's pages taken) is within the budget.
+
+Random programs of open / verify (with rejections, so rollbacks) / first token / close / idle expiry /
+Generate run against the real backend, session store and resident engine (both layouts, tiny model) with a
+budget of a few pages, so admission refusals and evictions happen all the time. The store checks at every
+grant, forward and eviction in strict mode (it raises); the test also checks after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cloud.backend import TargetBackend
+from cloud.batcher import Batcher
+from cloud.errors import CloudError
+from cloud.frames import ServiceLimits
+from cloud.kv_pool import KVPool
+from cloud.metrics import CloudMetrics
+from cloud.resident_engine import ResidentEngine
+from cloud.resident_kv import KVLayout
+from cloud.sessions import KVBudgetExceeded, KVInvariant, SessionLimits, SessionStore
+from sprinter.v1 import decoding_pb2 as pb
+
+PAGE = 16
+BUDGET_PAGES = 12
+OPS = st.lists(st.tuples(st.sampled_from(["open", "verify", "verify", "verify", "close", "expire", "generate"]),
+                         st.integers(0, 2 ** 16)), min_size=5, max_size=40)
+
+
+async def _program(target, paged: bool, ops: list[tuple[str, int]]) -> int:
+    model = target.model
+    layout = KVLayout.of(model, page_tokens=PAGE, max_tokens=BUDGET_PAGES * PAGE)
+    budget = BUDGET_PAGES * layout.bytes_per_page
+    pool = KVPool(layout, budget, slack_tokens=4 * PAGE) if paged else None
+    async with Batcher(model, max_batch=4) as batcher:
+        engine = ResidentEngine(target, batcher, layout, pool)
+        breaches = []
+        store = SessionStore(SessionLimits(max_sessions=5, kv_budget_bytes=budget, idle_timeout_s=1000),
+                             layout.bytes_per_token,
+                             invariant=KVInvariant(engine.kv_bytes_in_use, lambda used, where: breaches.append(where),
+                                                   strict=True))
+        backend = TargetBackend(engine, ServiceLimits(max_block=6, max_context=BUDGET_PAGES * PAGE - 8), store,
+                                CloudMetrics())
+        sessions, refusals = [], 0
+        for op, seed in ops:
+            rng = random.Random(seed)
+            try:
+                await _step(backend, sessions, op, rng, model.config.vocab_size)
+            except CloudError as err:  # admission said no, or the session was evicted: both fine
+                assert err.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND), err
+                refusals += 1
+            assert engine.kv_bytes_in_use() <= budget, (op, engine.kv_bytes_in_use(), budget)
+        assert not breaches
+        for session in list(sessions):
+            backend.close(session)
+        if pool is not None:  # every page came back
+            assert pool.free_pages == pool.pages
+        return refusals
+
+
+async def _step(backend: TargetBackend, sessions: list, op: str, rng: random.Random, vocab: int) -> None:
+    live = [s for s in sessions if backend.store.contains(s.session_id)]
+    sessions[:] = live
+    if op == "open" or not live and op in ("verify", "close", "expire"):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 5 * PAGE))]
+        session, _ = await backend.open("edge", pb.OpenSession(prompt_ids=prompt))
+        sessions.append(session)
+        if rng.random() < 0.5:
+            await backend.first_token(session)
+    elif op == "verify":
+        session = rng.choice(live)
+        block = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        await backend.verify(session, pb.VerifyBlock(start_position=session.length, draft_tokens=block,
+                                                     method=pb.METHOD_BLOCK))
+    elif op == "close":
+        backend.close(rng.choice(live))
+    elif op == "expire":
+        victim = rng.choice(live)
+        victim.last_used -= 10_000
+        backend.store.expire_idle()
+    else:
+        request = pb.GenerateRequest(prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 40))],
+                                     max_new_tokens=rng.randint(1, 30))
+        async for _ in backend.generate("edge", request):
+            pass
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["per-session", "paged"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_kv_in_use_never_exceeds_the_budget(tiny_target, paged, ops):
+    asyncio.run(_program(tiny_target, paged, ops))
+
+
+def test_a_breach_is_counted_and_raises_in_strict_mode():
+    """The check itself: a store whose engine reports more than the budget."""
+    breaches = []
+    store = SessionStore(SessionLimits(kv_budget_bytes=1000), 10,
+                         invariant=KVInvariant(lambda: 1001, lambda used, where: breaches.append((used, where)),
+                                               strict=False))
+    store.check_kv("forward")
+    assert breaches == [(1001, "forward")]
+    store.invariant.strict = True
+    with pytest.raises(KVBudgetExceeded, match="1001 bytes > budget 1000 after a eviction"):
+        store.enforce_budget()
