@@ -65,6 +65,10 @@ class EdgeControls(Protocol):
         time to start the cost model from instead of cold."""
         ...
 
+    def message_rejected(self, reason: str) -> None:
+        """A message the agent ignored or refused, by reason (for the daemon's metrics)."""
+        ...
+
 
 class FleetAgent:
     """`async with FleetAgent(broker, identity, controls):` around the daemon's serving."""
@@ -115,9 +119,13 @@ class FleetAgent:
         try:
             return decode(message.payload, kind)
         except BadMessage as err:
-            self.bad_messages += 1
-            log.warning("fleet plane: ignored a message on %s: %s", message.topic.value, err)
+            self._reject(err.reason, f"ignored a message on {message.topic.value}: {err}")
             return None
+
+    def _reject(self, reason: str, said: str) -> None:
+        self.bad_messages += 1
+        self.controls.message_rejected(reason)
+        log.warning("fleet plane: %s", said)
 
     async def _on_cloud_load(self, message: aiomqtt.Message) -> None:
         load = self._decode(message, CloudLoad)
@@ -129,8 +137,7 @@ class FleetAgent:
         if not isinstance(artifact, VerifierArtifact):
             return
         if artifact.sha256 != topics.level(message.topic.value, -1):
-            self.bad_messages += 1
-            log.warning("fleet plane: ignored a verifier published under another digest on %s", message.topic.value)
+            self._reject("digest", f"ignored a verifier published under another digest on {message.topic.value}")
             return
         future = self._artifact_future(artifact.sha256)
         if not future.done():
@@ -142,6 +149,8 @@ class FleetAgent:
     async def _on_config(self, message: aiomqtt.Message) -> None:
         config = self._decode(message, FleetConfig)
         if not isinstance(config, FleetConfig) or config.version <= self.config_version:
+            if isinstance(config, FleetConfig) and config.version < self.config_version:
+                self._reject("stale", f"ignored config v{config.version}: v{self.config_version} is in force")
             return  # unreadable, or already in force (a retained config is redelivered on every reconnect)
         correlation = getattr(message.properties, "CorrelationData", None)
         # Applied in a task: the verifier it may wait for arrives through this same message loop.
@@ -159,6 +168,7 @@ class FleetAgent:
                 await self.controls.apply(config, verifier)
             except (ValueError, BadMessage, asyncio.TimeoutError, OSError) as err:
                 reason = str(err) or type(err).__name__
+                self.controls.message_rejected("refused")
                 log.warning("fleet config v%d refused: %s", config.version, reason)
                 await self._answer(config, False, reason, correlation)
                 return

@@ -91,6 +91,9 @@ class DaemonControls:
         DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
         return api
 
+    def message_rejected(self, reason: str) -> None:
+        self.service.metrics.fleet_rejected.labels(reason).inc()
+
     def cloud_announced(self, load: CloudLoad) -> None:
         if self.node.cloud is not None:
             self.node.cloud.observe(load)

@@ -28,7 +28,11 @@ MAX_BLOCK_K = 32
 
 
 class BadMessage(ValueError):
-    """A payload the reader ignores; the message says what was wrong with it."""
+    """A payload the reader ignores; the message says what was wrong with it, `reason` which kind of wrong."""
+
+    def __init__(self, message: str, reason: str = "fields") -> None:
+        super().__init__(message)
+        self.reason = reason  # oversized | not-json | not-object | schema | fields (missing, mistyped, bad value)
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ class VerifierArtifact:
         digest = verifier_digest(onnx, self.metadata)
         if digest != self.sha256:
             raise BadMessage(f"verifier artifact: the ONNX bytes and metadata hash to {digest[:12]}..., "
-                             f"not {self.sha256[:12]}...")
+                             f"not {self.sha256[:12]}...", "digest")
         return onnx
 
 
@@ -186,15 +190,16 @@ def encode(message: Message) -> bytes:
 def decode(payload: bytes | bytearray | str, kind: type[M]) -> M:
     """The message of type `kind` in `payload`, or BadMessage."""
     if len(payload) > MAX_PAYLOAD_BYTES:
-        raise BadMessage(f"{kind.SCHEMA}: payload of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES} byte limit")
+        raise BadMessage(f"{kind.SCHEMA}: payload of {len(payload)} bytes is over the {MAX_PAYLOAD_BYTES} byte limit",
+                         "oversized")
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadMessage(f"{kind.SCHEMA}: not JSON ({err})") from err
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
+        raise BadMessage(f"{kind.SCHEMA}: not JSON ({type(err).__name__}: {err})", "not-json") from err
     if not isinstance(data, dict):
-        raise BadMessage(f"{kind.SCHEMA}: the payload must be a JSON object")
+        raise BadMessage(f"{kind.SCHEMA}: the payload must be a JSON object", "not-object")
     if data.get("schema") != kind.SCHEMA:
-        raise BadMessage(f"expected schema {kind.SCHEMA!r}, got {data.get('schema')!r}")
+        raise BadMessage(f"expected schema {kind.SCHEMA!r}, got {data.get('schema')!r}", "schema")
     hints = typing.get_type_hints(kind)
     values: dict[str, Any] = {}
     for spec in fields(kind):

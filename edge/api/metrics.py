@@ -71,6 +71,9 @@ class EdgeMetrics:
                                  registry=r)
         self.rejected = Counter("sprinter_edge_requests_rejected", "Requests turned away before generating",
                                 ["reason"], registry=r)
+        self.fleet_rejected = Counter("sprinter_edge_fleet_messages_rejected", "Fleet-plane messages ignored or "
+                                      "refused: oversized, not-json, not-object, schema, fields, digest, stale, "
+                                      "refused", ["reason"], registry=r)
         self.refused = Counter("sprinter_edge_cloud_refusals", "Generations ended early by a cloud refusal", ["code"],
                                registry=r)
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,

@@ -78,6 +78,9 @@ class SimulatedEdge:
     def cloud_announced(self, load: CloudLoad) -> None:
         pass
 
+    def message_rejected(self, reason: str) -> None:
+        pass
+
 
 @dataclass
 class RolloutResult:
