@@ -46,8 +46,3 @@ def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
     """`--device`, its help saying `what` lives there."""
     parser.add_argument("--device", default="auto", help=f"where {what}: {DEVICE_HELP}")
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (timings); nothing to wait for on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

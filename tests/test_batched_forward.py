@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 import cloud.packed_forward
-from cloud.kv_pool import KVPool, KVPoolExhausted, PagedKV
+from cloud.kv_pool import KVPool, KVPoolExhausted
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
 
