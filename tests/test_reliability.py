@@ -57,6 +57,20 @@ def test_short_chaos_every_request_completes_and_the_edge_survives(tmp_path, cap
     assert len({k["pid"] for k in result["kills"]}) == 2
 
 
+@pytest.mark.slow
+def test_short_chaos_over_two_replicas_kills_each_in_turn(tmp_path, capsys):
+    args = _parse(chaos.register_chaos, "chaos", *TINY, "--requests", "9", "--kills", "2", "--max-tokens", "120",
+                  "--stagger-s", "0.2", "--kill-after-s", "0.2,0.5", "--replicas", "2", "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "chaos.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [] and code == 0, out
+    assert summary["completed"] == 9 and summary["http_5xx"] == 0 and summary["replicas"] == 2
+    assert [k["replica"] for k in result["kills"]] == [0, 1] and summary["cloud_starts"] == 4
+    print(f"two replicas: {summary['degraded']} degraded of 9, {summary['in_flight_at_kills']} in flight at kills")
+
+
 def test_chaos_needs_a_request_per_phase():
     args = _parse(chaos.register_chaos, "chaos", "--requests", "3", "--kills", "5")
     with pytest.raises(SystemExit, match="at least --kills"):

@@ -7,7 +7,9 @@ phase's requests start a little apart (`--stagger-s`), and some time into the ph
 (`--kill-after-s`, drawn at random) the cloud gets SIGKILL and is restarted on the same port (the
 edge knows one `--cloud` address). The next phase starts once the cloud serves again; the last one
 runs after the last restart, once the edge reports the cloud reachable, and shows the recovery.
-Modes, streaming and chat alternate between requests.
+Modes, streaming and chat alternate between requests. With `--replicas N` the edge spreads its
+sessions over N cloud processes and the kills go round them (two: one, then the other), so a
+session on a killed replica moves to a live one.
 
 It passes when every request is answered 200 and complete (degraded answers are allowed: they are
 counted and must be marked), none gets a 5xx, the edge process is the same one from start to end,
@@ -23,6 +25,7 @@ import logging
 import random
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ class ChaosSettings:
     recovery_timeout_s: float = 60.0  # for the edge to see the cloud again before the last phase
     seed: int = 0
     pipeline: str = "off"  # the edge daemon's default --pipeline (off, ahead, send-ahead)
+    replicas: int = 1  # cloud processes the edge spreads over; kill k hits replica k mod replicas
     startup_timeout_s: float = 900.0
     out: Path = Path("results/bench-chaos")
 
@@ -61,6 +65,7 @@ class KillRecord:
     pid: int | None
     restart_s: float  # from SIGKILL until the new process served
     in_flight: list[int] = field(default_factory=list)  # requests running at the kill
+    replica: int = 0  # which cloud process
 
 
 @dataclass
@@ -93,18 +98,22 @@ def register_chaos(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
                    help="the edge daemon's default pipeline (off, ahead, send-ahead), for every request")
+    p.add_argument("--replicas", type=int, default=d.replicas,
+                   help="cloud replicas behind the edge; the kills go round them (2: one, then the other)")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_chaos)
 
 
 def settings_from_args(args: argparse.Namespace) -> ChaosSettings:
+    if args.replicas < 1:
+        raise SystemExit(f"sprinter bench chaos: --replicas must be >= 1, got {args.replicas}")
     if args.requests < args.kills + 1:
         raise SystemExit(f"sprinter bench chaos: --requests ({args.requests}) must be at least --kills + 1 "
                          f"({args.kills + 1}): every phase needs a request")
     return ChaosSettings(target=args.target, draft=args.draft, dtype=args.dtype, requests=args.requests,
                          kills=args.kills, max_tokens=args.max_tokens, modes=args.modes, stagger_s=args.stagger_s,
                          kill_after_s=args.kill_after_s, seed=args.seed,
-                        pipeline=args.pipeline, out=args.out)
+                        pipeline=args.pipeline, replicas=args.replicas, out=args.out)
 
 
 def run_chaos(args: argparse.Namespace) -> int:
@@ -117,17 +126,23 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 def chaos(settings: ChaosSettings) -> ChaosResult:
     settings.out.mkdir(parents=True, exist_ok=True)
-    (settings.out / "cloud.log").write_text("")
-    cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--drain-s", "2",
-                         log_path=settings.out / "cloud.log", startup_timeout_s=settings.startup_timeout_s)
-    edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
+    clouds = []
+    for i in range(settings.replicas):
+        log_path = settings.out / ("cloud.log" if settings.replicas == 1 else f"cloud-{i}.log")
+        log_path.write_text("")
+        clouds.append(CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--drain-s", "2",
+                                   log_path=log_path, startup_timeout_s=settings.startup_timeout_s))
+    edge_args = ["--draft", settings.draft, "--cloud", ",".join(c.address for c in clouds), "--dtype", settings.dtype,
                  "--pipeline", settings.pipeline,
                  "--model-name", f"{settings.draft}+{settings.target}"]
-    with cloud, edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
-                                    settings.startup_timeout_s) as edge:
+    with ExitStack() as running:
+        for cloud in clouds:
+            running.enter_context(cloud)
+        edge = running.enter_context(edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
+                                                         settings.startup_timeout_s))
         edge_pid = edge.process.pid
         started = time.monotonic()
-        run = ChaosRun(settings, cloud, edge.base)
+        run = ChaosRun(settings, clouds, edge.base)
         asyncio.run(run.drive())
         wall_s = time.monotonic() - started
         edge_alive = edge.process.poll() is None and edge.process.pid == edge_pid
@@ -148,9 +163,9 @@ def _healthz(base: str) -> str:
 class ChaosRun:
     """The requests in phases, and the killer between them."""
 
-    def __init__(self, settings: ChaosSettings, cloud: CloudProcess, base: str) -> None:
+    def __init__(self, settings: ChaosSettings, clouds: list[CloudProcess], base: str) -> None:
         self.settings = settings
-        self.cloud = cloud
+        self.clouds = clouds
         self.base = base
         self.phases = settings.kills + 1
         self.rng = random.Random(settings.seed)
@@ -192,11 +207,12 @@ class ChaosRun:
     async def kill_between_phases(self, client: httpx.AsyncClient, gates: list[asyncio.Event]) -> None:
         for phase in range(self.settings.kills):
             await asyncio.sleep(self.rng.uniform(*self.settings.kill_after_s))
-            record = KillRecord(time.monotonic(), self.cloud.pid, 0.0, sorted(self.running))
-            await asyncio.to_thread(self.cloud.kill)
-            log.info("kill %d: cloud pid %s killed with %d requests in flight", phase + 1, record.pid,
-                     len(record.in_flight))
-            await asyncio.to_thread(self.cloud.start)  # same port; returns once SERVING
+            cloud = self.clouds[phase % len(self.clouds)]
+            record = KillRecord(time.monotonic(), cloud.pid, 0.0, sorted(self.running), phase % len(self.clouds))
+            await asyncio.to_thread(cloud.kill)
+            log.info("kill %d: cloud %d (pid %s) killed with %d requests in flight", phase + 1, record.replica,
+                     record.pid, len(record.in_flight))
+            await asyncio.to_thread(cloud.start)  # same port; returns once SERVING
             record.restart_s = time.monotonic() - record.at_s
             self.kills.append(record)
             if phase + 1 == self.settings.kills:
@@ -231,7 +247,7 @@ def judge(settings: ChaosSettings, run: ChaosRun, wall_s: float, edge_alive: boo
         "restart_s_max": max((k.restart_s for k in run.kills), default=None), "recovery_s": run.recovery_s,
         "after_recovery": len(last_phase), "after_recovery_degraded": sum(1 for o in last_phase if o.degraded),
         "tokens": sum(o.tokens for o in outcomes if o.ok), "wall_s": wall_s, "edge_alive_same_pid": edge_alive,
-        "cloud_starts": run.cloud.starts, **latency_summary(outcomes)}
+        "cloud_starts": sum(c.starts for c in run.clouds), "replicas": len(run.clouds), **latency_summary(outcomes)}
     problems = [f"{len(failed)} of {len(outcomes)} requests did not complete"] + failure_lines(outcomes) if failed else []
     if len(outcomes) != settings.requests:
         problems.append(f"{settings.requests - len(outcomes)} requests never ran")
