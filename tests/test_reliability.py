@@ -21,12 +21,14 @@ def _parse(register, *argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.slow
-def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys, replicas):
     # 2 MiB holds 4k tiny-random tokens (512 B each): 16 sessions of a prompt + up to 160 tokens fit. A budget the
     # busy sessions overflow is refused with RESOURCE_EXHAUSTED and a retry hint since the cloud's hardening
     # (issue 12): back-pressure, which tests/test_cloud_hardening.py covers; this soak asks for no errors.
     args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "16", "--duration-s", "4", "--max-tokens", "64,160",
-                  "--kv-budget-mb", "2", "--max-context", "1024", "--sample-s", "0.2", "--out", str(tmp_path))
+                  "--kv-budget-mb", "2", "--max-context", "1024", "--sample-s", "0.2", "--replicas", str(replicas),
+                  "--out", str(tmp_path))
     code = args.run(args)
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "soak.json").read_text())
@@ -34,6 +36,7 @@ def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys):
     assert result["problems"] == [], out
     assert code == 0 and "PASS" in out and "KV cache max MiB / budget MiB" in out
     assert summary["requests"] >= 16 and summary["errors"] == 0 and summary["http_5xx"] == 0
+    assert summary["replicas"] == replicas and {s["replica"] for s in result["samples"]} == set(range(replicas))
     assert summary["metrics_samples"] >= 3 and summary["kv_cache_bytes_max"] <= summary["kv_budget_bytes"]
     assert summary["cloud_rss_max_bytes"] > 10 << 20 and summary["edge_rss_max_bytes"] > 10 << 20
     requests = result["requests"]

@@ -23,6 +23,7 @@ import json
 import logging
 import random
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class SoakSettings:
     sample_s: float = 0.5
     seed: int = 0
     pipeline: str = "off"  # the edge daemon's default --pipeline (off, ahead, send-ahead)
+    replicas: int = 1  # cloud processes the edge spreads its sessions over, each with the budgets above
     startup_timeout_s: float = 900.0
     out: Path = Path("results/bench-soak")
 
@@ -93,6 +95,8 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,
                    help="the edge daemon's default pipeline (off, ahead, send-ahead), for every request")
+    p.add_argument("--replicas", type=int, default=d.replicas,
+                   help="cloud replicas behind the edge, each with its own budgets (checked per replica)")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_soak)
 
@@ -110,7 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
                         duration_s=args.duration_s, max_tokens=args.max_tokens, modes=args.modes,
                         temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb, max_context=args.max_context,
                         max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed,
-                        pipeline=args.pipeline, out=args.out)
+                        pipeline=args.pipeline, replicas=args.replicas, out=args.out)
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -124,31 +128,40 @@ def run_soak(args: argparse.Namespace) -> int:
 def soak(settings: SoakSettings) -> SoakResult:
     """Start the processes, run the load, stop them, judge."""
     settings.out.mkdir(parents=True, exist_ok=True)
-    (settings.out / "cloud.log").write_text("")
-    metrics_port = free_port()
-    cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
-                         "--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
-                         "--max-sessions", str(settings.max_sessions),
-                         "--drain-s", "5", log_path=settings.out / "cloud.log",
-                         startup_timeout_s=settings.startup_timeout_s,
-                         env={"SPRINTER_CHECK_INVARIANTS": "1"})  # a KV budget breach fails the run loudly
-    edge_args = ["--draft", settings.draft, "--cloud", cloud.address, "--dtype", settings.dtype,
-                 "--pipeline", settings.pipeline,
-                 "--model-name", f"{settings.draft}+{settings.target}"]
-    with cloud, edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
-                                    settings.startup_timeout_s) as edge:
-        sampler = ProcessSampler(lambda: cloud.pid, edge.process.pid, f"http://127.0.0.1:{metrics_port}/metrics",
-                                 settings.sample_s)
+    clouds = [_cloud(settings, i) for i in range(settings.replicas)]
+    edge_args = ["--draft", settings.draft, "--cloud", ",".join(c.address for c, _ in clouds), "--dtype",
+                 settings.dtype, "--pipeline", settings.pipeline, "--model-name", f"{settings.draft}+{settings.target}"]
+    with ExitStack() as running:
+        for cloud, _ in clouds:
+            running.enter_context(cloud)
+        edge = running.enter_context(edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
+                                                         settings.startup_timeout_s))
+        samplers = [ProcessSampler(lambda cloud=cloud: cloud.pid, edge.process.pid if i == 0 else None,
+                                   f"http://127.0.0.1:{port}/metrics", settings.sample_s)
+                    for i, (cloud, port) in enumerate(clouds)]
         started = time.monotonic()
-        outcomes = asyncio.run(_drive(settings, edge.base, sampler))
+        outcomes = asyncio.run(_drive(settings, edge.base, samplers))
         wall_s = time.monotonic() - started
         edge_alive = edge.process.poll() is None
-    result = judge(settings, outcomes, sampler, wall_s, edge_alive)
+    result = judge(settings, outcomes, samplers, wall_s, edge_alive)
     (settings.out / "soak.json").write_text(json.dumps(asdict(result), indent=1))
     return result
 
 
-async def _drive(settings: SoakSettings, base: str, sampler: ProcessSampler) -> list[RequestOutcome]:
+def _cloud(settings: SoakSettings, index: int) -> tuple[CloudProcess, int]:
+    """Replica `index` and its metrics port."""
+    log_path = settings.out / ("cloud.log" if settings.replicas == 1 else f"cloud-{index}.log")
+    log_path.write_text("")
+    metrics_port = free_port()
+    cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
+                         "--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
+                         "--max-sessions", str(settings.max_sessions), "--drain-s", "5", log_path=log_path,
+                         startup_timeout_s=settings.startup_timeout_s,
+                         env={"SPRINTER_CHECK_INVARIANTS": "1"})  # a KV budget breach fails the run loudly
+    return cloud, metrics_port
+
+
+async def _drive(settings: SoakSettings, base: str, samplers: list[ProcessSampler]) -> list[RequestOutcome]:
     prompts = load_bench_prompts()
     rng = random.Random(settings.seed)
     deadline = time.monotonic() + settings.duration_s
@@ -167,35 +180,53 @@ async def _drive(settings: SoakSettings, base: str, sampler: ProcessSampler) -> 
             outcomes.append(await send_request(client, base, spec))
             turn += 1
 
-    sampling = asyncio.create_task(sampler.run())
+    sampling = [asyncio.create_task(sampler.run()) for sampler in samplers]
     async with http_client(settings.sessions) as client:
         await asyncio.gather(*(worker(w, client) for w in range(settings.sessions)))
-    sampler.stop()
-    await sampling
+    for sampler in samplers:
+        sampler.stop()
+    await asyncio.gather(*sampling)
     return sorted(outcomes, key=lambda o: o.index)
 
 
-def judge(settings: SoakSettings, outcomes: list[RequestOutcome], sampler: ProcessSampler, wall_s: float,
+def _clouds_summary(samplers: list[ProcessSampler], half_s: float) -> dict[str, Any]:
+    """The replicas together: the largest RSS, RSS growth and KV of any one (each has its own budget), sums else."""
+    def growth(sampler: ProcessSampler) -> float | None:
+        first = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s < half_s]
+        second = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s >= half_s]
+        return max(second) - max(first) if first and second else None
+
+    def most(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    def total(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    return {"replicas": len(samplers), "cloud_rss_max_bytes": most([s.maximum("cloud_rss") for s in samplers]),
+            "cloud_rss_growth_bytes": most([growth(s) for s in samplers]),
+            "kv_cache_bytes_max": most([s.maximum("kv_cache_bytes") for s in samplers]),
+            "sessions_open_max": total([s.maximum("sessions_open") for s in samplers]),
+            "sessions_evicted": total([s.last("sessions_evicted") for s in samplers]),
+            "metrics_samples": sum(1 for sampler in samplers for s in sampler.samples if s.kv_cache_bytes is not None),
+            "cloud_cpu_s": total([_used(s, "cloud_cpu_s") for s in samplers])}
+
+
+def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list[ProcessSampler], wall_s: float,
           edge_alive: bool) -> SoakResult:
     budget = settings.kv_budget_mb << 20
     failed = [o for o in outcomes if not o.ok]
     degraded = [o for o in outcomes if o.ok and o.degraded]
-    half = wall_s / 2
-    rss_first = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s < half]
-    rss_second = [s.cloud_rss for s in sampler.samples if s.cloud_rss is not None and s.at_s >= half]
-    kv_max = sampler.maximum("kv_cache_bytes")
+    clouds = _clouds_summary(samplers, wall_s / 2)
+    kv_max = clouds["kv_cache_bytes_max"]
     tokens = sum(o.tokens for o in outcomes if o.ok)
     summary: dict[str, Any] = {
         "requests": len(outcomes), "errors": len(failed), "degraded": len(degraded),
         "http_5xx": sum(1 for o in failed if o.status is not None and o.status >= 500),
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
-        "cloud_rss_max_bytes": sampler.maximum("cloud_rss"), "edge_rss_max_bytes": sampler.maximum("edge_rss"),
-        "cloud_rss_growth_bytes": (max(rss_second) - max(rss_first)) if rss_first and rss_second else None,
-        "kv_cache_bytes_max": kv_max, "kv_budget_bytes": budget,
-        "sessions_open_max": sampler.maximum("sessions_open"), "sessions_evicted": sampler.last("sessions_evicted"),
-        "metrics_samples": sum(1 for s in sampler.samples if s.kv_cache_bytes is not None),
-        "cloud_cpu_s": _used(sampler, "cloud_cpu_s"), "edge_cpu_s": _used(sampler, "edge_cpu_s"),
-        "edge_alive": edge_alive, **latency_summary(outcomes)}
+        "edge_rss_max_bytes": samplers[0].maximum("edge_rss"), "kv_budget_bytes": budget, **clouds,
+        "edge_cpu_s": _used(samplers[0], "edge_cpu_s"), "edge_alive": edge_alive, **latency_summary(outcomes)}
     problems = [f"{len(failed)} of {len(outcomes)} requests failed"] + failure_lines(outcomes) if failed else []
     if degraded:
         problems.append(f"{len(degraded)} answers degraded (the cloud was unreachable or refused): "
@@ -209,7 +240,8 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], sampler: Proce
     if not outcomes:
         problems.append("no request was sent")
     return SoakResult(asdict(settings) | {"out": str(settings.out)}, summary, problems,
-                      [asdict(s) for s in sampler.samples], [asdict(o) for o in outcomes])
+                      [asdict(s) | {"replica": i} for i, sampler in enumerate(samplers) for s in sampler.samples],
+                      [asdict(o) for o in outcomes])
 
 
 def _used(sampler: ProcessSampler, name: str) -> float | None:
