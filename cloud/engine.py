@@ -70,8 +70,10 @@ class TargetRows:
 
     def next_token(self, sampling: SamplingParams, generator: torch.Generator) -> int:
         """The token after the last row: its argmax when greedy, else sampled with the session's generator."""
-        if sampling.greedy or self.logits is None:
+        if sampling.greedy:
             return int(self.argmax[-1])
+        if self.logits is None:
+            raise ValueError("a sampled token needs the target's logits, and this forward brought back the argmax only")
         return sample(logits_to_probs(self.logits[-1], sampling), generator)
 
 

@@ -196,7 +196,7 @@ class SessionStore:
         used = self.invariant.measure() if self.invariant is not None else None
         if used is None or used <= self.limits.kv_budget_bytes:
             return
-        message = (f"KV in use {used} bytes > budget {self.limits.kv_budget_bytes} after a {where} "
+        message = (f"KV in use {used} bytes > budget {self.limits.kv_budget_bytes}, checked at: {where} "
                    f"(the ledger says {self.kv_bytes})")
         log.error("broken invariant: %s", message)
         self.invariant.on_breach(used, where)

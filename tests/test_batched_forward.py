@@ -99,9 +99,12 @@ def _round(model: PreTrainedModel, sessions: list[Session], block_sizes: list[in
         assert session.cache.length == len(session.context)
 
 
-def test_batched_equals_alone_then_continues_and_rolls_back(tiny_model):
+@pytest.mark.parametrize("paged", [False, True], ids=["per-session", "paged"])
+def test_batched_equals_alone_then_continues_and_rolls_back(tiny_model, paged):
+    """On one page pool too: a session never sees another's pages."""
+    pool = _pool(tiny_model) if paged else None
     rng = random.Random(7)
-    sessions = [Session(tiny_model, rng, n) for n in (0, 5, 12, 3)]
+    sessions = [Session(tiny_model, rng, n, pool=pool) for n in (0, 5, 12, 3)]
     _round(tiny_model, sessions, block_sizes=[4, 1, 6, 3], n_logits=[4, 1, 2, 3])
     for session, rejected in zip(sessions, (2, 0, 5, 1)):  # rollback after rejections moves a length, nothing else
         session.reject(rejected)
@@ -196,19 +199,6 @@ def test_smollm2_batched_equals_alone(smollm2):
 def _pool(model: PreTrainedModel, pages: int = 64, page_tokens: int = 8) -> KVPool:
     layout = _layout(model, page_tokens)
     return KVPool(layout, budget_bytes=pages * layout.bytes_per_page)
-
-
-def test_paged_batch_equals_alone_then_continues_and_rolls_back(tiny_model):
-    """The same sessions as above on one page pool: a session never sees another's pages."""
-    pool = _pool(tiny_model)
-    rng = random.Random(7)
-    sessions = [Session(tiny_model, rng, n, pool=pool) for n in (0, 5, 12, 3)]
-    _round(tiny_model, sessions, block_sizes=[4, 1, 6, 3], n_logits=[4, 1, 2, 3])
-    for session, rejected in zip(sessions, (2, 0, 5, 1)):
-        session.reject(rejected)
-    _round(tiny_model, sessions, block_sizes=[2, 5, 1, 3], n_logits=[2, 5, 1, 1])
-    for session in sessions:
-        _round(tiny_model, [session], block_sizes=[3], n_logits=[3])
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

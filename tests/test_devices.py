@@ -125,3 +125,14 @@ def test_engine_bench_refuses_cloud_process_flags(tmp_path):
         main(["bench", "cloud", "--random-weights", "--source", str(tmp_path), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--accepted is for --random-weights"):
         main(["bench", "cloud", "--accepted", "2", "--out", str(tmp_path)])
+
+
+def test_rows_without_logits_serve_greedy_and_refuse_sampling():
+    """A forward that brought back the argmax alone cannot sample: it says so rather than fall back to greedy."""
+    from cloud.engine import TargetRows
+    from common.sampling import SamplingParams
+
+    rows, generator = TargetRows(torch.tensor([5, 3]), None), torch.Generator().manual_seed(0)
+    assert rows.next_token(SamplingParams(), generator) == 3
+    with pytest.raises(ValueError, match="argmax only"):
+        rows.next_token(SamplingParams(temperature=1.0), generator)

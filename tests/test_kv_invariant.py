@@ -108,5 +108,5 @@ def test_a_breach_is_counted_and_raises_in_strict_mode():
     store.check_kv("forward")
     assert breaches == [(1001, "forward")]
     store.invariant.strict = True
-    with pytest.raises(KVBudgetExceeded, match="1001 bytes > budget 1000 after a eviction"):
+    with pytest.raises(KVBudgetExceeded, match="1001 bytes > budget 1000, checked at: eviction"):
         store.enforce_budget()

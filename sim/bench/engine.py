@@ -44,6 +44,7 @@ from common.devices import resolve_device
 from common.models import DTYPES
 from common.plots import pyplot
 from common.verification import greedy_verdict
+from sim.bench.load import percentile
 from sim.bench.random_weights import random_model
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
@@ -88,11 +89,6 @@ class EngineRow:
 class BenchSession:
     cache: ResidentKV | PagedKV
     pending: int  # the last verdict's token: fed first in the next verify
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _open_sessions(model: torch.nn.Module, kv: KVLayout | KVPool, n: int, context: int,
@@ -160,8 +156,8 @@ def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, cont
     layout = kv.layout if isinstance(kv, KVPool) else kv
     return EngineRow(target, str(layout.device), "paged" if isinstance(kv, KVPool) else "per-session", context,
                      n_edges, batching,
-                     statistics.median(forwards) * 1e3, _percentile(forwards, 0.99) * 1e3,
-                     statistics.median(latencies) * 1e3, _percentile(latencies, 0.99) * 1e3,
+                     statistics.median(forwards) * 1e3, percentile(forwards, 99) * 1e3,
+                     statistics.median(latencies) * 1e3, percentile(latencies, 99) * 1e3,
                      n_edges * settings.k * settings.rounds / seconds, growth)
 
 
