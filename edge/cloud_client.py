@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -46,6 +47,25 @@ class CloudError(Exception):
 
 class CloudUnavailable(CloudError):
     """The cloud could not be reached within the retries: decode from the draft alone for now."""
+
+    reason = "cloud_unreachable"  # why the generation degrades (the API's `degraded_reason`)
+
+
+class DeadlinePassed(CloudUnavailable):
+    """The request's own deadline passed while it waited for the cloud: the rest comes from the draft alone."""
+
+    reason = "deadline"
+
+
+def time_left(deadline_at: float | None) -> float | None:
+    """Seconds until `deadline_at` (time.monotonic()), never below 0; None without a deadline."""
+    return None if deadline_at is None else max(0.0, deadline_at - time.monotonic())
+
+
+def wait_limit(frame_deadline_s: float, deadline_at: float | None) -> tuple[float, bool]:
+    """How long one read may wait, and whether the request's deadline (not the frame's) is what limits it."""
+    left = time_left(deadline_at)
+    return (left, True) if left is not None and left < frame_deadline_s else (frame_deadline_s, False)
 
 
 class CloudRefused(CloudError):
@@ -156,19 +176,27 @@ class CloudClient:
         return info
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
-                       vocab_fingerprint: str = "") -> AsyncIterator[pb.GenerateChunk]:
+                       vocab_fingerprint: str = "", deadline_at: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode `target`: the cloud generates alone; chunks arrive as tokens are made.
 
-        No whole-call deadline (a long generation is legitimate), but each chunk must come within
-        `deadline_s`: a Generate that hangs ends as CloudUnavailable instead of holding the request forever.
+        No whole-call deadline unless the request set one (`deadline_at`, time.monotonic(): DeadlinePassed),
+        but each chunk must come within `deadline_s`: a Generate that hangs ends as CloudUnavailable
+        instead of holding the request forever.
         """
         request = pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling),
                                      max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
         call = self.stub.Generate(request, metadata=self.metadata)
+        limit, request_bound = self.endpoint.deadline_s, False
         try:
-            while (chunk := await asyncio.wait_for(call.read(), self.endpoint.deadline_s)) is not grpc.aio.EOF:
+            while True:
+                limit, request_bound = wait_limit(self.endpoint.deadline_s, deadline_at)
+                if (chunk := await asyncio.wait_for(call.read(), limit)) is grpc.aio.EOF:
+                    break
                 yield chunk
         except asyncio.TimeoutError as err:
+            if request_bound:
+                raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while "
+                                     "the cloud generated") from err
             raise CloudUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED, f"cloud {self.endpoint.address}: no token within "
                                    f"{self.endpoint.deadline_s:g} s; Generate abandoned") from err
         except grpc.aio.AioRpcError as err:

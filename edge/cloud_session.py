@@ -14,8 +14,12 @@ reopens with that context and retries, where depends on why:
 Replicas are chosen by the `Replicas` the session was made by (edge/replica_set.py: rendezvous
 hashing on the session's key with a bounded-load override). A switch to another replica is
 immediate; a retry on the same one backs off exponentially with jitter (at least the cloud's
-retry_after_ms). When no replica answers within the attempts, `CloudUnavailable` tells the
-decoding loop to carry on from the draft alone; a refusal no retry can fix is `CloudRefused`.
+retry_after_ms). A cloud that answers (busy, evicted, desync) is waited for as long as the request's
+deadline allows, as mode target waits its turn: a lossless request never turns lossy because the
+cloud is loaded. Only failures that say a replica is out of reach (broken stream, frame deadline,
+draining, none usable) count against the attempts; when they run out, `CloudUnavailable` tells
+the decoding loop to carry on from the draft alone, and when the request's deadline passes,
+`DeadlinePassed` does. A refusal no retry can fix is `CloudRefused`.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import grpc
 
 from common.sampling import SparseDistribution, SamplingParams
 from edge.cloud_client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
-                               CloudRefused, CloudUnavailable, RetryableFailure, backoff_delay, sampling_to_proto)
+                               CloudRefused, CloudUnavailable, DeadlinePassed, RetryableFailure, backoff_delay,
+                               sampling_to_proto, time_left, wait_limit)
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+WAITING_CAUSES = frozenset({"busy", "evicted", "desync"})  # the cloud answered: wait for it, within the deadline
 
 
 class Replicas(Protocol):
@@ -74,8 +81,10 @@ def verify_frame(start_position: int, draft_tokens: list[int], method: int,
 class CloudSession:
     """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
 
-    def __init__(self, replicas: Replicas, sampling: SamplingParams, vocab_fingerprint: str) -> None:
+    def __init__(self, replicas: Replicas, sampling: SamplingParams, vocab_fingerprint: str,
+                 deadline_at: float | None = None) -> None:
         self.replicas = replicas
+        self.deadline_at = deadline_at  # the request's own deadline (time.monotonic()); None: as long as it takes
         self.key = uuid.uuid4().hex  # what rendezvous hashing places this session by
         self.sampling = sampling
         self.vocab_fingerprint = vocab_fingerprint
@@ -122,7 +131,7 @@ class CloudSession:
         first attempt's (a busy cloud's retry hint is honoured, a broken stream reset, a refusal final)."""
         try:
             await self._open(prompt_ids, first_token)
-        except (RetryableFailure, CloudRefused) as failure:
+        except (RetryableFailure, CloudRefused, DeadlinePassed) as failure:
             self._early_failure = failure
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
             self._early_failure = self._stream_failure(err)
@@ -140,7 +149,14 @@ class CloudSession:
         return answer
 
     async def _read(self) -> pb.CloudFrame:
-        answer = await asyncio.wait_for(self.call.read(), self.client.endpoint.deadline_s)
+        limit, request_bound = wait_limit(self.client.endpoint.deadline_s, self.deadline_at)
+        try:
+            answer = await asyncio.wait_for(self.call.read(), limit)
+        except asyncio.TimeoutError:
+            if request_bound:
+                raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     "the request's deadline passed while it waited for a verdict") from None
+            raise
         if answer is grpc.aio.EOF:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
         return answer
@@ -289,35 +305,38 @@ class CloudSession:
                                                    draft_token_probs=block.draft_token_probs,
                                                    draft_dists=block.draft_dists, method=block.method))
         last_failure: RetryableFailure | None = None
-        for attempt in range(self.replicas.attempts):
+        failures = tries = 0  # failures: replicas out of reach (they count against the attempts); tries: all
+        while failures < self.replicas.attempts:
             try:
-                if attempt == 0 and matched_candidate:
+                if tries == 0 and matched_candidate:
                     verdict = await self._read_candidate_verdict(context, block)
                 else:
                     verdict = await self._attempt(context, frame)
             except RetryableFailure as failure:
-                last_failure = failure
-                await self._after(failure, attempt)
+                last_failure, tries = failure, tries + 1
+                failures += failure.cause not in WAITING_CAUSES
+                await self._after(failure, tries - 1, final=failures == self.replicas.attempts)
                 continue
+            except DeadlinePassed:
+                await self._reset()  # the frame in flight is abandoned with its stream
+                raise
             if self.client is not None:
                 self.replicas.report(self.client, None)
             return verdict
         raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, f"no cloud replica answered in "
                                f"{self.replicas.attempts} attempts: {last_failure}")
 
-    async def _after(self, failure: RetryableFailure, attempt: int) -> None:
-        """Move to another replica at once if the failure says so and there is one; else wait, then try again."""
+    async def _after(self, failure: RetryableFailure, attempt: int, final: bool) -> None:
+        """Move to another replica at once if the failure says so and there is one; else wait, then try again
+        (no longer than the request's deadline allows: past it, DeadlinePassed)."""
         client = self.client
         if client is not None and failure.cause is not None:
             self.replicas.report(client, failure.cause)
         if failure.reset:
             await self._reset()
-        if attempt + 1 == self.replicas.attempts:
+        if final:
             return
-        if client is None:  # no replica was usable: wait for one to come back
-            await asyncio.sleep(backoff_delay(attempt, 0.2, 2.0))
-            return
-        if failure.move:
+        if client is not None and failure.move:
             avoid = frozenset(self.avoid | {client.endpoint.address})
             # No other replica usable now still means leaving: the next open probes them all (`recover`), so
             # one that came up while resting is found at once, where staying would ask a draining one again.
@@ -325,10 +344,20 @@ class CloudSession:
                 self.avoid = set(avoid)
                 await self._leave()
                 return
-        endpoint = client.endpoint
-        delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
-                                                                          endpoint.max_backoff_s)
-        await asyncio.sleep(min(max(delay, failure.retry_after_s), endpoint.deadline_s))
+        if client is None:  # no replica was usable: wait for one to come back
+            delay = backoff_delay(attempt, 0.2, 2.0)
+        else:
+            endpoint = client.endpoint
+            delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
+                                                                              endpoint.max_backoff_s)
+            delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
+        left = time_left(self.deadline_at)
+        if left is not None and left <= delay:
+            await asyncio.sleep(left)
+            await self._reset()
+            raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"the request's deadline passed while the cloud was unavailable ({failure})")
+        await asyncio.sleep(delay)
 
     async def _reset(self) -> None:
         if self.call is not None:

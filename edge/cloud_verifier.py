@@ -3,7 +3,8 @@
 One `CloudVerifier` per generation, over that generation's cloud session. When the cloud is out of
 reach (CloudUnavailable after the session's retries) it answers None, so the round keeps the block
 as drafted; the generation is then degraded (`CloudUse`), and the cloud is tried again after
-`retry_s`. A refusal (CloudRefused) is not caught here: it ends the generation (edge/decoder.py).
+`retry_s`. Once the request's own deadline has passed (DeadlinePassed) it is not tried again. A
+refusal (CloudRefused) is not caught here: it ends the generation (edge/decoder.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 from common.decoding.drafting import PendingBlock
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from edge.cloud_client import CloudError, CloudUnavailable
+from edge.cloud_client import CloudError, CloudUnavailable, DeadlinePassed
 from edge.cloud_session import CloudSession, verify_frame
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -30,21 +31,30 @@ def wire_method(method: str) -> int:
 
 @dataclass
 class CloudUse:
-    """How one generation fared with the cloud: degraded (some tokens never verified), reopens, a refusal."""
+    """How one generation fared with the cloud: degraded (some tokens never verified) and why, reopens, a refusal.
 
-    on_degraded: Callable[[], None] | None = None  # told once, when the first unverified token is about to go out
-    degraded: bool = False
+    Why (`degraded_reason`, the first one): `cloud_unreachable` (no replica answered within the
+    attempts), `deadline` (the request's own deadline passed while it waited for the cloud), or
+    `no_cloud` (this daemon has none). A busy cloud is never a reason: it is waited for.
+    """
+
+    on_degraded: Callable[[str], None] | None = None  # told once, with the reason, before the first unverified token
+    degraded_reason: str | None = None
     reopens: int = 0
     error: CloudError | None = None  # the refusal that ended the generation early
     finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
-    reasons: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
 
-    def mark_degraded(self, reason: str) -> None:
-        if not self.degraded:
-            self.degraded = True
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_reason is not None
+
+    def mark_degraded(self, reason: str, detail: str) -> None:
+        if self.degraded_reason is None:
+            self.degraded_reason = reason
             if self.on_degraded is not None:
-                self.on_degraded()
-        self.reasons.append(reason)
+                self.on_degraded(reason)
+        self.details.append(detail)
 
 
 class CloudVerifier:
@@ -59,8 +69,11 @@ class CloudVerifier:
         self.retry_s = retry_s
         self.use = use
         self.down_since: float | None = None
+        self.deadline_passed = False
 
     def reachable(self) -> bool:
+        if self.deadline_passed:
+            return False
         return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
 
     def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
@@ -84,9 +97,10 @@ class CloudVerifier:
             verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate)
         except CloudUnavailable as err:
             if self.down_since is None:
-                log.warning("cloud unavailable; continuing from the draft alone (degraded): %s", err)
-            self.use.mark_degraded(str(err))
+                log.warning("%s; continuing from the draft alone (degraded): %s", err.reason, err)
+            self.use.mark_degraded(err.reason, str(err))
             self.down_since = time.monotonic()
+            self.deadline_passed = isinstance(err, DeadlinePassed)
             return None
         finally:
             self.use.reopens = self.session.reopens

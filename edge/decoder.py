@@ -13,9 +13,11 @@ the cloud's answer a `Verdict`); with a pipeline on (edge/pipeline.py) the edge 
 block is in flight, and with send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
 cloud is a set of replicas (edge/replica_set.py): a session that loses its replica reopens on
 another with the full context. If no replica is reachable the round keeps going from the draft
-alone, marks the result degraded (and tells a streaming caller at once), and tries the cloud again
-after `cloud_retry_s`; mode target does the same with its Generate stream. If the cloud refuses a frame (a limit, a bug), the
-generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
+alone, marks the result degraded (and tells a streaming caller at once, with the reason), and tries
+the cloud again after `cloud_retry_s`; mode target does the same with its Generate stream. A busy
+cloud is waited for, never a reason to degrade; a request's own deadline (`request_deadline_s`) is:
+past it the rest of the generation comes from the draft, reason `deadline`. If the cloud refuses a
+frame (a limit, a bug), the generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
 """
 
 from __future__ import annotations
@@ -40,14 +42,21 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable
+from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed
 from edge.cloud_verifier import CloudUse, CloudVerifier
 from edge.pipeline import PipelinedRounds
 from edge.replica_set import ReplicaSet
 
 log = logging.getLogger(__name__)
 
-DEGRADED = "degraded"  # what `EdgeDecoder.stream` yields when the first unverified token is about to follow
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """What `EdgeDecoder.stream` yields when the first unverified token is about to follow, and why
+    (`CloudUse.degraded_reason`: cloud_unreachable, deadline, no_cloud)."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class EdgeSettings:
     cloud_retry_s: float = 2.0  # while degraded, how often to try the cloud again
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
     stop: tuple[str, ...] = ()  # OpenAI's stop sequences
+    request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
     pipeline: str = "off"  # edge/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
 
     def __post_init__(self) -> None:
@@ -68,11 +78,15 @@ class EdgeResult:
     token_ids: list[int]
     text: str
     stats: DecodeStats
-    degraded: bool
+    degraded_reason: str | None  # None: every token is as the mode promises (CloudUse says the reasons)
     cloud_reopens: int = 0
     finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop sequence) or "length" (a limit, or cut short)
     error: CloudError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
     verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_reason is not None
 
 
 class EdgeDecoder:
@@ -111,10 +125,10 @@ class EdgeDecoder:
         return min(known) if known else None
 
     async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int] | str | EdgeResult]:
-        """Yield tokens as they are released, DEGRADED before the first unverified one; the last item is the EdgeResult."""
+        """Yield tokens as they are released, `Degraded` before the first unverified one; the last item is the EdgeResult."""
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self.generate(prompt_ids, settings, emit=queue.put_nowait,
-                                                 on_degraded=lambda: queue.put_nowait(DEGRADED)))
+                                                 on_degraded=lambda reason: queue.put_nowait(Degraded(reason))))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             while (item := await queue.get()) is not None:
@@ -125,18 +139,19 @@ class EdgeDecoder:
 
     async def generate(self, prompt_ids: list[int], settings: EdgeSettings,
                        emit: Callable[[list[int]], None] = lambda tokens: None,
-                       on_degraded: Callable[[], None] | None = None) -> EdgeResult:
+                       on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
                                 context_limit=self.context_limit(mode), stop=stop)
         use = CloudUse(on_degraded)
         verifier = self.verifier_identity
+        deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
         try:
             if mode == "target":
-                await self._target(generation, settings, use)
+                await self._target(generation, settings, use, deadline_at)
             else:
-                await self._speculate(generation, settings, use, draft_only=mode == "draft")
+                await self._speculate(generation, settings, use, deadline_at, draft_only=mode == "draft")
         except CloudRefused as err:  # keep what was made; the response says why it ended early
             log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
             use.error = err
@@ -144,38 +159,44 @@ class EdgeDecoder:
         text = self._decode(tokens)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
-                          use.degraded, use.reopens, finish, use.error, verifier)
+                          use.degraded_reason, use.reopens, finish, use.error, verifier)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse) -> None:
+    async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
+                      deadline_at: float | None) -> None:
         """Mode target: the cloud generates alone; while it cannot, the draft does, and the cloud takes over
-        again (from the context so far) once it answers."""
+        again (from the context so far) once it answers, unless the request's deadline has passed."""
         if self.cloud is None:
             raise ValueError("mode 'target' needs a cloud (--cloud HOST:PORT)")
-        drafter = None
+        drafter, retry_at = None, None
         while not generation.done:
             try:
-                use.finish_reason = await self._cloud_generate(generation)
+                use.finish_reason = await self._cloud_generate(generation, deadline_at)
                 return
+            except DeadlinePassed as err:
+                use.mark_degraded(err.reason, str(err))
+                retry_at = None
             except CloudUnavailable as err:
                 if self.cloud.available():  # that replica rests now; another takes over from the context so far
                     log.info("target mode: %s; going on with another replica", err)
                     use.reopens += 1
                     continue
                 log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
-                use.mark_degraded(str(err))
+                use.mark_degraded(err.reason, str(err))
+                retry_at = time.monotonic() + settings.cloud_retry_s
             drafter = drafter or self._drafter(settings.decode.sampling)
-            retry_at = time.monotonic() + settings.cloud_retry_s
-            while not generation.done and time.monotonic() < retry_at:
+            # past the request's deadline (retry_at None) the draft goes on to the end
+            while not generation.done and (retry_at is None or time.monotonic() < retry_at):
                 await speculative_round(generation, drafter, None, None, None)
 
-    async def _cloud_generate(self, generation: Generation) -> str | None:
+    async def _cloud_generate(self, generation: Generation, deadline_at: float | None) -> str | None:
         """Stream the rest of the generation from the cloud; the cloud's finish_reason, if it sent one."""
         finish = None
         sampling = generation.settings.sampling
-        chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint)
+        chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
+                                     deadline_at)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 generation.recorder.target_calls += len(chunk.token_ids)
@@ -190,12 +211,13 @@ class EdgeDecoder:
                        self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
                        self.make_companion() if self.make_companion is not None else None, offload=True)
 
-    async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse, draft_only: bool) -> None:
+    async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
+                         deadline_at: float | None, draft_only: bool) -> None:
         """Speculative rounds until the generation is done."""
         mode = generation.settings.mode
         if mode != "draft" and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
-            use.mark_degraded("no cloud configured")
+            use.mark_degraded("no_cloud", "no cloud configured")
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
         drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
@@ -203,7 +225,8 @@ class EdgeDecoder:
         if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, drafter.verifier, self.cost_model)
             generation.recorder.policy = policy.describe()
-        backend = None if draft_only or self.cloud is None else self._cloud_backend(generation, settings, use, support)
+        backend = None if draft_only or self.cloud is None else self._cloud_backend(generation, settings, use, support,
+                                                                                    deadline_at)
         try:
             await self._rounds(generation, settings, drafter, backend, policy)
         finally:
@@ -212,8 +235,8 @@ class EdgeDecoder:
                 await backend.close()
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                       support: int) -> CloudVerifier:
-        backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint),
+                       support: int, deadline_at: float | None) -> CloudVerifier:
+        backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint, deadline_at),
                                 generation.settings.verify_method, generation.settings.sampling,
                                 support, settings.cloud_retry_s, use)
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.

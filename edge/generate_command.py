@@ -61,6 +61,13 @@ def add_policy_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
                         "Default: fixed:K for sd modes, goodput for sprinter-exact")
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 86400], got {text}")
+    return value
+
+
 def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cloud", metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
     p.add_argument("--cloud-ca", type=Path, help="PEM root certificate: speak TLS to the cloud")
@@ -71,6 +78,10 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow --cloud-token without TLS (it travels in clear: only on a private link)")
     p.add_argument("--cloud-deadline-s", type=float, default=30.0,
                    help="longest wait for one verdict or one Generate token before the cloud counts as unavailable")
+    p.add_argument("--request-deadline-s", type=_positive_seconds, metavar="S",
+                   help="how long one request may wait for the cloud in all (a busy cloud is waited for; past this "
+                        "the rest comes from the draft, degraded with reason 'deadline'). Default: no limit; a "
+                        "request may set its own (request_deadline_s)")
     p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"], help="with --cloud")
     p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"],
                    help="ONNX draft weights: int8 is about 2x faster on CPU; lossless modes stay exact either way")
@@ -166,8 +177,10 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
         return 2
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        result = await node.decoder.generate(prompt_ids, EdgeSettings(decode=settings, pipeline=args.pipeline))
-    extra = {"degraded": result.degraded}
+        edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline,
+                                     request_deadline_s=args.request_deadline_s)
+        result = await node.decoder.generate(prompt_ids, edge_settings)
+    extra = {"degraded": result.degraded_reason or False}
     if result.stats.ahead_rounds:
         extra["pipeline"] = f"{args.pipeline} (hit rate {result.stats.ahead_hit_rate:.2f})"
     print_result(args, result.text, result.token_ids, result.stats, **extra)

@@ -38,7 +38,7 @@ import grpc
 from common.addresses import split_host_port
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
-from edge.cloud_client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, backoff_delay
+from edge.cloud_client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, DeadlinePassed, backoff_delay
 from edge.cloud_session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -291,11 +291,12 @@ class ReplicaSet:
         now = time.monotonic()
         return any(r.usable(now) for r in self.replicas.values())
 
-    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "") -> CloudSession:
-        return CloudSession(self, sampling, vocab_fingerprint)
+    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "",
+                deadline_at: float | None = None) -> CloudSession:
+        return CloudSession(self, sampling, vocab_fingerprint, deadline_at)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
-                       vocab_fingerprint: str = "") -> AsyncIterator[pb.GenerateChunk]:
+                       vocab_fingerprint: str = "", deadline_at: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode target on one replica; CloudUnavailable (the replica rests) when it fails or none is usable."""
         client = self.choose(uuid.uuid4().hex)
         if client is None:
@@ -307,8 +308,11 @@ class ReplicaSet:
         try:
             # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
             async with self._replica(client).slots():
-                async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint):
+                async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint,
+                                                   deadline_at):
                     yield chunk
+        except DeadlinePassed:
+            raise  # the request's own limit: says nothing about the replica
         except CloudUnavailable:
             self.report(client, "replica_failed")
             raise

@@ -110,7 +110,8 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
     api = ApiSettings(default_mode=args.mode, model_name=args.model_name or args.draft, default_policy=args.policy,
                       default_pipeline=args.pipeline,
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
-                      max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s)
+                      max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s,
+                      request_deadline_s=args.request_deadline_s)
     StoppingServer = _stopping_server_class()
     async with EdgeNode(node_settings) as node:
         app = create_app(node, api)

@@ -165,13 +165,40 @@ def test_a_busy_cloud_is_retried_after_its_retry_after_hint(tiny_draft):
     assert elapsed >= 0.6  # the hint was honoured, not a retry straight away
 
 
-def test_a_cloud_busy_beyond_the_retries_degrades_instead_of_failing(tiny_draft):
-    script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 50)] * 3)
+def test_a_cloud_busy_beyond_the_retries_is_waited_for_not_degraded(tiny_draft):
+    """Issue 25: a busy cloud answers; a lossless request waits for it, as mode target does, and stays lossless."""
+    script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 50)] * 6)
     with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app_factory("sd")) as edge:
         response = post(edge, {"prompt": "abc", "max_tokens": 10})
     assert response.status_code == 200, response.text
-    assert response.json()["sprinter"]["degraded"] is True and response.json()["usage"]["completion_tokens"] == 10
-    assert response.headers["x-sprinter-degraded"] == "true"
+    body = response.json()
+    assert body["sprinter"]["degraded"] is False and body["sprinter"]["degraded_reason"] is None
+    assert body["usage"]["completion_tokens"] == 10 and script.opens == 7
+    assert response.headers["x-sprinter-degraded"] == "false"
+
+
+def test_past_the_request_deadline_the_rest_is_degraded_and_says_why(tiny_draft):
+    """The request's own deadline (request_deadline_s, else --request-deadline-s) is the one limit on waiting."""
+    script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 200)] * 1000)
+    with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address,
+                                                          app_factory("sd", request_deadline_s=30)) as edge:
+        started = time.monotonic()
+        response = post(edge, {"prompt": "abc", "max_tokens": 10, "request_deadline_s": 1.0})
+        elapsed = time.monotonic() - started
+        metrics = httpx.get(edge.base + "/metrics").text
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["sprinter"]["degraded"] is True and body["sprinter"]["degraded_reason"] == "deadline"
+    assert body["usage"]["completion_tokens"] == 10
+    assert response.headers["x-sprinter-degraded-reason"] == "deadline"
+    assert 1.0 <= elapsed < 10, elapsed
+    assert 'sprinter_edge_degraded_requests_total{reason="deadline"} 1.0' in metrics
+
+
+def test_a_bad_request_deadline_is_a_400_naming_it(tiny_draft):
+    with EdgeDaemonThread(tiny_draft, f"127.0.0.1:{free_port()}", app_factory("sd")) as edge:
+        response = post(edge, {"prompt": "abc", "max_tokens": 4, "request_deadline_s": -1})
+    assert response.status_code == 400 and "request_deadline_s" in response.text
 
 
 def test_a_hung_generate_is_abandoned_at_the_deadline(tiny_draft):
@@ -217,8 +244,10 @@ def test_without_a_cloud_every_chunk_and_the_headers_say_degraded(tiny_draft):
         whole = post(edge, {"prompt": "abc", "max_tokens": 10})
         headers, events, done = stream_events(edge, {"prompt": "abc", "max_tokens": 10})
     assert whole.status_code == 200 and whole.headers["x-sprinter-degraded"] == "true"
+    assert whole.headers["x-sprinter-degraded-reason"] == "cloud_unreachable"  # nothing listens there
     assert done and headers["x-sprinter-degraded"] == "true"
     assert all(degraded_flags(events)), degraded_flags(events)
+    assert events[0]["sprinter"]["degraded_reason"] == "cloud_unreachable"
 
 
 def test_a_cloud_lost_mid_stream_marks_every_chunk_from_that_point(tiny_target, tiny_draft):
@@ -228,6 +257,7 @@ def test_a_cloud_lost_mid_stream_marks_every_chunk_from_that_point(tiny_target, 
                                               on_first=lambda: cloud.__exit__(None, None, None))
     flags = degraded_flags(events)
     assert done and events[-1]["sprinter"]["degraded"] is True
+    assert events[-1]["sprinter"]["degraded_reason"] == "cloud_unreachable"
     assert "x-sprinter-degraded" not in headers  # not known when the headers left
     first = flags.index(True)
     assert 0 < first and all(flags[first:]), "a chunk after the degradation point is not marked"

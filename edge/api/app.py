@@ -40,7 +40,7 @@ from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, Sampling
                               request_problem, sprinter_extension, usage)
 from edge.api.sse import DONE, ChunkFormat, IncrementalText
 from edge.cloud_client import CloudError
-from edge.decoder import DEGRADED, EdgeResult, EdgeSettings
+from edge.decoder import Degraded, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class ApiSettings:
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)
     max_request_bytes: int = 2 << 20  # larger bodies get 413
     cloud_retry_s: float = 2.0  # while degraded, how often a generation tries the cloud again
+    request_deadline_s: float | None = None  # a request's wait for the cloud in all, unless it sets its own
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,13 @@ class GuardedStream(StreamingResponse):
             await self.cleanup()
         if isinstance(outcome, Exception) and not isinstance(outcome, (ClientDisconnect, OSError)):
             log.error("streamed response failed: %r", outcome)
+
+
+def degraded_headers(reason: str | None) -> dict[str, str]:
+    """`x-sprinter-degraded` (true/false) and, when true, `x-sprinter-degraded-reason`."""
+    if reason is None:
+        return {"x-sprinter-degraded": "false"}
+    return {"x-sprinter-degraded": "true", "x-sprinter-degraded-reason": reason}
 
 
 def refusal_response(err: CloudError) -> JSONResponse:
@@ -143,7 +151,8 @@ class Completions:
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
         return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
-                            pipeline=body.pipeline or self.api.default_pipeline)
+                            pipeline=body.pipeline or self.api.default_pipeline,
+                            request_deadline_s=body.request_deadline_s or self.api.request_deadline_s)
 
     def _max_tokens(self, body: SamplingFields, mode: str, prompt_tokens: int) -> int | JSONResponse:
         """vLLM's rule: prompt + max_tokens must fit the context (the draft's window, the cloud's max_context);
@@ -209,7 +218,7 @@ class Completions:
         if result.error is not None and not result.token_ids:
             return refusal_response(result.error)
         body = completion(reply.request_id, reply.created, reply.model, reply.chat, result, reply.prompt_tokens)
-        return JSONResponse(body, headers={"x-sprinter-degraded": "true" if result.degraded else "false"})
+        return JSONResponse(body, headers=degraded_headers(result.degraded_reason))
 
     async def _streamed(self, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
         items = self.node.decoder.stream(prompt_ids, settings)
@@ -227,21 +236,21 @@ class Completions:
             if not finished.is_set():
                 self.metrics.cancelled.inc()
 
-        headers = {"x-sprinter-degraded": "true"} if first == DEGRADED else None
+        headers = degraded_headers(first.reason) if isinstance(first, Degraded) else None
         return GuardedStream(self.stream(first, items, settings, reply, finished), cleanup, headers=headers)
 
     async def stream(self, first: Any, items: AsyncIterator[Any], settings: EdgeSettings, reply: Reply,
                      finished: asyncio.Event) -> AsyncIterator[str]:
         chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat, reply.include_usage)
         text = IncrementalText(self.node.draft.tokenizer, settings.stop)
-        degraded = False
+        degraded: str | None = None  # the reason, once the generation degraded
         if reply.chat:
             yield chunks.role()
         item = first
         try:
             while not isinstance(item, EdgeResult):
-                if item == DEGRADED:
-                    degraded = True
+                if isinstance(item, Degraded):
+                    degraded = item.reason
                 elif delta := text.push(item):
                     yield chunks.event(delta, degraded=degraded)
                 item = await anext(items)

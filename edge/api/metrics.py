@@ -65,7 +65,8 @@ class EdgeMetrics:
         self.requests = Counter("sprinter_edge_requests", "Generation requests", ["mode"], registry=r)
         self.tokens = Counter("sprinter_edge_tokens_generated", "Tokens returned to clients", ["mode"], registry=r)
         self.target_calls = Counter("sprinter_edge_target_calls", "Cloud verifications", ["mode"], registry=r)
-        self.degraded = Counter("sprinter_edge_degraded_requests", "Requests served partly without the cloud", registry=r)
+        self.degraded = Counter("sprinter_edge_degraded_requests", "Requests served partly without the cloud, by "
+                                "reason: cloud_unreachable, deadline, no_cloud", ["reason"], registry=r)
         self.in_flight = Gauge("sprinter_edge_requests_in_flight", "Generations running now", registry=r)
         self.cancelled = Counter("sprinter_edge_requests_cancelled", "Generations stopped because the client left",
                                  registry=r)
@@ -85,8 +86,8 @@ class EdgeMetrics:
         self.tokens.labels(mode).inc(result.stats.new_tokens)
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
-        if result.degraded:
-            self.degraded.inc()
+        if result.degraded_reason is not None:
+            self.degraded.labels(result.degraded_reason).inc()
         self.totals.requests += 1
         self.totals.tokens += result.stats.new_tokens
         self.totals.target_calls += result.stats.target_calls

@@ -1,9 +1,11 @@
 """The OpenAI wire format the edge daemon speaks: request bodies, error objects, usage and our extension.
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
-spec, e.g. "goodput") and `pipeline` (off, ahead, send-ahead: edge/pipeline.py). Each response carries the usual `usage` plus a `sprinter` object (mode,
-policy, target_calls, tokens_per_call, block_length_mean, degraded, token ids and the full stats;
-`error` when the cloud refused mid-generation).
+spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/pipeline.py) and
+`request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
+from the draft, degraded with reason `deadline`). Each response carries the usual `usage` plus a
+`sprinter` object (mode, policy, target_calls, tokens_per_call, block_length_mean, degraded and
+degraded_reason, token ids and the full stats; `error` when the cloud refused mid-generation).
 
 Every field has a range that fits where it goes (seed: the wire's uint64; top_k: int32). OpenAI
 fields this server does not implement are refused with a 400 naming them, unless their value
@@ -63,6 +65,8 @@ class SamplingFields(BaseModel):
     k: int | None = Field(default=None, ge=1, le=32)
     policy: str | None = Field(default=None, max_length=64)
     pipeline: Literal["off", "ahead", "send-ahead"] | None = None
+    request_deadline_s: float | None = Field(default=None, gt=0, le=86400,
+                                             description="how long this request may wait for the cloud in all")
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -120,7 +124,7 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     s = result.stats
     extension = {"mode": s.mode, "policy": s.policy, "pipeline": s.pipeline, "target_calls": s.target_calls,
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
-                 "degraded": result.degraded, "verifier": result.verifier, "token_ids": result.token_ids,
+                 "degraded": result.degraded, "degraded_reason": result.degraded_reason, "verifier": result.verifier, "token_ids": result.token_ids,
                  "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}

@@ -90,10 +90,11 @@ class ChunkFormat:
         """A chat stream opens by naming the assistant's role."""
         return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def event(self, delta: str | None, finish: str | None = None, degraded: bool = False, **extra: Any) -> str:
-        """One chunk; from the point a generation degrades, every chunk says so (`sprinter.degraded`)."""
+    def event(self, delta: str | None, finish: str | None = None, degraded: str | None = None, **extra: Any) -> str:
+        """One chunk; from the point a generation degrades, every chunk says so and why (`sprinter.degraded`,
+        `sprinter.degraded_reason`)."""
         if degraded and "sprinter" not in extra:
-            extra["sprinter"] = {"degraded": True}
+            extra["sprinter"] = {"degraded": True, "degraded_reason": degraded}
         if self.chat:
             choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
         else:
