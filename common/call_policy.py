@@ -146,7 +146,7 @@ class FlagPolicy:
 
 
 @dataclass
-class _Ewma:
+class Ewma:
     """Exponentially weighted mean; the prior stands until the first observation replaces it."""
 
     value: float
@@ -177,9 +177,9 @@ class CostModel:
     alpha: float = 0.25
     slope_prior_weight: float = 1.0  # pseudo-observations (in token^2) behind the prior slope
     keep: KeepModel = field(default_factory=KeepModel)
-    _draft: _Ewma = field(init=False, repr=False)
-    _rtt: _Ewma = field(init=False, repr=False)
-    _hidden: _Ewma = field(init=False, repr=False)  # share of a block drafted behind the previous round trip
+    _draft: Ewma = field(init=False, repr=False)
+    _rtt: Ewma = field(init=False, repr=False)
+    _hidden: Ewma = field(init=False, repr=False)  # share of a block drafted behind the previous round trip
     # Decayed sums for the weighted fit: weight, g, v, g*g, g*v.
     _w: float = field(default=0.0, init=False, repr=False)
     _sg: float = field(default=0.0, init=False, repr=False)
@@ -190,9 +190,9 @@ class CostModel:
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        self._draft = _Ewma(self.prior_draft_ms, self.alpha)
-        self._rtt = _Ewma(self.prior_rtt_ms, self.alpha)
-        self._hidden = _Ewma(0.0, self.alpha)
+        self._draft = Ewma(self.prior_draft_ms, self.alpha)
+        self._rtt = Ewma(self.prior_rtt_ms, self.alpha)
+        self._hidden = Ewma(0.0, self.alpha)
 
     def observe_draft_step(self, ms: float) -> None:
         self._draft.update(ms)

@@ -32,6 +32,7 @@ class DecodeStats:
     pipeline: str = "off"
     ahead_rounds: int = 0
     ahead_hits: int = 0
+    ahead_off_rounds: int = 0  # rounds run as `off` because drafting ahead did not pay (edge/ahead_gauge.py)
     candidates_sent: int = 0
     candidate_hits: int = 0  # sent candidates the cloud verified with no round trip in between
     uplink_bytes: int = 0  # verify frames and candidates the edge wrote
@@ -74,6 +75,7 @@ class StatsRecorder:
     pipeline: str = "off"
     ahead_rounds: int = 0
     ahead_hits: int = 0
+    ahead_off_rounds: int = 0
     candidates_sent: int = 0
     candidate_hits: int = 0
     uplink_bytes: int = 0
@@ -122,6 +124,7 @@ class StatsRecorder:
             accepted_lengths=list(self.accepted_lengths),
             token_times_ms=[round((t - self.started) * 1e3, 3) for t in self.emitted_at],
             pipeline=self.pipeline, ahead_rounds=self.ahead_rounds, ahead_hits=self.ahead_hits,
+            ahead_off_rounds=self.ahead_off_rounds,
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
         )
 

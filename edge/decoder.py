@@ -43,6 +43,7 @@ from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
 from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed
+from edge.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_verifier import CloudUse, CloudVerifier
 from edge.pipeline import PipelinedRounds
 from edge.replica_set import ReplicaSet
@@ -66,6 +67,7 @@ class EdgeSettings:
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
     stop: tuple[str, ...] = ()  # OpenAI's stop sequences
     request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
+    pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/ahead_gauge.py)
     pipeline: str = "off"  # edge/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
 
     def __post_init__(self) -> None:
@@ -102,6 +104,8 @@ class EdgeDecoder:
         # Shared by every generation, so it keeps learning across requests. Concurrent generations
         # update it from worker threads too; a lost update under that race costs one sample of an EWMA.
         self.cost_model = cost_model or CostModel()
+        # Whether drafting ahead pays, per (pipeline, mode): like the cost model, a property of this edge and its link.
+        self.ahead_records: dict[tuple[str, str], AheadRecord] = {}
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
         self.eos_token_ids = draft.eos_token_ids
         # the draft's own window (and the operator's --max-model-len): drafting past it is undefined
@@ -252,8 +256,10 @@ class EdgeDecoder:
             carried = await self._first_token(generation, drafter, backend, policy)
         if backend is not None and settings.pipeline != "off" and lossless:
             generation.recorder.pipeline = settings.pipeline
+            record = self.ahead_records.setdefault((settings.pipeline, generation.settings.mode), AheadRecord())
             await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
-                                  lambda: self._fit_to_cloud(generation)).run(carried)
+                                  lambda: self._fit_to_cloud(generation),
+                                  AheadGauge(record, settings.pipeline_adapts)).run(carried)
         while not generation.done:
             if backend is not None:
                 self._fit_to_cloud(generation)

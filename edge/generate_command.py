@@ -90,6 +90,9 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cloud, modes sd, sd-block and sprinter-exact: while a block is in flight draft the next one "
                         "for the likeliest verdict (ahead), or for the few likeliest and send them along (send-ahead); "
                         "lossless either way")
+    p.add_argument("--no-pipeline-adapt", dest="pipeline_adapts", action="store_false",
+                   help="draft ahead every round, even while the measured hit rate says it does not pay "
+                        "(by default a pipeline runs rounds as off then, probing now and then)")
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -177,8 +180,8 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
         return 2
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline,
-                                     request_deadline_s=args.request_deadline_s)
+        edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
+                                     pipeline_adapts=args.pipeline_adapts)
         result = await node.decoder.generate(prompt_ids, edge_settings)
     extra = {"degraded": result.degraded_reason or False}
     if result.stats.ahead_rounds:

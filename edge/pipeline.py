@@ -34,6 +34,11 @@ the verifier expects to be rejected, the outcome least worth drafting for)
     run from `off` while their distribution does not; greedy outputs are identical.)
     Tokens reach the client only as verdicts commit them, never from a candidate.
 
+When it pays (edge/ahead_gauge.py)
+    Each round asks the generation's `AheadGauge` whether to draft ahead at all: while the
+    measured hit rate x what a hit saves stays below the measured lag it costs, the round runs as
+    `off` (with a probe now and then). That choice is made before the verdict, so it is lossless too.
+
 Costs
     Drafting ahead hides behind the round trip, so its steps are not taught to the cost model as
     drafting cost; a candidate's verdict teaches the round trip the edge actually waited for it (from
@@ -52,8 +57,8 @@ import torch
 from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
-from common.decoding.modes import PIPELINES
 from common.decoding.speculative_round import Verdict, speculative_round
+from edge.ahead_gauge import AheadGauge
 from edge.cloud_verifier import CloudVerifier
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -75,6 +80,7 @@ class Candidate:
     context: list[int]  # the context that outcome makes
     block: PendingBlock
     sent_at_epoch: int | None = None  # the stream epoch it went out in (edge/cloud_session.py); None: kept here
+    drafting_ms: float = 0.0  # what drafting it took: what the next round saves if it hits
 
 
 def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_ids: frozenset[int],
@@ -116,6 +122,7 @@ class PipelinedRounds:
     cost_model: CostModel | None
     pipeline: str
     fit_to_cloud: Callable[[], None]
+    gauge: AheadGauge
     max_candidates: int = 3  # send-ahead's budget per block in flight
 
     async def run(self, carried: PendingBlock | None = None) -> None:
@@ -140,14 +147,32 @@ class PipelinedRounds:
                 self.cost_model.observe_block_sent(len(block) if matched else len(carried or ()), len(block))
             # The candidates follow the block's own write; a matched candidate was written already.
             epoch = self.backend.session.epoch + (matched is None)
+            ahead = self.gauge.draft_ahead()
+            generation.recorder.ahead_off_rounds += not ahead
             in_flight = asyncio.create_task(self.backend.verify(context, block, matched is not None, verdict_at))
+            arrived: list[float] = []
+            in_flight.add_done_callback(lambda _: arrived.append(time.perf_counter()))
             try:
-                candidates = await self._draft_ahead(context, block, in_flight, epoch)
+                candidates = await self._draft_ahead(context, block, in_flight, epoch) if ahead else []
+                lag_ms = (time.perf_counter() - arrived[0]) * 1e3 if arrived else 0.0
                 verdict = await in_flight
             finally:  # cancelled (the client left): the verify must not outlive the generation
                 in_flight.cancel()
             verdict_at = time.perf_counter()
+            self._learn(verdict, candidates, lag_ms)
             carried, matched = self._commit(context, block, verdict, candidates)
+
+    def _learn(self, verdict: Verdict | None, candidates: list[Candidate], lag_ms: float) -> None:
+        """Teach the gauge this round: hit or not, what a hit saves (drafting a candidate, and with a sent one
+        the link's round trip), and the lag the drafting cost the verdict."""
+        if verdict is None or not candidates:
+            return
+        hit = any((c.outcome.n_accepted, c.outcome.next_token) == (verdict.n_accepted, verdict.next_token)
+                  for c in candidates)
+        saving_ms = sum(c.drafting_ms for c in candidates) / len(candidates)
+        if any(c.sent_at_epoch is not None for c in candidates) and verdict.round_trip_ms is not None:
+            saving_ms += max(0.0, verdict.round_trip_ms - (verdict.verify_ms or 0.0))
+        self.gauge.observe(hit, saving_ms, lag_ms)
 
     async def _next_block(self, context: list[int], carried: PendingBlock | None) -> PendingBlock | None:
         """Draft the next block, continuing a kept candidate; None when the context has no room left."""
@@ -218,6 +243,7 @@ class PipelinedRounds:
 
     async def _draft_candidate(self, candidate: Candidate, room: int, in_flight: asyncio.Task) -> None:
         """Draft `candidate`'s block as the policy would, stopping early if the verdict comes first."""
+        started = time.perf_counter()
         steps = self.drafter.steps(candidate.context, room, self.policy, None)  # hidden behind the round trip: no cost
         while not in_flight.done() and not candidate.block.complete:
             drafted = await self.drafter.next_step(steps)
@@ -225,6 +251,7 @@ class PipelinedRounds:
                 break
             candidate.block.drafted.append(drafted)
             self.generation.recorder.draft_forwards += 1
+        candidate.drafting_ms = (time.perf_counter() - started) * 1e3
 
     async def _send_ready(self, context: list[int], candidates: list[Candidate], epoch: int,
                           in_flight: asyncio.Task) -> None:

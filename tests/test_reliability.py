@@ -41,6 +41,7 @@ def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys, r
     assert summary["cloud_rss_max_bytes"] > 10 << 20 and summary["edge_rss_max_bytes"] > 10 << 20
     requests = result["requests"]
     assert {r["stream"] for r in requests} == {True, False} and len({r["mode"] for r in requests}) >= 4
+    assert summary["greedy_checked"] >= 3 and summary["greedy_mismatches"] == 0, summary
 
 
 @pytest.mark.slow

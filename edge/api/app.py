@@ -63,6 +63,7 @@ class ApiSettings:
     max_request_bytes: int = 2 << 20  # larger bodies get 413
     cloud_retry_s: float = 2.0  # while degraded, how often a generation tries the cloud again
     request_deadline_s: float | None = None  # a request's wait for the cloud in all, unless it sets its own
+    pipeline_adapts: bool = True  # pipelines run rounds as off while drafting ahead does not pay
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class Completions:
             return openai_error(400, str(err), "policy")
         return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
                             pipeline=body.pipeline or self.api.default_pipeline,
-                            request_deadline_s=body.request_deadline_s or self.api.request_deadline_s)
+                            request_deadline_s=body.request_deadline_s or self.api.request_deadline_s,
+                            pipeline_adapts=self.api.pipeline_adapts)
 
     def _max_tokens(self, body: SamplingFields, mode: str, prompt_tokens: int) -> int | JSONResponse:
         """vLLM's rule: prompt + max_tokens must fit the context (the draft's window, the cloud's max_context);

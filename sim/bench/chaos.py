@@ -24,6 +24,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 import urllib.request
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ import httpx
 
 from common.decoding.modes import PIPELINES
 from sim.bench.load import RequestOutcome, RequestSpec, failure_lines, http_client, latency_summary, seconds, send_request
+from sim.bench.target_identity import TargetIdentity, check_target_identity
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess, edge_daemon_process, free_port
 
@@ -174,6 +176,7 @@ class ChaosRun:
         self.kills: list[KillRecord] = []
         self.running: set[int] = set()
         self.recovery_s: float | None = None
+        self.identity = TargetIdentity()
 
     def phase_of(self, index: int) -> int:
         return index * self.phases // self.settings.requests
@@ -191,6 +194,8 @@ class ChaosRun:
             requests = [asyncio.create_task(self.request(client, i, gates)) for i in range(self.settings.requests)]
             await self.kill_between_phases(client, gates)
             await asyncio.gather(*requests)
+            self.identity = await check_target_identity(client, self.base, [self.spec(o.index) for o in self.outcomes],
+                                                        self.outcomes)
         self.outcomes.sort(key=lambda o: o.index)
 
     async def request(self, client: httpx.AsyncClient, index: int, gates: list[asyncio.Event]) -> None:
@@ -247,7 +252,10 @@ def judge(settings: ChaosSettings, run: ChaosRun, wall_s: float, edge_alive: boo
         "restart_s_max": max((k.restart_s for k in run.kills), default=None), "recovery_s": run.recovery_s,
         "after_recovery": len(last_phase), "after_recovery_degraded": sum(1 for o in last_phase if o.degraded),
         "tokens": sum(o.tokens for o in outcomes if o.ok), "wall_s": wall_s, "edge_alive_same_pid": edge_alive,
-        "cloud_starts": sum(c.starts for c in run.clouds), "replicas": len(run.clouds), **latency_summary(outcomes)}
+        "cloud_starts": sum(c.starts for c in run.clouds), "replicas": len(run.clouds),
+        "degraded_by_reason": dict(Counter(o.degraded_reason for o in degraded)),
+        "greedy_checked": run.identity.checked, "greedy_mismatches": len(run.identity.mismatches),
+        **latency_summary(outcomes)}
     problems = [f"{len(failed)} of {len(outcomes)} requests did not complete"] + failure_lines(outcomes) if failed else []
     if len(outcomes) != settings.requests:
         problems.append(f"{settings.requests - len(outcomes)} requests never ran")
@@ -257,6 +265,9 @@ def judge(settings: ChaosSettings, run: ChaosRun, wall_s: float, edge_alive: boo
         problems.append("the edge daemon exited or was replaced during the run")
     if run.recovery_s is None and settings.kills:
         problems.append(f"the edge did not see the cloud again within {settings.recovery_timeout_s:g} s of the last restart")
+    if run.identity.mismatches:
+        problems.append(f"{len(run.identity.mismatches)} of {run.identity.checked} greedy lossless answers differ "
+                        f"from the target's: requests {run.identity.mismatches[:10]}")
     if summary["after_recovery_degraded"]:
         problems.append(f"{summary['after_recovery_degraded']} answers after the final recovery were degraded: "
                         f"requests {[o.index for o in last_phase if o.degraded]}")
@@ -270,7 +281,9 @@ def format_chaos(result: ChaosResult) -> str:
         ("run", f"{cfg['requests']} requests, {cfg['kills']} x kill -9 + restart, {cfg['target']} / {cfg['draft']}"),
         ("completed / requests", f"{s['completed']} / {s['requests']}"),
         ("HTTP 5xx", s["http_5xx"]),
-        ("degraded answers (marked)", s["degraded"]),
+        ("degraded answers (marked), by reason", f"{s['degraded']} ("
+         + (", ".join(f"{k} {v}" for k, v in s["degraded_by_reason"].items()) or "-") + ")"),
+        ("greedy lossless answers = target's", f"{s['greedy_checked'] - s['greedy_mismatches']} of {s['greedy_checked']}"),
         ("in flight at a kill (of them degraded)", f"{s['in_flight_at_kills']} ({s['in_flight_at_kills_degraded']})"),
         ("cloud restart s max; edge saw it back after s", f"{seconds(s['restart_s_max'])}; {seconds(s['recovery_s'])}"),
         ("after recovery: requests (degraded)", f"{s['after_recovery']} ({s['after_recovery_degraded']})"),

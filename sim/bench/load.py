@@ -53,7 +53,9 @@ class RequestOutcome:
     ttft_s: float | None  # streams: first content
     tokens: int = 0
     degraded: bool = False
+    degraded_reason: str | None = None  # the edge's: cloud_unreachable, deadline, no_cloud
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # the answer's, from its `sprinter` object
 
     @property
     def ended_s(self) -> float:
@@ -130,6 +132,8 @@ def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     if answer.get("usage"):  # a whole (not streamed) answer
         outcome.tokens = answer["usage"]["completion_tokens"]
     outcome.degraded = bool(answer["sprinter"]["degraded"])
+    outcome.degraded_reason = answer["sprinter"].get("degraded_reason")
+    outcome.token_ids = answer["sprinter"].get("token_ids")
     outcome.finish_reason = answer["choices"][0].get("finish_reason") if answer.get("choices") else None
 
 

@@ -7,8 +7,10 @@ requests back to back through the edge's OpenAI API until DURATION_S is over: ch
 completions, streamed and whole, greedy and sampled, the modes in turn, so each in-flight request
 holds one cloud session. Every `--sample-s` it records the cloud's and the edge's RSS and the cloud's
 metrics (KV cache bytes, open sessions, evictions). It passes with 0 errors (every request answered
-200 and complete), 0 degraded answers, and KV cache bytes never above the budget; RSS is reported
-(max, and how much the second half's max exceeds the first half's) for a person to judge.
+200 and complete), 0 degraded answers, every greedy answer of a lossless mode token-identical to
+mode target's for the same request (sim/bench/target_identity.py, asked after the load), and KV
+cache bytes never above the budget; RSS is reported (max, and how much the second half's max
+exceeds the first half's) for a person to judge.
 Writes OUT/soak.json (settings, summary, samples, every request) and prints a table.
 
 The KV gauge is read between requests (the cloud sets it after enforcing the budget), so a peak
@@ -23,6 +25,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from common.decoding.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
 from sim.bench.prompts import load_bench_prompts
+from sim.bench.target_identity import TargetIdentity, check_target_identity
 from sim.processes import CloudProcess, edge_daemon_process, free_port
 
 log = logging.getLogger(__name__)
@@ -139,11 +143,9 @@ def soak(settings: SoakSettings) -> SoakResult:
         samplers = [ProcessSampler(lambda cloud=cloud: cloud.pid, edge.process.pid if i == 0 else None,
                                    f"http://127.0.0.1:{port}/metrics", settings.sample_s)
                     for i, (cloud, port) in enumerate(clouds)]
-        started = time.monotonic()
-        outcomes = asyncio.run(_drive(settings, edge.base, samplers))
-        wall_s = time.monotonic() - started
+        outcomes, identity, wall_s = asyncio.run(_drive(settings, edge.base, samplers))
         edge_alive = edge.process.poll() is None
-    result = judge(settings, outcomes, samplers, wall_s, edge_alive)
+    result = judge(settings, outcomes, samplers, wall_s, edge_alive, identity)
     (settings.out / "soak.json").write_text(json.dumps(asdict(result), indent=1))
     return result
 
@@ -161,12 +163,16 @@ def _cloud(settings: SoakSettings, index: int) -> tuple[CloudProcess, int]:
     return cloud, metrics_port
 
 
-async def _drive(settings: SoakSettings, base: str, samplers: list[ProcessSampler]) -> list[RequestOutcome]:
+async def _drive(settings: SoakSettings, base: str, samplers: list[ProcessSampler]
+                 ) -> tuple[list[RequestOutcome], TargetIdentity, float]:
+    """The load (its outcomes and wall time), then the greedy answers held against the target's."""
+    started = time.monotonic()
     prompts = load_bench_prompts()
     rng = random.Random(settings.seed)
     deadline = time.monotonic() + settings.duration_s
     counter = iter(range(10**9))
     outcomes: list[RequestOutcome] = []
+    specs: list[RequestSpec] = []
 
     async def worker(w: int, client: httpx.AsyncClient) -> None:
         turn = 0
@@ -177,16 +183,20 @@ async def _drive(settings: SoakSettings, base: str, samplers: list[ProcessSample
                                mode=settings.modes[(w + turn) % len(settings.modes)],
                                max_tokens=rng.randint(*settings.max_tokens), stream=(w + turn) % 2 == 0,
                                temperature=settings.temperatures[index % len(settings.temperatures)], seed=index)
+            specs.append(spec)
             outcomes.append(await send_request(client, base, spec))
             turn += 1
 
     sampling = [asyncio.create_task(sampler.run()) for sampler in samplers]
     async with http_client(settings.sessions) as client:
         await asyncio.gather(*(worker(w, client) for w in range(settings.sessions)))
-    for sampler in samplers:
-        sampler.stop()
-    await asyncio.gather(*sampling)
-    return sorted(outcomes, key=lambda o: o.index)
+        wall_s = time.monotonic() - started
+        for sampler in samplers:
+            sampler.stop()
+        await asyncio.gather(*sampling)
+        log.info("load over after %.0f s; asking the target for the greedy references", wall_s)
+        identity = await check_target_identity(client, base, specs, outcomes)
+    return sorted(outcomes, key=lambda o: o.index), identity, wall_s
 
 
 def _clouds_summary(samplers: list[ProcessSampler], half_s: float) -> dict[str, Any]:
@@ -214,7 +224,7 @@ def _clouds_summary(samplers: list[ProcessSampler], half_s: float) -> dict[str, 
 
 
 def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list[ProcessSampler], wall_s: float,
-          edge_alive: bool) -> SoakResult:
+          edge_alive: bool, identity: TargetIdentity) -> SoakResult:
     budget = settings.kv_budget_mb << 20
     failed = [o for o in outcomes if not o.ok]
     degraded = [o for o in outcomes if o.ok and o.degraded]
@@ -223,14 +233,21 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list
     tokens = sum(o.tokens for o in outcomes if o.ok)
     summary: dict[str, Any] = {
         "requests": len(outcomes), "errors": len(failed), "degraded": len(degraded),
+        "degraded_by_reason": dict(Counter(o.degraded_reason for o in degraded)),
+        "degraded_by_mode": dict(Counter(o.mode for o in degraded)),
+        "greedy_checked": identity.checked, "greedy_mismatches": len(identity.mismatches),
+        "greedy_references_failed": identity.references_failed,
         "http_5xx": sum(1 for o in failed if o.status is not None and o.status >= 500),
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
         "edge_rss_max_bytes": samplers[0].maximum("edge_rss"), "kv_budget_bytes": budget, **clouds,
         "edge_cpu_s": _used(samplers[0], "edge_cpu_s"), "edge_alive": edge_alive, **latency_summary(outcomes)}
     problems = [f"{len(failed)} of {len(outcomes)} requests failed"] + failure_lines(outcomes) if failed else []
     if degraded:
-        problems.append(f"{len(degraded)} answers degraded (the cloud was unreachable or refused): "
+        problems.append(f"{len(degraded)} answers degraded ({summary['degraded_by_reason']}): "
                         f"requests {[o.index for o in degraded[:10]]}")
+    if identity.mismatches:
+        problems.append(f"{len(identity.mismatches)} of {identity.checked} greedy lossless answers differ from the "
+                        f"target's: requests {identity.mismatches[:10]}")
     if kv_max is None:
         problems.append("no KV cache reading: the cloud's metrics endpoint never answered")
     elif kv_max > budget:
@@ -255,6 +272,9 @@ def format_soak(result: SoakResult) -> str:
     rows = [
         ("load", f"{cfg['sessions']} concurrent sessions for {cfg['duration_s']:g} s, {cfg['target']} / {cfg['draft']}"),
         ("requests (errors, HTTP 5xx, degraded)", f"{s['requests']} ({s['errors']}, {s['http_5xx']}, {s['degraded']})"),
+        ("degraded by reason", ", ".join(f"{k} {v}" for k, v in s["degraded_by_reason"].items()) or "-"),
+        ("greedy lossless answers = target's (checked, references failed)",
+         f"{s['greedy_checked'] - s['greedy_mismatches']} of {s['greedy_checked']} ({s['greedy_references_failed']})"),
         ("tokens, tokens/s", f"{s['tokens']}, {s['tokens_per_s']:.1f}"),
         ("latency s p50 / p90 / p99 / max", " / ".join(seconds(s[k]) for k in
                                                       ("latency_s_p50", "latency_s_p90", "latency_s_p99", "latency_s_max"))),
