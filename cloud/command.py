@@ -44,6 +44,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
+    p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
+                   help="a session used within this many seconds is not evicted to admit another; the newcomer "
+                        "waits (RESOURCE_EXHAUSTED with a retry hint) instead of thrashing (0: evict any idle one)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
                    help="hold a forward this long for more verifies (default 0: continuous batching, a forward "
                         "starts as soon as the engine is free and takes everything waiting)")

@@ -142,7 +142,8 @@ class CloudServer:
             invariant = KVInvariant(engine.kv_bytes_in_use, lambda used, where: self.metrics.kv_over_budget.inc(),
                                     strict=os.environ.get("SPRINTER_CHECK_INVARIANTS") == "1")
             store = SessionStore(
-                SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas),
+                SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas,
+                              settings.evict_grace_s),
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
                 invariant=invariant,
             )

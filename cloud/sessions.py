@@ -3,7 +3,9 @@
 The store bounds memory three ways: a KV budget, a session limit (both with fair-share eviction of
 idle sessions, see cloud/quotas.py) and an idle timeout. Admission happens before any compute: a
 session or a Generate that cannot fit is refused with RESOURCE_EXHAUSTED, never admitted and then
-evicted. An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
+evicted (to admit work, only one idle for `evict_grace_s`: otherwise the newcomer is refused with a
+retry hint and waits its turn, rather than sessions evicting each other on every round, each
+eviction a prefill). An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
 with its full context, so eviction costs a prefill, never correctness.
 
 KV is counted in the pages a session holds or has been granted (at least its context), and a
@@ -74,6 +76,7 @@ class SessionLimits:
     kv_budget_bytes: int = 2 << 30
     idle_timeout_s: float = 300.0
     edge: EdgeQuotas | None = None  # None: each edge may use the global limits
+    evict_grace_s: float = 0.0  # admission never evicts a session used more recently than this (no thrashing)
 
     def __post_init__(self) -> None:
         if self.edge is None:
@@ -221,15 +224,16 @@ class SessionStore:
 
     def _make_session_room(self, owner: str) -> None:
         if self.owner_sessions(owner) >= self.edge.max_sessions:  # the edge is at its quota: it pays itself
-            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner):  # its LRU idle one
+            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner, admitting=True):
                 raise exhausted(f"this edge has {self.edge.max_sessions} busy sessions, its quota (--edge-max-sessions); "
                                 "close one or retry shortly", BUSY_RETRY_MS)
-        if len(self._sessions) >= self.limits.max_sessions and not self._evict(self._session_share, "session limit"):
+        if len(self._sessions) >= self.limits.max_sessions and not self._evict(self._session_share, "session limit",
+                                                                               admitting=True):
             raise exhausted(f"all {self.limits.max_sessions} sessions are busy; retry shortly", BUSY_RETRY_MS)
 
     def _make_kv_room(self, needed: int) -> None:
         while self.kv_bytes + needed > self.limits.kv_budget_bytes:
-            if not self._evict(self._kv_share, "KV budget"):
+            if not self._evict(self._kv_share, "KV budget", admitting=True):
                 raise exhausted(f"the KV cache budget is held by sessions that are busy right now "
                                 f"({self.kv_bytes >> 10} of {self.limits.kv_budget_bytes >> 10} KiB, "
                                 f"{needed >> 10} KiB needed); retry shortly", BUSY_RETRY_MS)
@@ -241,8 +245,11 @@ class SessionStore:
         return self.owner_sessions(owner) / self.edge.max_sessions
 
     def _evict(self, share: Callable[[str], float], reason: str, protect: Session | None = None,
-               only_owner: str | None = None) -> bool:
-        candidates = (s for s in self._sessions.values() if only_owner is None or s.owner == only_owner)
+               only_owner: str | None = None, admitting: bool = False) -> bool:
+        """Evict one idle session (fair share first); to admit work, only one idle for the grace period."""
+        used_before = time.monotonic() - self.limits.evict_grace_s if admitting else float("inf")
+        candidates = (s for s in self._sessions.values()
+                      if (only_owner is None or s.owner == only_owner) and s.last_used <= used_before)
         victim = fair_share_victim(candidates, share, protect)
         if victim is None:
             return False

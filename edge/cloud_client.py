@@ -31,6 +31,7 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 # Refusals in an error frame that say "not now" rather than "never": retried, after Error.retry_after_ms if given.
 RETRY_LATER = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+RETRY_AFTER_METADATA = "retry-after-ms"  # the hint a call that ends RESOURCE_EXHAUSTED carries (cloud/errors.py)
 
 
 STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
@@ -39,9 +40,10 @@ STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 class CloudError(Exception):
     """Whatever the cloud client raises: it carries the gRPC status that caused it."""
 
-    def __init__(self, code: grpc.StatusCode | int, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode | int, message: str, retry_after_s: float = 0.0) -> None:
         self.code = STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
         self.detail = message
+        self.retry_after_s = retry_after_s  # > 0: the cloud is busy, and says when a retry may succeed
         super().__init__(f"{self.code.name}: {message}")
 
 
@@ -164,7 +166,8 @@ class CloudClient:
     def _error(self, err: grpc.aio.AioRpcError) -> CloudError:
         if err.code() in TRANSIENT:
             return CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}")
-        return CloudRefused(err.code(), err.details() or "")
+        hint = next((value for key, value in err.trailing_metadata() or () if key == RETRY_AFTER_METADATA), "0")
+        return CloudRefused(err.code(), err.details() or "", int(hint) / 1e3 if str(hint).isdigit() else 0.0)
 
     async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
         try:

@@ -221,7 +221,8 @@ class CloudSession:
             cause = "evicted" if code == grpc.StatusCode.NOT_FOUND else "desync"
             return RetryableFailure(f"{code.name}: {error.message}", resync=True, cause=cause,
                                     move=cause == "evicted")
-        if code in RETRY_LATER:  # busy or shutting down: better tried elsewhere, on a fresh stream
+        busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_ms > 0  # else a limit, no retry lifts
+        if code in RETRY_LATER and (busy or code == grpc.StatusCode.UNAVAILABLE):  # busy or shutting down
             cause = "draining" if code == grpc.StatusCode.UNAVAILABLE else "busy"
             return RetryableFailure(f"{code.name}: {error.message}", error.retry_after_ms / 1e3,
                                     reset=cause == "draining", cause=cause, move=True)

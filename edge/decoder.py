@@ -42,7 +42,7 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed
+from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, time_left
 from edge.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_verifier import CloudUse, CloudVerifier
 from edge.pipeline import PipelinedRounds
@@ -89,6 +89,14 @@ class EdgeResult:
     @property
     def degraded(self) -> bool:
         return self.degraded_reason is not None
+
+
+async def wait_for_turn(waits: int, hint_s: float, deadline_at: float | None) -> bool:
+    """Back off before asking a busy cloud again (exponential with jitter, at least its hint); False once the
+    request's deadline has passed."""
+    delay, left = max(hint_s, backoff_delay(waits - 1, 0.2, 5.0)), time_left(deadline_at)
+    await asyncio.sleep(delay if left is None else min(delay, left))
+    return left is None or left > delay
 
 
 class EdgeDecoder:
@@ -174,11 +182,19 @@ class EdgeDecoder:
         again (from the context so far) once it answers, unless the request's deadline has passed."""
         if self.cloud is None:
             raise ValueError("mode 'target' needs a cloud (--cloud HOST:PORT)")
-        drafter, retry_at = None, None
+        drafter, retry_at, busy = None, None, 0
         while not generation.done:
             try:
                 use.finish_reason = await self._cloud_generate(generation, deadline_at)
                 return
+            except CloudRefused as err:
+                if err.code.name != "RESOURCE_EXHAUSTED" or not err.retry_after_s:
+                    raise  # a limit no retry can lift
+                busy += 1  # busy (the KV budget is held): wait for a turn, as the speculative modes do
+                if await wait_for_turn(busy, err.retry_after_s, deadline_at):
+                    continue
+                use.mark_degraded("deadline", f"the request's deadline passed while the cloud was busy: {err}")
+                retry_at = None
             except DeadlinePassed as err:
                 use.mark_degraded(err.reason, str(err))
                 retry_at = None

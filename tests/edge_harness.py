@@ -96,6 +96,8 @@ class Script:
     verify_refusals_after: int | None = None  # verify: refuse every frame after this many verdicts
     verify_refusal: pb.Error | None = None
     generate_hangs_after: int | None = None  # Generate: stream this many tokens, then go silent
+    generate_busy: int = 0  # Generate: refuse this many calls RESOURCE_EXHAUSTED (retry hint 50 ms), then serve
+    generates: int = 0
     open_delay_s: float = 0.0  # how long an open takes (a long prompt's prefill)
     next_token: int = 5
     opens: int = 0
@@ -134,6 +136,14 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        self.script.generates += 1
+        if self.script.generates <= self.script.generate_busy:
+            context.set_trailing_metadata((("retry-after-ms", "50"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV cache budget is held; retry shortly")
+        if self.script.generate_hangs_after is None:  # serve the whole request
+            for _ in range(request.max_new_tokens):
+                yield pb.GenerateChunk(token_ids=[self.script.next_token])
+            return
         for _ in range(self.script.generate_hangs_after or 0):
             yield pb.GenerateChunk(token_ids=[self.script.next_token])
         await asyncio.sleep(3600)  # a cloud that hangs: no chunk, no end

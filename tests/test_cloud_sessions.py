@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -129,7 +130,7 @@ def test_desync_is_refused_with_the_clouds_length_and_recovers(channel):
 
 
 def test_evicted_session_answers_not_found_and_reopens_with_full_context(tiny_target):
-    settings = CloudSettings(max_sessions=2, batch_window_ms=1)
+    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=0)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         first = SessionStream(channel)
         first.open([1, 2, 3, 4])
@@ -144,6 +145,24 @@ def test_evicted_session_answers_not_found_and_reopens_with_full_context(tiny_ta
         assert reopened.context_length == len(context)
         assert first.verify(len(context), [7]).WhichOneof("frame") == "verdict"
         for stream in [first, *others]:
+            stream.close()
+
+
+def test_admission_waits_for_a_session_idle_past_the_grace_instead_of_thrashing(tiny_target):
+    """Issue 25: with every session used just now, a newcomer is refused with a retry hint (it waits its turn);
+    once the least recently used has been idle for --evict-grace-s, it is evicted to admit the newcomer."""
+    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=1.0)
+    with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
+        held = [SessionStream(channel) for _ in range(2)]
+        for stream in held:
+            stream.open([1, 2, 3])
+        newcomer = SessionStream(channel)
+        refused = newcomer.open([9, 9]).error
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and refused.retry_after_ms > 0
+        time.sleep(1.1)
+        assert newcomer.open([9, 9]).WhichOneof("frame") == "opened"
+        assert held[0].verify(3, [4]).error.code == grpc.StatusCode.NOT_FOUND.value[0]  # the LRU one went
+        for stream in [*held, newcomer]:
             stream.close()
 
 

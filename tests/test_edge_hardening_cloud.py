@@ -177,6 +177,16 @@ def test_a_cloud_busy_beyond_the_retries_is_waited_for_not_degraded(tiny_draft):
     assert response.headers["x-sprinter-degraded"] == "false"
 
 
+def test_mode_target_waits_for_a_busy_cloud_too(tiny_draft):
+    script = scripted(tiny_draft, generate_busy=4)
+    with ScriptedCloud(script) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app_factory("target")) as edge:
+        response = post(edge, {"prompt": "abc", "max_tokens": 6})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["sprinter"]["degraded"] is False and body["sprinter"]["token_ids"] == [script.next_token] * 6
+    assert script.generates == 5
+
+
 def test_past_the_request_deadline_the_rest_is_degraded_and_says_why(tiny_draft):
     """The request's own deadline (request_deadline_s, else --request-deadline-s) is the one limit on waiting."""
     script = scripted(tiny_draft, open_refusals=[busy(grpc.StatusCode.RESOURCE_EXHAUSTED, 200)] * 1000)
