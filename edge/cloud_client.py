@@ -64,6 +64,13 @@ def time_left(deadline_at: float | None) -> float | None:
     return None if deadline_at is None else max(0.0, deadline_at - time.monotonic())
 
 
+async def sleep_within(delay_s: float, deadline_at: float | None) -> bool:
+    """Sleep `delay_s`, or until `deadline_at` if that comes first; False when the deadline cut it short."""
+    left = time_left(deadline_at)
+    await asyncio.sleep(delay_s if left is None else min(delay_s, left))
+    return left is None or left > delay_s
+
+
 def wait_limit(frame_deadline_s: float, deadline_at: float | None) -> tuple[float, bool]:
     """How long one read may wait, and whether the request's deadline (not the frame's) is what limits it."""
     left = time_left(deadline_at)

@@ -34,7 +34,7 @@ import grpc
 from common.sampling import SparseDistribution, SamplingParams
 from edge.cloud_client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
                                CloudRefused, CloudUnavailable, DeadlinePassed, RetryableFailure, backoff_delay,
-                               sampling_to_proto, time_left, wait_limit)
+                               sampling_to_proto, sleep_within, wait_limit)
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -352,13 +352,10 @@ class CloudSession:
             delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
                                                                               endpoint.max_backoff_s)
             delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
-        left = time_left(self.deadline_at)
-        if left is not None and left <= delay:
-            await asyncio.sleep(left)
+        if not await sleep_within(delay, self.deadline_at):
             await self._reset()
             raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"the request's deadline passed while the cloud was unavailable ({failure})")
-        await asyncio.sleep(delay)
 
     async def _reset(self) -> None:
         if self.call is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from common.decoding.drafting import PendingBlock
@@ -43,18 +43,16 @@ class CloudUse:
     reopens: int = 0
     error: CloudError | None = None  # the refusal that ended the generation early
     finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
-    details: list[str] = field(default_factory=list)
 
     @property
     def degraded(self) -> bool:
         return self.degraded_reason is not None
 
-    def mark_degraded(self, reason: str, detail: str) -> None:
+    def mark_degraded(self, reason: str) -> None:
         if self.degraded_reason is None:
             self.degraded_reason = reason
             if self.on_degraded is not None:
                 self.on_degraded(reason)
-        self.details.append(detail)
 
 
 class CloudVerifier:
@@ -98,7 +96,7 @@ class CloudVerifier:
         except CloudUnavailable as err:
             if self.down_since is None:
                 log.warning("%s; continuing from the draft alone (degraded): %s", err.reason, err)
-            self.use.mark_degraded(err.reason, str(err))
+            self.use.mark_degraded(err.reason)
             self.down_since = time.monotonic()
             self.deadline_passed = isinstance(err, DeadlinePassed)
             return None

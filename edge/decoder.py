@@ -42,14 +42,13 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, time_left
+from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_verifier import CloudUse, CloudVerifier
 from edge.pipeline import PipelinedRounds
 from edge.replica_set import ReplicaSet
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -89,14 +88,6 @@ class EdgeResult:
     @property
     def degraded(self) -> bool:
         return self.degraded_reason is not None
-
-
-async def wait_for_turn(waits: int, hint_s: float, deadline_at: float | None) -> bool:
-    """Back off before asking a busy cloud again (exponential with jitter, at least its hint); False once the
-    request's deadline has passed."""
-    delay, left = max(hint_s, backoff_delay(waits - 1, 0.2, 5.0)), time_left(deadline_at)
-    await asyncio.sleep(delay if left is None else min(delay, left))
-    return left is None or left > delay
 
 
 class EdgeDecoder:
@@ -191,12 +182,13 @@ class EdgeDecoder:
                 if err.code.name != "RESOURCE_EXHAUSTED" or not err.retry_after_s:
                     raise  # a limit no retry can lift
                 busy += 1  # busy (the KV budget is held): wait for a turn, as the speculative modes do
-                if await wait_for_turn(busy, err.retry_after_s, deadline_at):
+                if await sleep_within(max(err.retry_after_s, backoff_delay(busy - 1, 0.2, 5.0)), deadline_at):
                     continue
-                use.mark_degraded("deadline", f"the request's deadline passed while the cloud was busy: {err}")
+                log.warning("the request's deadline passed while the cloud was busy: %s", err)
+                use.mark_degraded("deadline")
                 retry_at = None
             except DeadlinePassed as err:
-                use.mark_degraded(err.reason, str(err))
+                use.mark_degraded(err.reason)
                 retry_at = None
             except CloudUnavailable as err:
                 if self.cloud.available():  # that replica rests now; another takes over from the context so far
@@ -204,7 +196,7 @@ class EdgeDecoder:
                     use.reopens += 1
                     continue
                 log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
-                use.mark_degraded(err.reason, str(err))
+                use.mark_degraded(err.reason)
                 retry_at = time.monotonic() + settings.cloud_retry_s
             drafter = drafter or self._drafter(settings.decode.sampling)
             # past the request's deadline (retry_at None) the draft goes on to the end
@@ -237,7 +229,7 @@ class EdgeDecoder:
         mode = generation.settings.mode
         if mode != "draft" and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
-            use.mark_degraded("no_cloud", "no cloud configured")
+            use.mark_degraded("no_cloud")
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
         drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
