@@ -111,6 +111,12 @@ def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_i
     return sorted(outcomes, key=lambda o: -o.likelihood)
 
 
+def picked(candidates: list[Candidate], verdict: Verdict) -> Candidate | None:
+    """The candidate drafted for the verdict's outcome, if any (a hit)."""
+    return next((c for c in candidates if (c.outcome.n_accepted, c.outcome.next_token)
+                 == (verdict.n_accepted, verdict.next_token)), None)
+
+
 @dataclass
 class PipelinedRounds:
     """One generation's rounds with a pipeline on (see the module docstring)."""
@@ -167,8 +173,7 @@ class PipelinedRounds:
         the link's round trip), and the lag the drafting cost the verdict."""
         if verdict is None or not candidates:
             return
-        hit = any((c.outcome.n_accepted, c.outcome.next_token) == (verdict.n_accepted, verdict.next_token)
-                  for c in candidates)
+        hit = picked(candidates, verdict) is not None
         saving_ms = sum(c.drafting_ms for c in candidates) / len(candidates)
         if any(c.sent_at_epoch is not None for c in candidates) and verdict.round_trip_ms is not None:
             saving_ms += max(0.0, verdict.round_trip_ms - (verdict.verify_ms or 0.0))
@@ -204,8 +209,7 @@ class PipelinedRounds:
         if self.cost_model is not None and generation.new_tokens and verdict.round_trip_ms is not None:
             self.cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
         generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token])
-        hit = next((c for c in candidates if (c.outcome.n_accepted, c.outcome.next_token)
-                    == (verdict.n_accepted, verdict.next_token)), None)
+        hit = picked(candidates, verdict)
         recorder.pipelined(drafted_ahead=bool(candidates), hit=hit is not None,
                            sent=sum(c.sent_at_epoch is not None for c in candidates))
         if hit is None or generation.done or hit.context != generation.context:
