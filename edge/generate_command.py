@@ -134,7 +134,7 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
 
 def run(args: argparse.Namespace) -> int:
     from common.companion import companion_for
-    from edge.verifier_runtime import load_verifier
+    from edge.runtime.verifier import load_verifier
 
     try:
         settings = decode_settings(args)
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
-    from edge.decoder import EdgeSettings
+    from edge.decoding.decoder import EdgeSettings
     from edge.node import EdgeNode, EdgeNodeSettings
 
     try:

@@ -14,11 +14,11 @@ from common.cached_lm import DraftLM
 from common.companion import Companion, companion_for
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier
-from edge.cloud_client import CloudEndpoint
-from edge.decoder import EdgeDecoder
-from edge.draft_runtime import draft_lm_factory
-from edge.replica_set import ReplicaSet
-from edge.verifier_runtime import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
+from edge.cloud_link.client import CloudEndpoint
+from edge.decoding.decoder import EdgeDecoder
+from edge.runtime.draft import draft_lm_factory
+from edge.cloud_link.replicas import ReplicaSet
+from edge.runtime.verifier import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
 
 log = logging.getLogger(__name__)
 

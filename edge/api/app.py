@@ -39,8 +39,8 @@ from edge.api.metrics import EdgeMetrics
 from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, openai_error,
                               request_problem, sprinter_extension, usage)
 from edge.api.sse import DONE, ChunkFormat, IncrementalText
-from edge.cloud_client import CloudError
-from edge.decoder import Degraded, EdgeResult, EdgeSettings
+from edge.cloud_link.client import CloudError
+from edge.decoding.decoder import Degraded, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ApiSettings:
     default_mode: str = "sprinter-exact"
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
-    default_pipeline: str = "off"  # edge/pipeline.py; a request may set its own
+    default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)

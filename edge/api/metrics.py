@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.call_policy import CostModel
-from edge.decoder import EdgeResult
-from edge.replica_set import ReplicaSet
+from edge.decoding.decoder import EdgeResult
+from edge.cloud_link.replicas import ReplicaSet
 
 
 @dataclass

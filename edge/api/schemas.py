@@ -1,7 +1,7 @@
 """The OpenAI wire format the edge daemon speaks: request bodies, error objects, usage and our extension.
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
-spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/pipeline.py) and
+spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipeline.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
 from the draft, degraded with reason `deadline`). Each response carries the usual `usage` plus a
 `sprinter` object (mode, policy, target_calls, tokens_per_call, block_length_mean, degraded and
@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge.decoder import EdgeResult
+from edge.decoding.decoder import EdgeResult
 
 MAX_STOP_SEQUENCES = 16
 

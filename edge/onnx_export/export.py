@@ -15,7 +15,7 @@ derived inside the graph from the past length):
 `logits_index` exists for the same reason as `logits_to_keep` in `CachedLM`: on a prompt, the LM head
 over every position would cost more than the whole decoder stack.
 
-Choices (see the module docstring of `edge.onnx_draft` for the runtime side):
+Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime side):
 - Exporter: `torch.onnx.export(dynamo=True)` (torch.export + onnxscript). The TorchScript exporter
   also runs, but it traces Python branches in transformers' mask code with the example shapes; the
   dynamo exporter keeps `n` and `past` symbolic, so one graph serves prefill, decode and past = 0.
@@ -303,7 +303,7 @@ def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -
 
     The tolerance is relative to the largest logit: fused kernels sum in a different order.
     """
-    from edge.onnx_draft import OnnxCachedLM
+    from edge.runtime.onnx_draft import OnnxCachedLM
     from common.cached_lm import CachedLM
 
     torch_lm, onnx_lm = CachedLM(model, with_hidden=True), OnnxCachedLM(path, with_hidden=True)

@@ -2,7 +2,7 @@
 
 `OnnxCachedLM.advance_to(context, n_logits)` keeps the longest cached prefix of `context`, rolls the
 KV cache back past it and feeds the rest in one `session.run`, exactly like the torch `CachedLM`
-(which stays as the reference and the fallback: `edge.draft_runtime.load_draft_runtime(..., runtime="torch")`).
+(which stays as the reference and the fallback: `edge.runtime.draft.load_draft_runtime(..., runtime="torch")`).
 
 The KV cache stays in ONNX Runtime's hands between calls: numpy arrays on CPU (ORT reads numpy
 inputs in place, and its outputs come back without a further copy), `OrtValue`s bound through IO
@@ -22,7 +22,7 @@ import onnxruntime as ort
 import torch
 
 from common.cached_lm import ForwardOutput, common_prefix_length
-from edge.ort_sessions import make_session
+from edge.runtime.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
 

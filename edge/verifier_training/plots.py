@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.plots import pyplot
-from edge.verifier_pipeline.evaluate import EvalRow
-from edge.verifier_pipeline.replay import EXACT, HINDSIGHT, LEARNED, ReplayRow
+from edge.verifier_training.evaluate import EvalRow
+from edge.verifier_training.replay import EXACT, HINDSIGHT, LEARNED, ReplayRow
 
 
 def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge.verifier_pipeline.collect import VerifierDataset
-from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FREE_FEATURES
+from edge.verifier_training.collect import VerifierDataset
+from edge.runtime.verifier import COMPANION_FEATURES, CONFIDENCE_FEATURES, FREE_FEATURES
 
 LABELS = ("greedy", "paper", "soft")
 

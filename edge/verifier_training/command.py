@@ -136,7 +136,7 @@ def _runtime_name(args: argparse.Namespace) -> str:
 
 def _draft_lm_factory(draft: LoadedModel, args: argparse.Namespace) -> Callable[[bool], DraftLM]:
     """`with_hidden -> DraftLM` over the runtime the edge runs (one ONNX session shared by all caches)."""
-    from edge.draft_runtime import draft_lm_factory  # ONNX Runtime loads only for the commands that draft
+    from edge.runtime.draft import draft_lm_factory  # ONNX Runtime loads only for the commands that draft
 
     return draft_lm_factory(draft, args.draft_runtime, args.threads, args.draft_weights)
 
@@ -151,13 +151,13 @@ def _prompts(args: argparse.Namespace):
 
 def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     if args.workers > 1 and args.worker is None:
-        from edge.verifier_pipeline.workers import run_workers
+        from edge.verifier_training.workers import run_workers
 
         run_workers(args.workers, data_dir, args.argv)
         return
     from common.companion import companion_factory, load_companion
     from common.models import load_pair
-    from edge.verifier_pipeline.collect import CollectSettings, collect, nothing_to_collect
+    from edge.verifier_training.collect import CollectSettings, collect, nothing_to_collect
 
     if args.worker is not None:  # one of --workers' processes: the target's forward keeps to its core too
         import torch
@@ -184,9 +184,9 @@ def run_collect(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from edge.verifier_pipeline.collect import load_dataset
-    from edge.verifier_pipeline.plots import plot_reliability
-    from edge.verifier_pipeline.train import TrainSettings, export, train
+    from edge.verifier_training.collect import load_dataset
+    from edge.verifier_training.plots import plot_reliability
+    from edge.verifier_training.train import TrainSettings, export, train
 
     data_dir = args.data or args.out / "data"
     _collect(args, data_dir)  # resumes: finished shards are kept
@@ -209,9 +209,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from edge.verifier_pipeline.collect import load_dataset
-    from edge.verifier_pipeline.study import run_study as study
-    from edge.verifier_pipeline.train import TrainSettings
+    from edge.verifier_training.collect import load_dataset
+    from edge.verifier_training.study import run_study as study
+    from edge.verifier_training.train import TrainSettings
 
     print(study(load_dataset(args.data), TrainSettings(label=args.label, epochs=args.epochs, seed=args.seed), args.out))
     return 0
@@ -230,9 +230,9 @@ def _prompts_of(learned, ids_key: str, args: argparse.Namespace) -> list:
 
 def run_bound(args: argparse.Namespace) -> int:
     from common.models import load_pair
-    from edge.verifier_pipeline.evaluate import EvalSettings
-    from edge.verifier_pipeline.quality_bound import QualityBound, run_bound as bound, write_report
-    from edge.verifier_runtime import LearnedVerifier
+    from edge.verifier_training.evaluate import EvalSettings
+    from edge.verifier_training.quality_bound import QualityBound, run_bound as bound, write_report
+    from edge.runtime.verifier import LearnedVerifier
 
     quality = QualityBound.parse(args.bound)
     learned = LearnedVerifier.load(args.verifier)
@@ -248,10 +248,10 @@ def run_bound(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from edge.verifier_pipeline.collect import load_dataset
-    from edge.verifier_pipeline.plots import plot_replay
-    from edge.verifier_pipeline.replay import ReplaySettings, RoundCosts, held_out_traces, replay, write_report
-    from edge.verifier_runtime import LearnedVerifier
+    from edge.verifier_training.collect import load_dataset
+    from edge.verifier_training.plots import plot_replay
+    from edge.verifier_training.replay import ReplaySettings, RoundCosts, held_out_traces, replay, write_report
+    from edge.runtime.verifier import LearnedVerifier
 
     learned = LearnedVerifier.load(args.verifier)
     traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features, args.limit)
@@ -266,9 +266,9 @@ def run_replay(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from common.models import load_pair
     from common.prompt_sets import interleave_categories, load_prompts
-    from edge.verifier_pipeline.evaluate import EvalSettings, evaluate, matched, table, to_dicts
-    from edge.verifier_pipeline.plots import plot_reliability, plot_tradeoff
-    from edge.verifier_runtime import LearnedVerifier
+    from edge.verifier_training.evaluate import EvalSettings, evaluate, matched, table, to_dicts
+    from edge.verifier_training.plots import plot_reliability, plot_tradeoff
+    from edge.runtime.verifier import LearnedVerifier
 
     learned = LearnedVerifier.load(args.verifier)
     if learned.needs_companion:

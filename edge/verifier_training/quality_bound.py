@@ -23,8 +23,8 @@ from typing import Callable
 from common.cached_lm import DraftLM
 from common.models import LoadedModel
 from common.prompt_sets import PromptRecord
-from edge.verifier_pipeline.evaluate import EvalRow, EvalSettings, Method, evaluate, table
-from edge.verifier_runtime import LearnedVerifier
+from edge.verifier_training.evaluate import EvalRow, EvalSettings, Method, evaluate, table
+from edge.runtime.verifier import LearnedVerifier
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The edge's connection to one cloud replica: a channel with keepalive, its limits, clear failure.
 
 `CloudClient` is one replica (one channel, shared by all sessions there): GetInfo, Generate (mode
-target) with a per-chunk deadline, and the stub a `CloudSession` (edge/cloud_session.py) streams
+target) with a per-chunk deadline, and the stub a `CloudSession` (edge/cloud_link/session.py) streams
 on. The errors say what a caller may do: `CloudUnavailable` (out of reach after the retries: carry
 on from the draft), `CloudRefused` (no retry can fix it), `RetryableFailure` (one attempt failed;
 the session decides where to try again). The cloud's limits (`CloudLimits`) are read from GetInfo
-and from every session it opens. Several replicas are an `edge/replica_set.py` `ReplicaSet`.
+and from every session it opens. Several replicas are an `edge/cloud_link/replicas.py` `ReplicaSet`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class RetryableFailure(Exception):
         self.retry_after_s = retry_after_s  # the cloud's own hint (Error.retry_after_ms)
         self.resync = resync  # the cloud lost our session: reopen with the full context
         self.reset = reset  # the stream itself is gone: open a new one
-        self.cause = cause  # what it says about the replica (edge/cloud_session.py's table)
+        self.cause = cause  # what it says about the replica (edge/cloud_link/session.py's table)
         self.move = move  # another replica, if there is one, is the better place to retry
 
 

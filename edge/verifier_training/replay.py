@@ -44,8 +44,8 @@ import numpy as np
 
 from common.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
 from common.prompt_sets import interleave_categories
-from edge.verifier_pipeline.collect import VerifierDataset
-from edge.verifier_pipeline.features import feature_matrix, labels_for
+from edge.verifier_training.collect import VerifierDataset
+from edge.verifier_training.features import feature_matrix, labels_for
 
 CAP = 20  # the run-length cap of the edge's loop
 HINDSIGHT = "hindsight oracle"

@@ -34,7 +34,7 @@ the verifier expects to be rejected, the outcome least worth drafting for)
     run from `off` while their distribution does not; greedy outputs are identical.)
     Tokens reach the client only as verdicts commit them, never from a candidate.
 
-When it pays (edge/ahead_gauge.py)
+When it pays (edge/decoding/ahead_gauge.py)
     Each round asks the generation's `AheadGauge` whether to draft ahead at all: while the
     measured hit rate x what a hit saves stays below the measured lag it costs, the round runs as
     `off` (with a probe now and then). That choice is made before the verdict, so it is lossless too.
@@ -58,8 +58,8 @@ from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import Verdict, speculative_round
-from edge.ahead_gauge import AheadGauge
-from edge.cloud_verifier import CloudVerifier
+from edge.decoding.ahead_gauge import AheadGauge
+from edge.cloud_link.backend import CloudVerifier
 from sprinter.v1 import decoding_pb2 as pb
 
 BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
@@ -79,7 +79,7 @@ class Candidate:
     outcome: Outcome
     context: list[int]  # the context that outcome makes
     block: PendingBlock
-    sent_at_epoch: int | None = None  # the stream epoch it went out in (edge/cloud_session.py); None: kept here
+    sent_at_epoch: int | None = None  # the stream epoch it went out in (edge/cloud_link/session.py); None: kept here
     drafting_ms: float = 0.0  # what drafting it took: what the next round saves if it hits
 
 

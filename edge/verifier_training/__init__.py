@@ -1,5 +1,5 @@
 """The SPRINTER verifier, offline: collect data on the pair's decoding path, train, evaluate, export.
 
 `sprinter verifier collect | train | eval` (command.py). The runtime that loads what this pipeline
-exports is edge/verifier_runtime.py; nothing in the edge's serving path imports this package.
+exports is edge/runtime/verifier.py; nothing in the edge's serving path imports this package.
 """

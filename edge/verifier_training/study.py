@@ -6,7 +6,7 @@ against the training tokens it saw. The paper's verifier reads the draft's hidde
 numbers for Qwen2.5-0.5B); whether that beats the draft's confidence is a question of data size,
 which this answers for the data at hand.
 
-Feature ablation: the confidence MLP plus one free feature at a time (edge/verifier_pipeline/features.py),
+Feature ablation: the confidence MLP plus one free feature at a time (edge/verifier_training/features.py),
 kept only if it raises the held-out AUC by at least MIN_GAIN.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.verifier_pipeline.collect import VerifierDataset
-from edge.verifier_pipeline.features import events, has_features, labels_for, resolved_label
-from edge.verifier_pipeline.train import MODELS, Labels, TrainSettings, split_masks, train_one
-from edge.verifier_runtime import CONFIDENCE_FEATURES, FREE_FEATURES
+from edge.verifier_training.collect import VerifierDataset
+from edge.verifier_training.features import events, has_features, labels_for, resolved_label
+from edge.verifier_training.train import MODELS, Labels, TrainSettings, split_masks, train_one
+from edge.runtime.verifier import CONFIDENCE_FEATURES, FREE_FEATURES
 
 log = logging.getLogger(__name__)
 

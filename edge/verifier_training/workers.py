@@ -1,7 +1,7 @@
 """`sprinter verifier collect|train --workers N`: N collecting processes on one data directory.
 
 Each process runs the same command with `--worker I` and collects every N-th shard from the I-th
-(edge/verifier_pipeline/collect.py; `train` then only collects: the command that started the
+(edge/verifier_training/collect.py; `train` then only collects: the command that started the
 workers trains once they are done). When the machine has a core for each, a worker is pinned to core I
 with one thread, so that the workers do not contend for cores. A worker that fails stops the rest.
 """

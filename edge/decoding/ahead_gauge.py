@@ -1,6 +1,6 @@
 """Whether drafting ahead pays, measured: a pipeline runs its rounds as `off` while its guesses miss.
 
-Drafting ahead (edge/pipeline.py) is free only while the block is in flight. When the verdict
+Drafting ahead (edge/decoding/pipeline.py) is free only while the block is in flight. When the verdict
 arrives mid-step the round waits for that step to end (the lag), and on a miss the candidates are
 thrown away. A hit saves what the next round would have spent: drafting the candidate's tokens,
 and with send-ahead, when the cloud verified the sent candidate straight after the verdict, the

@@ -26,7 +26,7 @@ from common.prompting import encode_prompt
 from common.quality import agreement, target_nll_per_token
 from common.sampling import SamplingParams
 from common.verifier import ConfidenceVerifier
-from edge.verifier_runtime import LearnedVerifier
+from edge.runtime.verifier import LearnedVerifier
 
 log = logging.getLogger(__name__)
 

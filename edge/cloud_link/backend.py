@@ -4,7 +4,7 @@ One `CloudVerifier` per generation, over that generation's cloud session. When t
 reach (CloudUnavailable after the session's retries) it answers None, so the round keeps the block
 as drafted; the generation is then degraded (`CloudUse`), and the cloud is tried again after
 `retry_s`. Once the request's own deadline has passed (DeadlinePassed) it is not tried again. A
-refusal (CloudRefused) is not caught here: it ends the generation (edge/decoder.py).
+refusal (CloudRefused) is not caught here: it ends the generation (edge/decoding/decoder.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable
 from common.decoding.drafting import PendingBlock
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from edge.cloud_client import CloudError, CloudUnavailable, DeadlinePassed
-from edge.cloud_session import CloudSession, verify_frame
+from edge.cloud_link.client import CloudError, CloudUnavailable, DeadlinePassed
+from edge.cloud_link.session import CloudSession, verify_frame
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ import grpc
 from common.addresses import split_host_port
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
-from edge.cloud_client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, DeadlinePassed, backoff_delay
-from edge.cloud_session import CloudSession
+from edge.cloud_link.client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, DeadlinePassed, backoff_delay
+from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class ReplicaSet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # --- the Replicas protocol of edge/cloud_session.py -----------------------------------------------
+    # --- the Replicas protocol of edge/cloud_link/session.py -----------------------------------------------
 
     @property
     def attempts(self) -> int:

@@ -27,14 +27,14 @@ from transformers import PreTrainedTokenizerBase
 from common.fleet_plane.messages import verifier_digest
 from common.models import vocab_fingerprint
 from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
-from edge.ort_sessions import make_session
+from edge.runtime.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
 
 FORMAT = "sprinter-verifier/1"
 CONFIDENCE_FEATURES = ("token_prob", "max_prob", "entropy")
 COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of common/companion.py, in that order
-FREE_FEATURES = ("margin", "prev_token_prob", "entropy_delta")  # edge/verifier_pipeline/features.py defines them
+FREE_FEATURES = ("margin", "prev_token_prob", "entropy_delta")  # edge/verifier_training/features.py defines them
 HISTORY_FEATURES = ("prev_token_prob", "entropy_delta")  # read DraftStep.previous
 KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES, *FREE_FEATURES)
 

@@ -6,7 +6,7 @@ from texts the verifier never saw):
     mlp:            a small MLP on the hidden state plus the draft's confidence (token prob, max prob, entropy);
     confidence-mlp: a small MLP on the draft's confidence alone;
     context-mlp:    the confidence plus the features the edge has for free (top-2 margin, the previous
-                    token's probability, the entropy's change: edge/verifier_pipeline/features.py);
+                    token's probability, the entropy's change: edge/verifier_training/features.py);
     companion-mlp:  a small MLP on the confidence plus Speculative Verification's companion signals (S, A),
                     trained only when the data was collected with a companion (`--companion SPEC`).
 Prompts split three ways: `train` fits the weights, `calibration` picks the epoch, fits Platt
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from common.prompt_sets import split_by_prompt
-from edge.verifier_pipeline.collect import VerifierDataset
-from edge.verifier_pipeline.features import LABELS, events, feature_matrix, has_features, labels_for, resolved_label
-from edge.verifier_pipeline.metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
-from edge.verifier_runtime import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT, FREE_FEATURES
+from edge.verifier_training.collect import VerifierDataset
+from edge.verifier_training.features import LABELS, events, feature_matrix, has_features, labels_for, resolved_label
+from edge.verifier_training.metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr
+from edge.runtime.verifier import COMPANION_FEATURES, CONFIDENCE_FEATURES, FORMAT, FREE_FEATURES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ CALIBRATION_FPRS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 @dataclass(frozen=True)
 class TrainSettings:
     model: str = "auto"  # the one exported; auto: the best ROC AUC on the calibration prompts
-    label: str = "auto"  # greedy when the data was decoded greedily, else soft (edge/verifier_pipeline/features.py)
+    label: str = "auto"  # greedy when the data was decoded greedily, else soft (edge/verifier_training/features.py)
     hidden_units: int = 32
     epochs: int = 40
     lr: float = 1e-3

@@ -8,10 +8,10 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
-the cloud session as its backend (edge/cloud_verifier.py: a pending block becomes a verify frame,
-the cloud's answer a `Verdict`); with a pipeline on (edge/pipeline.py) the edge drafts ahead while a
+the cloud session as its backend (edge/cloud_link/backend.py: a pending block becomes a verify frame,
+the cloud's answer a `Verdict`); with a pipeline on (edge/decoding/pipeline.py) the edge drafts ahead while a
 block is in flight, and with send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
-cloud is a set of replicas (edge/replica_set.py): a session that loses its replica reopens on
+cloud is a set of replicas (edge/cloud_link/replicas.py): a session that loses its replica reopens on
 another with the full context. If no replica is reachable the round keeps going from the draft
 alone, marks the result degraded (and tells a streaming caller at once, with the reason), and tries
 the cloud again after `cloud_retry_s`; mode target does the same with its Generate stream. A busy
@@ -42,11 +42,11 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
-from edge.ahead_gauge import AheadGauge, AheadRecord
-from edge.cloud_verifier import CloudUse, CloudVerifier
-from edge.pipeline import PipelinedRounds
-from edge.replica_set import ReplicaSet
+from edge.cloud_link.client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
+from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
+from edge.cloud_link.backend import CloudUse, CloudVerifier
+from edge.decoding.pipeline import PipelinedRounds
+from edge.cloud_link.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ class EdgeSettings:
     max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
     stop: tuple[str, ...] = ()  # OpenAI's stop sequences
     request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
-    pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/ahead_gauge.py)
-    pipeline: str = "off"  # edge/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
+    pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/decoding/ahead_gauge.py)
+    pipeline: str = "off"  # edge/decoding/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -278,7 +278,7 @@ class EdgeDecoder:
                            policy: CallPolicy | None) -> PendingBlock | None:
         """Release the target's first token as soon as the session's open brings it, while the first block is
         drafted after the prompt; a block that starts with that token goes on as the next block's start (its
-        other tokens were drafted after the very context they now follow: see edge/pipeline.py on why that
+        other tokens were drafted after the very context they now follow: see edge/decoding/pipeline.py on why that
         stays lossless). Without a token (the first verify then meets the open's failure) the block itself goes on."""
         self._fit_to_cloud(generation)
         limit = min(generation.settings.block_cap, generation.block_room)

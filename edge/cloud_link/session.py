@@ -11,7 +11,7 @@ reopens with that context and retries, where depends on why:
 | UNAVAILABLE in an error frame (draining)        | `draining`       | another, at once      |
 | RESOURCE_EXHAUSTED (busy)                       | `busy`           | another, or this one after its retry hint |
 
-Replicas are chosen by the `Replicas` the session was made by (edge/replica_set.py: rendezvous
+Replicas are chosen by the `Replicas` the session was made by (edge/cloud_link/replicas.py: rendezvous
 hashing on the session's key with a bounded-load override). A switch to another replica is
 immediate; a retry on the same one backs off exponentially with jitter (at least the cloud's
 retry_after_ms). A cloud that answers (busy, evicted, desync) is waited for as long as the request's
@@ -32,7 +32,7 @@ from typing import Protocol
 import grpc
 
 from common.sampling import SparseDistribution, SamplingParams
-from edge.cloud_client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
+from edge.cloud_link.client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
                                CloudRefused, CloudUnavailable, DeadlinePassed, RetryableFailure, backoff_delay,
                                sampling_to_proto, sleep_within, wait_limit)
 from sprinter.v1 import decoding_pb2 as pb

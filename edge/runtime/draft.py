@@ -1,6 +1,6 @@
 """The draft's runtime, chosen once per process: ONNX Runtime over a cached export, or torch (the reference).
 
-This module sits above both the exporter (edge/onnx_export/) and the ONNX runtime (edge/onnx_draft.py),
+This module sits above both the exporter (edge/onnx_export/) and the ONNX runtime (edge/runtime/onnx_draft.py),
 so that neither needs the other's help: the export is checked with the runtime, and the runtime
 never exports.
 """
@@ -13,7 +13,7 @@ import torch
 
 from common.cached_lm import CachedLM, DraftLM
 from common.models import LoadedModel
-from edge.onnx_draft import OnnxCachedLM, OnnxDraftModel
+from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
 from edge.onnx_export.export import export_draft
 
 RUNTIMES = ("onnx", "torch")

@@ -1,0 +1,2 @@
+"""The edge's link to the cloud: a client per replica, the replica set that fails over between them,
+the verify session a generation holds open, and the round's cloud backend built on it."""

@@ -1,0 +1,1 @@
+"""The edge's decoding: a generation's rounds against the cloud, pipelined or not."""
