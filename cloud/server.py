@@ -78,7 +78,7 @@ class CloudServer:
             ("grpc.http2.ping_timeout_ms", int(settings.keepalive_timeout_s * 1000)),  # grpc 1.85 times pings by this
             ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that is quiet for long
             ("grpc.max_connection_idle_ms", int(settings.max_connection_idle_s * 1000)),
-            # Edges ping every 20 s (edge/cloud_client.py), also between calls; faster pingers are cut off.
+            # Edges ping every 20 s (edge/cloud_link/client.py), also between calls; faster pingers are cut off.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 2),

@@ -8,7 +8,7 @@ costs the goodput policy weighs (research.md sections 3 and 6).
 Goodput, as a renewal-reward rate (one round = draft g tokens, one round trip, one verification):
     E(g)       = sum_{j<=g} prod_{i<=j} a_i                      expected accepted draft tokens
     goodput(g) = (E(g) + 1) / (g * t_draft + rtt + t_verify(g))  tokens per ms; +1: the target's own token
-With a pipeline (edge/pipeline.py) t_draft is the effective cost: the share of blocks drafted while the
+With a pipeline (edge/decoding/pipeline.py) t_draft is the effective cost: the share of blocks drafted while the
 previous block was in flight costs no time of its own. The plan counts the a_i as the cloud has been
 seen to keep them (`CostModel.keep`, common/keep_model.py): block verification keeps more of a long
 block than E(g) says.
@@ -199,7 +199,7 @@ class CostModel:
 
     def observe_block_sent(self, drafted_ahead: int, block_length: int) -> None:
         """A block went out of which `drafted_ahead` tokens were drafted while the previous one was in flight
-        (edge/pipeline.py): those cost no waiting, so they do not count as drafting time."""
+        (edge/decoding/pipeline.py): those cost no waiting, so they do not count as drafting time."""
         if block_length > 0:
             self._hidden.update(drafted_ahead / block_length)
 

@@ -28,11 +28,11 @@ class DecodeStats:
     block_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     token_times_ms: list[float] = field(default_factory=list)  # since the request started
-    # Pipelined rounds (edge/pipeline.py): rounds that drafted ahead, and those whose verdict picked a candidate.
+    # Pipelined rounds (edge/decoding/pipeline.py): rounds that drafted ahead, and those whose verdict picked a candidate.
     pipeline: str = "off"
     ahead_rounds: int = 0
     ahead_hits: int = 0
-    ahead_off_rounds: int = 0  # rounds run as `off` because drafting ahead did not pay (edge/ahead_gauge.py)
+    ahead_off_rounds: int = 0  # rounds run as `off` because drafting ahead did not pay (edge/decoding/ahead_gauge.py)
     candidates_sent: int = 0
     candidate_hits: int = 0  # sent candidates the cloud verified with no round trip in between
     uplink_bytes: int = 0  # verify frames and candidates the edge wrote

@@ -63,7 +63,7 @@ def reads_history(verifier: Verifier | None) -> bool:
 def verifier_for(verifier: Verifier | None, temperature: float) -> Verifier | None:
     """The verifier that scores tokens drafted at `temperature`.
 
-    A verifier with `for_temperature` (one per regime: edge/verifier_runtime.py TemperatureMatched) picks;
+    A verifier with `for_temperature` (one per regime: edge/runtime/verifier.py TemperatureMatched) picks;
     one with `trained_temperature` trained for the other regime (greedy labels at T > 0, or the reverse)
     still scores, with a warning once per regime: its scores are then not acceptance probabilities, so
     its threshold and the call policy misjudge.

@@ -1,8 +1,8 @@
-"""edge/ahead_gauge.py: a pipeline drafts ahead only while its measured hits pay for the lag, and probes otherwise."""
+"""edge/decoding/ahead_gauge.py: a pipeline drafts ahead only while its measured hits pay for the lag, and probes otherwise."""
 
 from __future__ import annotations
 
-from edge.ahead_gauge import MIN_HIT_RATE, PROBE_EVERY, AheadGauge, AheadRecord
+from edge.decoding.ahead_gauge import MIN_HIT_RATE, PROBE_EVERY, AheadGauge, AheadRecord
 
 
 def _decisions(gauge: AheadGauge, rounds: int, hit: bool, saving_ms: float, lag_ms: float) -> list[bool]:

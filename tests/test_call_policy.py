@@ -255,7 +255,7 @@ def test_an_announced_verify_time_seeds_the_cost_model_until_it_measures_its_own
 
 def test_drafting_hidden_behind_a_round_trip_is_not_a_cost() -> None:
     """A pipelined edge whose blocks were drafted ahead sends longer blocks at the same costs: the hidden share
-    of drafting time is not weighed (edge/pipeline.py's observe_block_sent)."""
+    of drafting time is not weighed (edge/decoding/pipeline.py's observe_block_sent)."""
     def block_length(cost_model: CostModel) -> int:
         policy = GoodputPolicy(cost_model)
         probs: list[float] = []

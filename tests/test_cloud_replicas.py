@@ -16,9 +16,9 @@ from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
-from edge.cloud_client import CloudEndpoint
+from edge.cloud_link.client import CloudEndpoint
 from edge.node import CloudMismatch, EdgeNode, EdgeNodeSettings
-from edge.replica_set import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
+from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
 from sim.fleet_demo import sessions_on
 from sim.processes import CloudProcess

@@ -22,10 +22,10 @@ from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
 from common.presets import build_tiny_tokenizer
 from common.sampling import SamplingParams
-from edge.decoder import EdgeSettings
+from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
-from edge.verifier_pipeline.collect import load_dataset
-from edge.verifier_runtime import LearnedVerifier, load_verifier
+from edge.verifier_training.collect import load_dataset
+from edge.runtime.verifier import LearnedVerifier, load_verifier
 
 # The only other tiny model with the draft's tokenizer is the target itself: as a companion it makes the
 # signals unrealistically good, which does not matter for plumbing tests.

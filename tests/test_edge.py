@@ -19,7 +19,7 @@ from cloud_harness import ServerThread
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.prompting import encode_prompt
-from edge.decoder import EdgeSettings
+from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.processes import free_port, wait_until_serving
 

@@ -142,7 +142,7 @@ def busy(code: grpc.StatusCode, retry_after_ms: int) -> pb.Error:
 def test_backoff_is_exponential_with_jitter():
     import random
 
-    from edge.cloud_client import backoff_delay
+    from edge.cloud_link.client import backoff_delay
 
     rng = random.Random(7)
     for attempt in range(6):

@@ -31,7 +31,7 @@ from common.models import LoadedModel, vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from edge.fleet_controls import DaemonControls
-from edge.verifier_runtime import LearnedVerifier
+from edge.runtime.verifier import LearnedVerifier
 from edge_harness import EdgeDaemonThread
 from mosquitto_broker import MosquittoBroker, broker
 from sim.processes import free_port

@@ -17,8 +17,8 @@ import torch
 from common.cached_lm import CachedLM
 from common.models import LoadedModel
 from edge.onnx_export import export as onnx_export
-from edge.draft_runtime import exported_draft, load_draft_runtime
-from edge.onnx_draft import OnnxCachedLM
+from edge.runtime.draft import exported_draft, load_draft_runtime
+from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import DraftExportError, export_draft, model_fingerprint, read_export_info, verify_export
 
 GREEDY_STEPS = 32

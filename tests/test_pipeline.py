@@ -1,4 +1,4 @@
-"""Pipelined rounds (edge/pipeline.py) over a real cloud behind an emulated link: still exactly lossless.
+"""Pipelined rounds (edge/decoding/pipeline.py) over a real cloud behind an emulated link: still exactly lossless.
 
 Greedy: token identity with the target for every lossless mode and pipeline. Sampling: the joint
 distribution of the first tokens, computed exactly from the target, against many seeded generations
@@ -24,9 +24,9 @@ from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
-from edge.decoder import EdgeSettings
+from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
-from edge.pipeline import likely_outcomes
+from edge.decoding.pipeline import likely_outcomes
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 

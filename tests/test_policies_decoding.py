@@ -18,7 +18,7 @@ from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, call_policy
 from common.sampling import SamplingParams
 from common.verifier import DraftStep
-from edge.decoder import EdgeSettings
+from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")

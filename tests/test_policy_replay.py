@@ -1,4 +1,4 @@
-"""Call policies replayed on recorded traces (edge/verifier_pipeline/replay.py): the round's arithmetic,
+"""Call policies replayed on recorded traces (edge/verifier_training/replay.py): the round's arithmetic,
 the hindsight oracle's claims, and that knowing a_i exactly is worth something."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from common.call_policy import FixedPolicy
-from edge.verifier_pipeline.replay import (EXACT, HINDSIGHT, LEARNED, ReplaySettings, RoundCosts, Tally, Trace,
+from edge.verifier_training.replay import (EXACT, HINDSIGHT, LEARNED, ReplaySettings, RoundCosts, Tally, Trace,
                                            hindsight_chooser, kept_run, policy_chooser, replay, replay_trace)
 
 COSTS = RoundCosts(draft_ms=40.0, verify_base_ms=700.0, verify_per_token_ms=40.0)

@@ -8,10 +8,10 @@ import time
 from common.cached_lm import CachedLM, ForwardOutput
 from common.decoding.modes import DecodeSettings
 from common.verifier import ConfidenceVerifier
-from edge.cloud_client import CloudEndpoint
-from edge.cloud_session import CloudSession
-from edge.decoder import EdgeDecoder, EdgeSettings
-from edge.replica_set import ReplicaSet
+from edge.cloud_link.client import CloudEndpoint
+from edge.cloud_link.session import CloudSession
+from edge.decoding.decoder import EdgeDecoder, EdgeSettings
+from edge.cloud_link.replicas import ReplicaSet
 from edge_harness import ScriptedCloud, scripted
 
 PREFILL_S = 0.5  # the cloud's open (its prefill of the prompt)

@@ -10,7 +10,7 @@ import torch
 from common.cached_lm import CachedLM
 from common.models import vocab_fingerprint
 from common.verifier import DraftStep
-from edge.verifier_runtime import LearnedVerifier, VerifierMismatch, load_verifier, step_features
+from edge.runtime.verifier import LearnedVerifier, VerifierMismatch, load_verifier, step_features
 
 FEATURES = ["hidden", "token_prob", "max_prob", "entropy"]
 

@@ -14,9 +14,9 @@ import torch
 from common.cli import main
 from common.verification import token_verify
 from common.verifier import DraftStep, verifier_for
-from edge.verifier_pipeline.collect import load_dataset
-from edge.verifier_pipeline.features import feature_column, labels_for, soft_label
-from edge.verifier_runtime import (FREE_FEATURES, SHIPPED_DIR, LearnedVerifier, TemperatureMatched, load_verifier,
+from edge.verifier_training.collect import load_dataset
+from edge.verifier_training.features import feature_column, labels_for, soft_label
+from edge.runtime.verifier import (FREE_FEATURES, SHIPPED_DIR, LearnedVerifier, TemperatureMatched, load_verifier,
                                    step_features)
 from prompt_files import short_prompt_file
 
@@ -64,7 +64,7 @@ def test_a_sampled_collection_trains_on_the_soft_label_and_says_its_temperature(
 
 def test_auto_picks_the_verifier_trained_for_the_requested_temperature(sampled_and_greedy, tiny_draft, monkeypatch):
     shipped = sampled_and_greedy["greedy"].parent
-    monkeypatch.setattr("edge.verifier_runtime.SHIPPED_DIR", shipped)
+    monkeypatch.setattr("edge.runtime.verifier.SHIPPED_DIR", shipped)
     verifier = load_verifier("auto", tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
     assert isinstance(verifier, TemperatureMatched)
     assert verifier_for(verifier, 0.0).trained_temperature == 0.0
@@ -125,7 +125,7 @@ def test_a_temperature_matched_pair_decodes_with_history_features(sampled_and_gr
     from common.decoding.modes import DecodeSettings
     from common.sampling import SamplingParams
 
-    monkeypatch.setattr("edge.verifier_runtime.SHIPPED_DIR", sampled_and_greedy["greedy"].parent)
+    monkeypatch.setattr("edge.runtime.verifier.SHIPPED_DIR", sampled_and_greedy["greedy"].parent)
     verifier = load_verifier("auto", tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
     engine = LocalEngine(tiny_target, tiny_draft, verifier, lambda hidden: CachedLM(tiny_draft.model, with_hidden=hidden))
     prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
@@ -138,7 +138,7 @@ def test_a_temperature_matched_pair_decodes_with_history_features(sampled_and_gr
 
 
 def test_bound_picks_the_cheapest_threshold_that_meets_the_quality_on_calibration_prompts(sampled_and_greedy, tmp_path):
-    from edge.verifier_pipeline.quality_bound import QualityBound
+    from edge.verifier_training.quality_bound import QualityBound
 
     verifier = sampled_and_greedy["greedy"] / "verifier.json"
     prompts = sampled_and_greedy["greedy"].parent / "prompts.jsonl"
@@ -158,7 +158,7 @@ def test_bound_picks_the_cheapest_threshold_that_meets_the_quality_on_calibratio
 def test_collection_keeps_a_token_budget_and_splits_shards_between_workers(tmp_path, tiny_target, tiny_draft):
     from common.cached_lm import CachedLM
     from common.prompt_sets import load_prompts
-    from edge.verifier_pipeline.collect import CollectSettings, collect, collected_tokens
+    from edge.verifier_training.collect import CollectSettings, collect, collected_tokens
 
     prompts = load_prompts()[:8]
     settings = CollectSettings(max_new_tokens=6, shard_size=2, draft_runtime="torch")

@@ -13,10 +13,10 @@ from prompt_files import short_prompt_file
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.prompt_sets import load_prompts
-from edge.draft_runtime import exported_draft
-from edge.verifier_pipeline.collect import CollectSettings, collect, load_dataset
-from edge.verifier_pipeline.metrics import evaluate_scores, roc_auc, threshold_for_fpr
-from edge.verifier_runtime import LearnedVerifier, load_verifier
+from edge.runtime.draft import exported_draft
+from edge.verifier_training.collect import CollectSettings, collect, load_dataset
+from edge.verifier_training.metrics import evaluate_scores, roc_auc, threshold_for_fpr
+from edge.runtime.verifier import LearnedVerifier, load_verifier
 
 PAIR = ["--target", "tiny-random", "--draft", "tiny-random-draft", "--dtype", "float32"]
 

@@ -30,7 +30,7 @@ from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel, load_model
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
-from edge.decoder import EdgeSettings
+from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.load import parse_metrics
 from sim.link.proxy import LinkProxy

@@ -155,7 +155,7 @@ class Drafter:
 
     def steps(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
               judged: bool = True, prefix: PendingBlock | None = None) -> Iterator[DraftedToken]:
-        """The drafting steps themselves, for a caller that decides between them (edge/pipeline.py)."""
+        """The drafting steps themselves, for a caller that decides between them (edge/decoding/pipeline.py)."""
         return draft_tokens(self.draft_lm, context, limit, self.sampling, self.generator, self.eos_token_ids,
                             self.verifier if judged else None, policy, cost_model,
                             self.companion if judged else None, prefix)

@@ -28,7 +28,7 @@ SPECULATIVE_MODES = tuple(VERIFY_METHOD)
 VERIFY_METHODS = ("token", "block", "sprinter")
 # sprinter is the paper's loop: it calls at the verifier's flag, and its output depends on that rule.
 POLICY_MODES = ("sd", "sd-block", "sprinter-exact")
-# How an edge overlaps its rounds with the round trip (edge/pipeline.py); modes sd, sd-block and sprinter-exact.
+# How an edge overlaps its rounds with the round trip (edge/decoding/pipeline.py); modes sd, sd-block and sprinter-exact.
 PIPELINES = ("off", "ahead", "send-ahead")
 
 

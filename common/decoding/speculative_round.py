@@ -6,7 +6,7 @@ Glossary
     a_i            the verifier's estimate that the target accepts x_i; the call policy reads a_1..a_g
                    after each token and decides when the block goes to the target
     backend        where a block is verified (`BlockVerifier`): `LocalTarget` below, in this process,
-                   or a cloud session on the edge (edge/cloud_verifier.py)
+                   or a cloud session on the edge (edge/cloud_link/backend.py)
     verdict        (n_accepted, next_token): keep x_1..x_n, then the target's own token; one round
                    therefore yields n_accepted + 1 tokens
     rule           the verification rule of the mode (modes.py, common/verification.py)
@@ -98,7 +98,7 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
                             policy: CallPolicy | None, cost_model: CostModel | None,
                             prefix: PendingBlock | None = None) -> Round:
     """One round (see the module docstring): its block and the verdict on it. `prefix`: tokens already drafted
-    after the context (edge/pipeline.py), which the block continues."""
+    after the context (edge/decoding/pipeline.py), which the block continues."""
     context = generation.context
     verifying = backend is not None and backend.reachable()
     cap = generation.settings.block_cap if verifying else DRAFT_ONLY_BLOCK

@@ -34,9 +34,9 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.models import LoadedModel, load_model
-from edge.onnx_draft import OnnxCachedLM
+from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
-from edge.ort_sessions import available_cores
+from edge.runtime.ort_sessions import available_cores
 from sim.bench.prompts import load_bench_prompts
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from common.models import load_model, vocab_fingerprint
 from common.plots import pyplot
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
-from edge.cloud_client import CloudEndpoint
-from edge.replica_set import ReplicaSet
+from edge.cloud_link.client import CloudEndpoint
+from edge.cloud_link.replicas import ReplicaSet
 from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, percentile, record_edges
 from sim.bench.load import cpu_seconds, parse_metrics
 from sim.bench.prompts import load_bench_prompts

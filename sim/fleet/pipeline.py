@@ -1,4 +1,4 @@
-"""The edge's pipeline (edge/pipeline.py) in the fleet simulator: its settings and default hit rates.
+"""The edge's pipeline (edge/decoding/pipeline.py) in the fleet simulator: its settings and default hit rates.
 
     off          draft a block, send it, wait for its verdict
     ahead        while a block is in flight the edge drafts the next one for the outcome "all kept + the
@@ -35,7 +35,7 @@ from sim.fleet.costs import ModeProfile
 
 PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 FALLBACK_HIT_RATE = {"off": 0.0, "ahead": 0.3, "send-ahead": 0.5}
-BONUS_GUESSES = 2  # send-ahead's candidates after full acceptance (edge/pipeline.py)
+BONUS_GUESSES = 2  # send-ahead's candidates after full acceptance (edge/decoding/pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PipelineModel:
 
     pipeline: str = "off"
     hit_rate: float | None = None
-    candidates: int = 3  # send-ahead's candidates per block in flight (edge/pipeline.py max_candidates)
+    candidates: int = 3  # send-ahead's candidates per block in flight (edge/decoding/pipeline.py max_candidates)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:

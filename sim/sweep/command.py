@@ -10,7 +10,7 @@ summary.csv/md, plots and a fleet-simulator validation. An interrupted sweep res
 With a fleet plane broker (--mqtt, by default a Mosquitto of its own when installed) the edge's
 telemetry and the cloud's load are recorded in OUT/telemetry.jsonl and plotted in OUT/telemetry.png.
 A mode that takes a call policy may name one: --modes sprinter-exact@fixed:3,sprinter-exact@goodput.
---pipeline off,ahead,send-ahead (edge/pipeline.py) measures sd, sd-block and sprinter-exact with each.
+--pipeline off,ahead,send-ahead (edge/decoding/pipeline.py) measures sd, sd-block and sprinter-exact with each.
 """
 
 from __future__ import annotations

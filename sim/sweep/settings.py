@@ -45,7 +45,7 @@ class SimulateSettings:
     draft: str = "qwen2.5-coder-0.5b"
     verifier: str = "auto"
     modes: tuple[str, ...] = DEFAULT_MODES
-    pipeline: tuple[str, ...] = ("off",)  # edge/pipeline.py; each applies to PIPELINED_MODES, the others run "off"
+    pipeline: tuple[str, ...] = ("off",)  # edge/decoding/pipeline.py; each applies to PIPELINED_MODES, the others run "off"
     rtt_ms: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
     jitter_ms: float = 0.0  # one-way, per direction (sim.link.shaping.LinkSettings)
     jitter_distribution: str = "normal"

@@ -4,7 +4,7 @@ tokens_per_s is total tokens / total client wall time (what a user of the API ge
 prompt processing included); itl_ms pools the gaps between consecutive tokens of every request,
 from the edge's token emission times (`stats.token_times_ms`; the client's SSE arrival times when
 the daemon does not send them); ttft_ms is measured at the client. The pipeline columns
-(edge/pipeline.py) pool the edge's stats: ahead_hit_rate = verdicts that picked a drafted-ahead block /
+(edge/decoding/pipeline.py) pool the edge's stats: ahead_hit_rate = verdicts that picked a drafted-ahead block /
 verdicts that had one (None when nothing was drafted ahead), candidate_hits = sent candidates the cloud
 verified without a round trip (summed over the requests), uplink_bytes_per_token = verify and
 candidate frames the edge wrote / tokens (None when the daemon does not count them).
@@ -35,7 +35,7 @@ def pipeline_rank(pipeline: str) -> int:
 class SummaryRow:
     rtt_ms: float
     mode: str
-    pipeline: str  # edge/pipeline.py: off, ahead, send-ahead
+    pipeline: str  # edge/decoding/pipeline.py: off, ahead, send-ahead
     requests: int
     tokens: int
     tokens_per_s: float
