@@ -22,21 +22,81 @@ from common.sampling import SamplingParams
 from common.verification import VERIFY_RULES, VerifyRule
 from common.verifier import Verifier
 
-MODES = ("draft", "target", "sd", "sd-block", "sprinter", "sprinter-exact")
-VERIFY_METHOD = {"sd": "token", "sd-block": "block", "sprinter": "sprinter", "sprinter-exact": "block"}
-SPECULATIVE_MODES = tuple(VERIFY_METHOD)
+
+@dataclass(frozen=True)
+class Mode:
+    """What a decoding mode is. Code asks a mode for a trait; it never compares a mode's name."""
+
+    name: str
+    verify_method: str | None  # on the wire (the table above); None: no round verifies a block
+    drafts: bool  # the edge's draft proposes tokens (all but target)
+    uses_cloud: bool  # the target takes part (all but draft)
+    lossless: bool  # distributed as the target's output (identical to it under greedy)
+    uses_verifier: bool  # the learned verifier scores the draft's tokens (the sprinter modes)
+    takes_policy: bool  # a call policy decides when a block goes (sprinter's is always its verifier's flag)
+    default_policy: str | None  # the policy spec of a generation that names none ("{k}": the block length); None: no rounds
+    releases_passed: bool  # tokens the verifier passes reach the client at once, never checked (sprinter)
+
+    @property
+    def speculative(self) -> bool:
+        """Drafts blocks that a target verifies."""
+        return self.verify_method is not None
+
+    @property
+    def pipelines(self) -> bool:
+        """Can draft ahead while a block is in flight (edge/decoding/pipeline.py): the lossless speculative
+        modes; sprinter's blocks end at a token its verifier expects rejected, the outcome least worth drafting for."""
+        return self.speculative and self.lossless
+
+    @property
+    def first_token_from_open(self) -> bool:
+        """Takes the target's first token from the session's open, while the first block is drafted."""
+        return self.speculative and self.lossless
+
+    @property
+    def fixed_block(self) -> bool:
+        """Under its default policy a block is k tokens long (sd's papers), not capped by max_run_length."""
+        return self.default_policy == "fixed:{k}"
+
+
+_MODE_LIST = (
+    #    name              method      drafts uses_cloud lossless verifier policy default      releases_passed
+    Mode("draft",          None,       True,  False,     False,   False,   False, None,        False),
+    Mode("target",         None,       False, True,      True,    False,   False, None,        False),
+    Mode("sd",             "token",    True,  True,      True,    False,   True,  "fixed:{k}", False),
+    Mode("sd-block",       "block",    True,  True,      True,    False,   True,  "fixed:{k}", False),
+    Mode("sprinter",       "sprinter", True,  True,      False,   True,    False, "flag",      True),
+    Mode("sprinter-exact", "block",    True,  True,      True,    True,    True,  "goodput",   False),
+)
+MODE_RECORDS: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
+MODES = tuple(MODE_RECORDS)
+SPECULATIVE_MODES = tuple(m.name for m in _MODE_LIST if m.speculative)
+POLICY_MODES = tuple(m.name for m in _MODE_LIST if m.takes_policy)
+PIPELINED_MODES = tuple(m.name for m in _MODE_LIST if m.pipelines)
+LOSSLESS_MODES = tuple(m.name for m in _MODE_LIST if m.lossless)
 VERIFY_METHODS = ("token", "block", "sprinter")
-# sprinter is the paper's loop: it calls at the verifier's flag, and its output depends on that rule.
-POLICY_MODES = ("sd", "sd-block", "sprinter-exact")
-# How an edge overlaps its rounds with the round trip (edge/decoding/pipeline.py); modes sd, sd-block and sprinter-exact.
+# How an edge overlaps its rounds with the round trip (edge/decoding/pipeline.py); the modes that `pipelines`.
 PIPELINES = ("off", "ahead", "send-ahead")
+
+
+def mode_of(name: str) -> Mode:
+    """The mode called `name`, which may carry a sweep's policy suffix (`sprinter-exact@goodput`)."""
+    base = name.partition("@")[0]
+    if base not in MODE_RECORDS:
+        raise ValueError(f"unknown mode {base!r}; choose one of {', '.join(MODES)}")
+    return MODE_RECORDS[base]
+
+
+def reads_last_draft_only(method: str) -> bool:
+    """The rule reads the draft's distribution of the block's last token only (sprinter checks only it)."""
+    return method == "sprinter"
 
 
 def verify_rule(method: str, sampling: SamplingParams) -> VerifyRule:
     """The rule a verify `method` applies under these sampling settings (see the table above)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"unknown verify method {method!r}; expected one of {', '.join(VERIFY_METHODS)}")
-    if sampling.greedy and method != "sprinter":
+    if sampling.greedy and not reads_last_draft_only(method):
         return VERIFY_RULES["greedy"]  # every lossless rule reduces to it on one-hot distributions
     return VERIFY_RULES[method]
 
@@ -52,12 +112,11 @@ class DecodeSettings:
     max_block: int | None = None  # the verifying backend's own cap on a block (the cloud's limits.max_block)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        mode_of(self.mode)  # an unknown mode fails here
         if self.max_new_tokens < 1 or self.k < 1 or self.max_run_length < 1 or (self.max_block or 1) < 1:
             raise ValueError("max_new_tokens, k, max_run_length and max_block must be >= 1")
         if self.policy is not None:
-            if self.mode not in POLICY_MODES:
+            if not self.traits.takes_policy:
                 raise ValueError(f"a call policy applies to modes {', '.join(POLICY_MODES)}, not {self.mode!r} "
                                  "(sprinter always calls at the verifier's flag)")
             parse_policy(self.policy)  # a bad spec fails here, before any decoding
@@ -66,13 +125,19 @@ class DecodeSettings:
     def block_cap(self) -> int:
         """Longest pending block: k under sd's default fixed:k (as before policies), else the run-length cap;
         never more than the backend verifies in one frame."""
-        cap = self.k if self.mode in ("sd", "sd-block") and self.policy is None else self.max_run_length
+        cap = self.k if self.traits.fixed_block and self.policy is None else self.max_run_length
         return min(cap, self.max_block) if self.max_block is not None else cap
+
+    @property
+    def traits(self) -> Mode:
+        return MODE_RECORDS[self.mode]
 
     @property
     def verify_method(self) -> str:
         """The verify method of a speculative mode (the table in the module docstring)."""
-        return VERIFY_METHOD[self.mode]
+        if self.traits.verify_method is None:
+            raise ValueError(f"mode {self.mode!r} verifies no blocks")
+        return self.traits.verify_method
 
     def rule(self) -> VerifyRule:
         return verify_rule(self.verify_method, self.sampling)
@@ -81,11 +146,13 @@ class DecodeSettings:
 def call_policy(settings: DecodeSettings, verifier: Verifier, cost_model: CostModel | None = None) -> CallPolicy:
     """A fresh policy for one generation of a speculative mode; goodput reads (not owns) `cost_model`.
 
-    Defaults: sd and sd-block fixed:k, sprinter flag at the verifier's threshold, sprinter-exact goodput.
+    Defaults (each mode's `default_policy`): sd and sd-block fixed:k, sprinter flag at the verifier's threshold,
+    sprinter-exact goodput.
     """
-    if settings.mode == "sprinter":
-        return FlagPolicy(verifier.threshold)
-    spec = settings.policy or ("goodput" if settings.mode == "sprinter-exact" else f"fixed:{settings.k}")
+    traits = settings.traits
+    if traits.default_policy is None:
+        raise ValueError(f"mode {settings.mode!r} drafts no blocks for a target: it has no call policy")
+    spec = (settings.policy if traits.takes_policy else None) or traits.default_policy.format(k=settings.k)
     if spec.strip() == "flag":  # a bare flag means the verifier's own threshold (a learned one is tuned), not 0.5
         return FlagPolicy(verifier.threshold)
     return parse_policy(spec, cost_model)

@@ -104,7 +104,7 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
     cap = generation.settings.block_cap if verifying else DRAFT_ONLY_BLOCK
     learn = cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
     # sprinter never checks a token its verifier passed: the client may have it at once.
-    on_passed = generation.append_final if generation.settings.mode == "sprinter" else None
+    on_passed = generation.append_final if generation.settings.traits.releases_passed else None
     limit = min(cap, generation.block_room if verifying else generation.budget)
     if limit < 1:  # only the target's token after a block would still fit: the context is full
         generation.context_full = True

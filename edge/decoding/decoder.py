@@ -36,7 +36,7 @@ from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, StopSequences
-from common.decoding.modes import PIPELINES, SPECULATIVE_MODES, DecodeSettings, call_policy
+from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
 from common.decoding.speculative_round import speculative_round
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
@@ -122,7 +122,7 @@ class EdgeDecoder:
         """Tokens a generation's context (prompt + completion) may hold in `mode`: the draft's window, and
         the cloud's max_context where the cloud takes part (as last heard from it)."""
         limits = [self.max_context]
-        if mode != "draft" and self.cloud is not None:
+        if mode_of(mode).uses_cloud and self.cloud is not None:
             limits.append(self.cloud.limits.max_context)
         known = [n for n in limits if n]
         return min(known) if known else None
@@ -151,10 +151,10 @@ class EdgeDecoder:
         verifier = self.verifier_identity
         deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
         try:
-            if mode == "target":
+            if not generation.settings.traits.drafts:
                 await self._target(generation, settings, use, deadline_at)
             else:
-                await self._speculate(generation, settings, use, deadline_at, draft_only=mode == "draft")
+                await self._speculate(generation, settings, use, deadline_at)
         except CloudRefused as err:  # keep what was made; the response says why it ended early
             log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
             use.error = err
@@ -224,20 +224,20 @@ class EdgeDecoder:
                        self.make_companion() if self.make_companion is not None else None, offload=True)
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                         deadline_at: float | None, draft_only: bool) -> None:
+                         deadline_at: float | None) -> None:
         """Speculative rounds until the generation is done."""
-        mode = generation.settings.mode
-        if mode != "draft" and self.cloud is None:
+        mode, traits = generation.settings.mode, generation.settings.traits
+        if traits.uses_cloud and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
             use.mark_degraded("no_cloud")
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
         drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
         policy = None
-        if mode in SPECULATIVE_MODES:  # fresh per generation; what it learns of the link lives in the cost model
+        if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, drafter.verifier, self.cost_model)
             generation.recorder.policy = policy.describe()
-        backend = None if draft_only or self.cloud is None else self._cloud_backend(generation, settings, use, support,
+        backend = None if not traits.uses_cloud or self.cloud is None else self._cloud_backend(generation, settings, use, support,
                                                                                     deadline_at)
         try:
             await self._rounds(generation, settings, drafter, backend, policy)
@@ -253,16 +253,16 @@ class EdgeDecoder:
                                 support, settings.cloud_retry_s, use)
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
         # The lossless modes also take the target's first token from that open (see `_first_token`).
-        backend.session.open_ahead(generation.context, first_token=generation.settings.mode != "sprinter")
+        backend.session.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)
         return backend
 
     async def _rounds(self, generation: Generation, settings: EdgeSettings, drafter: Drafter,
                       backend: CloudVerifier | None, policy: CallPolicy | None) -> None:
         carried = None
-        lossless = generation.settings.mode != "sprinter"
-        if backend is not None and lossless:
+        traits = generation.settings.traits
+        if backend is not None and traits.first_token_from_open:
             carried = await self._first_token(generation, drafter, backend, policy)
-        if backend is not None and settings.pipeline != "off" and lossless:
+        if backend is not None and settings.pipeline != "off" and traits.pipelines:
             generation.recorder.pipeline = settings.pipeline
             record = self.ahead_records.setdefault((settings.pipeline, generation.settings.mode), AheadRecord())
             await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
