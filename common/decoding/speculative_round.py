@@ -12,11 +12,16 @@ Glossary
     rule           the verification rule of the mode (modes.py, common/verification.py)
 
 One round, in every process that decodes (local engine, edge decoder, verifier data collection):
-    block   = draft after the context until the call policy sends, the cap, EOS or the length budget
+    limit   = block_limit(...)                        the mode's cap within the context's room
+    block   = draft_block(...)                        draft after the context until the call policy sends,
+                                                      the limit, EOS or the length budget
     verdict = backend.verify(context, block)          one target forward over the block + the rule
-    commit    x_1..x_n + [next_token]; cut at EOS, a stop sequence or the length limit (generation.py)
-    learn     the policy sees (g, n); the cost model the round trip, except in the first round,
-              which also prefilled the prompt
+    apply_verdict(...)                                commit x_1..x_n + [next_token], cut at EOS, a stop
+                                                      sequence or the length limit (generation.py); the
+                                                      policy sees (g, n), the cost model the round trip
+                                                      (except in the first round, which also prefilled)
+`speculative_round` is these four lines. The edge's pipeline (edge/decoding/pipeline.py) and its first
+token (edge/decoding/decoder.py) call the same halves around a different drafting strategy.
 Without a reachable backend (mode draft, or a cloud that is down) the block stands as drafted.
 """
 
@@ -94,6 +99,47 @@ class LocalTarget:
         return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, p_target)
 
 
+def block_limit(generation: Generation, verifying: bool) -> int:
+    """The longest block the next round may draft: the mode's cap within the room the context has left for it
+    and the target's token after it; without a target, the draft-only chunk within the length budget."""
+    if not verifying:
+        return min(DRAFT_ONLY_BLOCK, generation.budget)
+    return min(generation.settings.block_cap, generation.block_room)
+
+
+async def draft_block(generation: Generation, drafter: Drafter, context: list[int], limit: int,
+                      policy: CallPolicy | None, cost_model: CostModel | None, verifying: bool = True,
+                      prefix: PendingBlock | None = None) -> PendingBlock:
+    """The round's first half: a block of at most `limit` tokens after `context`, continuing `prefix` (tokens
+    drafted ahead: edge/decoding/pipeline.py), under the call policy. `cost_model` learns the drafting steps
+    (pass None in the first round, whose drafting overlaps the prompt's prefill)."""
+    # sprinter never checks a token its verifier passed: the client may have it at once.
+    on_passed = generation.append_final if generation.settings.traits.releases_passed else None
+    prefix = PendingBlock(prefix.drafted[:limit]) if prefix is not None else None  # drafted for the room there was
+    block = await drafter.draft(context, limit, policy, cost_model, verifying, on_passed, prefix)
+    generation.recorder.draft_forwards += len(block) - (len(prefix) if prefix is not None else 0)
+    return block
+
+
+def apply_verdict(generation: Generation, context: list[int], block: PendingBlock, verdict: Verdict | None,
+                  policy: CallPolicy | None, cost_model: CostModel | None, first_round: bool) -> None:
+    """The round's second half: commit what `verdict` keeps of `block` (drafted after `context`), or the block as
+    drafted when no target was reached; the policy and the cost model learn from it. The first round's round
+    trip also paid the prompt's prefill: the cost model does not learn it as a round trip."""
+    start = len(context) - len(generation.prompt_ids)
+    if verdict is None:
+        generation.commit(start, block.tokens)
+        return
+    generation.recorder.verified(len(block), verdict.n_accepted)
+    if policy is not None:
+        policy.observe_verdict(len(block), verdict.n_accepted)
+    if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
+        cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
+        if not first_round and verdict.round_trip_ms is not None:
+            cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
+    generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token])
+
+
 async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,
                             policy: CallPolicy | None, cost_model: CostModel | None,
                             prefix: PendingBlock | None = None) -> Round:
@@ -101,32 +147,17 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
     after the context (edge/decoding/pipeline.py), which the block continues."""
     context = generation.context
     verifying = backend is not None and backend.reachable()
-    cap = generation.settings.block_cap if verifying else DRAFT_ONLY_BLOCK
-    learn = cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
-    # sprinter never checks a token its verifier passed: the client may have it at once.
-    on_passed = generation.append_final if generation.settings.traits.releases_passed else None
-    limit = min(cap, generation.block_room if verifying else generation.budget)
+    first_round = not generation.new_tokens
+    limit = block_limit(generation, verifying)
     if limit < 1:  # only the target's token after a block would still fit: the context is full
         generation.context_full = True
         return Round(PendingBlock(), None)
-    prefix = PendingBlock(prefix.drafted[:limit]) if verifying and prefix is not None else None  # within room
-    block = await drafter.draft(context, limit, policy, learn, verifying, on_passed, prefix)
-    generation.recorder.draft_forwards += len(block) - (len(prefix) if prefix is not None else 0)
+    block = await draft_block(generation, drafter, context, limit, policy, None if first_round else cost_model,
+                              verifying, prefix if verifying else None)
     if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
         return Round(block, None)
     verdict = await backend.verify(context, block) if verifying else None
-    if verdict is None:
-        generation.commit(len(context) - len(generation.prompt_ids), block.tokens)
-        return Round(block, None)
-    generation.recorder.verified(len(block), verdict.n_accepted)
-    if policy is not None:
-        policy.observe_verdict(len(block), verdict.n_accepted)
-    if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
-        cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
-    if learn is not None and verdict.round_trip_ms is not None:
-        learn.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
-    accepted = block.tokens[: verdict.n_accepted] + [verdict.next_token]
-    generation.commit(len(context) - len(generation.prompt_ids), accepted)
+    apply_verdict(generation, context, block, verdict, policy, cost_model, first_round)
     return Round(block, verdict)
 
 

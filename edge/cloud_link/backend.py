@@ -79,9 +79,36 @@ class CloudVerifier:
         probs = [float(d.p_draft[d.token]) for d in block.drafted]
         return verify_frame(start_position, block.tokens, wire_method(self.method), probs, self._draft_dists(block), after)
 
-    async def send_candidate(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict, epoch: int) -> bool:
-        """Send `block` as a candidate for verdict `after` of the block written at `epoch`; False if it could not go."""
-        return await self.session.send_candidate(self.frame(start_position, block, after), epoch)
+    @property
+    def epoch(self) -> int:
+        """Blocks written on the session's stream so far (edge/cloud_link/session.py: a candidate names its block's)."""
+        return self.session.epoch
+
+    @property
+    def verdict_epoch(self) -> int:
+        """The epoch of the block the last verdict answered."""
+        return self.session.verdict_epoch
+
+    @property
+    def uplink_bytes(self) -> int:
+        return self.session.uplink_bytes
+
+    def open_ahead(self, context: list[int], first_token: bool) -> None:
+        """Open the session on `context` now (the cloud prefills while the edge drafts); `first_token`: the open
+        also brings the target's token after the context."""
+        self.session.open_ahead(context, first_token=first_token)
+
+    async def opened_first_token(self) -> int | None:
+        """The target's token after the opened context, once the open brings it; None if it brought none."""
+        return await self.session.opened_first_token()
+
+    async def send_candidate(self, block: PendingBlock, start_position: int, n_accepted: int, next_token: int,
+                             epoch: int) -> bool:
+        """Send `block` as the candidate for the verdict (n_accepted, next_token) on the block written at `epoch`
+        after a context of `start_position` tokens; False if it could not go."""
+        after = pb.AfterVerdict(start_position=start_position, n_accepted=n_accepted, next_token=next_token)
+        frame = self.frame(start_position + n_accepted + 1, block, after)
+        return await self.session.send_candidate(frame, epoch)
 
     async def verify(self, context: list[int], block: PendingBlock, matched_candidate: bool = False,
                      waited_since: float | None = None) -> Verdict | None:

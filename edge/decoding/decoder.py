@@ -37,7 +37,7 @@ from common.companion import Companion
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, StopSequences
 from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
-from common.decoding.speculative_round import speculative_round
+from common.decoding.speculative_round import block_limit, draft_block, speculative_round
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
@@ -243,7 +243,7 @@ class EdgeDecoder:
             await self._rounds(generation, settings, drafter, backend, policy)
         finally:
             if backend is not None:
-                generation.recorder.uplink_bytes = backend.session.uplink_bytes
+                generation.recorder.uplink_bytes = backend.uplink_bytes
                 await backend.close()
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
@@ -253,7 +253,7 @@ class EdgeDecoder:
                                 support, settings.cloud_retry_s, use)
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
         # The lossless modes also take the target's first token from that open (see `_first_token`).
-        backend.session.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)
+        backend.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)
         return backend
 
     async def _rounds(self, generation: Generation, settings: EdgeSettings, drafter: Drafter,
@@ -278,13 +278,14 @@ class EdgeDecoder:
                            policy: CallPolicy | None) -> PendingBlock | None:
         """Release the target's first token as soon as the session's open brings it, while the first block is
         drafted after the prompt; a block that starts with that token goes on as the next block's start (its
-        other tokens were drafted after the very context they now follow: see edge/decoding/pipeline.py on why that
-        stays lossless). Without a token (the first verify then meets the open's failure) the block itself goes on."""
+        other tokens were drafted after the very context they now follow: see edge/decoding/pipeline.py on why
+        that stays lossless). Without a token (the first verify then meets the open's failure) the block itself goes on."""
         self._fit_to_cloud(generation)
-        limit = min(generation.settings.block_cap, generation.block_room)
-        drafting = asyncio.create_task(drafter.draft(generation.context, limit, policy, None)) if limit > 0 else None
+        limit = block_limit(generation, verifying=True)
+        drafting = asyncio.create_task(draft_block(generation, drafter, generation.context, limit, policy, None)
+                                       ) if limit > 0 else None
         try:
-            token = await backend.session.opened_first_token()
+            token = await backend.opened_first_token()
             if token is not None:
                 generation.recorder.target_calls += 1
                 generation.commit(0, [token])
@@ -292,7 +293,6 @@ class EdgeDecoder:
         finally:
             if drafting is not None:
                 drafting.cancel()
-        generation.recorder.draft_forwards += len(block)
         if token is None:
             return block if len(block) else None
         if generation.done or block.tokens[:1] != [token]:

@@ -57,10 +57,9 @@ import torch
 from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
-from common.decoding.speculative_round import Verdict, speculative_round
+from common.decoding.speculative_round import Verdict, apply_verdict, block_limit, draft_block, speculative_round
 from edge.decoding.ahead_gauge import AheadGauge
 from edge.cloud_link.backend import CloudVerifier
-from sprinter.v1 import decoding_pb2 as pb
 
 BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
 
@@ -152,7 +151,7 @@ class PipelinedRounds:
             if self.cost_model is not None:
                 self.cost_model.observe_block_sent(len(block) if matched else len(carried or ()), len(block))
             # The candidates follow the block's own write; a matched candidate was written already.
-            epoch = self.backend.session.epoch + (matched is None)
+            epoch = self.backend.epoch + (matched is None)
             ahead = self.gauge.draft_ahead()
             generation.recorder.ahead_off_rounds += not ahead
             in_flight = asyncio.create_task(self.backend.verify(context, block, matched is not None, verdict_at))
@@ -182,39 +181,27 @@ class PipelinedRounds:
     async def _next_block(self, context: list[int], carried: PendingBlock | None) -> PendingBlock | None:
         """Draft the next block, continuing a kept candidate; None when the context has no room left."""
         generation = self.generation
-        limit = min(generation.settings.block_cap, generation.block_room)
+        limit = block_limit(generation, verifying=True)
         if limit < 1:
             generation.context_full = True
             return None
         learn = self.cost_model if generation.new_tokens else None  # the first round prefills: not a step's cost
-        if carried is not None:  # drafted for the room there was then: cut to the room there is now
-            carried = PendingBlock(carried.drafted[:limit])
-        block = await self.drafter.draft(context, limit, self.policy, learn, prefix=carried)
-        generation.recorder.draft_forwards += len(block) - len(carried or ())
-        return block
+        return await draft_block(generation, self.drafter, context, limit, self.policy, learn, prefix=carried)
 
     def _commit(self, context: list[int], block: PendingBlock, verdict: Verdict | None,
                 candidates: list[Candidate]) -> tuple[PendingBlock | None, Candidate | None]:
         """Commit what the verdict keeps; the candidate it picks, kept here (carried) or already with the cloud."""
         generation, recorder = self.generation, self.generation.recorder
-        start = len(context) - len(generation.prompt_ids)
-        if verdict is None:  # out of reach: the block stands as drafted
-            generation.commit(start, block.tokens)
+        apply_verdict(generation, context, block, verdict, self.policy, self.cost_model,
+                      first_round=not generation.new_tokens)
+        if verdict is None:  # out of reach: the block stood as drafted
             return None, None
-        recorder.verified(len(block), verdict.n_accepted)
-        if self.policy is not None:
-            self.policy.observe_verdict(len(block), verdict.n_accepted)
-        if self.cost_model is not None:
-            self.cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
-        if self.cost_model is not None and generation.new_tokens and verdict.round_trip_ms is not None:
-            self.cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
-        generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token])
         hit = picked(candidates, verdict)
         recorder.pipelined(drafted_ahead=bool(candidates), hit=hit is not None,
                            sent=sum(c.sent_at_epoch is not None for c in candidates))
         if hit is None or generation.done or hit.context != generation.context:
             return None, None  # (a stop sequence may have cut the commit short: then the candidate is moot)
-        if hit.sent_at_epoch is not None and hit.sent_at_epoch == self.backend.session.verdict_epoch:
+        if hit.sent_at_epoch is not None and hit.sent_at_epoch == self.backend.verdict_epoch:
             recorder.candidate_hits += 1
             return None, hit
         return hit.block, None
@@ -260,14 +247,12 @@ class PipelinedRounds:
     async def _send_ready(self, context: list[int], candidates: list[Candidate], epoch: int,
                           in_flight: asyncio.Task) -> None:
         """Send the complete candidates not sent yet, in order, once their block has gone out (epoch reached)."""
-        session = self.backend.session
         for candidate in candidates:
             if candidate.sent_at_epoch is not None or not candidate.block.complete:
                 continue
-            if in_flight.done() or session.epoch != epoch:
+            if in_flight.done() or self.backend.epoch != epoch:
                 return  # too late, or the block is not written yet (the next candidate's turn tries again)
             outcome = candidate.outcome
-            after = pb.AfterVerdict(start_position=len(context), n_accepted=outcome.n_accepted,
-                                    next_token=outcome.next_token)
-            if await self.backend.send_candidate(len(candidate.context), candidate.block, after, epoch):
+            if await self.backend.send_candidate(candidate.block, len(context), outcome.n_accepted,
+                                                 outcome.next_token, epoch):
                 candidate.sent_at_epoch = epoch
