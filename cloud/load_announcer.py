@@ -9,6 +9,7 @@ being away never slows a verify: a publish without a connection is dropped and c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -65,18 +66,22 @@ class LoadAnnouncer:
         will = aiomqtt.Will(topics.cloud_load(replica_id), encode(read_load("offline")), qos=1, retain=True)
         self.connection = FleetConnection(broker, f"cloud-{replica_id}", will=will, on_connect=self.announce)
         self._task: asyncio.Task | None = None
+        self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> LoadAnnouncer:
-        await self.connection.__aenter__()
+        await self._stack.enter_async_context(self.connection)
+        self._stack.push_async_callback(self._go_offline)  # while the connection is still up
         self._task = asyncio.create_task(self._periodically(), name="cloud-load-announcer")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _go_offline(self) -> None:
         if self._task is not None:
             self._task.cancel()
         self.status = "offline"
         await self.announce()
-        await self.connection.__aexit__(*exc)
 
     async def announce(self) -> None:
         await self.connection.publish(topics.cloud_load(self.replica_id), encode(self.read_load(self.status)),

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -87,20 +88,24 @@ class FleetAgent:
         will = aiomqtt.Will(topics.edge_state(identity.edge_id), encode(controls.state("offline", 0)), qos=1, retain=True)
         self.connection = FleetConnection(broker, f"edge-{identity.edge_id}", will=will, on_connect=self.publish_state)
         self._telemetry_task: asyncio.Task | None = None
+        self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> FleetAgent:
         self.connection.subscribe(topics.fleet_config(self.identity.group), self._on_config)
         self.connection.subscribe(topics.ALL_CLOUD_LOADS, self._on_cloud_load)
-        await self.connection.__aenter__()
+        await self._stack.enter_async_context(self.connection)
+        self._stack.push_async_callback(self._go_offline)  # while the connection is still up
         self._telemetry_task = asyncio.create_task(self._publish_telemetry(), name="fleet-telemetry")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _go_offline(self) -> None:
         for task in (self._telemetry_task, *self._config_tasks):
             if task is not None:
                 task.cancel()
         await self.publish_state("offline")  # a clean stop says so at once, not after the keepalive
-        await self.connection.__aexit__(*exc)
 
     async def publish_state(self, status: str = "online") -> None:
         state = self.controls.state(status, self.config_version)

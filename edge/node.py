@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -83,24 +84,29 @@ class EdgeNode:
         self.target_id: str | None = None
         self.decoder: EdgeDecoder | None = None
         self._new_draft_lm: Callable[[bool], DraftLM] | None = None
-        self._retired_clouds: list[ReplicaSet] = []  # replaced by a fleet config; in-flight sessions may still use them
+        # Every ReplicaSet this node opened: the one in force, and those a fleet config replaced (sessions in
+        # flight may still use them). All close when the node stops, the one in force first.
+        self._clouds = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> "EdgeNode":
-        if self.settings.cloud or self.settings.discover_clouds:
-            self.cloud = await self._replicas((self.settings.cloud or "").split(","))
-            await self.check_cloud()
-        self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
-                                              self.settings.draft_weights)
-        setup = self.prepare_verifier(self.settings.verifier)
+        try:
+            if self.settings.cloud or self.settings.discover_clouds:
+                self.cloud = await self._clouds.enter_async_context(
+                    self._replica_set((self.settings.cloud or "").split(",")))
+                await self.check_cloud()
+            self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
+                                                  self.settings.draft_weights)
+            setup = self.prepare_verifier(self.settings.verifier)
+        except BaseException:
+            await self._clouds.aclose()
+            raise
         self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
                                    make_companion=setup.make_companion, max_context=self.settings.max_model_len)
         self.decoder.verifier_identity = setup.identity
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for client in (self.cloud, *self._retired_clouds):
-            if client is not None:
-                await client.__aexit__(*exc)
+        await self._clouds.aclose()
 
     @property
     def verifier_identity(self) -> dict | None:
@@ -115,9 +121,9 @@ class EdgeNode:
                              tls_server_name=self.settings.cloud_tls_server_name or server_name,
                              token=self.settings.cloud_token, deadline_s=self.settings.cloud_deadline_s)
 
-    async def _replicas(self, entries: Sequence[str]) -> ReplicaSet:
-        return await ReplicaSet(entries, self._endpoint, vocab_fingerprint(self.draft.tokenizer),
-                                adopt_announced=self.settings.discover_clouds).__aenter__()
+    def _replica_set(self, entries: Sequence[str]) -> ReplicaSet:
+        return ReplicaSet(entries, self._endpoint, vocab_fingerprint(self.draft.tokenizer),
+                          adopt_announced=self.settings.discover_clouds)
 
     def prepare_verifier(self, spec: str) -> VerifierSetup:
         """Load and check a verifier (`--verifier` syntax) for this node's pair; ValueError if it does not fit.
@@ -143,19 +149,15 @@ class EdgeNode:
         """
         if self.cloud is not None and sorted(self.cloud.entries) == sorted(addresses):
             return
-        replicas = await self._replicas(addresses)  # probes them all
-        try:
+        async with contextlib.AsyncExitStack() as candidate:  # closes the replicas again if they are refused
+            replicas = await candidate.enter_async_context(self._replica_set(addresses))  # probes them all
             if not replicas.available():
                 reasons = [f"{r['address']}: {r['refused'] or 'unreachable'}" for r in replicas.describe()]
                 raise ValueError(f"no cloud of {', '.join(addresses)} can verify for this edge ({'; '.join(reasons)})")
             model_id = next(r.model_id for r in replicas.replicas.values() if r.model_id)
             if isinstance(self.decoder.verifier, (LearnedVerifier, TemperatureMatched)):  # trained for one target
                 self.decoder.verifier.check_pair(self.draft.tokenizer, self.settings.draft, model_id)
-        except ValueError:
-            await replicas.__aexit__(None, None, None)
-            raise
-        if self.cloud is not None:
-            self._retired_clouds.append(self.cloud)
+            await self._clouds.enter_async_context(candidate.pop_all())  # accepted: open until the node stops
         self.cloud, self.decoder.cloud, self.target_id = replicas, replicas, model_id
         log.info("verifying on %s (%s) from now on", replicas.address, model_id)
 

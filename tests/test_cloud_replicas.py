@@ -7,6 +7,7 @@ import asyncio
 import math
 import signal
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
-from edge.cloud_link.client import CloudEndpoint
+from edge.cloud_link.client import CloudClient, CloudEndpoint
 from edge.node import CloudMismatch, EdgeNode, EdgeNodeSettings
 from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
@@ -160,6 +161,39 @@ def test_a_replica_of_another_target_is_refused_and_the_rest_serve(tiny_draft) -
         assert replicas[ours.address]["usable"]
         with pytest.raises(CloudMismatch, match="every replica"):
             asyncio.run(scenario(other.address, other.address))
+
+
+def test_a_failed_start_closes_what_it_had_opened(tiny_draft, monkeypatch) -> None:
+    closed: list[str] = []
+    close_client, close_replicas = CloudClient.__aexit__, ReplicaSet.__aexit__
+
+    async def record_client(client: CloudClient, *exc: object) -> None:
+        closed.append(client.endpoint.address)
+        await close_client(client, *exc)
+
+    async def record_replicas(replicas: ReplicaSet, *exc: object) -> None:
+        closed.append("replica set")
+        await close_replicas(replicas, *exc)
+
+    monkeypatch.setattr(CloudClient, "__aexit__", record_client)
+    monkeypatch.setattr(ReplicaSet, "__aexit__", record_replicas)
+
+    def endpoint(address: str, _server_name: str | None) -> CloudEndpoint:
+        if address == "127.0.0.1:2":
+            raise OSError("its CA file is unreadable")
+        return CloudEndpoint(address)
+
+    with pytest.raises(OSError, match="unreadable"):
+        asyncio.run(ReplicaSet(["127.0.0.1:1", "127.0.0.1:2"], endpoint, "fingerprint").__aenter__())
+    assert closed == ["127.0.0.1:1"]
+
+    closed.clear()
+    settings = EdgeNodeSettings(draft=tiny_draft.spec, draft_runtime="torch", dtype="float32",
+                                verifier="confidence:0.3")
+    with ScriptedCloud(Script(tokenizer_fingerprint="another vocabulary")) as other:
+        with pytest.raises(CloudMismatch):
+            asyncio.run(EdgeNode(replace(settings, cloud=other.address), tiny_draft).__aenter__())
+    assert closed == ["replica set", other.address]
 
 
 def test_new_sessions_spread_over_replicas_and_keep_their_place(tiny_draft) -> None:

@@ -23,6 +23,7 @@ announcement ends a rest at once. Sessions already on a replica stay until it fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -110,19 +111,25 @@ class ReplicaSet:
         self.reopen_causes: Counter[str] = Counter()
         self._tasks: set[asyncio.Task] = set()
         self._maintenance: asyncio.Task | None = None
+        self._clients = contextlib.AsyncExitStack()  # every replica's client, open until the set closes
 
     async def __aenter__(self) -> ReplicaSet:
-        await self.resolve()
-        await self.probe_all()
+        try:
+            await self.resolve()
+            await self.probe_all()
+        except BaseException:
+            await self._clients.aclose()
+            raise
         self._maintenance = asyncio.create_task(self._maintain(), name="cloud-replicas")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        # The tasks stop first, by hand: they add clients to the stack as replicas appear, so the stack's
+        # last-in-first-out order cannot put them before the clients.
         for task in (self._maintenance, *self._tasks):
             if task is not None:
                 task.cancel()
-        for replica in self.replicas.values():
-            await replica.client.__aexit__(None, None, None)
+        await self._clients.aclose()
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -158,7 +165,7 @@ class ReplicaSet:
         return [(join_host_port(a, port), host) for a in addresses]
 
     async def _add(self, address: str, origin: str, server_name: str | None) -> Replica:
-        client = await CloudClient(self.endpoint(address, server_name)).__aenter__()
+        client = await self._clients.enter_async_context(CloudClient(self.endpoint(address, server_name)))
         replica = self.replicas[address] = Replica(client, origin)
         log.info("cloud replica %s (from %s)", address, origin)
         return replica

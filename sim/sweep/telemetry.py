@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -99,22 +99,24 @@ class TelemetryRecorder:
         self.bad_messages = 0
         self._connection: FleetConnection | None = None
         self._write_failed = False
+        self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> TelemetryRecorder:
         if self.url is None:
             return self
         # The pid: two sweeps on one broker must not take each other's client id (the broker would drop one).
-        self._connection = FleetConnection(BrokerSettings.parse(self.url), f"sim-recorder-{os.getpid()}")
-        self._connection.subscribe(topics.edge_telemetry(EDGE_ID), self._on_edge_telemetry)
-        self._connection.subscribe(topics.cloud_load(CLOUD_ID), self._on_cloud_load)
-        await self._connection.__aenter__()
+        connection = FleetConnection(BrokerSettings.parse(self.url), f"sim-recorder-{os.getpid()}")
+        connection.subscribe(topics.edge_telemetry(EDGE_ID), self._on_edge_telemetry)
+        connection.subscribe(topics.cloud_load(CLOUD_ID), self._on_cloud_load)
+        self._stack.callback(self._log_recorded)  # pushed first, so it runs last: once nothing more arrives
+        self._connection = await self._stack.enter_async_context(connection)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._connection is not None:
-            await self._connection.__aexit__(*exc)
-            log.info("fleet plane: recorded %d messages in %s (%d unreadable)", self.recorded, self.path,
-                     self.bad_messages)
+        await self._stack.aclose()
+
+    def _log_recorded(self) -> None:
+        log.info("fleet plane: recorded %d messages in %s (%d unreadable)", self.recorded, self.path, self.bad_messages)
 
     async def _on_edge_telemetry(self, message: aiomqtt.Message) -> None:
         self._record(message, EdgeTelemetry)
