@@ -54,13 +54,13 @@ from typing import Callable
 
 import torch
 
+from common import wire
 from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import Verdict, speculative_round
 from edge.decoding.ahead_gauge import AheadGauge
 from edge.cloud_link.backend import CloudVerifier
-from sprinter.v1 import decoding_pb2 as pb
 
 BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
 
@@ -267,7 +267,6 @@ class PipelinedRounds:
             if in_flight.done() or session.epoch != epoch:
                 return  # too late, or the block is not written yet (the next candidate's turn tries again)
             outcome = candidate.outcome
-            after = pb.AfterVerdict(start_position=len(context), n_accepted=outcome.n_accepted,
-                                    next_token=outcome.next_token)
+            after = wire.after_verdict(len(context), outcome.n_accepted, outcome.next_token)
             if await self.backend.send_candidate(len(candidate.context), candidate.block, after, epoch):
                 candidate.sent_at_epoch = epoch
