@@ -17,9 +17,10 @@ import grpc
 
 from cloud.engine import Abandoned, TargetEngine
 from cloud.errors import CloudError
-from cloud.frames import METHOD_NAMES, ServiceLimits, check_prompt, check_verify, decide, sampling_from_proto
+from cloud.frames import ServiceLimits, admit_sampling, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
 from cloud.sessions import Session, SessionStore
+from common import wire
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -42,9 +43,8 @@ class TargetBackend:
 
     def info(self) -> pb.ServiceInfo:
         target = self.engine.info
-        return pb.ServiceInfo(model_id=target.spec, vocab_fingerprint=target.vocab_fingerprint,
-                              vocab_size=target.vocab_size, limits=self.limits.to_proto(),
-                              eos_token_ids=sorted(target.eos_token_ids))
+        return wire.service_info(target.spec, target.vocab_fingerprint, target.vocab_size, self.limits.to_proto(),
+                                 sorted(target.eos_token_ids))
 
     def _check_fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.vocab_fingerprint:
@@ -66,7 +66,7 @@ class TargetBackend:
             if previous is not None and previous is not session:
                 self.close(previous)
             return session, True
-        sampling = sampling_from_proto(request.sampling)
+        sampling = admit_sampling(request.sampling)
         self.engine.check_sampling(sampling)
         prompt_ids = list(request.prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.limits)
@@ -139,21 +139,20 @@ class TargetBackend:
         finally:
             session.busy = False
         session.touch()
-        self.metrics.verify_calls.labels(METHOD_NAMES[frame.method]).inc()
+        self.metrics.verify_calls.labels(wire.method_name(frame.method)).inc()
         self.metrics.tokens_verified.inc(g)
         self.metrics.tokens_accepted.inc(n_accepted)
         self.store.enforce_budget(protect=session)
         self.update_gauges()
-        return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
-                          verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
-                          queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
-                          start_position=start_position, candidate=frame.HasField("after"))
+        return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
+                            verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
+                            queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
+                            start_position=start_position, candidate=wire.candidate_after(frame) is not None)
 
     def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
         would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply)."""
-        after = frame.after
-        matches = session.last_verdict == (after.start_position, after.n_accepted, after.next_token)
+        matches = session.last_verdict == wire.candidate_after(frame)
         if not matches:
             self.metrics.candidates.labels("dropped").inc()
         return matches
@@ -161,7 +160,7 @@ class TargetBackend:
     async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""
         self._check_fingerprint(request.vocab_fingerprint)
-        sampling = sampling_from_proto(request.sampling)
+        sampling = admit_sampling(request.sampling)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         if request.max_new_tokens < 1:
@@ -174,11 +173,10 @@ class TargetBackend:
                     self.store.check_kv("forward")
                     self.metrics.tokens_generated.inc()
                     if step.token in self.engine.info.eos_token_ids:
-                        yield pb.GenerateChunk(token_ids=[step.token], finished=True, finish_reason="stop",
-                                               step_ms=step.step_ms)
+                        yield wire.generate_chunk([step.token], step.step_ms, finish_reason="stop")
                         return
-                    yield pb.GenerateChunk(token_ids=[step.token], step_ms=step.step_ms)
-                yield pb.GenerateChunk(finished=True, finish_reason="length")  # max_new_tokens, or the context limit
+                    yield wire.generate_chunk([step.token], step.step_ms)
+                yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
 

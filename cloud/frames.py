@@ -15,9 +15,10 @@ import torch
 
 from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
-from common.decoding.modes import VERIFY_METHODS, verify_rule
+from common import wire
+from common.decoding.modes import verify_rule
 from common.verification import greedy_verdict
-from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
+from common.sampling import SamplingParams, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
@@ -32,9 +33,8 @@ class ServiceLimits:
     max_generate: int = 0  # per edge identity; 0: no limit
 
     def to_proto(self) -> pb.Limits:
-        return pb.Limits(max_block=self.max_block, max_context=self.max_context,
-                         max_message_bytes=self.max_message_bytes, max_sparse_support=self.max_sparse_support,
-                         max_generate=self.max_generate)
+        return wire.limits_message(self.max_block, self.max_context, self.max_message_bytes, self.max_sparse_support,
+                                   self.max_generate)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
@@ -43,15 +43,16 @@ def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
         raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def sampling_from_proto(sampling: pb.SamplingSettings) -> SamplingParams:
-    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+def admit_sampling(sampling: pb.SamplingSettings) -> SamplingParams:
+    """The session's sampling settings, refused (INVALID_ARGUMENT, saying which field) when out of range."""
+    top_p = wire.top_p_of(sampling)
     if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
         raise invalid(f"sampling.temperature must be a finite number >= 0, got {sampling.temperature}")
     if sampling.top_k < 0:
         raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
     if not 0.0 < top_p <= 1.0:
         raise invalid(f"sampling.top_p must be in (0, 1] (leave it unset to disable), got {top_p}")
-    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=sampling.seed)
+    return wire.sampling_from_proto(sampling)
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) -> None:
@@ -63,15 +64,12 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) 
     check_token_ids(prompt_ids, vocab_size, "open.prompt_ids")
 
 
-# The .proto's Method values of the verify methods of common/decoding/modes.py (METHOD_BLOCK -> "block").
-METHOD_NAMES = {pb.Method.Value(f"METHOD_{method.upper()}"): method for method in VERIFY_METHODS}
-
-
 def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingParams, vocab_size: int,
                  limits: ServiceLimits) -> None:
     """Refuse a verify frame before it costs a target forward."""
     g = len(frame.draft_tokens)
-    if frame.method not in METHOD_NAMES:
+    method = wire.method_name(frame.method)
+    if method is None:
         raise invalid("verify.method is unset: choose METHOD_TOKEN, METHOD_BLOCK or METHOD_SPRINTER")
     if g == 0:
         raise invalid("verify.draft_tokens is empty: send at least one draft token")
@@ -90,7 +88,7 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         raise invalid("verify.draft_token_probs must lie in (0, 1]: the draft sampled these tokens")
     if sampling.greedy:
         return
-    needed = 1 if frame.method == pb.METHOD_SPRINTER else g
+    needed = 1 if method == "sprinter" else g
     if len(frame.draft_dists) not in (needed, g):
         raise invalid(f"verify.draft_dists has {len(frame.draft_dists)} distributions; sampling with this method "
                        f"needs {needed} (one per draft token{', or just the last' if needed == 1 else ''})")
@@ -126,15 +124,14 @@ def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_s
         return p_draft
     first_row = g - len(frame.draft_dists)
     for i, dist in enumerate(frame.draft_dists, start=first_row):
-        sparse = SparseDistribution(torch.tensor(list(dist.token_ids)), torch.tensor(list(dist.probs)))
-        p_draft[i] = sparse.to_dense(vocab_size)
+        p_draft[i] = wire.sparse_from_proto(dist).to_dense(vocab_size)
     return p_draft
 
 
 def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
            generator: torch.Generator) -> tuple[int, int]:
     """(n_accepted, next_token) for a checked frame, given the target's rows [g + 1] along the block."""
-    method = METHOD_NAMES[frame.method]
+    method = wire.method_name(frame.method)
     if sampling.greedy:  # one-hot distributions: every rule reads the target's argmax alone
         return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=method == "sprinter")
     vocab_size = target.logits.shape[-1]

@@ -30,6 +30,7 @@ from cloud.errors import CloudError, exhausted
 from cloud.metrics import CloudMetrics
 from cloud.quotas import STREAMS_RETRY_MS
 from cloud.sessions import Session
+from common import wire
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -68,8 +69,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def _error_frame(self, err: CloudError, session: Session | None) -> pb.CloudFrame:
         self.metrics.errors.labels(err.code.name).inc()
         log.info("refused frame: %s %s", err.code.name, err)
-        return pb.CloudFrame(error=pb.Error(code=err.code.value[0], message=str(err), retry_after_ms=err.retry_after_ms,
-                                            context_length=session.length if session else 0))
+        return wire.error_frame(err.code, str(err), err.retry_after_ms, session.length if session else 0)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServiceInfo:
         _, backend = await self._admit(context)
@@ -97,20 +97,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         first = None
                         if frame.open.first_token and not resumed:
                             first = await asyncio.shield(backend.first_token(session, abandoned))
-                        yield pb.CloudFrame(opened=pb.SessionOpened(
-                            session_id=session.session_id, context_length=session.length,
-                            limits=backend.limits.to_proto(), resumed=resumed, first_token=first))
+                        yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
+                                                first)
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
                         session = backend.store.get(session.session_id, owner)  # gone: NOT_FOUND, candidates too
-                        if frame.verify.HasField("after"):
+                        if wire.candidate_after(frame.verify) is not None:
                             if not backend.candidate_matches(session, frame.verify):
                                 continue
                             backend.metrics.candidates.labels("verified").inc()
                         # shield: the cache and the token list must move together even if the edge goes away
                         verdict = await asyncio.shield(backend.verify(session, frame.verify, abandoned))
-                        yield pb.CloudFrame(verdict=verdict)
+                        yield wire.verdict_frame(verdict)
                     elif kind == "close":
                         if session is not None:
                             backend.close(session)

@@ -14,19 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from common import wire
 from common.decoding.drafting import PendingBlock
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from edge.cloud_link.client import CloudError, CloudUnavailable, DeadlinePassed
-from edge.cloud_link.session import CloudSession, verify_frame
+from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-def wire_method(method: str) -> int:
-    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
-    return pb.Method.Value(f"METHOD_{method.upper()}")
 
 
 @dataclass
@@ -77,7 +73,7 @@ class CloudVerifier:
     def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
         """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`)."""
         probs = [float(d.p_draft[d.token]) for d in block.drafted]
-        return verify_frame(start_position, block.tokens, wire_method(self.method), probs, self._draft_dists(block), after)
+        return wire.verify_block(start_position, block.tokens, self.method, probs, self._draft_dists(block), after)
 
     @property
     def epoch(self) -> int:
@@ -106,7 +102,7 @@ class CloudVerifier:
                              epoch: int) -> bool:
         """Send `block` as the candidate for the verdict (n_accepted, next_token) on the block written at `epoch`
         after a context of `start_position` tokens; False if it could not go."""
-        after = pb.AfterVerdict(start_position=start_position, n_accepted=n_accepted, next_token=next_token)
+        after = wire.after_verdict(start_position, n_accepted, next_token)
         frame = self.frame(start_position + n_accepted + 1, block, after)
         return await self.session.send_candidate(frame, epoch)
 

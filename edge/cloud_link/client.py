@@ -20,7 +20,9 @@ from typing import AsyncIterator
 
 import grpc
 
-from common.sampling import FLOAT32_TINY, SamplingParams
+from common import wire
+from common.sampling import SamplingParams
+from common.wire import STATUS_BY_NUMBER, CloudLimits
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -32,9 +34,6 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # Refusals in an error frame that say "not now" rather than "never": retried, after Error.retry_after_ms if given.
 RETRY_LATER = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 RETRY_AFTER_METADATA = "retry-after-ms"  # the hint a call that ends RESOURCE_EXHAUSTED carries (cloud/errors.py)
-
-
-STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
 class CloudError(Exception):
@@ -95,21 +94,6 @@ class RetryableFailure(Exception):
 
 
 @dataclass(frozen=True)
-class CloudLimits:
-    """The cloud's ServiceInfo.limits (None: the cloud did not say). The edge shapes its frames to fit them."""
-
-    max_block: int | None = None  # draft tokens per verify frame
-    max_context: int | None = None  # prompt + generated tokens per session (and per Generate)
-    max_sparse_support: int | None = None  # entries per sparse draft distribution
-    max_generate: int | None = None  # concurrent Generate calls this edge may run there
-
-    @classmethod
-    def from_proto(cls, limits: pb.Limits) -> "CloudLimits":
-        return cls(limits.max_block or None, limits.max_context or None, limits.max_sparse_support or None,
-                   limits.max_generate or None)
-
-
-@dataclass(frozen=True)
 class CloudEndpoint:
     address: str  # host:port
     tls_ca: Path | None = None  # PEM roots to trust; set it to speak TLS
@@ -129,11 +113,8 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random 
     return min(cap_s, base_s * 2 ** attempt) * (rng or random).uniform(0.5, 1.5)
 
 
-def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
-    # The wire's floats are 32-bit: a top_p below their range would arrive as 0 (refused); it means "the argmax alone",
-    # which the smallest float32 means too.
-    return pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k,
-                               top_p=max(sampling.top_p, FLOAT32_TINY), seed=sampling.seed)
+# edge/cloud_link/session.py imports the wire's encoders from here until it imports common.wire itself.
+sampling_to_proto = wire.sampling_to_proto
 
 
 class CloudClient:
@@ -178,7 +159,7 @@ class CloudClient:
 
     async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
         try:
-            info = await self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s or self.endpoint.deadline_s,
+            info = await self.stub.GetInfo(wire.info_request(), timeout=timeout_s or self.endpoint.deadline_s,
                                            metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise self._error(err) from err
@@ -193,8 +174,7 @@ class CloudClient:
         but each chunk must come within `deadline_s`: a Generate that hangs ends as CloudUnavailable
         instead of holding the request forever.
         """
-        request = pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling),
-                                     max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
+        request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint)
         call = self.stub.Generate(request, metadata=self.metadata)
         limit, request_bound = self.endpoint.deadline_s, False
         try:

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from common import wire
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import load_model
@@ -40,7 +41,6 @@ from common.prompting import encode_prompt
 from sim.bench.load import parse_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import cloud_process, free_port
-from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[Recorde
 async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: int, start: asyncio.Event,
                    latencies_ms: list[float], batch_sizes: list[int], opened: asyncio.Semaphore) -> int:
     call = stub.Session()
-    await call.write(pb.EdgeFrame(open=pb.OpenSession(prompt_ids=edge.prompt_ids)))
+    await call.write(wire.open_frame(edge.prompt_ids))
     answer = await call.read()
     if answer.WhichOneof("frame") != "opened":
         raise RuntimeError(f"cloud refused the session: {answer}")
@@ -134,8 +134,7 @@ async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: 
     for i in range(rounds):
         block = edge.blocks[i % len(edge.blocks)]
         sent = time.perf_counter()
-        await call.write(pb.EdgeFrame(verify=pb.VerifyBlock(start_position=context_length, draft_tokens=block,
-                                                            method=pb.METHOD_BLOCK)))
+        await call.write(wire.verify_frame(wire.verify_block(context_length, block, "block")))
         frame = await call.read()
         if frame.WhichOneof("frame") != "verdict":
             raise RuntimeError(f"cloud refused a replayed block: {frame}")
@@ -143,7 +142,7 @@ async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: 
         batch_sizes.append(frame.verdict.cloud_batch_size)
         context_length = frame.verdict.context_length
         verified += len(block)
-    await call.write(pb.EdgeFrame(close=pb.CloseSession()))
+    await call.write(wire.close_frame())
     await call.done_writing()
     status = await call.code()  # the stream's final status
     if status != grpc.StatusCode.OK:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from common import wire
 from common.models import load_model, vocab_fingerprint
 from common.plots import pyplot
 from common.prompting import encode_prompt
@@ -126,7 +127,7 @@ async def run_edge(clouds: ReplicaSet, recorded: list[RecordedEdge], edge: int, 
                 if (rounds is not None and done >= rounds) or (deadline is not None and time.perf_counter() >= deadline):
                     break
                 opens, sent = session.opens, time.perf_counter()
-                verdict = await session.verify(context, block, pb.METHOD_BLOCK)
+                verdict = await session.verify(context, block, wire.method_value("block"))
                 calls.add(verdict, (time.perf_counter() - sent) * 1e3, session.opens != opens,
                           session.client.endpoint.address, len(block))
                 context += block[:verdict.n_accepted] + [verdict.next_token]

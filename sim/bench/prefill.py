@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from common import wire
 from sim.bench.cloud import percentile
 from sim.processes import cloud_process
 from sprinter.v1 import decoding_pb2 as pb
@@ -69,17 +70,16 @@ async def _verifier(stub: pb_grpc.TargetServiceStub, index: int, k: int, vocab: 
 
     call = stub.Session(frames())
     prompt = [(index * 7 + i) % vocab for i in range(32)]
-    await requests.put(pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt)))
+    await requests.put(wire.open_frame(prompt))
     length = (await call.read()).opened.context_length
     while not stop.is_set():
         block = [(length * 31 + i) % vocab for i in range(k)]
         started = time.perf_counter()
-        await requests.put(pb.EdgeFrame(verify=pb.VerifyBlock(start_position=length, draft_tokens=block,
-                                                              method=pb.METHOD_BLOCK)))
+        await requests.put(wire.verify_frame(wire.verify_block(length, block, "block")))
         answer = await call.read()
         samples.append((started, (time.perf_counter() - started) * 1e3))
         length = answer.verdict.context_length
-    await requests.put(pb.EdgeFrame(close=pb.CloseSession()))
+    await requests.put(wire.close_frame())
     await requests.put(None)
     while await call.read() is not grpc.aio.EOF:  # until the cloud ends the stream
         pass
@@ -91,13 +91,13 @@ async def _measure(address: str, settings: PrefillBenchSettings) -> tuple[list[t
     stop = asyncio.Event()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.TargetServiceStub(channel)
-        vocab = (await stub.GetInfo(pb.GetInfoRequest())).vocab_size
+        vocab = (await stub.GetInfo(wire.info_request())).vocab_size
         verifiers = [asyncio.create_task(_verifier(stub, i, settings.k, vocab, stop, samples))
                      for i in range(settings.sessions)]
         await asyncio.sleep(settings.quiet_s)
         prompt = [(i * 17) % vocab for i in range(settings.prompt_tokens)]
         opened_at = time.perf_counter()
-        call = stub.Session(iter([pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt))]))
+        call = stub.Session(iter([wire.open_frame(prompt)]))
         answer = await call.read()
         done_at = time.perf_counter()
         assert answer.WhichOneof("frame") == "opened", answer

@@ -1,0 +1,238 @@
+"""The wire codec: every message the edge and the cloud exchange (proto/sprinter/v1/decoding.proto) is built
+here, and what either side reads is decoded here, so no other module spells a proto field.
+
+Glossary (who sends what)
+    GetInfo        edge -> cloud: `GetInfoRequest` (`info_request`). cloud -> edge: `ServiceInfo`
+                   (`service_info`): the model, the vocabulary's fingerprint and size, EOS ids, `Limits`.
+    Limits         what the cloud accepts (`limits_message`): tokens per verify block and per session,
+                   bytes per frame, entries per sparse distribution, Generate calls per edge. The edge
+                   reads them as `CloudLimits` (0 on the wire means "not said": None there).
+    Session        one bidirectional stream per generation.
+      edge -> cloud, `EdgeFrame`:
+        open       a session on a prompt, with sampling settings and the vocabulary fingerprint
+                   (`open_frame`), or a resume of one this edge left behind (`resume_frame`).
+        verify     a `VerifyBlock` (`verify_block`, framed by `verify_frame`): the draft tokens after a
+                   session of `start_position` tokens, their draft probabilities and, when sampling, the
+                   sparse distributions they were drawn from; `method` names the verify rule.
+        candidate  a verify block with `after` (an `AfterVerdict`, `after_verdict`): drafted ahead for one
+                   verdict on the block in flight, verified only if the cloud gave exactly that verdict.
+                   Sent again the ordinary way, `after` dropped: `ordinary_verify_frame`.
+        close      the end of the session (`close_frame`).
+      cloud -> edge, `CloudFrame`, one per open and per verify (none for a dropped candidate):
+        opened     the session id and length, the limits, whether it was resumed, and the target's token
+                   after the prompt when the open asked for it (`opened_frame`).
+        verdict    the first n_accepted draft tokens are kept and next_token follows; named by its
+                   block's start_position (`verdict`, framed by `verdict_frame`).
+        error      a refused frame: gRPC status, message, the cloud's session length, a retry hint
+                   (`error_frame`); the stream and the session stay usable.
+    Generate       mode target. edge -> cloud: `GenerateRequest` (`generate_request`). cloud -> edge:
+                   `GenerateChunk`s (`generate_chunk`), the last one finished, with its reason.
+
+Encoders take the project's types (method names such as "block", `SamplingParams`, `SparseDistribution`,
+`grpc.StatusCode`); decoders return them. Whether what an edge sent is acceptable is the cloud's
+admission policy, not encoding: cloud/frames.py checks it, reading fields through the decoders here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import torch
+
+from common.decoding.modes import VERIFY_METHODS
+from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
+from sprinter.v1 import decoding_pb2 as pb
+
+# -- verify methods -----------------------------------------------------------------------------------------
+
+
+def method_value(method: str) -> int:
+    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
+    return pb.Method.Value(f"METHOD_{method.upper()}")
+
+
+METHOD_NAMES = {method_value(method): method for method in VERIFY_METHODS}  # METHOD_BLOCK -> "block"
+
+
+def method_name(value: int) -> str | None:
+    """The verify method a .proto `Method` names; None when unset or unknown."""
+    return METHOD_NAMES.get(value)
+
+
+# -- sampling settings and sparse distributions -----------------------------------------------------------------
+
+
+def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
+    # The wire's floats are 32-bit: a top_p below their range would arrive as 0 (refused); it means "the argmax alone",
+    # which the smallest float32 means too.
+    return pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=max(sampling.top_p, FLOAT32_TINY), seed=sampling.seed)
+
+
+def top_p_of(settings: pb.SamplingSettings) -> float:
+    """top_p as sent; unset means 1.0 (off)."""
+    return settings.top_p if settings.HasField("top_p") else 1.0
+
+
+def sampling_from_proto(settings: pb.SamplingSettings) -> SamplingParams:
+    """The settings as `SamplingParams` (ValueError for values it refuses: check them first to say more)."""
+    return SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=top_p_of(settings),
+                          seed=settings.seed)
+
+
+def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:
+    return pb.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def sparse_from_proto(dist: pb.SparseDistribution) -> SparseDistribution:
+    return SparseDistribution(torch.tensor(list(dist.token_ids)), torch.tensor(list(dist.probs)))
+
+
+# -- limits and service info ----------------------------------------------------------------------------------
+
+
+def limits_message(max_block: int, max_context: int, max_message_bytes: int, max_sparse_support: int,
+                   max_generate: int) -> pb.Limits:
+    return pb.Limits(max_block=max_block, max_context=max_context, max_message_bytes=max_message_bytes,
+                     max_sparse_support=max_sparse_support, max_generate=max_generate)
+
+
+@dataclass(frozen=True)
+class CloudLimits:
+    """The cloud's ServiceInfo.limits (None: the cloud did not say). The edge shapes its frames to fit them."""
+
+    max_block: int | None = None  # draft tokens per verify frame
+    max_context: int | None = None  # prompt + generated tokens per session (and per Generate)
+    max_sparse_support: int | None = None  # entries per sparse draft distribution
+    max_generate: int | None = None  # concurrent Generate calls this edge may run there
+
+    @classmethod
+    def from_proto(cls, limits: pb.Limits) -> "CloudLimits":
+        return cls(limits.max_block or None, limits.max_context or None, limits.max_sparse_support or None,
+                   limits.max_generate or None)
+
+
+def info_request() -> pb.GetInfoRequest:
+    return pb.GetInfoRequest()
+
+
+def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits: pb.Limits,
+                 eos_token_ids: Sequence[int]) -> pb.ServiceInfo:
+    return pb.ServiceInfo(model_id=model_id, vocab_fingerprint=vocab_fingerprint, vocab_size=vocab_size,
+                          limits=limits, eos_token_ids=eos_token_ids)
+
+
+# -- edge frames ------------------------------------------------------------------------------------------------
+
+
+def open_frame(prompt_ids: Sequence[int], sampling: SamplingParams | None = None, vocab_fingerprint: str = "",
+               first_token: bool = False) -> pb.EdgeFrame:
+    """Open a session on `prompt_ids`; without `sampling` the field stays unset, which the cloud reads as greedy."""
+    settings = None if sampling is None else sampling_to_proto(sampling)
+    return pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt_ids, sampling=settings,
+                                            vocab_fingerprint=vocab_fingerprint, first_token=first_token))
+
+
+def resume_frame(session_id: str, vocab_fingerprint: str = "") -> pb.EdgeFrame:
+    """Reattach to session `session_id`, which this edge owns (on a stream that holds one, it closes that one)."""
+    return pb.EdgeFrame(open=pb.OpenSession(resume_session_id=session_id, vocab_fingerprint=vocab_fingerprint))
+
+
+def after_verdict(start_position: int, n_accepted: int, next_token: int) -> pb.AfterVerdict:
+    """The verdict a candidate is drafted for, named by the block it judges (that block's start_position)."""
+    return pb.AfterVerdict(start_position=start_position, n_accepted=n_accepted, next_token=next_token)
+
+
+def verify_block(start_position: int, draft_tokens: Sequence[int], method: str,
+                 draft_token_probs: Sequence[float] | None = None,
+                 draft_dists: Sequence[SparseDistribution] | None = None,
+                 after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
+    """A verify block checked by verify `method` ("block"); with `after`, a candidate for that verdict."""
+    return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method_value(method),
+                          draft_token_probs=draft_token_probs or [], after=after,
+                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []])
+
+
+def verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
+    """The frame that sends `block` as it is (a candidate stays one)."""
+    return pb.EdgeFrame(verify=block)
+
+
+def ordinary_verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
+    """The frame that sends `block` as an ordinary verify: a candidate's `after` is dropped."""
+    return pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
+                                              draft_token_probs=block.draft_token_probs,
+                                              draft_dists=block.draft_dists, method=block.method))
+
+
+def close_frame() -> pb.EdgeFrame:
+    return pb.EdgeFrame(close=pb.CloseSession())
+
+
+def candidate_after(block: pb.VerifyBlock) -> tuple[int, int, int] | None:
+    """(start_position, n_accepted, next_token) of the verdict a candidate is for; None for an ordinary block."""
+    if not block.HasField("after"):
+        return None
+    return block.after.start_position, block.after.n_accepted, block.after.next_token
+
+
+# -- cloud frames -----------------------------------------------------------------------------------------------
+
+
+def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
+                 first_token: int | None = None) -> pb.CloudFrame:
+    return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
+                                                 limits=limits, resumed=resumed, first_token=first_token))
+
+
+def opened_limits(opened: pb.SessionOpened) -> CloudLimits | None:
+    """The limits an opened frame carries; None when it carries none."""
+    return CloudLimits.from_proto(opened.limits) if opened.HasField("limits") else None
+
+
+def opened_first_token(opened: pb.SessionOpened) -> int | None:
+    """The target's token after the prompt, when the open asked for it (never on a resume)."""
+    return opened.first_token if opened.HasField("first_token") else None
+
+
+def verdict(*, n_accepted: int, next_token: int, context_length: int, verify_ms: float, queue_ms: float,
+            cloud_batch_size: int, start_position: int, candidate: bool) -> pb.Verdict:
+    return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=context_length,
+                      verify_ms=verify_ms, queue_ms=queue_ms, cloud_batch_size=cloud_batch_size,
+                      start_position=start_position, candidate=candidate)
+
+
+def verdict_frame(judged: pb.Verdict) -> pb.CloudFrame:
+    return pb.CloudFrame(verdict=judged)
+
+
+def error_frame(code: grpc.StatusCode, message: str, retry_after_ms: int = 0, context_length: int = 0) -> pb.CloudFrame:
+    """A refused frame; `context_length` is the cloud's session length (0: no session), for the edge to resync."""
+    return pb.CloudFrame(error=pb.Error(code=code.value[0], message=message, retry_after_ms=retry_after_ms,
+                                        context_length=context_length))
+
+
+STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def error_status(error: pb.Error) -> grpc.StatusCode:
+    """The gRPC status an error frame carries (UNKNOWN for a number gRPC does not define)."""
+    return STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+# -- Generate (mode target) ------------------------------------------------------------------------------------
+
+
+def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
+                     vocab_fingerprint: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling),
+                              max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
+
+
+def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0,
+                   finish_reason: str | None = None) -> pb.GenerateChunk:
+    """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk."""
+    return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
+                            finish_reason=finish_reason or "")
