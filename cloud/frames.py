@@ -15,7 +15,7 @@ import torch
 
 from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
-from common.decoding.modes import VERIFY_METHODS, verify_rule
+from common.decoding.modes import VERIFY_METHODS, reads_last_draft_only, verify_rule
 from common.verification import greedy_verdict
 from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
@@ -136,7 +136,7 @@ def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
     """(n_accepted, next_token) for a checked frame, given the target's rows [g + 1] along the block."""
     method = METHOD_NAMES[frame.method]
     if sampling.greedy:  # one-hot distributions: every rule reads the target's argmax alone
-        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=method == "sprinter")
+        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=reads_last_draft_only(method))
     vocab_size = target.logits.shape[-1]
     p_draft = draft_distributions(frame, sampling, vocab_size)
     p_target = logits_to_probs(target.logits, sampling)
