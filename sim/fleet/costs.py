@@ -190,8 +190,7 @@ class ModeProfile:
 
     @property
     def traits(self) -> Mode:
-        """The mode's record, the one the edge decodes by (releases_passed: the user gets verifier-passed
-        tokens as they are drafted, never re-checked)."""
+        """The mode's record (common/decoding/modes.py), the one the real edge decodes by."""
         return mode_of(self.mode)
 
     @property
