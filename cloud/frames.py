@@ -16,7 +16,7 @@ import torch
 from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from common import wire
-from common.decoding.modes import verify_rule
+from common.decoding.modes import reads_last_draft_only, verify_rule
 from common.verification import greedy_verdict
 from common.sampling import SamplingParams, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
@@ -88,7 +88,7 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         raise invalid("verify.draft_token_probs must lie in (0, 1]: the draft sampled these tokens")
     if sampling.greedy:
         return
-    needed = 1 if method == "sprinter" else g
+    needed = 1 if reads_last_draft_only(method) else g
     if len(frame.draft_dists) not in (needed, g):
         raise invalid(f"verify.draft_dists has {len(frame.draft_dists)} distributions; sampling with this method "
                        f"needs {needed} (one per draft token{', or just the last' if needed == 1 else ''})")
@@ -133,7 +133,7 @@ def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
     """(n_accepted, next_token) for a checked frame, given the target's rows [g + 1] along the block."""
     method = wire.method_name(frame.method)
     if sampling.greedy:  # one-hot distributions: every rule reads the target's argmax alone
-        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=method == "sprinter")
+        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=reads_last_draft_only(method))
     vocab_size = target.logits.shape[-1]
     p_draft = draft_distributions(frame, sampling, vocab_size)
     p_target = logits_to_probs(target.logits, sampling)

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common.decoding.modes import POLICY_MODES, DecodeSettings
+from common.decoding.modes import POLICY_MODES, DecodeSettings, mode_of
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.app import ApiSettings, Completions
 from edge.fleet_agent import EdgeIdentity
@@ -74,8 +74,8 @@ class DaemonControls:
             await self.node.use_clouds([str(address) for address in config.clouds])
         elif self.clouds_from_config and self.node.settings.cloud:  # the group cleared its clouds
             await self.node.use_clouds(self.node.settings.cloud.split(","))
-        if api.default_mode == "target" and self.node.cloud is None:
-            raise ValueError("mode 'target' needs a cloud, and this edge has none: name one in 'clouds'")
+        if not mode_of(api.default_mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft
+            raise ValueError(f"mode {api.default_mode!r} needs a cloud, and this edge has none: name one in 'clouds'")
         # From here on nothing awaits: the next request sees all of it.
         self.clouds_from_config = bool(config.clouds) or (self.clouds_from_config and not self.node.settings.cloud)
         self.service.api = api

@@ -153,9 +153,10 @@ def run(args: argparse.Namespace) -> int:
     except DeviceError as err:
         print(f"sprinter generate: {err}", file=sys.stderr)
         return 2
-    target = load_model(args.target, dtype, device) if args.mode != "draft" else None
+    traits = settings.traits  # load the target if it takes part (uses_cloud: here, locally), the draft if it drafts
+    target = load_model(args.target, dtype, device) if traits.uses_cloud else None
     draft = None
-    if args.mode != "target":
+    if traits.drafts:
         draft = (target if args.draft == args.target and target is not None
                  else load_model(args.draft, dtype, device))
     model = target or draft

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.decoding.modes import mode_of
 from common.models import DTYPES
 from sim.processes import cloud_process, edge_daemon, free_port
 
@@ -36,8 +37,7 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "What is the difference between a list and a tuple in Python?",
 )
-MODES = ("target", "sd-block", "sprinter", "sprinter-exact")
-LOSSLESS = frozenset({"target", "sd", "sd-block", "sprinter-exact"})  # README, "What it is"
+MODES = ("target", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/test_layout.py)
 
 
 @dataclass
@@ -109,12 +109,12 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     transformers_logging.disable_progress_bar()  # the cloud already converted the weights: a bar here is noise
     target = load_model(target_spec, DTYPES[dtype])
     prompt_ids = [encode_prompt(target.tokenizer, prompt, chat=True) for prompt in prompts]
-    references = next(a for a in answers if a.mode == "target").token_ids
+    references = next(a for a in answers if mode_of(a.mode).reference).token_ids
     rows = []
     for a in answers:
         agreements = [agreement(ids, ref) for ids, ref in zip(a.token_ids, references)]
         nlls = [target_nll_per_token(target, p, ids) for p, ids in zip(prompt_ids, a.token_ids)]
-        rows.append(DemoRow(a.mode, a.mode in LOSSLESS, a.tokens / a.seconds if a.seconds else 0.0,
+        rows.append(DemoRow(a.mode, mode_of(a.mode).lossless, a.tokens / a.seconds if a.seconds else 0.0,
                             a.target_calls / a.tokens if a.tokens else 0.0, sum(agreements) / len(agreements),
                             sum(nlls) / len(nlls), a.tokens, a.degraded))
     return rows
@@ -124,7 +124,8 @@ def format_table(rows: list[DemoRow], dtype: str) -> str:
     """The comparison table, then one footnote line per thing a reader could mistake for a bug."""
     lines = ["| mode | lossless | tokens/s | target calls per token | agreement with target | target NLL/token |",
              "|---|---|---|---|---|---|"]
-    below = [r for r in rows if r.lossless and r.mode != "target" and r.agreement_with_target < 1 and not r.degraded]
+    below = [r for r in rows if r.lossless and not mode_of(r.mode).reference and r.agreement_with_target < 1
+             and not r.degraded]
     for row in rows:
         mark = "*" if row.mode in {r.mode for r in below} else ""
         nll = "-" if row.target_nll_per_token is None else f"{row.target_nll_per_token:.3f}"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from common.decoding.modes import MODE_RECORDS
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.operator import format_status, read_fleet
 from sim.broker import mosquitto_binary
@@ -28,7 +29,7 @@ from sim.local_fleet import LocalFleet, add_fleet_arguments, settings_from_args
 
 log = logging.getLogger(__name__)
 
-MODES = ("sd", "sd-block", "sprinter-exact")
+MODES = tuple(m.name for m in MODE_RECORDS.values() if m.lossless and m.speculative)  # sd, sd-block, sprinter-exact
 PROMPTS = ("def fibonacci(n):", "The capital of France is", "Once upon a time", "import numpy as np")
 
 

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from common.decoding.modes import mode_of
 from sim import demo
 
 
@@ -39,7 +40,7 @@ def test_float32_demo_shows_lossless_modes_identical_and_the_nll_column(tmp_path
 
 
 def _row(mode: str, agreement: float) -> demo.DemoRow:
-    return demo.DemoRow(mode, mode in demo.LOSSLESS, 10.0, 0.3, agreement, 1.5, 64)
+    return demo.DemoRow(mode, mode_of(mode).lossless, 10.0, 0.3, agreement, 1.5, 64)
 
 
 def test_bf16_table_footnotes_a_lossless_mode_below_one():

@@ -7,14 +7,23 @@
 - Proto messages are built in common/wire.py alone: no call `pb.X(...)` (`pb` any name bound to
   sprinter.v1.decoding_pb2, X upper-case: a message) nor `X(...)` of a message imported from it, in
   common/, edge/, cloud/ or sim/ elsewhere (tests build frames by hand on purpose).
+- A mode's traits live in one record (common/decoding/modes.py's `Mode`): outside that module no
+  comparison of a mode with a mode's name (`mode == "target"`, `r.mode in ("sd", "sd-block")`,
+  `record["mode"] != "draft"`), and no module-level tuple, list or set of mode names (a copy of a
+  trait, like `LOSSLESS = (...)`), but for RUN_PLANS: the modes a demo or bench runs, a choice and no trait.
+  An expression is about a mode when it names one (a name, attribute or string key like mode,
+  default_mode, modes); a mode name compared with anything else (a role, a dict key) is not one.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
+
+from common.decoding.modes import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "edge", "cloud", "sim")
@@ -28,6 +37,12 @@ FORBIDDEN = {  # importer package -> packages it must never import
     "common": {"edge", "cloud", "sim"},
     "edge": {"cloud", "sim"},
     "cloud": {"edge", "sim"},
+}
+
+MODES_HOME = "common.decoding.modes"
+RUN_PLANS = {  # module-level tuples of mode names that are a choice of what to run, in order, not a trait
+    "sim.demo.MODES": "the modes the demo asks in, one per kind of decoding",
+    "sim.bench.local.OUR_MODES": "the modes bench-local times next to transformers' assisted generation",
 }
 
 
@@ -192,6 +207,93 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
     """The rules above would catch what they claim to (a checker that finds nothing proves nothing)."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
     assert len(MODULES) > 30 and any(GRAPH.values())
+
+
+_MODE_WORD = re.compile(r"(^|_)modes?($|_)")
+
+
+def _is_mode_name(node: ast.AST) -> bool:
+    """A string constant naming a mode (a sweep's `mode@policy` too)."""
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.partition("@")[0] in MODES
+
+
+def _has_mode_name(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_mode_name(e) for e in node.elts)
+    return _is_mode_name(node)
+
+
+def _about_a_mode(node: ast.AST) -> bool:
+    """The expression names a mode: `mode`, `args.default_mode`, `record["mode"]` (not `model`)."""
+    for sub in ast.walk(node):
+        word = (sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute)
+                else sub.slice.value if isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Constant) else None)
+        if isinstance(word, str) and _MODE_WORD.search(word.lower()):
+            return True
+    return False
+
+
+def mode_name_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing a mode with a mode's name, or testing it against a literal of them."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = [s for s in sides if _has_mode_name(s)]
+            if names and any(_about_a_mode(s) for s in sides if not any(s is n for n in names)):
+                found.append(node.lineno)
+    return found
+
+
+def mode_name_tuples(tree: ast.Module) -> list[str]:
+    """Module-level names bound to a tuple, list or set (frozenset(...) too) of two or more mode names."""
+    found = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and len(value.args) == 1:
+            value = value.args[0]  # frozenset({...}), tuple([...])
+        if (isinstance(value, (ast.Tuple, ast.List, ast.Set)) and len(value.elts) >= 2
+                and all(_is_mode_name(e) for e in value.elts)):
+            found += [t.id for t in targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_modes_are_asked_for_traits_never_compared_by_name() -> None:
+    broken, plans = [], set()
+    for name, path in MODULES.items():
+        if name == MODES_HOME:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        broken += [f"{path.relative_to(ROOT)}:{line}: compares a mode with a mode's name"
+                   for line in mode_name_comparisons(tree)]
+        for constant in mode_name_tuples(tree):
+            if f"{name}.{constant}" in RUN_PLANS:
+                plans.add(f"{name}.{constant}")
+            else:
+                broken.append(f"{name}.{constant}: a module-level tuple of mode names")
+    assert broken == []
+    assert plans == set(RUN_PLANS)  # no allowance outlives the plan it allows
+
+
+def test_the_mode_rule_catches_planted_comparisons_and_spares_the_rest() -> None:
+    planted = ast.parse(
+        'if mode == "target": pass\n'                        # 1
+        'ok = r.mode in ("sd", "sd-block")\n'                 # 2
+        'ok = record["mode"] != "draft"\n'                    # 3
+        'ok = "sprinter" == self.profile.mode\n'              # 4
+        'ok = base_mode(m) not in {"sprinter-exact@goodput"}\n'  # 5
+        'LOSSLESS = ("target", "sd", "sd-block")\n'
+        'STREAMED: frozenset = frozenset({"sprinter", "sprinter-exact"})\n'
+        # spared: a mode name as a dict key or a role, a mode compared with a constant from modes.py,
+        # a product name beside a model, tuples that mix mode names with other words
+        'ok = "draft" in draft_step\n'
+        'ok = role == "target" or pair["target"] == spec\n'
+        'ok = mode == REFERENCE or mode in LOSSLESS_MODES\n'
+        'ok = model_name == "sprinter"\n'
+        'IDENTITY = ("target", "draft", "verifier")\n')
+    assert mode_name_comparisons(planted) == [1, 2, 3, 4, 5]
+    assert mode_name_tuples(planted) == ["LOSSLESS", "STREAMED"]
 
 
 @pytest.mark.parametrize("program", ["generate", "cloud", "edge", "verifier", "simulate", "bench", "fleet", "link", "demo"])

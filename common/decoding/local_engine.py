@@ -61,7 +61,7 @@ class LocalEngine:
     def generate(self, prompt_ids: list[int], settings: DecodeSettings) -> GenerationResult:
         generation = Generation(list(prompt_ids), settings, self.eos_token_ids, StatsRecorder(settings.mode))
         generator = torch.Generator().manual_seed(settings.sampling.seed)
-        if settings.mode in ("target", "draft"):
+        if not settings.traits.speculative:
             self._autoregressive(generation, generator)
         else:
             run_inline(self._speculative(generation, generator))
@@ -80,11 +80,11 @@ class LocalEngine:
         return model
 
     def _autoregressive(self, generation: Generation, generator: torch.Generator) -> None:
-        mode = generation.settings.mode
-        lm = CachedLM(self._model("target").model) if mode == "target" else self.make_draft_lm(False)
+        by_target = not generation.settings.traits.drafts  # else the draft decodes alone
+        lm = CachedLM(self._model("target").model) if by_target else self.make_draft_lm(False)
         while not generation.done:
             logits = lm.advance_to(generation.context).logits[-1]
-            if mode == "target":
+            if by_target:
                 generation.recorder.target_calls += 1
             else:
                 generation.recorder.draft_forwards += 1

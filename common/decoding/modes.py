@@ -54,6 +54,12 @@ class Mode:
         return self.speculative and self.lossless
 
     @property
+    def reference(self) -> bool:
+        """Its output is the target's own (the target decodes alone): what the lossless modes reproduce,
+        and what agreement and exact match are measured against."""
+        return self.uses_cloud and not self.drafts
+
+    @property
     def fixed_block(self) -> bool:
         """Under its default policy a block is k tokens long (sd's papers), not capped by max_run_length."""
         return self.default_policy == "fixed:{k}"

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings
+from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings, mode_of
 from common.prompting import encode_chat, encode_prompt
 from common.sampling import SamplingParams
 from edge.api.guards import ConcurrencyLimit, RequestGuard
@@ -139,8 +139,8 @@ class Completions:
         mode = body.mode or self.api.default_mode
         if mode not in MODES:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
-        if mode == "target" and self.node.cloud is None:
-            return openai_error(400, "mode 'target' needs a cloud, and this daemon has none (--cloud)", "mode")
+        if not mode_of(mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft alone
+            return openai_error(400, f"mode {mode!r} needs a cloud, and this daemon has none (--cloud)", "mode")
         max_tokens = self._max_tokens(body, mode, prompt_tokens)
         if isinstance(max_tokens, JSONResponse):
             return max_tokens

@@ -16,6 +16,7 @@ from typing import Callable
 
 from common import wire
 from common.decoding.drafting import PendingBlock
+from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from edge.cloud_link.client import CloudError, CloudUnavailable, DeadlinePassed
@@ -135,7 +136,7 @@ class CloudVerifier:
         """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""
         if self.sampling.greedy:
             return None
-        rows = block.drafted[-1:] if self.method == "sprinter" else block.drafted
+        rows = block.drafted[-1:] if reads_last_draft_only(self.method) else block.drafted
         return [SparseDistribution.from_dense(d.p_draft, self.max_sparse_support) for d in rows]
 
     async def close(self) -> None:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from common.cached_lm import DraftLM
 from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
+from common.decoding.modes import DecodeSettings, mode_of
 from common.models import LoadedModel
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
@@ -50,7 +50,7 @@ class Method:
     mode: str
     verifier: str  # "learned", "confidence" or "-"
     threshold: float | None = None
-    policy: str | None = None  # sprinter-exact only: "flag" (the paper's loop) or "goodput"
+    policy: str | None = None  # for a mode that takes a call policy (sprinter-exact): "flag" (the paper's loop) or "goodput"
 
 
 @dataclass
@@ -99,14 +99,14 @@ def evaluate(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[b
             engine = LocalEngine(target, draft, verifier, make_draft_lm)
             decode = DecodeSettings(mode=method.mode, max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     k=settings.k, max_run_length=settings.max_run_length,
-                                    policy=method.policy if method.mode == "sprinter-exact" else None)
+                                    policy=method.policy if mode_of(method.mode).takes_policy else None)
             outputs, stats = [], []
             for ids in prompt_ids:
                 result = engine.generate(ids, decode)
                 outputs.append(result.token_ids)
                 stats.append(result.stats)
                 progress.update(1)
-            if method.mode == "target":
+            if mode_of(method.mode).reference:
                 references = outputs
             rows.append(_row(method, outputs, stats, prompt_ids, references, target, sampling.greedy))
             log.info("%s: %.3f calls/token, agreement %s", method.name, rows[-1].target_calls_per_token,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.cached_lm import DraftLM
+from common.decoding.modes import mode_of
 from common.models import LoadedModel
 from common.prompt_sets import PromptRecord
 from edge.verifier_training.evaluate import EvalRow, EvalSettings, Method, evaluate, table
@@ -75,8 +76,8 @@ def _sweep(thresholds: dict[str, float]) -> list[Method]:
 
 def choose_threshold(rows: list[EvalRow], bound: QualityBound) -> EvalRow | None:
     """The sprinter row with the fewest target calls per token among those that meet the bound."""
-    reference = next(r for r in rows if r.mode == "target")
-    meeting = [r for r in rows if r.mode == "sprinter" and bound.met(r, reference)]
+    reference = next(r for r in rows if mode_of(r.mode).reference)
+    meeting = [r for r in rows if not mode_of(r.mode).lossless and bound.met(r, reference)]
     return min(meeting, key=lambda r: r.target_calls_per_token, default=None)
 
 

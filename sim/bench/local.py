@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
+from common.decoding.modes import DecodeSettings, mode_of
 from common.models import DTYPES, LoadedModel, load_pair
 from common.plots import pyplot
 from common.prompting import encode_prompt
@@ -32,7 +32,7 @@ from common.verifier import ConfidenceVerifier
 from sim.bench.prompts import PROMPTS_FILE, load_bench_prompts
 
 log = logging.getLogger(__name__)
-OUR_MODES = ("target", "sd", "sd-block", "sprinter")
+OUR_MODES = ("target", "sd", "sd-block", "sprinter")  # a choice of what to time, not a trait (tests/test_layout.py)
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def run_prompt(engine: LocalEngine, target: LoadedModel, draft: LoadedModel, pro
     for mode in OUR_MODES:
         result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=settings.max_new_tokens,
                                                      sampling=sampling, k=settings.k))
-        if mode == "target":
+        if mode_of(mode).reference:
             reference = result.token_ids
         s = result.stats
         records.append(RunRecord(

@@ -20,10 +20,11 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from common.decoding.modes import PIPELINED_MODES
 from common.plots import pyplot
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel
 from sim.fleet.engine import run_fleet
-from sim.fleet.pipeline import PIPELINED_MODES, PIPELINES, PipelineModel
+from sim.fleet.pipeline import PIPELINES, PipelineModel
 
 log = logging.getLogger(__name__)
 

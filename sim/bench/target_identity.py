@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common.decoding.modes import LOSSLESS_MODES
 from sim.bench.load import RequestOutcome, RequestSpec, send_request
 
-LOSSLESS_MODES = ("target", "sd", "sd-block", "sprinter-exact")
 REFERENCE_CONCURRENCY = 4
 
 

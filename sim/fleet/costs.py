@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from common.decoding.modes import MODES
+from common.decoding.modes import MODES, Mode, mode_of
 
 
 @dataclass(frozen=True)
@@ -183,27 +183,19 @@ class ModeProfile:
             raise ValueError(f"unknown mode {self.mode!r}; one of {', '.join(MODES)}")
         if len(self.block_lengths) != len(self.emitted):
             raise ValueError("block_lengths and emitted differ in length")
-        if self.drafts_and_verifies and not self.block_lengths:
+        if self.traits.speculative and not self.block_lengths:
             raise ValueError(f"profile {self.name!r}: mode {self.mode} needs a non-empty 'calls' record")
         if any(g < 1 or not 1 <= e <= g + 1 for g, e in zip(self.block_lengths, self.emitted)):
             raise ValueError(f"profile {self.name!r}: every call needs block_length >= 1 and 1 <= emitted <= block_length + 1")
 
     @property
-    def drafts_and_verifies(self) -> bool:
-        return self.mode in ("sd", "sd-block", "sprinter", "sprinter-exact")
-
-    @property
-    def uses_verifier(self) -> bool:
-        return self.mode in ("sprinter", "sprinter-exact")
-
-    @property
-    def streams_drafted(self) -> bool:
-        """sprinter never re-checks verifier-passed tokens, so the user gets them as they are drafted."""
-        return self.mode == "sprinter"
+    def traits(self) -> Mode:
+        """The mode's record (common/decoding/modes.py), the one the real edge decodes by."""
+        return mode_of(self.mode)
 
     @property
     def tokens_per_call(self) -> float | None:
-        if self.mode == "target":
+        if not self.traits.drafts:  # the target alone: one token per 1-token forward
             return 1.0
         return sum(self.emitted) / len(self.emitted) if self.emitted else None
 

@@ -69,7 +69,7 @@ class _Simulation:
         self.n_edges, self.tokens_per_request = n_edges, tokens_per_request
         self.requests, self.duration_s = requests, duration_s
         self.horizon = math.inf if duration_s is None else duration_s * 1e3
-        self.step_ms = costs.draft_step_ms + (costs.verifier_ms if profile.uses_verifier else 0.0)
+        self.step_ms = costs.draft_step_ms + (costs.verifier_ms if profile.traits.uses_verifier else 0.0)
         # the prompt's forward yields the first draft token: it replaces that token's step
         self.prefill_extra_ms = max(0.0, costs.draft_prefill_ms - costs.draft_step_ms) if costs.draft_prefill_ms else 0.0
         self.opens_session = costs.prompt_tokens >= 2  # the cloud prefills prompt[:-1]; the last goes with the first block
@@ -129,7 +129,7 @@ class _Simulation:
         self.remaining[edge] = self.tokens_per_request
         self.request_start[edge] = t
         self.last_emit[edge] = -1.0
-        if self.profile.mode == "target":  # one Generate stream; the cloud then loops on its own
+        if not self.profile.traits.drafts:  # target: one Generate stream; the cloud then loops on its own
             self.calls += 1
             prompt = max(1, self.costs.prompt_tokens)  # the first forward carries the prompt
             arrival = t + 0.5 * self.rtt_draws.next() + self.costs.uplink_ms(prompt)
@@ -168,7 +168,8 @@ class _Simulation:
         """Draft a block from t0 (streaming it in sprinter mode) and send it; `ready`: the block was drafted
         ahead (a pipeline's hit) and is done then, so it goes up at max(t0, ready)."""
         g, e = self._take_call(edge)
-        early = min(g - 1, e - 1) if self.profile.streams_drafted else 0
+        # sprinter never re-checks verifier-passed tokens, so the user gets them as they are drafted
+        early = min(g - 1, e - 1) if self.profile.traits.releases_passed else 0
         if early > 0:
             self._stream(edge, t0, early)
         self.late[edge] = e - early
@@ -277,7 +278,7 @@ class _Simulation:
 
     def _done(self, r: int, batch: list[tuple[int, int, float]], t: float) -> None:
         replica = self.pool.done(r)
-        if self.profile.mode == "target":
+        if not self.profile.traits.drafts:
             self._target_tokens(replica, batch, t)
         else:
             self._verdicts(batch, t)
@@ -309,7 +310,7 @@ class _Simulation:
 
     def run(self) -> FleetResult:
         started = time.perf_counter()
-        if self.profile.mode == "draft":
+        if not self.profile.traits.uses_cloud:
             self._run_draft()
         else:
             self._run_events()

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from common.decoding.modes import PIPELINES
 from sim.fleet.costs import ModeProfile
 
-PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 FALLBACK_HIT_RATE = {"off": 0.0, "ahead": 0.3, "send-ahead": 0.5}
 BONUS_GUESSES = 2  # send-ahead's candidates after full acceptance (edge/decoding/pipeline.py)
 
@@ -55,7 +54,7 @@ class PipelineModel:
             raise ValueError("candidates must be >= 1")
 
     def applies_to(self, profile: ModeProfile) -> bool:
-        return self.pipeline != "off" and profile.mode in PIPELINED_MODES
+        return self.pipeline != "off" and profile.traits.pipelines
 
     def hit_rate_for(self, profile: ModeProfile) -> float:
         if not self.applies_to(profile):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from common.decoding.modes import mode_of
 from common.plots import pyplot
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.engine import run_fleet
@@ -73,7 +74,7 @@ def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
         for i, profile in enumerate(profiles):
             for j, m in enumerate(replica_counts):
                 series = sorted((r for r in results if run_label(r) == profile and r.n_replicas == m), key=lambda r: r.n_edges)
-                if metric == "cloud_utilisation" and series and series[0].mode == "draft":
+                if metric == "cloud_utilisation" and series and not mode_of(series[0].mode).uses_cloud:
                     continue  # no cloud
                 ys = [getattr(r, metric) for r in series]
                 if not series or all(y is None for y in ys):

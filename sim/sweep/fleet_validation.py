@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cloud.server import CloudSettings
+from common.decoding.modes import mode_of
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit_forward_model
 from sim.fleet.engine import run_fleet
 from sim.fleet.result import compare_with_measured
@@ -38,7 +39,6 @@ from sim.sweep.summary import token_gaps_ms
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.15
-VERIFYING = ("sd", "sd-block", "sprinter", "sprinter-exact")
 
 
 @dataclass
@@ -94,7 +94,7 @@ def calibrate(settings: SimulateSettings, records: list[dict[str, Any]],
     drafts: dict[str, list[float]] = {}
     for snap in snapshots:
         cm = snap.get("cost_model") or {}
-        if snap["mode"] != "target" and cm.get("draft_steps_observed"):
+        if mode_of(snap["mode"]).drafts and cm.get("draft_steps_observed"):
             drafts.setdefault(snap["mode"], []).append(cm["t_draft_ms"])
     if not drafts:
         raise ValueError("no draft step timings (OUT/cost_model.jsonl is empty or holds target mode only)")
@@ -110,18 +110,18 @@ def calibrate(settings: SimulateSettings, records: list[dict[str, Any]],
         for snap in snapshots:
             cm = snap.get("cost_model") or {}
             g = _mean_block(groups.get((snap["rtt_ms"], snap["mode"]), []))
-            if snap["mode"] in VERIFYING and cm.get("round_trips_observed") and g:
+            if mode_of(snap["mode"]).speculative and cm.get("round_trips_observed") and g:
                 samples.append((1, g + 1, cm["t_verify_base_ms"] + cm["t_verify_per_token_ms"] * g))
         notes.append(f"verify time: the edge cost model's verify line (an EWMA of the cloud's verify_ms) at "
                      f"{len(samples)} (rtt, mode) mean block lengths; the daemon reports no per-call verify_ms")
-    target_gaps = [g for (_, mode), rs in groups.items() if mode == "target" for r in rs for g in token_gaps_ms(r)]
+    target_gaps = [g for (_, mode), rs in groups.items() if not mode_of(mode).drafts for r in rs for g in token_gaps_ms(r)]
     if target_gaps:
         samples.append((1, 1, statistics.median(target_gaps)))
         notes.append("1-token forward: target mode's median gap between tokens")
     # target mode's first forward carries the whole prompt: its time to first token, less the round
     # trip, measures a prompt-sized forward (without it, prefill is extrapolated from short blocks)
     prefills = [(1, r["prompt_tokens"], max(0.0, _stats(r)["ttft_ms"] - rtt_model(settings, rtt).mean_ms))
-                for (rtt, mode), rs in groups.items() if mode == "target" for r in rs
+                for (rtt, mode), rs in groups.items() if not mode_of(mode).drafts for r in rs
                 if r.get("prompt_tokens") and _stats(r).get("ttft_ms") is not None]
     if prefills:
         samples += prefills
@@ -133,9 +133,9 @@ def calibrate(settings: SimulateSettings, records: list[dict[str, Any]],
     prompt_lengths = [r["prompt_tokens"] for rs in groups.values() for r in rs if r.get("prompt_tokens")]
     prompt_tokens = round(statistics.mean(prompt_lengths)) if prompt_lengths else 0
     prefill = 0.0
-    draft_runs = [r for (_, mode), rs in groups.items() if mode == "draft" for r in rs]
-    if draft_runs and "draft" in draft_step:
-        step = draft_step["draft"]
+    draft_runs = [r for (_, mode), rs in groups.items() if not mode_of(mode).uses_cloud for r in rs]
+    step = draft_step.get(draft_runs[0]["mode"]) if draft_runs else None
+    if step is not None:
         prefill = step + max(0.0, statistics.median(r["wall_ms"] - r["completion_tokens"] * step for r in draft_runs))
     else:
         notes.append("draft prefill not modelled (no draft-mode requests)")
@@ -143,7 +143,7 @@ def calibrate(settings: SimulateSettings, records: list[dict[str, Any]],
 
 
 def _profile(mode: str, group: list[dict[str, Any]], notes: list[str]) -> ModeProfile | None:
-    if mode in ("target", "draft"):
+    if not mode_of(mode).speculative:  # target and draft: no call record to replay
         return ModeProfile(mode, mode)
     blocks = [g for r in group for g in _stats(r).get("block_lengths") or []]
     accepted = [a for r in group for a in _stats(r).get("accepted_lengths") or []]

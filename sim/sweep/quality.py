@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from common.decoding.modes import mode_of
 from common.models import DTYPES, LoadedModel, load_model
 from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
@@ -58,7 +59,7 @@ def judge(settings: SimulateSettings, prompts: list[PromptRecord], records: list
     at_rtt: dict[tuple[float, str], list[int]] = {}  # the target mode's output per (rtt, prompt)
     any_rtt: dict[str, list[int]] = {}
     for r in records:
-        if r["mode"] == "target" and not r["degraded"]:
+        if mode_of(r["mode"]).reference and not r["degraded"]:
             at_rtt[(r["rtt_ms"], r["prompt_id"])] = ids[result_key(r)]
             any_rtt.setdefault(r["prompt_id"], ids[result_key(r)])
     if settings.greedy and not any_rtt:

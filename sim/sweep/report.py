@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from common.decoding.modes import MODES, mode_of
 from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality
 from sim.sweep.settings import SimulateSettings, run_label
@@ -17,8 +18,6 @@ from sim.sweep.summary import SummaryRow, summarize
 from sim.sweep.telemetry_plot import plot_telemetry
 
 log = logging.getLogger(__name__)
-
-LOSSLESS = ("target", "sd", "sd-block", "sprinter-exact")
 
 
 def write_csv(rows: list[SummaryRow], path: Path) -> None:
@@ -67,7 +66,9 @@ def speedup_lines(rows: list[SummaryRow]) -> list[str]:
     lines = []
     for rtt in sorted({r.rtt_ms for r in rows}):
         sd = speed.get((rtt, "sd", "off"))
-        compared = [r for r in rows if r.rtt_ms == rtt and (r.pipeline != "off" or r.mode in ("sprinter", "sprinter-exact"))]
+        # pipeline off: the modes that use a verifier, by their plain names (not a mode@policy method)
+        compared = [r for r in rows if r.rtt_ms == rtt
+                    and (r.pipeline != "off" or (r.mode in MODES and mode_of(r.mode).uses_verifier))]
         labels = [r.mode if r.pipeline == "off" else f"({run_label(r.mode, r.pipeline)})" for r in compared]
         parts = [f"{label}/sd {r.tokens_per_s / sd:.2f}x" for label, r in zip(labels, compared) if sd]
         if parts:
@@ -86,7 +87,7 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
     speedups = speedup_lines(rows)
     if speedups:
         parts += ["", "tokens/s relative to sd (pipeline off):", *speedups]
-    lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and r.mode.partition("@")[0] in LOSSLESS
+    lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and mode_of(r.mode).lossless
                     and r.exact_match_rate < 1.0})
     if lossy:
         parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "

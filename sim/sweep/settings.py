@@ -10,13 +10,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from common.decoding.modes import MODES, PIPELINES, DecodeSettings
+from common.decoding.modes import MODES, PIPELINES, DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
-# The modes that honour a pipeline (common/decoding/modes.py's PIPELINES): target and draft call no
-# verifier, sprinter keeps "off" (its blocks end where a rejection is expected).
-PIPELINED_MODES = ("sd", "sd-block", "sprinter-exact")
 
 
 def base_mode(method: str) -> str:
@@ -45,7 +42,7 @@ class SimulateSettings:
     draft: str = "qwen2.5-coder-0.5b"
     verifier: str = "auto"
     modes: tuple[str, ...] = DEFAULT_MODES
-    pipeline: tuple[str, ...] = ("off",)  # edge/decoding/pipeline.py; each applies to PIPELINED_MODES, the others run "off"
+    pipeline: tuple[str, ...] = ("off",)  # edge/decoding/pipeline.py; for the modes that pipeline, the others run "off"
     rtt_ms: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
     jitter_ms: float = 0.0  # one-way, per direction (sim.link.shaping.LinkSettings)
     jitter_distribution: str = "normal"
@@ -94,7 +91,7 @@ class SimulateSettings:
 
     def runs(self) -> list[tuple[str, str]]:
         """Every (method, pipeline) the sweep measures: methods whose mode has no pipeline run once, "off"."""
-        pairs = [(m, p if base_mode(m) in PIPELINED_MODES else "off") for m in self.modes for p in self.pipeline]
+        pairs = [(m, p if mode_of(m).pipelines else "off") for m in self.modes for p in self.pipeline]
         return list(dict.fromkeys(pairs))
 
     def identity(self) -> dict[str, Any]:

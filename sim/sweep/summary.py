@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.decoding.modes import MODES, mode_of
 from common.stats import oracle_calls_per_token
 from sim.sweep.quality import Quality
 from sim.sweep.results import pipeline_of, result_key
 from sim.sweep.settings import PIPELINES
 
-MODE_ORDER = ("target", "draft", "sd", "sd-block", "sprinter", "sprinter-exact")  # reference first, as the design lists them
+# The reference (target) first, then as modes.py lists them: target, draft, sd, sd-block, sprinter, sprinter-exact.
+MODE_ORDER = tuple(sorted(MODES, key=lambda name: not mode_of(name).reference))
 
 
 def mode_rank(mode: str) -> int:
@@ -75,7 +77,7 @@ def _calls(record: dict[str, Any]) -> tuple[list[int], int]:
     stats = s.get("stats", {})
     calls = int(s.get("target_calls") or 0)
     blocks = stats.get("block_lengths")
-    if blocks is None and s.get("block_length_mean") is not None and record["mode"] != "target":
+    if blocks is None and s.get("block_length_mean") is not None and mode_of(record["mode"]).drafts:
         blocks = [s["block_length_mean"]] * calls  # older daemons: the mean, weighted by calls
     return list(blocks or []), calls
 
