@@ -14,10 +14,11 @@ import pytest
 
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
+from common.errors import PairMismatch
 from common.models import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.client import CloudEndpoint
-from edge.node import CloudMismatch, EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode, EdgeNodeSettings
 from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
 from sim.fleet_demo import sessions_on
@@ -158,7 +159,7 @@ def test_a_replica_of_another_target_is_refused_and_the_rest_serve(tiny_draft) -
         replicas = {r["address"]: r for r in asyncio.run(scenario(other.address, ours.address))}
         assert "vocabulary differs" in replicas[other.address]["refused"] and not replicas[other.address]["usable"]
         assert replicas[ours.address]["usable"]
-        with pytest.raises(CloudMismatch, match="every replica"):
+        with pytest.raises(PairMismatch, match="every replica"):
             asyncio.run(scenario(other.address, other.address))
 
 
