@@ -4,20 +4,22 @@
 `Cause`; `ACTIONS` says what each cause means for the retry. Pure: no I/O, no state; the session
 (edge/cloud_link/session.py) and the replicas (edge/cloud_link/replicas.py) do what the table says.
 
-| cause            | what happened                                       | counts | then                                  |
-| ---------------- | --------------------------------------------------- | ------ | ------------------------------------- |
-| `desync`         | FAILED_PRECONDITION frame (the cloud's context drifted) | no | reopen with the full context, same replica, at once |
-| `evicted`        | NOT_FOUND frame (evicted, or the replica restarted) | no     | reopen with the full context, another replica if any |
-| `replica_failed` | the stream broke, a frame's deadline passed         | yes    | new stream on another replica; this one rests (backoff) |
-| `draining`       | UNAVAILABLE frame (the replica shuts down)          | yes    | new stream on another replica, at once; this one drains |
-| `busy`           | RESOURCE_EXHAUSTED frame with a retry hint          | no     | another replica, or this one after the hint |
-| `out_of_step`    | a candidate's verdict names another block           | yes    | new stream, same replica              |
-| `no_replica`     | no replica is usable now                            | yes    | wait for one to come back             |
-| `refused`        | any other status (RESOURCE_EXHAUSTED without a hint is a limit) | - | give up: `CloudRefused` |
-| `request_deadline` | the request's own deadline passed                 | -      | give up: `DeadlinePassed`, the stream dropped |
+| cause              | what happened                                  | counts | then                                 |
+| ------------------ | ---------------------------------------------- | ------ | ------------------------------------ |
+| `desync`           | FAILED_PRECONDITION frame (context drifted)    | no     | reopen with the context, here, now   |
+| `evicted`          | NOT_FOUND frame (evicted, or a restart)        | no     | reopen with the context, elsewhere   |
+| `replica_failed`   | the stream broke, a frame's deadline passed    | yes    | new stream elsewhere; this one rests |
+| `draining`         | UNAVAILABLE frame (the replica shuts down)     | yes    | new stream elsewhere, at once        |
+| `busy`             | RESOURCE_EXHAUSTED frame with a retry hint     | no     | elsewhere, or here after the hint    |
+| `out_of_step`      | a candidate's verdict names another block      | yes    | new stream, here                     |
+| `no_replica`       | no replica is usable now                       | yes    | wait for one to come back            |
+| `refused`          | any other status; RESOURCE_EXHAUSTED, no hint  | -      | give up: `CloudRefused`              |
+| `request_deadline` | the request's own deadline passed              | -      | give up: `DeadlinePassed`            |
 
-"counts": against the session's attempts (a replica out of reach); a cloud that answered (busy, evicted,
-desync) is waited for as long as the request's deadline allows.
+"counts": against the session's attempts (a replica out of reach); "elsewhere": another replica if there
+is one. A cloud that answered (busy, evicted, desync) is waited for as long as the request's deadline
+allows. `request_deadline` is the session's own finding (the time left ran out), never `classify`'s: the
+table names it so that every way out is here.
 """
 
 from __future__ import annotations

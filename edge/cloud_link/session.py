@@ -33,6 +33,7 @@ from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+
 class Replicas(Protocol):
     """Where a session may run, and what it tells about how each replica fared."""
 
@@ -208,7 +209,8 @@ class CloudSession:
                      error.message, context_length)
             self.session_id = None
         hint_s = error.retry_after_ms / 1e3 if action.honours_hint else 0.0
-        return RetryableFailure(cause, f"{code.name}: {error.message}", hint_s, stale_stream=self._call_has_candidates)
+        return RetryableFailure(cause, f"{code.name}: {error.message}", hint_s,
+                                stale_stream=self._call_has_candidates)
 
     @property
     def epoch(self) -> int:
@@ -332,7 +334,7 @@ class CloudSession:
         else:
             endpoint = client.endpoint
             delay = 0.0 if failure.action.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
-                                                                              endpoint.max_backoff_s)
+                                                                                     endpoint.max_backoff_s)
             delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
         if not await sleep_within(delay, self.deadline_at):
             await self._reset()
