@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import grpc
 
+from common.errors import SprinterError
+
 RETRY_AFTER_METADATA = "retry-after-ms"  # trailing metadata of a call that ends RESOURCE_EXHAUSTED / UNAVAILABLE
 
 
-class CloudError(Exception):
+class CloudError(SprinterError):
     """A frame or call the cloud refuses; the stream, the session and every other session stay usable.
 
     On a Session stream it becomes an Error frame (`code` as its number, `retry_after_ms` as is); on a

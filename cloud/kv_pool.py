@@ -23,11 +23,12 @@ import threading
 import torch
 
 from cloud.resident_kv import KVLayout
+from common.errors import SprinterError
 
 log = logging.getLogger(__name__)
 
 
-class KVPoolExhausted(RuntimeError):
+class KVPoolExhausted(SprinterError, RuntimeError):
     """No free page for a forward: the pool is smaller than what the sessions were granted."""
 
 

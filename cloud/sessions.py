@@ -38,6 +38,7 @@ from cloud.engine import ExternalKV
 from cloud.kv_pool import PagedKV
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
+from common.errors import SprinterError
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class SessionLimits:
             self.edge = EdgeQuotas(self.max_sessions, self.kv_budget_bytes, max_generate=4)
 
 
-class KVBudgetExceeded(AssertionError):
+class KVBudgetExceeded(SprinterError, AssertionError):
     """The KV the engine holds is over the budget (a broken invariant: a bug, never a load condition)."""
 
 

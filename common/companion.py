@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 import torch
 
 from common.cached_lm import CachedLM, DraftLM
-from common.models import LoadedModel, ModelPairError, load_model, vocab_fingerprint
+from common.errors import PairMismatch
+from common.models import LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier, needs_companion
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def load_companion(spec: str, draft: LoadedModel, dtype: torch.dtype = torch.bfl
     """
     model = next((m for m in loaded if m is not None and m.spec == spec), None) or load_model(spec, dtype)
     if vocab_fingerprint(model.tokenizer) != vocab_fingerprint(draft.tokenizer) or model.vocab_size != draft.vocab_size:
-        raise ModelPairError(f"companion {spec!r} and draft {draft.spec!r} have different vocabularies: "
+        raise PairMismatch(f"companion {spec!r} and draft {draft.spec!r} have different vocabularies: "
                              "a companion must share the draft's tokenizer")
     return model
 

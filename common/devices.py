@@ -14,10 +14,12 @@ import argparse
 
 import torch
 
+from common.errors import SprinterError
+
 DEVICE_HELP = "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N (default auto)"
 
 
-class DeviceError(ValueError):
+class DeviceError(SprinterError, ValueError):
     """A device that this machine does not have."""
 
 

@@ -17,16 +17,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from common.errors import PairMismatch
 from common.presets import GGUF_PRESETS, TINY_PRESETS, build_tiny_model, gguf_path, keep_first_layers
 
 log = logging.getLogger(__name__)
 
 # The dtypes every command accepts for torch models (ONNX Runtime runs the draft in float32).
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class ModelPairError(ValueError):
-    """Draft and target cannot work together (different vocabularies)."""
 
 
 @dataclass
@@ -110,7 +107,7 @@ def load_pair(target_spec: str, draft_spec: str, dtype: torch.dtype = torch.bflo
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
     """Speculative decoding compares distributions token by token: the vocabularies must be identical."""
     if vocab_fingerprint(target.tokenizer) != vocab_fingerprint(draft.tokenizer) or target.vocab_size != draft.vocab_size:
-        raise ModelPairError(
+        raise PairMismatch(
             f"draft {draft.spec!r} and target {target.spec!r} have different vocabularies "
             f"({len(draft.tokenizer)} tokens / {draft.vocab_size} logits vs {len(target.tokenizer)} / {target.vocab_size}); "
             "speculative decoding needs a draft that shares the target's tokenizer"

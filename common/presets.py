@@ -16,8 +16,10 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from common.errors import SprinterError
 
-class MissingPresetError(RuntimeError):
+
+class MissingPresetError(SprinterError, RuntimeError):
     """A preset's weight package is not installed."""
 
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from common.cached_lm import DraftLM
 from common.companion import Companion, companion_for
+from common.errors import PairMismatch
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier
 from edge.cloud_link.client import CloudEndpoint
@@ -22,10 +23,6 @@ from edge.cloud_link.replicas import ReplicaSet
 from edge.runtime.verifier import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
 
 log = logging.getLogger(__name__)
-
-
-class CloudMismatch(RuntimeError):
-    """The cloud serves a target whose vocabulary differs from the draft's."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +167,7 @@ class EdgeNode:
         await self.cloud.probe_all(everything=True, timeout_s=timeout_s)
         replicas = self.cloud.describe()
         if replicas and all(r["refused"] for r in replicas):
-            raise CloudMismatch(f"cloud {self.settings.cloud}: every replica {replicas[0]['refused']}: pair the "
+            raise PairMismatch(f"cloud {self.settings.cloud}: every replica {replicas[0]['refused']}: pair the "
                                 f"draft {self.settings.draft} with a target that shares its tokenizer")
         if not self.cloud.available():
             log.warning("cloud %s is not reachable yet; decoding degrades to the draft until it is",

@@ -15,10 +15,11 @@ import pytest
 
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
+from common.errors import PairMismatch
 from common.models import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.client import CloudClient, CloudEndpoint
-from edge.node import CloudMismatch, EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode, EdgeNodeSettings
 from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
 from sim.fleet_demo import sessions_on
@@ -159,7 +160,7 @@ def test_a_replica_of_another_target_is_refused_and_the_rest_serve(tiny_draft) -
         replicas = {r["address"]: r for r in asyncio.run(scenario(other.address, ours.address))}
         assert "vocabulary differs" in replicas[other.address]["refused"] and not replicas[other.address]["usable"]
         assert replicas[ours.address]["usable"]
-        with pytest.raises(CloudMismatch, match="every replica"):
+        with pytest.raises(PairMismatch, match="every replica"):
             asyncio.run(scenario(other.address, other.address))
 
 
@@ -191,7 +192,7 @@ def test_a_failed_start_closes_what_it_had_opened(tiny_draft, monkeypatch) -> No
     settings = EdgeNodeSettings(draft=tiny_draft.spec, draft_runtime="torch", dtype="float32",
                                 verifier="confidence:0.3")
     with ScriptedCloud(Script(tokenizer_fingerprint="another vocabulary")) as other:
-        with pytest.raises(CloudMismatch):
+        with pytest.raises(PairMismatch):
             asyncio.run(EdgeNode(replace(settings, cloud=other.address), tiny_draft).__aenter__())
     assert closed == ["replica set", other.address]
 

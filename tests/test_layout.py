@@ -13,12 +13,17 @@
   trait, like `LOSSLESS = (...)`), but for RUN_PLANS: the modes a demo or bench runs, a choice and no trait.
   An expression is about a mode when it names one (a name, attribute or string key like mode,
   default_mode, modes); a mode name compared with anything else (a role, a dict key) is not one.
+- One exception family: every exception class reaches `SprinterError` (common/errors.py), so a class
+  naming a builtin exception base (`ValueError`, ...) names a `SprinterError` subclass too (bases are
+  matched by name, common/errors.py itself excepted); no two exception classes share a name.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -294,6 +299,88 @@ def test_the_mode_rule_catches_planted_comparisons_and_spares_the_rest() -> None
         'IDENTITY = ("target", "draft", "verifier")\n')
     assert mode_name_comparisons(planted) == [1, 2, 3, 4, 5]
     assert mode_name_tuples(planted) == ["LOSSLESS", "STREAMED"]
+
+
+ROOT_EXCEPTION = "SprinterError"
+ROOT_MODULE = "common.errors"
+BUILTIN_EXCEPTIONS = frozenset(name for name, value in vars(builtins).items()
+                               if isinstance(value, type) and issubclass(value, BaseException))
+
+
+def _classes(sources: dict[str, str]) -> list[tuple[str, str, list[str]]]:
+    """(module, class, the names of its bases) for every class, nested ones included; `a.B` is named `B`."""
+    found = []
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases]
+                found.append((module, node.name, bases))
+    return found
+
+
+def _closure(classes: list[tuple[str, str, list[str]]], seeds: set[str]) -> set[str]:
+    """The seeds and every class that derives from one of them, by name."""
+    reached = set(seeds)
+    while grown := {name for _, name, bases in classes if name not in reached and reached.intersection(bases)}:
+        reached |= grown
+    return reached
+
+
+def _exception_classes(classes: list[tuple[str, str, list[str]]]) -> set[str]:
+    """Classes deriving from a builtin exception, a third-party one (by its name), or one of these."""
+    foreign = {b for _, _, bases in classes for b in bases if b.endswith(("Error", "Exception"))}
+    return _closure(classes, set(BUILTIN_EXCEPTIONS) | foreign) - BUILTIN_EXCEPTIONS
+
+
+def _family_violations(sources: dict[str, str]) -> list[str]:
+    """Exception classes outside the family: a class naming only builtin (or third-party) exception bases,
+    or deriving from one that does. A `SprinterError` subclass among the bases is what brings a class in."""
+    classes = _classes(sources)
+    family = _closure(classes, {ROOT_EXCEPTION})
+    exceptions = _exception_classes(classes)
+    broken = []
+    for module, name, bases in classes:
+        if name not in exceptions or module == ROOT_MODULE:
+            continue
+        if name not in family:  # e.g. `class X(ValueError)`: it must be `class X(SprinterError, ValueError)`
+            broken.append(f"{module}.{name} does not reach {ROOT_EXCEPTION}")
+    return broken
+
+
+def _shared_exception_names(sources: dict[str, str]) -> list[str]:
+    classes = _classes(sources)
+    exceptions = _exception_classes(classes)
+    counts = Counter(name for _, name, _ in classes if name in exceptions)
+    return sorted(name for name, n in counts.items() if n > 1)
+
+
+SOURCES = {name: path.read_text() for name, path in MODULES.items()}
+
+
+def test_every_exception_reaches_the_root() -> None:
+    assert _family_violations(SOURCES) == []
+
+
+def test_no_two_exception_classes_share_a_name() -> None:
+    assert _shared_exception_names(SOURCES) == []
+
+
+def test_the_exception_rules_catch_planted_violations() -> None:
+    planted = {
+        ROOT_MODULE: "class SprinterError(Exception): ...\nclass PairMismatch(SprinterError, ValueError): ...",
+        "a": "class Loose(ValueError): ...\nclass Child(Loose): ...\nclass Kept(SprinterError, KeyError): ...\n"
+             "class Linked(grpc.RpcError): ...\nclass Mixed(Kept, RuntimeError): ...\nclass Plain: ...",
+        "b": "class Bare(RuntimeError, PairMismatch): ...\nclass Loose(Exception): ...",
+        "c": "def f():\n    class Inner(asyncio.TimeoutError): ...",
+    }
+    assert _family_violations(planted) == [
+        "a.Loose does not reach SprinterError", "a.Child does not reach SprinterError",
+        "a.Linked does not reach SprinterError", "b.Loose does not reach SprinterError",
+        "c.Inner does not reach SprinterError"]
+    assert _shared_exception_names(planted) == ["Loose"]
+    assert _family_violations({ROOT_MODULE: planted[ROOT_MODULE], "d": "class Odd(OSError, Kept): ...\n"
+                               "class Kept(SprinterError): ..."}) == []
+    assert len(_exception_classes(_classes(SOURCES))) > 10
 
 
 @pytest.mark.parametrize("program", ["generate", "cloud", "edge", "verifier", "simulate", "bench", "fleet", "link", "demo"])

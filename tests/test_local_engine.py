@@ -7,7 +7,8 @@ import pytest
 from common.prompting import encode_prompt
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import MODES, DecodeSettings
-from common.models import ModelPairError, check_pair, load_model
+from common.errors import PairMismatch
+from common.models import check_pair, load_model
 from common.sampling import SamplingParams
 from common.verifier import ConfidenceVerifier
 
@@ -71,7 +72,7 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target, tiny_draft):
 
 
 def test_pair_with_different_vocabularies_is_refused(tiny_target, smollm2):
-    with pytest.raises(ModelPairError, match="different vocabularies"):
+    with pytest.raises(PairMismatch, match="different vocabularies"):
         check_pair(smollm2, tiny_target)
 
 

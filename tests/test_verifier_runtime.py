@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from common.cached_lm import CachedLM
+from common.errors import PairMismatch
 from common.models import vocab_fingerprint
 from common.verifier import DraftStep
-from edge.runtime.verifier import LearnedVerifier, VerifierMismatch, load_verifier, step_features
+from edge.runtime.verifier import LearnedVerifier, load_verifier, step_features
 
 FEATURES = ["hidden", "token_prob", "max_prob", "entropy"]
 
@@ -46,9 +47,9 @@ def test_learned_verifier_scores_like_its_torch_model(tmp_path, tiny_draft):
 
 def test_verifier_of_another_pair_is_refused(tmp_path, tiny_draft, smollm2):
     _, path = _write_verifier(tmp_path, tiny_draft.tokenizer, tiny_draft.model.config.hidden_size)
-    with pytest.raises(VerifierMismatch, match="vocabulary differs"):
+    with pytest.raises(PairMismatch, match="vocabulary differs"):
         load_verifier(str(path), smollm2.tokenizer)
-    with pytest.raises(VerifierMismatch, match="target 'tiny-random'"):
+    with pytest.raises(PairMismatch, match="target 'tiny-random'"):
         load_verifier(str(path), tiny_draft.tokenizer, "tiny-random-draft", "another-target")
 
 

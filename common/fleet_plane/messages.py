@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 from common.addresses import split_host_port
 from common.call_policy import parse_policy
 from common.decoding.modes import MODES, PIPELINES
+from common.errors import SprinterError
 from common.fleet_plane.topics import check_identifier, check_sha256
 
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -27,7 +28,7 @@ STATUSES = ("online", "offline", "draining")
 MAX_BLOCK_K = 32
 
 
-class BadMessage(ValueError):
+class BadMessage(SprinterError, ValueError):
     """A payload the reader ignores; the message says what was wrong with it, `reason` which kind of wrong."""
 
     def __init__(self, message: str, reason: str = "fields") -> None:

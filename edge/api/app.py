@@ -39,7 +39,7 @@ from edge.api.metrics import EdgeMetrics
 from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, openai_error,
                               request_problem, sprinter_extension, usage)
 from edge.api.sse import DONE, ChunkFormat, IncrementalText
-from edge.cloud_link.client import CloudError
+from edge.cloud_link.client import CloudLinkError
 from edge.decoding.decoder import Degraded, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
 
@@ -107,7 +107,7 @@ def degraded_headers(reason: str | None) -> dict[str, str]:
     return {"x-sprinter-degraded": "true", "x-sprinter-degraded-reason": reason}
 
 
-def refusal_response(err: CloudError) -> JSONResponse:
+def refusal_response(err: CloudLinkError) -> JSONResponse:
     status = REFUSAL_STATUS.get(err.code.name, 502)
     kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "cloud_error")
     headers = {"Retry-After": "1"} if status == 429 else None

@@ -19,7 +19,7 @@ from common.decoding.drafting import PendingBlock
 from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from edge.cloud_link.client import CloudError, CloudUnavailable, DeadlinePassed
+from edge.cloud_link.client import CloudLinkError, CloudUnavailable, DeadlinePassed
 from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -38,7 +38,7 @@ class CloudUse:
     on_degraded: Callable[[str], None] | None = None  # told once, with the reason, before the first unverified token
     degraded_reason: str | None = None
     reopens: int = 0
-    error: CloudError | None = None  # the refusal that ended the generation early
+    error: CloudLinkError | None = None  # the refusal that ended the generation early
     finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
 
     @property

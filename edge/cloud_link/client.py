@@ -3,9 +3,10 @@
 `CloudClient` is one replica (one channel, shared by all sessions there): GetInfo, Generate (mode
 target) with a per-chunk deadline, and the stub a `CloudSession` (edge/cloud_link/session.py) streams
 on. The errors say what a caller may do: `CloudUnavailable` (out of reach after the retries: carry
-on from the draft), `CloudRefused` (no retry can fix it), `RetryableFailure` (one attempt failed;
-the session decides where to try again). The cloud's limits (`CloudLimits`) are read from GetInfo
-and from every session it opens. Several replicas are an `edge/cloud_link/replicas.py` `ReplicaSet`.
+on from the draft), `CloudRefused` (no retry can fix it), both `CloudLinkError`s. Why one attempt of a
+session failed, and what the session does next, is edge/cloud_link/failures.py's table. The cloud's
+limits (`CloudLimits`) are read from GetInfo and from every session it opens. Several replicas are an
+`edge/cloud_link/replicas.py` `ReplicaSet`.
 """
 
 from __future__ import annotations
@@ -21,32 +22,27 @@ from typing import AsyncIterator
 import grpc
 
 from common import wire
+from common.errors import SprinterError
 from common.sampling import SamplingParams
-from common.wire import STATUS_BY_NUMBER, CloudLimits
+from common.wire import CloudLimits
+from edge.cloud_link.failures import Cause, classify_status, retry_hint_s, status_of
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-RESYNC_CODES = {grpc.StatusCode.FAILED_PRECONDITION.value[0], grpc.StatusCode.NOT_FOUND.value[0]}
-TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-# Refusals in an error frame that say "not now" rather than "never": retried, after Error.retry_after_ms if given.
-RETRY_LATER = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
-RETRY_AFTER_METADATA = "retry-after-ms"  # the hint a call that ends RESOURCE_EXHAUSTED carries (cloud/errors.py)
 
-
-class CloudError(Exception):
-    """Whatever the cloud client raises: it carries the gRPC status that caused it."""
+class CloudLinkError(SprinterError):
+    """Whatever the edge's link to the cloud raises: it carries the gRPC status that caused it."""
 
     def __init__(self, code: grpc.StatusCode | int, message: str, retry_after_s: float = 0.0) -> None:
-        self.code = STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
+        self.code = status_of(code)
         self.detail = message
         self.retry_after_s = retry_after_s  # > 0: the cloud is busy, and says when a retry may succeed
         super().__init__(f"{self.code.name}: {message}")
 
 
-class CloudUnavailable(CloudError):
+class CloudUnavailable(CloudLinkError):
     """The cloud could not be reached within the retries: decode from the draft alone for now."""
 
     reason = "cloud_unreachable"  # why the generation degrades (the API's `degraded_reason`)
@@ -76,21 +72,8 @@ def wait_limit(frame_deadline_s: float, deadline_at: float | None) -> tuple[floa
     return (left, True) if left is not None and left < frame_deadline_s else (frame_deadline_s, False)
 
 
-class CloudRefused(CloudError):
+class CloudRefused(CloudLinkError):
     """The cloud refused a frame for a reason a retry cannot fix (a bug, a limit, or a misconfiguration)."""
-
-
-class RetryableFailure(Exception):
-    """One attempt failed in a way another attempt may not: a broken stream, a busy cloud, a lost session."""
-
-    def __init__(self, reason: str, retry_after_s: float = 0.0, resync: bool = False, reset: bool = False,
-                 cause: str | None = None, move: bool = False) -> None:
-        super().__init__(reason)
-        self.retry_after_s = retry_after_s  # the cloud's own hint (Error.retry_after_ms)
-        self.resync = resync  # the cloud lost our session: reopen with the full context
-        self.reset = reset  # the stream itself is gone: open a new one
-        self.cause = cause  # what it says about the replica (edge/cloud_link/session.py's table)
-        self.move = move  # another replica, if there is one, is the better place to retry
 
 
 @dataclass(frozen=True)
@@ -151,11 +134,10 @@ class CloudClient:
         if self.channel is not None:
             await self.channel.close()
 
-    def _error(self, err: grpc.aio.AioRpcError) -> CloudError:
-        if err.code() in TRANSIENT:
+    def _error(self, err: grpc.aio.AioRpcError) -> CloudLinkError:
+        if classify_status(err.code()) is Cause.REPLICA_FAILED:
             return CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}")
-        hint = next((value for key, value in err.trailing_metadata() or () if key == RETRY_AFTER_METADATA), "0")
-        return CloudRefused(err.code(), err.details() or "", int(hint) / 1e3 if str(hint).isdigit() else 0.0)
+        return CloudRefused(err.code(), err.details() or "", retry_hint_s(err.trailing_metadata()))
 
     async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
         try:

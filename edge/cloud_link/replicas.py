@@ -40,6 +40,7 @@ from common.addresses import split_host_port
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
 from edge.cloud_link.client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, DeadlinePassed, backoff_delay
+from edge.cloud_link.failures import ACTIONS, Cause, Rest
 from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -265,17 +266,18 @@ class ReplicaSet:
         replica = self._replica(client)
         replica.sessions = max(0, replica.sessions - 1)
 
-    def report(self, client: CloudClient, cause: str | None) -> None:
+    def report(self, client: CloudClient, cause: Cause | None) -> None:
         replica = self._replica(client)
         if cause is None:
             replica.failures = 0
             return
-        self.reopen_causes[cause] += 1
-        if cause == "replica_failed":
+        self.reopen_causes[cause.value] += 1
+        rest = ACTIONS[cause].rest
+        if rest is Rest.BACKOFF:
             self._rest(replica)
             log.warning("cloud replica %s failed a call; resting it for %.1f s", replica.address,
                         replica.rest_until - time.monotonic())
-        elif cause == "draining":
+        elif rest is Rest.DRAIN:
             replica.rest_until = time.monotonic() + DRAIN_REST_S
 
     def _replica(self, client: CloudClient) -> Replica:
@@ -321,7 +323,7 @@ class ReplicaSet:
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica
         except CloudUnavailable:
-            self.report(client, "replica_failed")
+            self.report(client, Cause.REPLICA_FAILED)
             raise
         finally:
             self.release(client)

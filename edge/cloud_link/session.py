@@ -1,15 +1,9 @@
 """One generation's Session stream, on one cloud replica at a time, healing itself.
 
 The edge always knows the full context, so whenever a replica loses track of a session the session
-reopens with that context and retries, where depends on why:
-
-| what happened                                   | cause            | reopens on            |
-| ----------------------------------------------- | ---------------- | --------------------- |
-| FAILED_PRECONDITION (the cloud's context drifted)| `desync`         | the same replica      |
-| NOT_FOUND (evicted, or the replica restarted)   | `evicted`        | another, if there is one |
-| the stream broke, a deadline passed             | `replica_failed` | another (this one rests) |
-| UNAVAILABLE in an error frame (draining)        | `draining`       | another, at once      |
-| RESOURCE_EXHAUSTED (busy)                       | `busy`           | another, or this one after its retry hint |
+reopens with that context and retries; where and when depends on why, which edge/cloud_link/failures.py
+names (`classify`: desync, evicted, replica_failed, draining, busy, ...) and answers (`ACTIONS`: counts
+against the attempts? reopen? a new stream? another replica? wait for the cloud's hint?).
 
 Replicas are chosen by the `Replicas` the session was made by (edge/cloud_link/replicas.py: rendezvous
 hashing on the session's key with a bounded-load override). A switch to another replica is
@@ -32,14 +26,12 @@ from typing import Protocol
 import grpc
 
 from common.sampling import SparseDistribution, SamplingParams
-from edge.cloud_link.client import (RESYNC_CODES, RETRY_LATER, STATUS_BY_NUMBER, TRANSIENT, CloudClient, CloudLimits,
-                               CloudRefused, CloudUnavailable, DeadlinePassed, RetryableFailure, backoff_delay,
-                               sampling_to_proto, sleep_within, wait_limit)
+from edge.cloud_link.client import (CloudClient, CloudLimits, CloudRefused, CloudUnavailable, DeadlinePassed,
+                                    backoff_delay, sampling_to_proto, sleep_within, wait_limit)
+from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify, status_of
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-WAITING_CAUSES = frozenset({"busy", "evicted", "desync"})  # the cloud answered: wait for it, within the deadline
 
 
 class Replicas(Protocol):
@@ -63,8 +55,8 @@ class Replicas(Protocol):
         """The session no longer runs on `client`."""
         ...
 
-    def report(self, client: CloudClient, cause: str | None) -> None:
-        """How a call went: None for an answer, else the cause (`replica_failed`, `draining`, ...)."""
+    def report(self, client: CloudClient, cause: Cause | None) -> None:
+        """How a call went: None for an answer, else the cause of its failure (one its action reports)."""
         ...
 
 
@@ -168,7 +160,7 @@ class CloudSession:
                 await self.replicas.recover()
                 self.client = self.replicas.choose(self.key, frozenset(self.avoid))
             if self.client is None:
-                raise RetryableFailure("no cloud replica is usable now")
+                raise RetryableFailure(Cause.NO_REPLICA, "no cloud replica is usable now")
             self.replicas.acquire(self.client)
         if self.call is None:
             self.call = self.client.stub.Session(metadata=self.client.metadata)
@@ -204,29 +196,21 @@ class CloudSession:
                                                                   vocab_fingerprint=self.vocab_fingerprint)))
 
     def _failure(self, error: pb.Error, context_length: int) -> Exception:
-        """What an error frame means: a resync, a retry (here or elsewhere), or a refusal. On a stream that
-        carried candidates the retry takes a fresh stream: the cloud may still answer candidates on this one
-        (NOT_FOUND for a session that is gone), and those answers must not be read as the retry's."""
-        failure = self._error_meaning(error, context_length)
-        if isinstance(failure, RetryableFailure) and self._call_has_candidates:
-            failure.reset = True
-        return failure
-
-    def _error_meaning(self, error: pb.Error, context_length: int) -> Exception:
-        code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-        if error.code in RESYNC_CODES:  # the cloud lost or misplaced our context: hand it over again
+        """What an error frame means (edge/cloud_link/failures.py): a resync, a retry (here or elsewhere), or a
+        refusal. On a stream that carried candidates the retry takes a fresh stream: the cloud may still answer
+        candidates on this one (NOT_FOUND for a session that is gone), and those answers must not be read as
+        the retry's."""
+        cause, code = classify(error), status_of(error.code)
+        action = ACTIONS[cause]
+        if action.gives_up:
+            return CloudRefused(code, error.message)
+        if action.resync:  # the cloud lost or misplaced our context: hand it over again
             log.info("cloud %s asked for a resync (%s); reopening with %d tokens", self.client.endpoint.address,
                      error.message, context_length)
             self.session_id = None
-            cause = "evicted" if code == grpc.StatusCode.NOT_FOUND else "desync"
-            return RetryableFailure(f"{code.name}: {error.message}", resync=True, cause=cause,
-                                    move=cause == "evicted")
-        busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_ms > 0  # else a limit, no retry lifts
-        if code in RETRY_LATER and (busy or code == grpc.StatusCode.UNAVAILABLE):  # busy or shutting down
-            cause = "draining" if code == grpc.StatusCode.UNAVAILABLE else "busy"
-            return RetryableFailure(f"{code.name}: {error.message}", error.retry_after_ms / 1e3,
-                                    reset=cause == "draining", cause=cause, move=True)
-        return CloudRefused(code, error.message)
+        hint_s = error.retry_after_ms / 1e3 if action.honours_hint else 0.0
+        return RetryableFailure(cause, f"{code.name}: {error.message}", hint_s,
+                                stale_stream=self._call_has_candidates)
 
     @property
     def epoch(self) -> int:
@@ -261,7 +245,7 @@ class CloudSession:
             raise self._failure(answer.error, len(context))
         if not answer.verdict.candidate or answer.verdict.start_position != frame.start_position:
             # Not what this edge and the cloud agreed would come: the stream is out of step, start afresh.
-            raise RetryableFailure("the cloud answered another block than the candidate", reset=True)
+            raise RetryableFailure(Cause.OUT_OF_STEP, "the cloud answered another block than the candidate")
         self.verdict_epoch = self._epoch
         return answer.verdict
 
@@ -285,10 +269,10 @@ class CloudSession:
     @staticmethod
     def _stream_failure(err: Exception) -> Exception:
         """A stream that broke mid-frame surfaces as a status, a timeout, or a write to a finished call."""
-        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        if code not in TRANSIENT:
-            return CloudRefused(code, err.details() or "")  # only an AioRpcError gets here
-        return RetryableFailure(repr(err), reset=True, cause="replica_failed", move=True)
+        cause = classify(err)
+        if ACTIONS[cause].gives_up:
+            return CloudRefused(err.code(), err.details() or "")  # only an AioRpcError gets here
+        return RetryableFailure(cause, repr(err))
 
     async def verify(self, context: list[int], draft_tokens: list[int], method: int,
                      draft_token_probs: list[float] | None = None,
@@ -315,7 +299,7 @@ class CloudSession:
                     verdict = await self._attempt(context, frame)
             except RetryableFailure as failure:
                 last_failure, tries = failure, tries + 1
-                failures += failure.cause not in WAITING_CAUSES
+                failures += failure.action.counts
                 await self._after(failure, tries - 1, final=failures == self.replicas.attempts)
                 continue
             except DeadlinePassed:
@@ -331,13 +315,13 @@ class CloudSession:
         """Move to another replica at once if the failure says so and there is one; else wait, then try again
         (no longer than the request's deadline allows: past it, DeadlinePassed)."""
         client = self.client
-        if client is not None and failure.cause is not None:
+        if client is not None and failure.action.reported:
             self.replicas.report(client, failure.cause)
-        if failure.reset:
+        if failure.new_stream:
             await self._reset()
         if final:
             return
-        if client is not None and failure.move:
+        if client is not None and failure.action.move:
             avoid = frozenset(self.avoid | {client.endpoint.address})
             # No other replica usable now still means leaving: the next open probes them all (`recover`), so
             # one that came up while resting is found at once, where staying would ask a draining one again.
@@ -349,8 +333,8 @@ class CloudSession:
             delay = backoff_delay(attempt, 0.2, 2.0)
         else:
             endpoint = client.endpoint
-            delay = 0.0 if failure.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
-                                                                              endpoint.max_backoff_s)
+            delay = 0.0 if failure.action.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
+                                                                                     endpoint.max_backoff_s)
             delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
         if not await sleep_within(delay, self.deadline_at):
             await self._reset()

@@ -42,7 +42,7 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_link.client import CloudError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
+from edge.cloud_link.client import CloudLinkError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_link.backend import CloudUse, CloudVerifier
 from edge.decoding.pipeline import PipelinedRounds
@@ -82,7 +82,7 @@ class EdgeResult:
     degraded_reason: str | None  # None: every token is as the mode promises (CloudUse says the reasons)
     cloud_reopens: int = 0
     finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop sequence) or "length" (a limit, or cut short)
-    error: CloudError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
+    error: CloudLinkError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
     verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
 
     @property

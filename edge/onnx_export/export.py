@@ -62,6 +62,7 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from common.errors import SprinterError
 from common.models import LoadedModel, cache_root
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ _TOLERANCE = {"float32": 1e-3, "int8": 0.1}
 _EXAMPLE_NEW, _EXAMPLE_PAST, _EXAMPLE_KEEP = 3, 7, 2
 
 
-class DraftExportError(RuntimeError):
+class DraftExportError(SprinterError, RuntimeError):
     """The model cannot be exported, or the exported graph disagrees with torch."""
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 from transformers import PreTrainedTokenizerBase
 
+from common.errors import PairMismatch
 from common.fleet_plane.messages import verifier_digest
 from common.models import vocab_fingerprint
 from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
@@ -37,10 +38,6 @@ COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of commo
 FREE_FEATURES = ("margin", "prev_token_prob", "entropy_delta")  # edge/verifier_training/features.py defines them
 HISTORY_FEATURES = ("prev_token_prob", "entropy_delta")  # read DraftStep.previous
 KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES, *FREE_FEATURES)
-
-
-class VerifierMismatch(ValueError):
-    """The verifier was trained for another model pair."""
 
 
 def step_features(step: DraftStep, names: tuple[str, ...]) -> np.ndarray:
@@ -119,11 +116,11 @@ class LearnedVerifier:
                    target_id: str | None = None) -> None:
         pair = self.metadata["pair"]
         if pair["vocab_fingerprint"] != vocab_fingerprint(draft_tokenizer):
-            raise VerifierMismatch(f"this verifier was trained for {pair['draft']} -> {pair['target']}, "
+            raise PairMismatch(f"this verifier was trained for {pair['draft']} -> {pair['target']}, "
                                    "whose vocabulary differs from this draft's")
         for role, actual in (("draft", draft_spec), ("target", target_id)):
             if actual is not None and actual != pair[role]:
-                raise VerifierMismatch(f"this verifier was trained with {role} {pair[role]!r}, not {actual!r}: "
+                raise PairMismatch(f"this verifier was trained with {role} {pair[role]!r}, not {actual!r}: "
                                        "train one for this pair (sprinter verifier train)")
 
     def check_companion(self, companion_spec: str | None) -> None:
@@ -135,7 +132,7 @@ class LearnedVerifier:
             raise ValueError(f"this verifier reads companion features ({', '.join(COMPANION_FEATURES)}): "
                              f"run a companion model beside the draft with --companion {trained_with or 'SPEC'}")
         if trained_with is not None and companion_spec != trained_with:
-            raise VerifierMismatch(f"this verifier was trained with companion {trained_with!r}, not {companion_spec!r}")
+            raise PairMismatch(f"this verifier was trained with companion {trained_with!r}, not {companion_spec!r}")
 
     def score(self, step: DraftStep) -> float:
         return float(self.score_features(step_features(step, tuple(self.metadata["features"]))[None, :])[0])
@@ -252,5 +249,5 @@ def verifier_identity(verifier: Verifier) -> dict:
     return {"id": f"confidence:{verifier.threshold:g}", "sha256": None}
 
 
-__all__ = ["ConfidenceVerifier", "LearnedVerifier", "TemperatureMatched", "VerifierMismatch", "load_verifier",
+__all__ = ["ConfidenceVerifier", "LearnedVerifier", "TemperatureMatched", "load_verifier",
            "step_features"]
