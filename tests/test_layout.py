@@ -36,8 +36,6 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 PROTO_MODULE = "sprinter.v1.decoding_pb2"
 WIRE_CODEC = "common.wire"
-# Temporary: edge/cloud_link/session.py is being split; its frames move to common.wire calls then, and this goes.
-PROTO_BUILDERS_PENDING = {"edge.cloud_link.session"}
 FORBIDDEN = {  # importer package -> packages it must never import
     "common": {"edge", "cloud", "sim"},
     "edge": {"cloud", "sim"},
@@ -187,9 +185,7 @@ def _proto_constructions(source: str, filename: str = "<source>") -> list[str]:
 def test_proto_messages_are_built_by_the_wire_codec_alone() -> None:
     built = {name: calls for name, path in MODULES.items()
              if name != WIRE_CODEC and (calls := _proto_constructions(path.read_text(), str(path)))}
-    assert {name: calls for name, calls in built.items() if name not in PROTO_BUILDERS_PENDING} == {}
-    # an exemption no longer needed is dropped, not kept
-    assert PROTO_BUILDERS_PENDING <= set(built)
+    assert built == {}
 
 
 def test_the_proto_rule_catches_a_planted_construction() -> None:

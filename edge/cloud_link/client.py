@@ -96,9 +96,6 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random 
     return min(cap_s, base_s * 2 ** attempt) * (rng or random).uniform(0.5, 1.5)
 
 
-# edge/cloud_link/session.py imports the wire's encoders from here until it imports common.wire itself.
-sampling_to_proto = wire.sampling_to_proto
-
 
 class CloudClient:
     """`async with CloudClient(endpoint) as cloud:` one channel with keepalive, shared by all sessions.

@@ -1,4 +1,9 @@
-"""One generation's Session stream, on one cloud replica at a time, healing itself.
+"""One generation's session with the cloud, on one replica at a time, healing itself.
+
+Along its seams: this module opens and reopens the session and retries a verify; the Session call
+with its epochs and candidates is edge/cloud_link/stream.py; the early open and the first token it
+brings, edge/cloud_link/opening.py; what a failure means and what to do about it, the pure
+edge/cloud_link/failures.py.
 
 The edge always knows the full context, so whenever a replica loses track of a session the session
 reopens with that context and retries; where and when depends on why, which edge/cloud_link/failures.py
@@ -18,17 +23,18 @@ the decoding loop to carry on from the draft alone, and when the request's deadl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from typing import Protocol
 
 import grpc
 
+from common import wire
 from common.sampling import SparseDistribution, SamplingParams
-from edge.cloud_link.client import (CloudClient, CloudLimits, CloudRefused, CloudUnavailable, DeadlinePassed,
-                                    backoff_delay, sampling_to_proto, sleep_within, wait_limit)
+from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify, status_of
+from edge.cloud_link.opening import EarlyOpen
+from edge.cloud_link.stream import STREAM_BROKE, SessionStream
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -60,16 +66,6 @@ class Replicas(Protocol):
         ...
 
 
-def verify_frame(start_position: int, draft_tokens: list[int], method: int,
-                 draft_token_probs: list[float] | None = None, draft_dists: list[SparseDistribution] | None = None,
-                 after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
-    """A verify frame; with `after`, a candidate for that verdict of the block in flight."""
-    return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method,
-                          draft_token_probs=draft_token_probs or [], after=after,
-                          draft_dists=[pb.SparseDistribution(token_ids=d.token_ids.tolist(), probs=d.probs.tolist())
-                                       for d in draft_dists or []])
-
-
 class CloudSession:
     """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
 
@@ -81,77 +77,50 @@ class CloudSession:
         self.sampling = sampling
         self.vocab_fingerprint = vocab_fingerprint
         self.client: CloudClient | None = None
-        self.call: grpc.aio.StreamStreamCall | None = None
+        self.stream = SessionStream(deadline_at)  # the call, its epochs and candidates (edge/cloud_link/stream.py)
+        self.early = EarlyOpen()  # open_ahead's open and the first token it brings (edge/cloud_link/opening.py)
         self.session_id: str | None = None
         self.abandoned: tuple[CloudClient, str] | None = None  # a session left behind on a broken stream
         self.avoid: set[str] = set()  # replicas this session should not go back to if it has a choice
         self.opens = 0
-        self._opening: asyncio.Task | None = None  # open_ahead's open, until the first verify takes it over
-        self._early_failure: Exception | None = None  # how that open failed, for the first verify to handle
-        self._first_token: int | None = None  # the target's token after the prompt, from an open that asked for it
-        # Each verify frame written starts a new epoch; candidates belong to the epoch of the block they follow,
-        # and count only if that very write got the verdict (a retry, a reopen or a new stream loses them).
-        self._epoch = 0
-        self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
-        self.uplink_bytes = 0  # verify frames and candidates written: what send-ahead costs the link
-        self._call_has_candidates = False  # answers to candidates may still be on this stream (see `_failure`)
-        self._write_lock = asyncio.Lock()  # a stream takes one write at a time: candidates queue behind their block
 
     def open_ahead(self, prompt_ids: list[int], first_token: bool = False) -> None:
-        """Open the session with the prompt now, so that the cloud prefills it while the edge prefills its
-        draft and drafts the first block; the first verify then carries the block alone. With
-        `first_token` the cloud also answers with the target's token after the prompt (`opened_first_token`).
-        If this open fails, the first verify meets the failure (and its retries) as if it had opened itself."""
-        if self.session_id is None and self._opening is None:
-            self._opening = asyncio.get_running_loop().create_task(self._open_ahead(list(prompt_ids), first_token))
+        """Open the session with the prompt now (edge/cloud_link/opening.py); with `first_token` the cloud also
+        answers with the target's token after the prompt (`opened_first_token`)."""
+        if self.session_id is None and not self.early.started:
+            self.early.start(self._open(list(prompt_ids), first_token), self._kept_for_first_verify)
+
+    def _kept_for_first_verify(self, err: Exception) -> Exception | None:
+        if isinstance(err, (RetryableFailure, CloudRefused, DeadlinePassed)):
+            return err
+        return self._stream_failure(err) if isinstance(err, STREAM_BROKE) else None
 
     async def opened_first_token(self) -> int | None:
         """The target's token after the prompt, once the early open has answered; None if it failed or the
         cloud did not give one (its failure stays for the first verify to handle)."""
-        if self._opening is not None:
-            await asyncio.shield(self._opening)
-        token, self._first_token = self._first_token, None
-        return token
+        return await self.early.token()
 
     @property
     def opening(self) -> bool:
         """An early open is still in flight (the next verify waits for it)."""
-        return self._opening is not None and not self._opening.done()
+        return self.early.in_flight
 
-    async def _open_ahead(self, prompt_ids: list[int], first_token: bool) -> None:
-        """The open, its failure kept for the first verify: that verify's retry loop treats it as its own
-        first attempt's (a busy cloud's retry hint is honoured, a broken stream reset, a refusal final)."""
-        try:
-            await self._open(prompt_ids, first_token)
-        except (RetryableFailure, CloudRefused, DeadlinePassed) as failure:
-            self._early_failure = failure
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
-            self._early_failure = self._stream_failure(err)
+    @property
+    def call(self) -> grpc.aio.StreamStreamCall | None:
+        return self.stream.call
 
-    async def _exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:
-        deadline = self.client.endpoint.deadline_s
-        if frame.HasField("verify"):
-            self._epoch += 1
-            self.uplink_bytes += frame.ByteSize()
-        epoch = self._epoch
-        async with self._write_lock:
-            await asyncio.wait_for(self.call.write(frame), deadline)
-        answer = await self._read()
-        self.verdict_epoch = epoch
-        return answer
+    @property
+    def epoch(self) -> int:
+        """The epoch of the verify frame written last (edge/cloud_link/stream.py)."""
+        return self.stream.epoch
 
-    async def _read(self) -> pb.CloudFrame:
-        limit, request_bound = wait_limit(self.client.endpoint.deadline_s, self.deadline_at)
-        try:
-            answer = await asyncio.wait_for(self.call.read(), limit)
-        except asyncio.TimeoutError:
-            if request_bound:
-                raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     "the request's deadline passed while it waited for a verdict") from None
-            raise
-        if answer is grpc.aio.EOF:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
-        return answer
+    @property
+    def verdict_epoch(self) -> int:
+        return self.stream.verdict_epoch
+
+    @property
+    def uplink_bytes(self) -> int:
+        return self.stream.uplink_bytes
 
     async def _open(self, context: list[int], first_token: bool = False) -> None:
         if self.client is None:
@@ -162,19 +131,16 @@ class CloudSession:
             if self.client is None:
                 raise RetryableFailure(Cause.NO_REPLICA, "no cloud replica is usable now")
             self.replicas.acquire(self.client)
-        if self.call is None:
-            self.call = self.client.stub.Session(metadata=self.client.metadata)
+        self.stream.start(self.client)
         if self.abandoned is not None:
             await self._close_abandoned()
-        answer = await self._exchange(pb.EdgeFrame(open=pb.OpenSession(
-            prompt_ids=context, sampling=sampling_to_proto(self.sampling), vocab_fingerprint=self.vocab_fingerprint,
-            first_token=first_token)))
+        answer = await self.stream.exchange(wire.open_frame(context, self.sampling, self.vocab_fingerprint, first_token))
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
-        if answer.opened.HasField("limits"):
-            self.client.limits = CloudLimits.from_proto(answer.opened.limits)
+        if (limits := wire.opened_limits(answer.opened)) is not None:
+            self.client.limits = limits
         self.session_id = answer.opened.session_id
-        self._first_token = answer.opened.first_token if answer.opened.HasField("first_token") else None
+        self.early.first_token = wire.opened_first_token(answer.opened)
         self.opens += 1
 
     @property
@@ -192,8 +158,7 @@ class CloudSession:
         """
         (client, abandoned), self.abandoned = self.abandoned, None
         if client is self.client:
-            await self._exchange(pb.EdgeFrame(open=pb.OpenSession(resume_session_id=abandoned,
-                                                                  vocab_fingerprint=self.vocab_fingerprint)))
+            await self.stream.exchange(wire.resume_frame(abandoned, self.vocab_fingerprint))
 
     def _failure(self, error: pb.Error, context_length: int) -> Exception:
         """What an error frame means (edge/cloud_link/failures.py): a resync, a retry (here or elsewhere), or a
@@ -210,57 +175,35 @@ class CloudSession:
             self.session_id = None
         hint_s = error.retry_after_ms / 1e3 if action.honours_hint else 0.0
         return RetryableFailure(cause, f"{code.name}: {error.message}", hint_s,
-                                stale_stream=self._call_has_candidates)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the verify frame written last (see `send_candidate`)."""
-        return self._epoch
+                                stale_stream=self.stream.has_candidates)
 
     async def send_candidate(self, frame: pb.VerifyBlock, epoch: int) -> bool:
         """Write a candidate behind the block of `epoch`, on that block's stream; False if that is no longer
-        possible (a retry or reopen since: the cloud would drop it anyway). Never raises: a broken stream
-        shows on the verdict's read, which the verify in flight handles."""
-        if self.call is None or self.session_id is None or epoch != self._epoch:
-            return False
-        edge_frame = pb.EdgeFrame(verify=frame)
-        try:
-            async with self._write_lock:
-                if epoch != self._epoch or self.call is None:
-                    return False
-                self._call_has_candidates = True
-                await asyncio.wait_for(self.call.write(edge_frame), self.client.endpoint.deadline_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-            return False
-        self.uplink_bytes += edge_frame.ByteSize()
-        return epoch == self._epoch
+        possible. Never raises: a broken stream shows on the verdict's read, which the verify in flight handles."""
+        return self.session_id is not None and await self.stream.send_candidate(frame, epoch)
 
     async def _read_candidate_verdict(self, context: list[int], frame: pb.VerifyBlock) -> pb.Verdict:
         """The verdict on a candidate the cloud matched: the next frame on the stream, named by its block."""
         try:
-            answer = await self._read()
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
+            answer = await self.stream.read()
+        except STREAM_BROKE as err:
             raise self._stream_failure(err) from err
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
         if not answer.verdict.candidate or answer.verdict.start_position != frame.start_position:
             # Not what this edge and the cloud agreed would come: the stream is out of step, start afresh.
             raise RetryableFailure(Cause.OUT_OF_STEP, "the cloud answered another block than the candidate")
-        self.verdict_epoch = self._epoch
+        self.stream.matched()
         return answer.verdict
 
     async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
-        if self._opening is not None:
-            opening, self._opening = self._opening, None
-            await opening
-            if self._early_failure is not None:
-                failure, self._early_failure = self._early_failure, None
-                raise failure
+        if self.early.started:  # the first verify meets the early open's outcome
+            await self.early.take_over()
         try:
             if self.session_id is None:
                 await self._open(context)
-            answer = await self._exchange(frame)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as err:
+            answer = await self.stream.exchange(frame)
+        except STREAM_BROKE as err:
             raise self._stream_failure(err) from err
         if answer.WhichOneof("frame") == "verdict":
             return answer.verdict
@@ -278,17 +221,15 @@ class CloudSession:
                      draft_token_probs: list[float] | None = None,
                      draft_dists: list[SparseDistribution] | None = None) -> pb.Verdict:
         """Verify `draft_tokens` following `context` (the edge's committed tokens)."""
-        return await self.verify_block(context, verify_frame(len(context), draft_tokens, method, draft_token_probs,
-                                                             draft_dists))
+        return await self.verify_block(context, wire.verify_block(len(context), draft_tokens, wire.method_name(method),
+                                                                  draft_token_probs, draft_dists))
 
     async def verify_block(self, context: list[int], block: pb.VerifyBlock,
                            matched_candidate: bool = False) -> pb.Verdict:
         """Verify `block` following `context` (the edge's committed tokens). With `matched_candidate` the block
         went out as a candidate the cloud has matched: its verdict is read, not asked for; should that fail,
         the block is sent again the ordinary way."""
-        frame = pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
-                                                   draft_token_probs=block.draft_token_probs,
-                                                   draft_dists=block.draft_dists, method=block.method))
+        frame = wire.ordinary_verify_frame(block)
         last_failure: RetryableFailure | None = None
         failures = tries = 0  # failures: replicas out of reach (they count against the attempts); tries: all
         while failures < self.replicas.attempts:
@@ -342,32 +283,19 @@ class CloudSession:
                                  f"the request's deadline passed while the cloud was unavailable ({failure})")
 
     async def _reset(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-        self.call, self._call_has_candidates = None, False
+        self.stream.cancel()
         if self.session_id is not None and self.client is not None:
             self.abandoned = (self.client, self.session_id)
         self.session_id = None
 
     async def _leave(self) -> None:
         """Off this replica: the next open chooses again."""
-        if self.call is not None:
-            await self._close_call()
+        if self.stream.call is not None:
+            await self.stream.close()
         if self.client is not None:
             self.replicas.release(self.client)
         self.client, self.session_id = None, None
 
-    async def _close_call(self) -> None:
-        try:
-            await asyncio.wait_for(self.call.write(pb.EdgeFrame(close=pb.CloseSession())), 1.0)
-            await asyncio.wait_for(self.call.done_writing(), 1.0)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
-            self.call.cancel()
-        self.call, self._call_has_candidates = None, False
-
     async def close(self) -> None:
-        if self._opening is not None:  # cancelled mid-open: the stream is closed below, its answer unread
-            self._opening.cancel()
-            await asyncio.gather(self._opening, return_exceptions=True)
-            self._opening = None
+        await self.early.cancel()  # cancelled mid-open: the stream is closed below, its answer unread
         await self._leave()
