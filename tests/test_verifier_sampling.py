@@ -110,6 +110,10 @@ def test_the_study_writes_a_learning_curve_and_an_ablation(sampled_and_greedy, t
     assert (tmp_path / "learning_curve.png").stat().st_size > 0
 
 
+def test_the_edge_ships_a_greedy_and_a_sampling_verifier():
+    assert {p.parent.name.endswith("__sampling") for p in SHIPPED_DIR.glob("*/verifier.json")} == {False, True}
+
+
 @pytest.mark.parametrize("path", sorted(SHIPPED_DIR.glob("*/verifier.json")), ids=lambda p: p.parent.name)
 def test_shipped_verifiers_say_the_pair_and_regime_they_were_trained_for(path):
     metadata = json.loads(path.read_text())

@@ -142,7 +142,7 @@ class LearnedVerifier:
         return self.session.run(None, {self.session.get_inputs()[0].name: features.astype(np.float32)})[0].reshape(-1)
 
 
-SHIPPED_DIR = Path(__file__).parent / "verifiers"
+SHIPPED_DIR = Path(__file__).parent.parent / "verifiers"  # edge/verifiers: the verifiers the edge ships with
 AUTO_FALLBACK = "confidence:0.5"
 
 
