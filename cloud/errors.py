@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from common import wire
 from common.errors import SprinterError
-
-RETRY_AFTER_METADATA = "retry-after-ms"  # trailing metadata of a call that ends RESOURCE_EXHAUSTED / UNAVAILABLE
 
 
 class CloudError(SprinterError):
@@ -23,7 +22,7 @@ class CloudError(SprinterError):
         self.retry_after_ms = retry_after_ms
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_METADATA, str(self.retry_after_ms)),) if self.retry_after_ms > 0 else ()
+        return wire.retry_hint_metadata(self.retry_after_ms)
 
 
 def invalid(message: str) -> CloudError:

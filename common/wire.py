@@ -215,6 +215,18 @@ def error_frame(code: grpc.StatusCode, message: str, retry_after_ms: int = 0, co
 
 
 STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+RETRY_AFTER_METADATA = "retry-after-ms"  # trailing metadata of a call that ends RESOURCE_EXHAUSTED / UNAVAILABLE
+
+
+def retry_hint_metadata(retry_after_ms: int) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that tells a caller when a retry may succeed (none: no retry will)."""
+    return ((RETRY_AFTER_METADATA, str(retry_after_ms)),) if retry_after_ms > 0 else ()
+
+
+def retry_hint_s(metadata: grpc.aio.Metadata | tuple | None) -> float:
+    """The retry hint in a call's trailing metadata, in seconds; 0 without one."""
+    hint = next((value for key, value in metadata or () if key == RETRY_AFTER_METADATA), "0")
+    return int(hint) / 1e3 if str(hint).isdigit() else 0.0
 
 
 def error_status(error: pb.Error) -> grpc.StatusCode:

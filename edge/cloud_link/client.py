@@ -25,7 +25,7 @@ from common import wire
 from common.errors import SprinterError
 from common.sampling import SamplingParams
 from common.wire import CloudLimits
-from edge.cloud_link.failures import Cause, classify_status, retry_hint_s, status_of
+from edge.cloud_link.failures import Cause, classify_status, status_of
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -134,7 +134,7 @@ class CloudClient:
     def _error(self, err: grpc.aio.AioRpcError) -> CloudLinkError:
         if classify_status(err.code()) is Cause.REPLICA_FAILED:
             return CloudUnavailable(err.code(), f"cloud {self.endpoint.address}: {err.details()}")
-        return CloudRefused(err.code(), err.details() or "", retry_hint_s(err.trailing_metadata()))
+        return CloudRefused(err.code(), err.details() or "", wire.retry_hint_s(err.trailing_metadata()))
 
     async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
         try:

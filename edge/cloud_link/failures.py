@@ -31,13 +31,12 @@ from enum import Enum
 import grpc
 
 from common.errors import SprinterError
+from common.wire import STATUS_BY_NUMBER
 from sprinter.v1 import decoding_pb2 as pb
 
-STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 # Statuses a call or stream ends with when the replica is out of reach (rather than refusing): worth another try.
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-RETRY_AFTER_METADATA = "retry-after-ms"  # the hint a call that ends RESOURCE_EXHAUSTED carries (cloud/errors.py)
 
 
 class Cause(Enum):
@@ -134,9 +133,3 @@ def classify(error: pb.Error | BaseException) -> Cause:
     if isinstance(error, (asyncio.TimeoutError, asyncio.InvalidStateError)):
         return Cause.REPLICA_FAILED
     raise TypeError(f"not a cloud-link failure: {type(error).__name__}")
-
-
-def retry_hint_s(metadata: grpc.aio.Metadata | tuple | None) -> float:
-    """The retry hint in a call's trailing metadata, in seconds; 0 without one."""
-    hint = next((value for key, value in metadata or () if key == RETRY_AFTER_METADATA), "0")
-    return int(hint) / 1e3 if str(hint).isdigit() else 0.0

@@ -32,7 +32,7 @@ import grpc
 from common import wire
 from common.sampling import SparseDistribution, SamplingParams
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
-from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify, status_of
+from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify
 from edge.cloud_link.opening import EarlyOpen
 from edge.cloud_link.stream import STREAM_BROKE, SessionStream
 from sprinter.v1 import decoding_pb2 as pb
@@ -165,7 +165,7 @@ class CloudSession:
         refusal. On a stream that carried candidates the retry takes a fresh stream: the cloud may still answer
         candidates on this one (NOT_FOUND for a session that is gone), and those answers must not be read as
         the retry's."""
-        cause, code = classify(error), status_of(error.code)
+        cause, code = classify(error), wire.error_status(error)
         action = ACTIONS[cause]
         if action.gives_up:
             return CloudRefused(code, error.message)
