@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen vllm clean
+.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -36,12 +36,12 @@ mosquitto:
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
-# Then the summary table goes into README.md between the bench markers.
+# Then the summary table goes into the benchmarks page, docs/benchmarks/index.md, between the bench markers.
 BENCH_RTTS ?= 0,50,100
 bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
 	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench
-	$(VENV)/bin/sprinter bench readme --out results/bench --readme README.md
+	$(VENV)/bin/sprinter bench readme --out results/bench --readme docs/benchmarks/index.md
 
 # Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
 # One sweep per temperature into results/bench-policy/T0 and T1 (these are `sprinter bench policy`'s defaults).
@@ -61,6 +61,16 @@ bench-draft: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench draft
 
 setup: $(VENV)/.project $(STUBS)
+
+# The documentation site (docs/, mkdocs.yml) into site/. The reference pages (commands, metrics, the gRPC
+# contract) are generated from the code into docs/reference/ first; --strict fails on a broken link or page.
+docs: $(VENV)/.docs $(STUBS)
+	$(VENV)/bin/sprinter docs reference --out docs/reference
+	$(VENV)/bin/mkdocs build --strict
+
+$(VENV)/.docs: $(VENV)/.project
+	$(PIP) install mkdocs==1.6.1 mkdocs-material==9.8.2
+	touch $@
 
 # gRPC stubs are generated from the contract, never committed (tests/test_proto.py fails if stale).
 proto: $(STUBS)
@@ -111,4 +121,4 @@ $(VLLM_VENV)/.vllm: pyproject.toml $(VENV)/.project $(STUBS)
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi
+	rm -rf $(VENV) $(VLLM_VENV) results site docs/reference .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi
