@@ -3,7 +3,7 @@
 A real round on loopback (the tiny pair, the resident engine, gRPC) runs under a profiler, from the
 moment the round hands its block to the cloud backend until the verdict's tokens are delivered. Every
 module of the project that runs in that window, in any thread (the edge, the cloud's servicer and
-batcher), is on the path. README.md's "How a token travels" names them; this test fails when a module
+batcher), is on the path. docs/architecture.md's "How a token travels" names them; this test fails when a module
 on the path is missing from it, or when the path grows past the house's budget of modules.
 """
 
@@ -26,7 +26,7 @@ from edge.node import EdgeNode, EdgeNodeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("common", "edge", "cloud", "sprinter")
-# The goal is 14; today a round passes through 29 (README.md says which and why). This keeps it from growing.
+# The goal is 14; today a round passes through 29 (docs/architecture.md says which and why). This keeps it from growing.
 MAX_MODULES_ON_THE_PATH = 29
 
 
@@ -56,7 +56,7 @@ class PathTracer:
 
 
 def _readme_path_modules() -> set[str]:
-    section = (ROOT / "README.md").read_text().split("## How a token travels", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "architecture.md").read_text().split("## How a token travels", 1)[1].split("\n## ", 1)[0]
     return {path.removesuffix(".py").replace("/", ".") for path in re.findall(r"`([a-z_/]+\.py)", section)}
 
 
@@ -98,7 +98,7 @@ def test_the_readme_names_every_module_a_round_passes_through(tiny_target, tiny_
     traced = _traced_round(tiny_target, tiny_draft, monkeypatch)
     assert {"edge.cloud_link.session", "cloud.batcher", "common.verification"} <= traced  # the trace saw both sides
     listed = _readme_path_modules()
-    assert traced <= listed, f"on the path but not in README.md's 'How a token travels': {sorted(traced - listed)}"
+    assert traced <= listed, f"on the path but not in docs/architecture.md's 'How a token travels': {sorted(traced - listed)}"
     assert len(traced) <= MAX_MODULES_ON_THE_PATH, sorted(traced)
 
 

@@ -1,10 +1,10 @@
-"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind the README's tables.
+"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind the tables of docs/benchmarks/.
 
     sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
     sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --out results/bench-cloud
     sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
-    sprinter bench readme --out results/bench --readme README.md
+    sprinter bench readme --out results/bench --readme docs/benchmarks/index.md
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
@@ -144,10 +144,11 @@ def _register_policy(benches: argparse._SubParsersAction) -> None:
 
 
 def _register_readme(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("readme", help="put a sweep's summary into README.md between the bench markers",
+    p = benches.add_parser("readme", help="put a sweep's summary into the benchmarks page between the bench markers",
                            **_described(readme.__doc__))
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="the sweep's output directory")
-    p.add_argument("--readme", type=Path, default=Path("README.md"))
+    p.add_argument("--readme", type=Path, default=Path("docs/benchmarks/index.md"),
+                   help="the page with the bench markers")
     p.set_defaults(run=run_readme)
 
 

@@ -1,9 +1,9 @@
-"""`make bench`'s last step: the sweep's summary into README.md, between the bench markers.
+"""`make bench`'s last step: the sweep's summary into the benchmarks page, between the bench markers.
 
-    sprinter bench readme --out results/bench --readme README.md
+    sprinter bench readme --out results/bench --readme docs/benchmarks/index.md
 
 Everything between `<!-- bench:start -->` and `<!-- bench:end -->` is replaced by the date, the
-machine (`uname -m` and its cores), the commit and OUT/summary.md; the rest of the README is kept.
+machine (`uname -m` and its cores), the commit and OUT/summary.md; the rest of the page is kept.
 """
 
 from __future__ import annotations
