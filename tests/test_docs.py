@@ -8,8 +8,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
-
 from test_deploy import CommandLine, parse
 
 ROOT = Path(__file__).resolve().parent.parent
