@@ -379,7 +379,7 @@ def test_the_exception_rules_catch_planted_violations() -> None:
     assert len(_exception_classes(_classes(SOURCES))) > 10
 
 
-@pytest.mark.parametrize("program", ["generate", "cloud", "edge", "verifier", "simulate", "bench", "fleet", "link", "demo"])
+@pytest.mark.parametrize("program", ["generate", "cloud", "edge", "verifier", "simulate", "bench", "fleet", "link", "demo", "docs"])
 def test_every_program_is_a_sprinter_subcommand(program: str) -> None:
     from common.cli import build_parser
 
