@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from common.arguments import DTYPE_NAMES
 from common.errors import PairMismatch
 from common.presets import GGUF_PRESETS, TINY_PRESETS, build_tiny_model, gguf_path, keep_first_layers
 
 log = logging.getLogger(__name__)
 
-# The dtypes every command accepts for torch models (ONNX Runtime runs the draft in float32).
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
