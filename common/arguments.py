@@ -65,8 +65,8 @@ def host_port_list(text: str) -> str:
 def comma_list(item: Callable[[str], T], what: str) -> Callable[[str], tuple[T, ...]]:
     """A type for 'A,B,C': each item read by `item`; `what` names an item in the error."""
     def parse(text: str) -> tuple[T, ...]:
-        parts = [part.strip() for part in text.split(",")]
-        if not all(parts):
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
         try:
             return tuple(item(part) for part in parts)

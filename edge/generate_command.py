@@ -171,6 +171,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEGRADED_BECAUSE = {
+    "cloud_unreachable": "the cloud at --cloud is unreachable",
+    "deadline": "--request-deadline-s passed while waiting for the cloud",
+    "no_cloud": "no cloud is available",
+}
+
+
+def _say_degraded(reason: str) -> None:
+    """Said at once, before the text: the rest of the output is the draft's alone, verified by no target."""
+    print(f"sprinter generate: {_DEGRADED_BECAUSE.get(reason, reason)}; the output from here on is the draft's "
+          f"alone, not verified (degraded: {reason})", file=sys.stderr, flush=True)
+
+
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
     from edge.decoding.decoder import EdgeSettings
     from common.prompting import encode_prompt
@@ -185,7 +198,7 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
         edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
                                      pipeline_adapts=args.pipeline_adapts)
-        result = await node.decoder.generate(prompt_ids, edge_settings)
+        result = await node.decoder.generate(prompt_ids, edge_settings, on_degraded=_say_degraded)
     extra = {"degraded": result.degraded_reason or False}
     if result.stats.ahead_rounds:
         extra["pipeline"] = f"{args.pipeline} (hit rate {result.stats.ahead_hit_rate:.2f})"
