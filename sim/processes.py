@@ -20,6 +20,12 @@ from typing import IO
 log = logging.getLogger(__name__)
 
 
+def quiet_http_clients() -> None:
+    """httpx and httpcore log a line per request at INFO: in a program that polls, they bury its own output."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

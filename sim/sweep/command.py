@@ -23,6 +23,7 @@ from pathlib import Path
 from common.arguments import DTYPE_NAMES, floats, names
 from common.devices import DEVICE_HELP
 from common.fleet_plane.command import broker_url
+from sim.processes import quiet_http_clients
 from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValueError as err:
         raise SystemExit(f"sprinter simulate: {err}") from None
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
+    quiet_http_clients()  # a line per request would bury the progress bar
     log.info("simulate: %s", settings)
     written = simulate(settings)
     print(format_summary(settings.out))
