@@ -7,13 +7,13 @@ import asyncio
 from dataclasses import fields
 from pathlib import Path
 
-from cloud.server import CloudSettings, run_until_signalled
-from cloud.settings import ATTENTIONS, ENGINES
-from cloud.vllm_launch import relaunch_under_vllm, vllm_importable
+from cloud.settings import ATTENTIONS, ENGINES, CloudSettings
+from common.arguments import DTYPE_NAMES, host_port, port
 from common.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
 
-DEFAULTS = CloudSettings()
+# The settings' defaults as declared: building a CloudSettings would validate its device, which needs torch.
+DEFAULTS = argparse.Namespace(**{f.name: f.default for f in fields(CloudSettings)})
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = cloud.add_parser("serve", help="serve the target model over gRPC",
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
-    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_NAMES)
     add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
     p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
                    help="resident engine: per-session (each session's KV in its own buffers, one attention call per "
@@ -32,7 +32,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                         "`make vllm` builds (.venv-vllm; this command moves there by itself)")
     p.add_argument("--host", default=DEFAULTS.host, help="a non-loopback address needs --auth-tokens "
                                                           "(or --allow-unauthenticated)")
-    p.add_argument("--port", type=int, default=DEFAULTS.port)
+    p.add_argument("--port", type=port, default=DEFAULTS.port)
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key serves TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--auth-tokens", type=Path, help="file of 'EDGE_ID TOKEN' lines; without it, no authentication")
@@ -67,13 +67,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="drop a connection whose ping is not answered within this")
     p.add_argument("--max-connection-idle-s", type=float, default=DEFAULTS.max_connection_idle_s,
                    help="close a connection without calls after this long")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
     _add_vllm_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
-    p.add_argument("--advertise", metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
+    p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
 
 
@@ -94,6 +94,9 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cloud.server import run_until_signalled
+    from cloud.vllm_launch import relaunch_under_vllm, vllm_importable
+
     try:  # a bad flag is refused before anything loads, with the flag's name; the KV budget once the model is known
         settings = CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
         if settings.engine == "vllm" and not vllm_importable():

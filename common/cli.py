@@ -11,6 +11,8 @@ import logging
 import sys
 from importlib.metadata import entry_points
 
+from common.errors import UsageError
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sprinter", description="Edge-cloud speculative decoding.")
@@ -36,7 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except UsageError as err:  # a newcomer's mistake gets one line, as argparse gives a bad flag
+        print(f"sprinter: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

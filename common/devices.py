@@ -11,10 +11,12 @@ GEMMs do), exactly as between two CPUs with different kernels.
 from __future__ import annotations
 
 import argparse
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.errors import SprinterError
+
+if TYPE_CHECKING:  # imported where a device is resolved: `--device` is parsed without torch
+    import torch
 
 DEVICE_HELP = "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N (default auto)"
 
@@ -25,6 +27,8 @@ class DeviceError(SprinterError, ValueError):
 
 def resolve_device(name: str = "auto") -> torch.device:
     """`--device` as a torch device; refuses a GPU this machine lacks instead of falling back to the CPU."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:

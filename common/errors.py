@@ -10,6 +10,9 @@ The family, by side (class, builtin base kept, where raised: what the caller doe
 - `PairMismatch` (ValueError), here; raised by common/models.py, common/companion.py,
   edge/runtime/verifier.py, edge/node.py: draft and target (or a companion, or a verifier's training
   pair, or the cloud's target) do not go together. Refuse the pairing; the message says what to pair.
+- `UsageError`, here: a value from the command line this project cannot act on. `sprinter` prints its
+  message as one line and exits 2, as argparse does. `UnknownModel` (OSError), common/models.py: a model
+  spec that is no preset, no directory, and no Hugging Face id that loads from here.
 - `DeviceError` (ValueError), common/devices.py: a `--device` this machine lacks. Exit 2 with the message.
 - `MissingPresetError` (RuntimeError), common/presets.py: a preset's package or file is missing or
   corrupt. Install what the message says.
@@ -41,3 +44,7 @@ class SprinterError(Exception):
 class PairMismatch(SprinterError, ValueError):
     """Two things that must work together do not: a draft and a target (or a companion) with different
     vocabularies, a verifier trained for another pair, a cloud serving a target of another vocabulary."""
+
+
+class UsageError(SprinterError):
+    """A value the user gave that cannot work (a model that does not exist, ...): one line, exit code 2."""

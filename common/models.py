@@ -17,13 +17,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from common.errors import PairMismatch
+from common.arguments import DTYPE_NAMES
+from common.errors import PairMismatch, UsageError
 from common.presets import GGUF_PRESETS, TINY_PRESETS, build_tiny_model, gguf_path, keep_first_layers
 
 log = logging.getLogger(__name__)
 
-# The dtypes every command accepts for torch models (ONNX Runtime runs the draft in float32).
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+class UnknownModel(UsageError, OSError):
+    """A model spec that names no preset, no local directory, and no Hugging Face model reachable from here."""
 
 
 @dataclass
@@ -71,14 +75,30 @@ def load_model(spec: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
     name, n_layers = parse_spec(spec)
     if name in TINY_PRESETS:
         model, tokenizer = build_tiny_model(name)
-    else:
-        source = _dense_dir(name) if name in GGUF_PRESETS else name
+    elif name in GGUF_PRESETS:
+        source = _dense_dir(name)
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    else:
+        model, tokenizer = _load_hub_or_directory(name, dtype)
     if n_layers is not None:
         keep_first_layers(model, n_layers)
     model.to(device).eval()
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def _load_hub_or_directory(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A Hugging Face id or a local directory; a name that is neither loadable here is an `UnknownModel`."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as err:
+        if Path(name).is_dir():
+            raise
+        presets = ", ".join([*TINY_PRESETS, *GGUF_PRESETS])
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnknownModel(f"model {name!r} is neither a preset ({presets}) nor a local directory, and it does not "
+                           f"load as a Hugging Face id from here ({reason})") from err
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), tokenizer
 
 
 def model_dir(spec: str) -> Path | str:

@@ -11,30 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling_params import SamplingParams
+
 
 # The smallest normal float32. Logits are float32: a temperature below it would round to 0 there (NaN
 # probabilities), so it gets the distribution it tends to, the argmax's one-hot.
 FLOAT32_TINY = 1.1754943508222875e-38
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no top-k truncation
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -13,13 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+from common.arguments import DTYPE_NAMES, host_port_list
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import MODES, PIPELINES, POLICY_MODES, DecodeSettings
 from common.devices import DeviceError, add_device_argument, resolve_device
-from common.models import DTYPES, load_model
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.stats import DecodeStats
 
 
@@ -35,7 +33,7 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="auto",
                    help="sprinter modes and the call policy's acceptance estimates: 'auto' (the verifier shipped for this pair, else confidence:0.5), "
                         "'confidence:THRESHOLD' or a learned verifier's .json metadata file")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     add_device_argument(p, "the local engine's torch models run (not with --cloud: the edge's draft is ONNX)")
 
 
@@ -69,7 +67,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cloud", metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
+    p.add_argument("--cloud", type=host_port_list, metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
     p.add_argument("--cloud-ca", type=Path, help="PEM root certificate: speak TLS to the cloud")
     p.add_argument("--cloud-token", help="bearer token of this edge (or env SPRINTER_CLOUD_TOKEN); needs --cloud-ca")
     p.add_argument("--cloud-tls-server-name", metavar="NAME",
@@ -134,6 +132,9 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
 
 def run(args: argparse.Namespace) -> int:
     from common.companion import companion_for
+    from common.decoding.local_engine import LocalEngine
+    from common.models import DTYPES, load_model
+    from common.prompting import encode_prompt
     from edge.runtime.verifier import load_verifier
 
     try:
@@ -170,8 +171,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEGRADED_BECAUSE = {
+    "cloud_unreachable": "the cloud at --cloud is unreachable",
+    "deadline": "--request-deadline-s passed while waiting for the cloud",
+    "no_cloud": "no cloud is available",
+}
+
+
+def _say_degraded(reason: str) -> None:
+    """Said at once, before the text: the rest of the output is the draft's alone, verified by no target."""
+    print(f"sprinter generate: {_DEGRADED_BECAUSE.get(reason, reason)}; the output from here on is the draft's "
+          f"alone, not verified (degraded: {reason})", file=sys.stderr, flush=True)
+
+
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
     from edge.decoding.decoder import EdgeSettings
+    from common.prompting import encode_prompt
     from edge.node import EdgeNode, EdgeNodeSettings
 
     try:
@@ -183,7 +198,7 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
         edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
                                      pipeline_adapts=args.pipeline_adapts)
-        result = await node.decoder.generate(prompt_ids, edge_settings)
+        result = await node.decoder.generate(prompt_ids, edge_settings, on_degraded=_say_degraded)
     extra = {"degraded": result.degraded_reason or False}
     if result.stats.ahead_rounds:
         extra["pipeline"] = f"{args.pipeline} (hit rate {result.stats.ahead_hit_rate:.2f})"

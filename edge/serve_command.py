@@ -14,10 +14,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Iterator
 
 from common.addresses import is_loopback
+from common.arguments import DTYPE_NAMES, host_port
 from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
-from common.models import DTYPES
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add_companion_argument(p)
     p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
     add_policy_argument(p, " (default for requests; a request may set its own)")
-    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
+    p.add_argument("--listen", type=host_port, default="127.0.0.1:8000", metavar="HOST:PORT")
     p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     add_cloud_arguments(p)
     add_api_arguments(p)
     add_fleet_arguments(p)

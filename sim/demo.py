@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.decoding.modes import mode_of
-from common.models import DTYPES
+from common.arguments import DTYPE_NAMES
 from sim.processes import cloud_process, edge_daemon, free_port
 
 if TYPE_CHECKING:  # openai is the `test` extra: imported when the demo runs
@@ -71,7 +71,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--verifier", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
                    help="of the target (cloud and scoring) and the torch draft; float32 shows lossless modes exact")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
@@ -101,7 +101,7 @@ def ask_in_mode(client: OpenAI, mode: str, prompts: tuple[str, ...], max_tokens:
 
 def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str, dtype: str) -> list[DemoRow]:
     """Agreement with the target mode's tokens, and the target's NLL of each output (the target loaded here)."""
-    from common.models import load_model
+    from common.models import DTYPES, load_model
     from common.prompting import encode_prompt
     from common.quality import agreement, target_nll_per_token
     from transformers.utils import logging as transformers_logging

@@ -26,6 +26,7 @@ from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.operator import format_status, read_fleet
 from sim.broker import mosquitto_binary
 from sim.local_fleet import LocalFleet, add_fleet_arguments, settings_from_args
+from sim.processes import quiet_http_clients
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def register(programs: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet_http_clients()
     if args.clouds < 2:
         raise SystemExit("sprinter fleet demo: --clouds must be >= 2 (one of them is killed)")
     try:

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 log = logging.getLogger(__name__)
+
+
+def quiet_http_clients() -> None:
+    """httpx and httpcore log a line per request at INFO: in a program that polls, they bury its own output."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def free_port() -> int:
@@ -31,6 +34,9 @@ def free_port() -> int:
 
 def wait_until_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
     """Poll standard gRPC health checking until the server says SERVING."""
+    import grpc  # here, not at the top: command lines that import this module parse (and --help) without gRPC
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -16,11 +16,14 @@ checks only the flagged last token, so it keeps its own rule under greedy too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.call_policy import CallPolicy, CostModel, FlagPolicy, parse_policy
-from common.sampling import SamplingParams
-from common.verification import VERIFY_RULES, VerifyRule
-from common.verifier import Verifier
+from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the rules need torch; the mode table must not (`sprinter --help` reads it)
+    from common.verification import VerifyRule
+    from common.verifier import Verifier
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def reads_last_draft_only(method: str) -> bool:
 
 def verify_rule(method: str, sampling: SamplingParams) -> VerifyRule:
     """The rule a verify `method` applies under these sampling settings (see the table above)."""
+    from common.verification import VERIFY_RULES
+
     if method not in VERIFY_METHODS:
         raise ValueError(f"unknown verify method {method!r}; expected one of {', '.join(VERIFY_METHODS)}")
     if sampling.greedy and not reads_last_draft_only(method):

@@ -24,9 +24,18 @@ from common.fleet_plane.messages import VerifierArtifact
 from common.fleet_plane.operator import apply_config, format_status, push_verifier, read_fleet
 
 
+def broker_url(text: str) -> str:
+    """argparse type of --mqtt: a URL BrokerSettings can read (the text itself; TLS files join it later)."""
+    try:
+        BrokerSettings.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def add_broker_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
     """--mqtt and the broker's TLS and credentials: shared by the edge, the cloud and these commands."""
-    p.add_argument("--mqtt", required=required, metavar="URL",
+    p.add_argument("--mqtt", type=broker_url, required=required, metavar="URL",
                    help="fleet plane broker: mqtt://[USER:PASSWORD@]HOST[:PORT] or mqtts://... (TLS)")
     p.add_argument("--mqtt-ca", type=Path, help="PEM roots the broker's certificate is checked against")
     p.add_argument("--mqtt-cert", type=Path, help="client certificate (PEM), with --mqtt-key")

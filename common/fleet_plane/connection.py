@@ -55,9 +55,15 @@ class BrokerSettings:
         parts = urlsplit(url)
         if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
             raise ValueError(f"broker URL {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
+        try:
+            port = parts.port
+        except ValueError:  # urllib's own message does not name the URL
+            port = 0
+        if port == 0:
+            raise ValueError(f"broker URL {url!r}: the port must be a number in 1-65535")
         tls = parts.scheme == "mqtts"
         credentials = {"username": parts.username, "password": parts.password} if parts.username else {}
-        return cls(parts.hostname, parts.port or (8883 if tls else 1883), tls, **credentials, **options)
+        return cls(parts.hostname, port or (8883 if tls else 1883), tls, **credentials, **options)
 
     def tls_context(self) -> ssl.SSLContext | None:
         if not self.tls:

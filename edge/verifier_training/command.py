@@ -17,10 +17,13 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from common.cached_lm import DraftLM
-from common.models import DTYPES, LoadedModel
+from common.arguments import DTYPE_NAMES, floats
+
+if TYPE_CHECKING:  # models load in the commands that run: `--help` imports no torch
+    from common.cached_lm import DraftLM
+    from common.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--data", type=Path, required=True, help="the data the verifier was trained on")
     replay.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
     replay.add_argument("--out", type=Path, required=True, help="directory for replay.json, replay.md, replay.png")
-    replay.add_argument("--rtt-ms", default="0,50,100,200", help="comma-separated round-trip times")
+    replay.add_argument("--rtt-ms", type=floats, default="0,50,100,200", help="comma-separated round-trip times")
     replay.add_argument("--draft-ms", type=float, required=True, help="the edge's time per drafted token")
     replay.add_argument("--verify-ms", type=float, required=True, help="the cloud's verify time for an empty block")
     replay.add_argument("--verify-per-token-ms", type=float, required=True, help="the verify time each block token adds")
@@ -103,7 +106,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
 def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="tiny-random")
     p.add_argument("--draft", default="tiny-random-draft")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (default: the project's 320-prompt set)")
     p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"],
                    help="train on the hidden states of the runtime the edge will run")
@@ -156,7 +159,7 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
         run_workers(args.workers, data_dir, args.argv)
         return
     from common.companion import companion_factory, load_companion
-    from common.models import load_pair
+    from common.models import DTYPES, load_pair
     from edge.verifier_training.collect import CollectSettings, collect, nothing_to_collect
 
     if args.worker is not None:  # one of --workers' processes: the target's forward keeps to its core too
@@ -229,7 +232,7 @@ def _prompts_of(learned, ids_key: str, args: argparse.Namespace) -> list:
 
 
 def run_bound(args: argparse.Namespace) -> int:
-    from common.models import load_pair
+    from common.models import DTYPES, load_pair
     from edge.verifier_training.evaluate import EvalSettings
     from edge.verifier_training.quality_bound import QualityBound, run_bound as bound, write_report
     from edge.runtime.verifier import LearnedVerifier
@@ -256,7 +259,7 @@ def run_replay(args: argparse.Namespace) -> int:
     learned = LearnedVerifier.load(args.verifier)
     traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features, args.limit)
     costs = RoundCosts(args.draft_ms, args.verify_ms, args.verify_per_token_ms)
-    settings = ReplaySettings(rtts_ms=tuple(float(x) for x in args.rtt_ms.split(",")), seeds=args.seeds)
+    settings = ReplaySettings(rtts_ms=args.rtt_ms, seeds=args.seeds)
     rows = replay(traces, costs, settings)
     print(write_report(rows, costs, settings, traces, args.out))
     plot_replay(rows, args.out / "replay.png")
@@ -264,7 +267,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from common.models import load_pair
+    from common.models import DTYPES, load_pair
     from common.prompt_sets import interleave_categories, load_prompts
     from edge.verifier_training.evaluate import EvalSettings, evaluate, matched, table, to_dicts
     from edge.verifier_training.plots import plot_reliability, plot_tradeoff

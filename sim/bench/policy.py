@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sim.sweep.settings import SimulateSettings
-from sim.sweep.simulate import simulate
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,8 @@ class PolicyBenchSettings:
 
 def bench_policy(settings: PolicyBenchSettings) -> list[SimulateSettings]:
     """Run the sweeps one after the other (each resumes if interrupted); returns what ran."""
+    from sim.sweep.simulate import simulate  # the cloud and its models: not for `sprinter bench --help`
+
     sweeps = settings.sweeps()  # all built first: a bad policy name fails before anything runs
     for sweep in sweeps:
         log.info("bench policy: T=%g into %s", sweep.temperature, sweep.out)

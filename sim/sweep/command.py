@@ -20,10 +20,11 @@ import json
 import logging
 from pathlib import Path
 
+from common.arguments import DTYPE_NAMES, floats, names
 from common.devices import DEVICE_HELP
-from sim.sweep.report import format_summary
+from common.fleet_plane.command import broker_url
+from sim.processes import quiet_http_clients
 from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
-from sim.sweep.simulate import simulate
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="target model spec (default qwen2.5-coder-1.5b)")
     p.add_argument("--draft", help="draft model spec (default qwen2.5-coder-0.5b)")
     p.add_argument("--verifier", help="the edge's --verifier (default auto)")
-    p.add_argument("--modes", help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
-    p.add_argument("--pipeline", help="comma-separated edge pipelines of off,ahead,send-ahead (default off); "
+    p.add_argument("--modes", type=names, help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--pipeline", type=names, help="comma-separated edge pipelines of off,ahead,send-ahead (default off); "
                                       "another axis of the sweep for sd, sd-block and sprinter-exact (the other "
                                       "modes run once, off)")
-    p.add_argument("--rtt-ms", dest="rtt_ms", help="comma-separated round-trip times (default 0,20,50,100,200)")
+    p.add_argument("--rtt-ms", dest="rtt_ms", type=floats, help="comma-separated round-trip times (default 0,20,50,100,200)")
     p.add_argument("--jitter-ms", dest="jitter_ms", type=float, help="one-way jitter per direction (default 0)")
     p.add_argument("--jitter-distribution", dest="jitter_distribution", choices=["normal", "pareto"])
     p.add_argument("--bandwidth-mbps", dest="bandwidth_mbps", type=float, help="per direction (default unlimited)")
@@ -54,18 +55,22 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="prompts, categories interleaved (default 8)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default 64")
     p.add_argument("--policy", help="the edge's default call policy (default: each mode's own)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="of both models (default bfloat16)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="of both models (default bfloat16)")
     p.add_argument("--device", help=f"where the cloud's target runs: {DEVICE_HELP}")
     p.add_argument("--threads", type=int, help="intra-op threads per process (default: the cores it may use)")
     p.add_argument("--pin-cpus", dest="pin_cpus", action=argparse.BooleanOptionalAction,
                    help="cloud on one core, edge on another (default on with >= 2 cores)")
     p.add_argument("--fleet-validation", dest="fleet_validation", action=argparse.BooleanOptionalAction,
                    help="calibrate the fleet simulator from this run and compare (default on)")
-    p.add_argument("--mqtt", metavar="auto|off|URL",
+    p.add_argument("--mqtt", type=_broker_choice, metavar="auto|off|URL",
                    help="fleet plane broker the cloud and edge report to, recorded in OUT/telemetry.jsonl and "
                         "plotted in telemetry.png: auto (default) starts Mosquitto in OUT/broker if installed, "
                         "off runs without, or mqtt://HOST[:PORT] of a broker of yours")
     p.set_defaults(run=run)
+
+
+def _broker_choice(text: str) -> str:
+    return text if text in ("auto", "off") else broker_url(text)
 
 
 def settings_from_args(args: argparse.Namespace) -> SimulateSettings:
@@ -78,11 +83,14 @@ def settings_from_args(args: argparse.Namespace) -> SimulateSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sim.sweep.report import format_summary
+    from sim.sweep.simulate import simulate
+
     try:
         settings = settings_from_args(args)
     except ValueError as err:
         raise SystemExit(f"sprinter simulate: {err}") from None
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
+    quiet_http_clients()  # a line per request would bury the progress bar
     log.info("simulate: %s", settings)
     written = simulate(settings)
     print(format_summary(settings.out))
