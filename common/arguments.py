@@ -62,11 +62,11 @@ def host_port_list(text: str) -> str:
     return text
 
 
-def comma_list(item: Callable[[str], T], what: str) -> Callable[[str], tuple[T, ...]]:
-    """A type for 'A,B,C': each item read by `item`; `what` names an item in the error."""
+def comma_list(item: Callable[[str], T], what: str, allow_empty: bool = False) -> Callable[[str], tuple[T, ...]]:
+    """A type for 'A,B,C': each item read by `item`; `what` names an item in the error; '' is () if `allow_empty`."""
     def parse(text: str) -> tuple[T, ...]:
         parts = [part.strip() for part in text.split(",") if part.strip()]
-        if not parts:
+        if not parts and not (allow_empty and not text.strip()):
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
         try:
             return tuple(item(part) for part in parts)

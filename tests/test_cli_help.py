@@ -56,12 +56,6 @@ def probe() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# `sprinter bench` registers its benches from the modules that run them (sim/bench/{cloud,draft,engine,fleet,local,
-# prefill,rollout}.py), which import torch, gRPC and ONNX Runtime at load; until they are split, the parser is heavy.
-BENCH_STILL_HEAVY = pytest.mark.xfail(strict=True, reason="sprinter bench's modules import torch at load")
-
-
-@BENCH_STILL_HEAVY
 def test_building_the_parser_imports_nothing_heavy() -> None:
     code = (f"import sys, common.cli\ncommon.cli.build_parser()\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
@@ -78,7 +72,6 @@ def test_every_help_exits_0(probe: dict) -> None:
     assert {path: code for path, code in helps.items() if code != 0} == {}
 
 
-@BENCH_STILL_HEAVY
 def test_help_imports_nothing_heavy(probe: dict) -> None:
     assert probe["heavy"] == []
 
@@ -86,7 +79,7 @@ def test_help_imports_nothing_heavy(probe: dict) -> None:
 @pytest.mark.parametrize("module", ["edge.generate_command", "cloud.command", "edge.serve_command",
                                     "edge.verifier_training.command", "sim.sweep.command", "common.fleet_plane.command",
                                     "sim.link.command", "sim.demo", "sim.fleet.command", "sim.local_fleet",
-                                    "sim.fleet_demo", "sim.bench.policy"])
+                                    "sim.fleet_demo", "sim.bench.policy", "sim.bench.command"])
 def test_command_module_imports_nothing_heavy(module: str) -> None:
     code = f"import sys, {module}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,

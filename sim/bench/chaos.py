@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from common.arguments import DTYPE_NAMES, floats, names
 from common.decoding.modes import PIPELINES
 from sim.bench.load import RequestOutcome, RequestSpec, failure_lines, http_client, latency_summary, seconds, send_request
 from sim.bench.target_identity import TargetIdentity, check_target_identity
@@ -89,13 +90,13 @@ def register_chaos(benches: argparse._SubParsersAction) -> None:
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=d.target)
     p.add_argument("--draft", default=d.draft)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--kills", type=int, default=d.kills)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=d.modes, help="comma list, used in turn")
+    p.add_argument("--modes", type=names, default=d.modes, help="comma list, used in turn")
     p.add_argument("--stagger-s", type=float, default=d.stagger_s)
-    p.add_argument("--kill-after-s", type=lambda t: tuple(float(x) for x in t.split(",")), default=d.kill_after_s,
+    p.add_argument("--kill-after-s", type=floats, default=d.kill_after_s,
                    metavar="MIN,MAX", help="seconds from a phase's first request to the kill (default 0.3,1.5)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pipeline", default=d.pipeline, choices=PIPELINES,

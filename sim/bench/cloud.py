@@ -27,7 +27,6 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 from tqdm import tqdm
@@ -40,37 +39,12 @@ from common.plots import pyplot
 from common.prompting import encode_prompt
 from sim.bench.load import parse_metrics
 from sim.bench.prompts import load_bench_prompts
+from sim.bench.settings import CloudBenchSettings
 from sim.processes import cloud_process, free_port
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m:layers=8", "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-
-
-@dataclass(frozen=True)
-class CloudBenchSettings:
-    targets: tuple[str, ...] = ("smollm2-135m", "qwen2.5-coder-1.5b")
-    edges: tuple[int, ...] = (1, 2, 4, 8, 16)
-    rounds: int = 8  # verify calls per edge
-    k: int = 5  # draft tokens per block
-    contexts: tuple[int, ...] = (0,)  # prompt lengths to pad to (0: the bench prompts as they are)
-    batch_window_ms: float | None = None  # None: the cloud's own default
-    max_batch: int = 16
-    dtype: str = "bfloat16"
-    out: Path = Path("results/bench-cloud")
-    source: Path | None = None  # run the cloud from this checkout instead of this one
-    engine: str = "resident"  # the cloud's --engine
-    label: str | None = None  # what its rows are called (default: the engine's name)
-    batching: tuple[bool, ...] = (True, False)  # measure with batching on, off, or both
-    cpus: tuple[int, ...] = ()  # pin the cloud process (and its threads) to these cores
-    device: str = "auto"  # the cloud's --device (passed only when set: an older --source may predate it)
-
-    @property
-    def row_label(self) -> str:
-        return self.label or self.engine
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "out": str(self.out), "source": str(self.source) if self.source else None}
 
 
 @dataclass(frozen=True)

@@ -13,32 +13,25 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import ast
+import importlib.util
 from pathlib import Path
 
+from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
 from common.devices import add_device_argument
-from common.models import DTYPES
-from sim.bench import chaos, cloud, draft, engine, fleet, local, pipeline, policy, prefill, readme, rollout, soak
-from sim.bench.prompts import PROMPTS_FILE
-from sim.sweep.report import format_summary
-
-log = logging.getLogger(__name__)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(text.split(","))
+from sim.bench import chaos, soak
+from sim.bench.policy import PolicyBenchSettings
+from sim.bench.runs import (run_cloud, run_draft, run_fleet, run_local, run_pipeline, run_policy, run_prefill,
+                            run_readme, run_rollout)
+from sim.bench.settings import (LAYOUTS, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+                                FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
-def _described(module_doc: str | None) -> dict[str, object]:
-    return {"description": module_doc, "formatter_class": argparse.RawDescriptionHelpFormatter}
+def _described(module: str) -> dict[str, object]:
+    """A bench's --help is its module's docstring, read from the source: importing the module would load torch."""
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    return {"description": ast.get_docstring(ast.parse(source), clean=False),
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -50,92 +43,96 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_draft(benches)
     _register_policy(benches)
     _register_readme(benches)
-    prefill.register_prefill(benches)
+    _register_prefill(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
-    rollout.register_rollout(benches)
-    fleet.register_fleet(benches)
-    pipeline.register_pipeline(benches)
+    _register_rollout(benches)
+    _register_fleet(benches)
+    _register_pipeline(benches)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
+    defaults = LocalBenchSettings()
     p = benches.add_parser("local", help="every local decoding mode and transformers' assisted generation",
-                           **_described(local.__doc__))
-    p.add_argument("--target", default="qwen2.5-coder-1.5b")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="JSONL with prompt, chat, category")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperatures", type=_floats, default=(0.0, 1.0), help="comma list (default 0,1)")
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument("--verifier-threshold", type=float, default=0.5, help="confidence verifier for sprinter")
-    p.add_argument("--assisted", type=_names, default=tuple(c.name for c in local.ASSISTED_CONFIGS),
+                           **_described("sim.bench.local"))
+    p.add_argument("--target", default=defaults.target)
+    p.add_argument("--draft", default=defaults.draft)
+    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)
+    p.add_argument("--prompts", type=Path, default=defaults.prompts, help="JSONL with prompt, chat, category")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--temperatures", type=floats, default=defaults.temperatures, help="comma list (default 0,1)")
+    p.add_argument("--k", type=int, default=defaults.k)
+    p.add_argument("--verifier-threshold", type=float, default=defaults.verifier_threshold,
+                   help="confidence verifier for sprinter")
+    p.add_argument("--assisted", type=comma_list(str, "names", allow_empty=True), default=defaults.assisted,
                    help="assisted-generation configs to run (comma list; empty for none; default all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/bench-local"))
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--out", type=Path, default=defaults.out)
     p.set_defaults(run=run_local)
 
 
 def _register_cloud(benches: argparse._SubParsersAction) -> None:
+    defaults, engine = CloudBenchSettings(), EngineBenchSettings()
     p = benches.add_parser("cloud", help="verification throughput of one cloud process under N edges, batching on/off",
-                           **_described(cloud.__doc__))
-    p.add_argument("--targets", type=_names, default=("smollm2-135m", "qwen2.5-coder-1.5b"),
+                           **_described("sim.bench.cloud"))
+    p.add_argument("--targets", type=names, default=defaults.targets,
                    help="comma list (default smollm2-135m,qwen2.5-coder-1.5b)")
-    p.add_argument("--edges", type=_ints, help="comma list (default 1,2,4,8,16; --random-weights: 1,8,32,64)")
+    p.add_argument("--edges", type=ints, help="comma list (default 1,2,4,8,16; --random-weights: 1,8,32,64)")
     p.add_argument("--rounds", type=int, help="verify calls per edge (default 8; --random-weights: 20 timed)")
-    p.add_argument("--k", type=int, default=5, help="draft tokens per block")
-    p.add_argument("--contexts", type=_ints, default=(0,),
+    p.add_argument("--k", type=int, default=defaults.k, help="draft tokens per block")
+    p.add_argument("--contexts", type=ints, default=defaults.contexts,
                    help="prompt lengths in tokens, comma list (default 0: the bench prompts as they are)")
     p.add_argument("--batch-window-ms", type=float, help="default: the cloud's own")
-    p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch)
+    p.add_argument("--dtype", default=defaults.dtype)
     p.add_argument("--source", type=Path, help="run the cloud from this checkout (e.g. a worktree of an older commit)")
-    p.add_argument("--engine", default="resident", choices=("resident", "vllm"),
+    p.add_argument("--engine", default=defaults.engine, choices=("resident", "vllm"),
                    help="the cloud's engine (vllm: the environment `make vllm` builds)")
     p.add_argument("--label", help="name of this run's rows (default: the engine's); rows of other labels in "
                                    "OUT/results.json are kept, so runs compare engines or checkouts")
     p.add_argument("--batching", choices=("both", "on", "off"), default="both",
                    help="measure with batching on, off (--max-batch 1), or both")
-    p.add_argument("--cpus", type=_ints, default=(), help="pin the cloud process to these cores (comma list)")
+    p.add_argument("--cpus", type=ints, default=defaults.cpus, help="pin the cloud process to these cores (comma list)")
     add_device_argument(p, "the cloud's target runs (resident engine)")
     p.add_argument("--random-weights", action="store_true",
                    help="no cloud process: the engine in-process on --device, each target a real architecture with "
                         "random weights (sim/bench/architectures; no model packages needed)")
     p.add_argument("--accepted", type=int, help="--random-weights only: advance each context by this many accepted "
                                                 "tokens per round (default: as the random target verifies, about 0)")
-    p.add_argument("--warmup", type=int, default=3, help="--random-weights only: untimed rounds first")
-    p.add_argument("--attention", type=_names, default=("per-session", "paged"),
+    p.add_argument("--warmup", type=int, default=engine.warmup, help="--random-weights only: untimed rounds first")
+    p.add_argument("--attention", type=names, default=engine.attention,
                    help="--random-weights only: the resident engine's layouts to measure (default per-session,paged)")
     p.add_argument("--out", type=Path, help="default results/bench-cloud (--random-weights: results/bench-engine)")
     p.set_defaults(run=run_cloud)
 
 
 def _register_draft(benches: argparse._SubParsersAction) -> None:
+    defaults = DraftBenchSettings()
     p = benches.add_parser("draft", help="per-token latency of the edge's draft runtime: ONNX Runtime vs torch",
-                           **_described(draft.__doc__))
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
-    p.add_argument("--prompt-tokens", type=int, default=40)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="timed decodes per config per round")
-    p.add_argument("--rounds", type=int, default=3, help="passes over all configs (each rebuilds the runtime)")
+                           **_described("sim.bench.draft"))
+    p.add_argument("--model", default=defaults.model)
+    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    p.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    p.add_argument("--repeats", type=int, default=defaults.repeats, help="timed decodes per config per round")
+    p.add_argument("--rounds", type=int, default=defaults.rounds,
+                   help="passes over all configs (each rebuilds the runtime)")
     p.add_argument("--threads", type=int, help="intra-op threads, torch and ORT (default: the cores it may use)")
-    p.add_argument("--configs", type=_names, default=tuple(c.name for c in draft.CONFIGS),
-                   help="comma list of configs to run (default all)")
-    p.add_argument("--out", type=Path, default=Path("results/bench-draft"))
+    p.add_argument("--configs", type=names, default=defaults.configs, help="comma list of configs to run (default all)")
+    p.add_argument("--out", type=Path, default=defaults.out)
     p.set_defaults(run=run_draft)
 
 
 def _register_policy(benches: argparse._SubParsersAction) -> None:
-    defaults = policy.PolicyBenchSettings()
+    defaults = PolicyBenchSettings()
     p = benches.add_parser("policy", help="sprinter-exact with each call policy over the network sweep",
-                           **_described(policy.__doc__))
+                           **_described("sim.bench.policy"))
     p.add_argument("--target", default=defaults.target)
     p.add_argument("--draft", default=defaults.draft)
     p.add_argument("--mode", default=defaults.mode, help="the mode whose call policy varies")
-    p.add_argument("--policies", type=_names, default=defaults.policies,
+    p.add_argument("--policies", type=names, default=defaults.policies,
                    help=f"comma list (default {','.join(defaults.policies)})")
-    p.add_argument("--temperatures", type=_floats, default=defaults.temperatures, help="comma list; one sweep each")
-    p.add_argument("--rtt-ms", type=_floats, default=defaults.rtt_ms, help="comma list (default 0,50,100,200)")
+    p.add_argument("--temperatures", type=floats, default=defaults.temperatures, help="comma list; one sweep each")
+    p.add_argument("--rtt-ms", type=floats, default=defaults.rtt_ms, help="comma list (default 0,50,100,200)")
     p.add_argument("--limit", type=int, default=defaults.limit, help="prompts")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--fleet-validation", action=argparse.BooleanOptionalAction, default=defaults.fleet_validation)
@@ -145,92 +142,77 @@ def _register_policy(benches: argparse._SubParsersAction) -> None:
 
 def _register_readme(benches: argparse._SubParsersAction) -> None:
     p = benches.add_parser("readme", help="put a sweep's summary into the benchmarks page between the bench markers",
-                           **_described(readme.__doc__))
+                           **_described("sim.bench.readme"))
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="the sweep's output directory")
     p.add_argument("--readme", type=Path, default=Path("docs/benchmarks/index.md"),
                    help="the page with the bench markers")
     p.set_defaults(run=run_readme)
 
 
-def run_local(args: argparse.Namespace) -> int:
-    settings = local.LocalBenchSettings(
-        target=args.target, draft=args.draft, dtype=args.dtype, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, k=args.k,
-        verifier_threshold=args.verifier_threshold, assisted=args.assisted, seed=args.seed, out=args.out)
-    print(local.bench_local(settings))
-    print(f"\nwrote {args.out}/results.json, table.md, tokens_per_s.png")
-    return 0
+def _register_prefill(benches: argparse._SubParsersAction) -> None:
+    defaults = PrefillBenchSettings()
+    p = benches.add_parser("prefill", help="verify latency of busy sessions while a long prompt opens",
+                           **_described("sim.bench.prefill"))
+    p.add_argument("--target", default=defaults.target)
+    p.add_argument("--dtype", default=defaults.dtype)
+    p.add_argument("--sessions", type=int, default=defaults.sessions, help="busy sessions verifying in a loop")
+    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    p.add_argument("--k", type=int, default=defaults.k)
+    p.add_argument("--quiet-s", type=float, default=defaults.quiet_s)
+    p.add_argument("--serve-args", default="", help="extra `cloud serve` flags, one string")
+    p.add_argument("--cloud-pythonpath", help="PYTHONPATH of the cloud process (another checkout)")
+    p.add_argument("--label", default="run", help="the row's name in the table")
+    p.add_argument("--out", type=Path, default=defaults.out)
+    p.set_defaults(run=run_prefill)
 
 
-def run_cloud(args: argparse.Namespace) -> int:
-    batching = {"both": (True, False), "on": (True,), "off": (False,)}[args.batching]
-    if args.random_weights:
-        return _run_engine(args, batching)
-    if args.accepted is not None:
-        raise SystemExit("sprinter bench cloud: --accepted is for --random-weights (a real target decides)")
-    args.out = args.out or Path("results/bench-cloud")
-    defaults = cloud.CloudBenchSettings()
-    settings = cloud.CloudBenchSettings(targets=args.targets, edges=args.edges or defaults.edges,
-                                        rounds=args.rounds or defaults.rounds, k=args.k,
-                                        contexts=args.contexts, batch_window_ms=args.batch_window_ms,
-                                        max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
-                                        engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
-                                        device=args.device)
-    print(cloud.bench_cloud(settings))
-    print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
-    return 0
+def _register_rollout(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("rollout", help="fleet config rollout latency to real and simulated edges; telemetry cost",
+                           **_described("sim.bench.rollout"))
+    defaults = RolloutSettings()
+    p.add_argument("--real-edges", type=int, default=defaults.real_edges)
+    p.add_argument("--simulated-edges", type=int, default=defaults.simulated_edges)
+    p.add_argument("--rounds", type=int, default=defaults.rounds)
+    p.add_argument("--draft", default=defaults.draft)
+    p.add_argument("--telemetry-pairs", type=int, default=defaults.telemetry_pairs)
+    p.add_argument("--out", type=Path, default=defaults.out)
+    p.set_defaults(run=run_rollout)
 
 
-def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
-    """`--random-weights`: the engine in-process (sim/bench/engine.py)."""
-    refused = [flag for flag, given in (("--source", args.source), ("--label", args.label), ("--cpus", args.cpus),
-                                        ("--batch-window-ms", args.batch_window_ms is not None),
-                                        ("--engine vllm", args.engine != "resident")) if given]
-    if refused:
-        raise SystemExit(f"sprinter bench cloud: {', '.join(refused)} need a cloud process; --random-weights runs "
-                         "the resident engine in this one")
-    defaults = engine.EngineBenchSettings()
-    settings = engine.EngineBenchSettings(
-        targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges or defaults.edges,
-        contexts=defaults.contexts if args.contexts == (0,) else args.contexts, k=args.k,
-        rounds=args.rounds or defaults.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
-        attention=args.attention,
-        out=args.out or Path("results/bench-engine"))
-    try:
-        print(engine.bench_engine(settings))
-    except ValueError as err:  # an unknown architecture or device
-        raise SystemExit(f"sprinter bench cloud: {err}") from None
-    print(f"\nwrote {settings.out}/results.json, table.md, verified_tokens_per_s.png")
-    return 0
+FLEET_CHOICES = {"dtype": DTYPE_NAMES, "profile": ("demo-sd", "measured")}
 
 
-def run_draft(args: argparse.Namespace) -> int:
-    settings = draft.DraftBenchSettings(model=args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                                  repeats=args.repeats, rounds=args.rounds, threads=args.threads,
-                                  configs=args.configs, out=args.out)
-    table, probe = draft.bench_draft(settings)
-    print(table)
-    print(f"\nONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}")
-    print(f"\nwrote {args.out}/results.json and table.md")
-    return 0
+def _register_fleet(benches: argparse._SubParsersAction) -> None:
+    d = FleetBenchSettings()
+    p = benches.add_parser("fleet", help="E edges on 1 vs 2 cloud replicas, and the fleet simulator's projection",
+                           **_described("sim.bench.fleet"))
+    for name, kind, help_text in [
+            ("target", str, ""), ("draft", str, "default: bench cloud's draft for the target"), ("dtype", str, ""),
+            ("edges", int, "synthetic edges"), ("k", int, "draft tokens per block"), ("out", Path, ""),
+            ("rounds-per-session", int, "verifies per generation"), ("duration-s", float, "measured phase per layout"),
+            ("rounds", int, "instead of --duration-s: verifies per edge"), ("batch-window-ms", float, ""),
+            ("layouts", comma_list(one_of(LAYOUTS, "layout"), "layouts"), f"comma list of {', '.join(LAYOUTS)}"),
+            ("max-batch", int, ""),
+            ("draft-step-ms", float, "projection: one draft token (assumed)"), ("rtt-jitter-ms", float, ""),
+            ("rtt-ms", float, "projection: round trip (assumed)"), ("tokens-per-request", int, "projection"),
+            ("profile", str, "demo-sd (illustrative) or measured (the replay's acceptance)"),
+            ("replicas", ints, "projection: replica counts"), ("fleet-edges", ints, "projection: edge counts"),
+            ("sim-requests", int, "projection: generations per edge"),
+            ("measured", Path, "an earlier fleet.json: project again from its measured rows, measure nothing")]:
+        default = getattr(d, name.replace("-", "_"))
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        p.add_argument(f"--{name}", type=kind, default=default, choices=FLEET_CHOICES.get(name),
+                       help=f"{help_text} (default {shown})".strip())
+    p.set_defaults(run=run_fleet)
 
 
-def run_policy(args: argparse.Namespace) -> int:
-    settings = policy.PolicyBenchSettings(out=args.out, target=args.target, draft=args.draft, mode=args.mode,
-                                   policies=args.policies, temperatures=args.temperatures, rtt_ms=args.rtt_ms,
-                                   limit=args.limit, max_new_tokens=args.max_new_tokens,
-                                   fleet_validation=args.fleet_validation)
-    try:  # a bad policy or mode is a usage error, said before any process starts
-        settings.sweeps()
-    except ValueError as err:
-        raise SystemExit(f"sprinter bench policy: {err}") from None
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
-    for sweep in policy.bench_policy(settings):
-        print(f"\n## T={sweep.temperature:g} ({sweep.out})\n\n{format_summary(sweep.out)}")
-    return 0
-
-
-def run_readme(args: argparse.Namespace) -> int:
-    readme.update_readme(args.readme, args.out)
-    log.info("updated %s from %s/summary.md", args.readme, args.out)
-    return 0
+def _register_pipeline(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("pipeline", help="the edge pipeline at fleet scale, from a measured sweep",
+                           **_described("sim.bench.pipeline"))
+    p.add_argument("--sweep", type=Path, required=True, help="a `sprinter simulate --pipeline ...` OUT directory")
+    p.add_argument("--edges", type=int, default=1000)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--rtt-ms", type=floats, default=(20.0, 50.0, 100.0, 200.0, 300.0))
+    p.add_argument("--tokens-per-request", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("results/bench-pipeline"))
+    p.set_defaults(run=run_pipeline)

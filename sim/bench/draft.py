@@ -38,47 +38,13 @@ from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
 from edge.runtime.ort_sessions import available_cores
 from sim.bench.prompts import load_bench_prompts
+from sim.bench.settings import CONFIGS, Config, DraftBenchSettings
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Config:
-    name: str
-    runtime: str  # "torch" or "onnx"
-    dtype: str = "float32"  # torch only: the onnx graph is float32
-    optimization: str = "all"
-    fuse: bool = True
-    io_binding: bool | None = None  # None: the runtime's default (binding on CUDA only)
-    threads: int | None = None  # None: --threads
-    weights: str = "float32"  # onnx only: "int8" is a lossy weight-only quantisation (MatMulNBits)
-
-
-CONFIGS = (
-    Config("torch-fp32", "torch"),
-    Config("torch-bf16", "torch", dtype="bfloat16"),
-    Config("onnx", "onnx"),
-    Config("onnx-iobinding", "onnx", io_binding=True),
-    Config("onnx-opt-basic", "onnx", optimization="basic"),
-    Config("onnx-opt-disable", "onnx", optimization="disable"),
-    Config("onnx-unfused", "onnx", fuse=False),
-    Config("onnx-1-thread", "onnx", threads=1),
-    Config("onnx-int8", "onnx", weights="int8"),
-)
 BASELINE = "torch-fp32"  # greedy agreement is measured against its tokens
 BASELINES = ("torch-fp32", "torch-bf16")
-
-
-@dataclass(frozen=True)
-class DraftBenchSettings:
-    model: str = "qwen2.5-coder-0.5b"
-    prompt_tokens: int = 40
-    new_tokens: int = 64
-    repeats: int = 2  # timed decodes per config per round
-    rounds: int = 3  # passes over all configs (each rebuilds the runtime)
-    threads: int | None = None  # intra-op threads (torch and ORT); None: the cores ONNX Runtime may use
-    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS)
-    out: Path = Path("results/bench-draft")
 
 
 @dataclass

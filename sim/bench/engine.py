@@ -31,7 +31,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -46,27 +45,9 @@ from common.plots import pyplot
 from common.verification import greedy_verdict
 from sim.bench.load import percentile
 from sim.bench.random_weights import random_model
+from sim.bench.settings import EngineBenchSettings
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
-
-
-@dataclass(frozen=True)
-class EngineBenchSettings:
-    targets: tuple[str, ...] = ("qwen2.5-1.5b",)  # architectures (sim/bench/architectures)
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    edges: tuple[int, ...] = (1, 8, 32, 64)
-    contexts: tuple[int, ...] = (128, 1024, 4096)
-    k: int = 5  # draft tokens per verify
-    rounds: int = 20  # timed rounds per row
-    warmup: int = 3  # untimed rounds first (allocator, kernels' autotuning)
-    accepted: int | None = None  # advance each context by this many accepted tokens per round (None: as verified)
-    batching: tuple[bool, ...] = (True, False)
-    attention: tuple[str, ...] = ("per-session", "paged")  # cloud serve's --attention, each measured
-    out: Path = Path("results/bench-engine")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
 
 @dataclass

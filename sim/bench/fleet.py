@@ -14,7 +14,6 @@ OUT/fleet.json` projects again from an earlier run's measurements (other assumpt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -38,6 +37,7 @@ from edge.cloud_link.replicas import ReplicaSet
 from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, percentile, record_edges
 from sim.bench.load import cpu_seconds, parse_metrics
 from sim.bench.prompts import load_bench_prompts
+from sim.bench.settings import FleetBenchSettings
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, demo_profiles, fit_forward_model
 from sim.fleet.engine import run_fleet
 from sim.fleet.report import sweep
@@ -45,35 +45,8 @@ from sim.processes import CloudProcess, free_port
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
-LAYOUTS = ("one-core", "two-cores", "two-replicas")
 WARMUP = 4  # verifies per edge before the clock starts (a session each: prefill and verify shapes seen)
-CHOICES = {"dtype": ("bfloat16", "float32"), "profile": ("demo-sd", "measured")}
 MEASURED_ARGS = ("target", "draft", "dtype", "edges", "k", "rounds_per_session", "batch_window_ms", "max_batch")
-
-
-@dataclass(frozen=True)
-class FleetBenchSettings:
-    target: str = "smollm2-135m"
-    draft: str | None = None  # default: bench cloud's draft for the target
-    dtype: str = "bfloat16"
-    edges: int = 8
-    k: int = 5
-    rounds_per_session: int = 24  # verifies per generation; then the edge opens a new session (placed afresh)
-    duration_s: float = 30.0  # measured phase per layout
-    rounds: int | None = None  # instead of duration_s: verifies per edge
-    layouts: tuple[str, ...] = LAYOUTS
-    batch_window_ms: float = 5.0
-    max_batch: int = 8
-    draft_step_ms: float = 10.0  # projection: one draft token on an edge (assumed)
-    rtt_ms: float = 30.0  # projection: WAN round trip (assumed), plus the measured per-call overhead
-    rtt_jitter_ms: float = 10.0
-    profile: str = "demo-sd"  # or "measured"
-    replicas: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    fleet_edges: tuple[int, ...] = (10, 100, 1000, 10000)
-    tokens_per_request: int = 128
-    sim_requests: int = 1  # projection: generations per edge, each opening a session; until the last is done
-    out: Path = Path("results/bench-fleet")
-    measured: Path | None = None  # an earlier fleet.json: project again from its measured rows, measure nothing
 
 
 def layout_plan(name: str) -> tuple[list[set[int] | None], int, str]:
@@ -355,38 +328,3 @@ def bench_fleet(settings: FleetBenchSettings) -> str:
     (settings.out / "table.md").write_text(table + "\n")
     plot(projection, settings.out / "projection.png")
     return table
-
-
-def register_fleet(benches: argparse._SubParsersAction) -> None:
-    d = FleetBenchSettings()
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    p = benches.add_parser("fleet", help="E edges on 1 vs 2 cloud replicas, and the fleet simulator's projection",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, kind, help_text in [
-            ("target", str, ""), ("draft", str, "default: bench cloud's draft for the target"), ("dtype", str, ""),
-            ("edges", int, "synthetic edges"), ("k", int, "draft tokens per block"), ("out", Path, ""),
-            ("rounds-per-session", int, "verifies per generation"), ("duration-s", float, "measured phase per layout"),
-            ("rounds", int, "instead of --duration-s: verifies per edge"), ("batch-window-ms", float, ""),
-            ("layouts", lambda t: tuple(t.split(",")), f"comma list of {', '.join(LAYOUTS)}"), ("max-batch", int, ""),
-            ("draft-step-ms", float, "projection: one draft token (assumed)"), ("rtt-jitter-ms", float, ""),
-            ("rtt-ms", float, "projection: round trip (assumed)"), ("tokens-per-request", int, "projection"),
-            ("profile", str, "demo-sd (illustrative) or measured (the replay's acceptance)"),
-            ("replicas", ints, "projection: replica counts"), ("fleet-edges", ints, "projection: edge counts"),
-            ("sim-requests", int, "projection: generations per edge"),
-            ("measured", Path, "an earlier fleet.json: project again from its measured rows, measure nothing")]:
-        default = getattr(d, name.replace("-", "_"))
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        p.add_argument(f"--{name}", type=kind, default=default, choices=CHOICES.get(name),
-                       help=f"{help_text} (default {shown})".strip())
-    p.set_defaults(run=run_fleet_bench)
-
-
-def run_fleet_bench(args: argparse.Namespace) -> int:
-    settings = FleetBenchSettings(**{name: getattr(args, name) for name in FleetBenchSettings.__dataclass_fields__})
-    try:  # an unknown layout is a usage error, said before anything starts
-        [layout_plan(layout) for layout in settings.layouts]
-    except KeyError as err:
-        raise SystemExit(f"sprinter bench fleet: unknown layout {err}; one of {', '.join(LAYOUTS)}") from None
-    print(bench_fleet(settings))
-    print(f"\nwrote {settings.out}/fleet.json, table.md, projection.png")
-    return 0

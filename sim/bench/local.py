@@ -29,42 +29,11 @@ from common.prompting import encode_prompt
 from common.quality import agreement
 from common.sampling import SamplingParams
 from common.verifier import ConfidenceVerifier
-from sim.bench.prompts import PROMPTS_FILE, load_bench_prompts
+from sim.bench.prompts import load_bench_prompts
+from sim.bench.settings import ASSISTED_CONFIGS, AssistedConfig, LocalBenchSettings
 
 log = logging.getLogger(__name__)
 OUR_MODES = ("target", "sd", "sd-block", "sprinter")  # a choice of what to time, not a trait (tests/test_layout.py)
-
-
-@dataclass(frozen=True)
-class AssistedConfig:
-    """One setting of transformers' assisted generation (`generate(assistant_model=...)`)."""
-
-    name: str
-    num_assistant_tokens: int
-    schedule: str  # "constant" or "heuristic"
-    confidence_threshold: float  # the assistant stops drafting below this probability (0 disables)
-
-
-ASSISTED_CONFIGS = (
-    AssistedConfig("hf-assisted-k5", 5, "constant", 0.0),
-    AssistedConfig("hf-assisted-default", 20, "constant", 0.4),  # transformers' defaults
-    AssistedConfig("hf-assisted-heuristic", 5, "heuristic", 0.0),
-)
-
-
-@dataclass(frozen=True)
-class LocalBenchSettings:
-    target: str = "qwen2.5-coder-1.5b"
-    draft: str = "qwen2.5-coder-0.5b"
-    dtype: str = "bfloat16"
-    prompts: Path = PROMPTS_FILE  # JSONL with prompt, chat, category
-    max_new_tokens: int = 64
-    temperatures: tuple[float, ...] = (0.0, 1.0)
-    k: int = 5
-    verifier_threshold: float = 0.5  # the confidence verifier of sprinter mode
-    assisted: tuple[str, ...] = tuple(c.name for c in ASSISTED_CONFIGS)  # names of the configs to run
-    seed: int = 0
-    out: Path = Path("results/bench-local")
 
 
 @dataclass

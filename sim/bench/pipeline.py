@@ -14,7 +14,6 @@ prints tokens/s per edge, ITL p99 and cloud utilisation; OUT gets pipeline.json 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections import defaultdict
@@ -102,23 +101,10 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def register_pipeline(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("pipeline", help="the edge pipeline at fleet scale, from a measured sweep",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweep", type=Path, required=True, help="a `sprinter simulate --pipeline ...` OUT directory")
-    p.add_argument("--edges", type=int, default=1000)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--rtt-ms", default="20,50,100,200,300")
-    p.add_argument("--tokens-per-request", type=int, default=128)
-    p.add_argument("--out", type=Path, default=Path("results/bench-pipeline"))
-    p.set_defaults(run=run_pipeline_bench)
-
-
-def run_pipeline_bench(args: argparse.Namespace) -> int:
-    rows = project(args.sweep, args.edges, args.replicas, [float(x) for x in args.rtt_ms.split(",")],
-                   args.tokens_per_request)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.json").write_text(json.dumps({"costs_note": GPU_NOTE, "rows": rows}, indent=1) + "\n")
-    plot(rows, args.out / "pipeline.png")
-    print(GPU_NOTE + "\n\n" + table(rows))
-    return 0
+def bench_pipeline(sweep_dir: Path, edges: int, replicas: int, rtts: list[float], tokens: int, out: Path) -> str:
+    """The projection of `sweep_dir`; writes OUT/pipeline.json and pipeline.png, returns the note and the table."""
+    rows = project(sweep_dir, edges, replicas, rtts, tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps({"costs_note": GPU_NOTE, "rows": rows}, indent=1) + "\n")
+    plot(rows, out / "pipeline.png")
+    return GPU_NOTE + "\n\n" + table(rows)

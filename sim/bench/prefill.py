@@ -11,11 +11,9 @@ checkout's cloud (e.g. the commit before a fix) under the same client; `--serve-
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,24 +22,12 @@ import grpc
 
 from common import wire
 from sim.bench.cloud import percentile
+from sim.bench.settings import PrefillBenchSettings
 from sim.processes import cloud_process
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillBenchSettings:
-    target: str = "smollm2-135m"
-    dtype: str = "bfloat16"
-    sessions: int = 8
-    prompt_tokens: int = 4000
-    k: int = 5  # draft tokens per verify
-    quiet_s: float = 5.0  # verify alone for this long before the open
-    serve_args: tuple[str, ...] = ()
-    cloud_pythonpath: str | None = None
-    out: Path = Path("results/bench-prefill")
 
 
 @dataclass
@@ -153,32 +139,3 @@ def format_result(r: PrefillBenchResult) -> str:
 
 TABLE_HEADER = ("| run | quiet verifies | quiet p50 ms | quiet p99 ms | verifies during open | p50 ms | p99 ms | max ms "
                 "| open s | cloud peak RSS MB |\n|---|---|---|---|---|---|---|---|---|---|")
-
-
-def register_prefill(benches: argparse._SubParsersAction) -> None:
-    defaults = PrefillBenchSettings()
-    p = benches.add_parser("prefill", help="verify latency of busy sessions while a long prompt opens",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=defaults.target)
-    p.add_argument("--dtype", default=defaults.dtype)
-    p.add_argument("--sessions", type=int, default=defaults.sessions, help="busy sessions verifying in a loop")
-    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
-    p.add_argument("--k", type=int, default=defaults.k)
-    p.add_argument("--quiet-s", type=float, default=defaults.quiet_s)
-    p.add_argument("--serve-args", default="", help="extra `cloud serve` flags, one string")
-    p.add_argument("--cloud-pythonpath", help="PYTHONPATH of the cloud process (another checkout)")
-    p.add_argument("--label", default="run", help="the row's name in the table")
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_prefill)
-
-
-def run_prefill(args: argparse.Namespace) -> int:
-    settings = PrefillBenchSettings(target=args.target, dtype=args.dtype, sessions=args.sessions,
-                                    prompt_tokens=args.prompt_tokens, k=args.k, quiet_s=args.quiet_s,
-                                    serve_args=tuple(shlex.split(args.serve_args)),
-                                    cloud_pythonpath=args.cloud_pythonpath, out=args.out)
-    result = bench_prefill(settings, args.label)
-    print(TABLE_HEADER)
-    print(format_result(result))
-    print(f"\nappended to {args.out}/results.jsonl")
-    return 0

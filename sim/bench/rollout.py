@@ -16,7 +16,6 @@ response's own tokens/s is compared. Writes OUT/rollout.json and OUT/rollout.png
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -34,6 +33,7 @@ from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, Fle
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from sim.bench.load import percentile
+from sim.bench.settings import RolloutSettings
 from sim.broker import MosquittoBroker
 from sim.processes import edge_daemon_async, free_port
 
@@ -41,17 +41,6 @@ log = logging.getLogger(__name__)
 
 GROUP = "bench"
 POLICIES = ("fixed:3", "fixed:4")
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    real_edges: int = 3
-    simulated_edges: int = 200
-    rounds: int = 10
-    draft: str = "smollm2-135m"
-    telemetry_pairs: int = 12  # requests to the edge with telemetry, and as many to the one without
-    max_tokens: int = 64
-    out: Path = Path("results/bench-rollout")
 
 
 class SimulatedEdge:
@@ -209,27 +198,10 @@ def plot(result: RolloutResult, path: Path) -> None:
     plt.close(fig)
 
 
-def register_rollout(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("rollout", help="fleet config rollout latency to real and simulated edges; telemetry cost",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = RolloutSettings()
-    p.add_argument("--real-edges", type=int, default=defaults.real_edges)
-    p.add_argument("--simulated-edges", type=int, default=defaults.simulated_edges)
-    p.add_argument("--rounds", type=int, default=defaults.rounds)
-    p.add_argument("--draft", default=defaults.draft)
-    p.add_argument("--telemetry-pairs", type=int, default=defaults.telemetry_pairs)
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = RolloutSettings(args.real_edges, args.simulated_edges, args.rounds, args.draft, args.telemetry_pairs,
-                               out=args.out)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the rounds
+def bench_rollout(settings: RolloutSettings) -> str:
+    """Every round's rollout and the telemetry pairs; writes OUT/rollout.json and rollout.png, returns the table."""
     result = asyncio.run(measure(settings))
     summary = result.summary()
     (settings.out / "rollout.json").write_text(json.dumps({**asdict(result), "summary": summary}, indent=1))
     plot(result, settings.out / "rollout.png")
-    print(format_table(summary))
-    print(f"\nwrote {settings.out / 'rollout.json'}, {settings.out / 'rollout.png'}")
-    return 0
+    return format_table(summary)

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from common.arguments import DTYPE_NAMES, floats, names
 from common.decoding.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
@@ -84,13 +85,13 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=d.target)
     p.add_argument("--draft", default=d.draft)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
     p.add_argument("--sessions", type=int, default=d.sessions, help="concurrent requests")
     p.add_argument("--duration-s", type=float, default=d.duration_s)
     p.add_argument("--max-tokens", type=_int_range, default=d.max_tokens, metavar="MIN,MAX",
                    help="each request's max_tokens is drawn from this range (default 16,96)")
-    p.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=d.modes, help="comma list, used in turn")
-    p.add_argument("--temperatures", type=lambda t: tuple(float(x) for x in t.split(",")), default=d.temperatures)
+    p.add_argument("--modes", type=names, default=d.modes, help="comma list, used in turn")
+    p.add_argument("--temperatures", type=floats, default=d.temperatures)
     p.add_argument("--kv-budget-mb", type=int, default=d.kv_budget_mb, help="the cloud's --kv-budget-mb")
     p.add_argument("--max-context", type=int, default=d.max_context,
                    help="the cloud's --max-context (its KV budget must hold one such session)")
