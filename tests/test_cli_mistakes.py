@@ -29,6 +29,16 @@ MISTAKES = [
       "--verify-per-token-ms", "1", "--rtt-ms", "1,two"], "--rtt-ms"),
     (["fleet", "status", "--mqtt", "mqtt://broker:0"], "--mqtt"),
     (["link", "--upstream", "127.0.0.1:notaport"], "--upstream"),
+    (["link", "--upstream", "127.0.0.1:99999"], "--upstream"),
+    (["link", "--upstream", "127.0.0.1:50051", "--listen", "127.0.0.1:70000"], "--listen"),
+    (["fleet", "simulate", "--demo", "--edges", "10,many"], "--edges"),
+    (["fleet", "simulate", "--demo", "--pipeline", ","], "--pipeline"),
+    (["bench", "local", "--temperatures", "hot"], "--temperatures"),
+    (["bench", "cloud", "--edges", "1,x"], "--edges"),
+    (["bench", "fleet", "--layouts", "one-core,three-cores"], "--layouts"),
+    (["bench", "soak", "--temperatures", "0,warm"], "--temperatures"),
+    (["bench", "chaos", "--kill-after-s", "0.3,soon"], "--kill-after-s"),
+    (["bench", "pipeline", "--sweep", "results/pipeline", "--rtt-ms", "20,fast"], "--rtt-ms"),
 ]
 
 

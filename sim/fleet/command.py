@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from common.arguments import ints, names
 from sim.fleet.costs import FleetCosts, ModeProfile, demo_costs, demo_profiles, profiles_from_json, profiles_to_json
 from sim.fleet.engine import ROUTINGS
 from sim.fleet.pipeline import PIPELINES, PipelineModel
@@ -40,15 +41,15 @@ def register(programs: argparse._SubParsersAction) -> None:
     p.add_argument("--costs", type=Path, help="FleetCosts JSON (default with --demo: illustrative built-in)")
     p.add_argument("--profiles", type=Path, help="mode profiles JSON (default with --demo: illustrative built-in)")
     p.add_argument("--demo", action="store_true", help="use the built-in ILLUSTRATIVE costs/profiles for what is not given")
-    p.add_argument("--modes", help="comma-separated profile names to run (default: all)")
-    p.add_argument("--edges", default="1,10,100,1000,10000")
-    p.add_argument("--replicas", default="1,4")
+    p.add_argument("--modes", type=names, help="comma-separated profile names to run (default: all)")
+    p.add_argument("--edges", type=ints, default=(1, 10, 100, 1000, 10000))
+    p.add_argument("--replicas", type=ints, default=(1, 4))
     p.add_argument("--tokens-per-request", type=int, default=128)
     p.add_argument("--requests", type=int, default=1, help="generations per edge, back to back")
     p.add_argument("--duration-s", type=float, help="instead of --requests: simulated seconds")
     p.add_argument("--routing", choices=ROUTINGS, default="least-loaded")
     p.add_argument("--start-spread-ms", type=float, default=0.0)
-    p.add_argument("--pipeline", default="off",
+    p.add_argument("--pipeline", type=names, default=("off",),
                    help=f"comma-separated edge pipelines of {','.join(PIPELINES)} (default off); sd, sd-block and "
                         "sprinter-exact run with each, the other modes once, off")
     p.add_argument("--hit-rate", type=float,
@@ -62,16 +63,9 @@ def register(programs: argparse._SubParsersAction) -> None:
     p.set_defaults(run=functools.partial(run, fail=p.error))
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def pipeline_models(args: argparse.Namespace) -> list[PipelineModel]:
     """--pipeline, --hit-rate, --candidates as the engine's settings (ValueError naming what is wrong)."""
-    names = [p.strip() for p in args.pipeline.split(",") if p.strip()]
-    if not names:
-        raise ValueError(f"--pipeline needs one or more of {', '.join(PIPELINES)}")
-    return [PipelineModel(name, args.hit_rate, args.candidates) for name in dict.fromkeys(names)]
+    return [PipelineModel(name, args.hit_rate, args.candidates) for name in dict.fromkeys(args.pipeline)]
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[FleetCosts, list[ModeProfile]]:
@@ -79,8 +73,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[FleetCosts, list[ModeProfile]
     costs = FleetCosts.from_json(args.costs.read_text()) if args.costs else demo_costs()
     profiles = profiles_from_json(args.profiles.read_text()) if args.profiles else demo_profiles()
     if args.modes:
-        wanted = args.modes.split(",")
-        profiles = [p for p in profiles if p.name in wanted]
+        profiles = [p for p in profiles if p.name in args.modes]
     return costs, profiles
 
 
@@ -94,10 +87,10 @@ def report_header(args: argparse.Namespace, costs: FleetCosts, illustrative: boo
 
 
 def pipeline_note(args: argparse.Namespace) -> str:
-    if args.pipeline == "off":
+    if args.pipeline == ("off",):
         return ""
     hit_rate = f"{args.hit_rate:g}" if args.hit_rate is not None else "derived from each profile (ASSUMED: sim.fleet.pipeline)"
-    return f", pipelines {args.pipeline} with hit rate {hit_rate} and {args.candidates} candidates per round (send-ahead)"
+    return f", pipelines {','.join(args.pipeline)} with hit rate {hit_rate} and {args.candidates} candidates per round (send-ahead)"
 
 
 def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> None:
@@ -125,7 +118,7 @@ def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     for p in profiles:
         log.info("%s: tokens/call %s", p.name, "-" if p.tokens_per_call is None else f"{p.tokens_per_call:.2f}")
 
-    results = sweep(costs, profiles, _int_list(args.edges), _int_list(args.replicas), args.seed,
+    results = sweep(costs, profiles, list(args.edges), list(args.replicas), args.seed,
                     tokens_per_request=args.tokens_per_request, requests=args.requests,
                     duration_s=args.duration_s, routing=args.routing, start_spread_ms=args.start_spread_ms,
                     pipelines=pipelines)

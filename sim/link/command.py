@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.link.units import parse_address, parse_disconnect, parse_mbps, parse_ms, parse_probability
+from sim.link.units import parse_address, parse_disconnect, parse_listen_address, parse_mbps, parse_ms, parse_probability
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def _argument(parse: Callable[[str], object]) -> Callable[[str], object]:
 def register(subcommands: argparse._SubParsersAction) -> None:
     p = subcommands.add_parser("link", help="the link emulator alone: a TCP proxy with delay, jitter, loss",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--listen", type=_argument(parse_address), default=("127.0.0.1", 7000), help="HOST:PORT")
+    p.add_argument("--listen", type=_argument(parse_listen_address), default=("127.0.0.1", 7000), help="HOST:PORT")
     p.add_argument("--upstream", type=_argument(parse_address), required=True, help="HOST:PORT")
     p.add_argument("--delay-ms", type=_argument(parse_ms), default=0.0, help="one way, e.g. 25 or 25ms")
     p.add_argument("--jitter-ms", type=_argument(parse_ms), default=0.0)

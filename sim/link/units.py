@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+
+from common.arguments import port, port_or_zero
 
 _TIME_MS = {"": 1.0, "ms": 1.0, "s": 1000.0, "us": 0.001}
 _TIME_S = {"": 1.0, "s": 1.0, "ms": 0.001}
@@ -41,8 +44,17 @@ def parse_disconnect(text: str) -> tuple[float, float]:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port"."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    """"host:port" or "[v6]:port" (no host: 127.0.0.1); a port out of 1-65535 is an argparse.ArgumentTypeError."""
+    return _address(text, port)
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """As `parse_address`, but port 0 is any free one (the proxy logs the port it got)."""
+    return _address(text, port_or_zero)
+
+
+def _address(text: str, read_port: Callable[[str], int]) -> tuple[str, int]:
+    host, sep, number = text.rpartition(":")
+    if not sep or not number.isdigit():
         raise ValueError(f"an address is HOST:PORT, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return host.strip("[]") or "127.0.0.1", read_port(number)
