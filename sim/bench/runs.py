@@ -29,12 +29,12 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def run_cloud(args: argparse.Namespace) -> int:
-    from sim.bench import cloud
     batching = {"both": (True, False), "on": (True,), "off": (False,)}[args.batching]
     if args.random_weights:
         return _run_engine(args, batching)
     if args.accepted is not None:
         raise SystemExit("sprinter bench cloud: --accepted is for --random-weights (a real target decides)")
+    from sim.bench import cloud
     args.out = args.out or Path("results/bench-cloud")
     defaults = CloudBenchSettings()
     settings = CloudBenchSettings(targets=args.targets, edges=args.edges or defaults.edges,
