@@ -229,9 +229,14 @@ def retry_hint_s(metadata: grpc.aio.Metadata | tuple | None) -> float:
     return int(hint) / 1e3 if str(hint).isdigit() else 0.0
 
 
+def status_of(code: grpc.StatusCode | int) -> grpc.StatusCode:
+    """A status from its number (an Error frame's code); UNKNOWN for a number gRPC does not define."""
+    return STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
+
+
 def error_status(error: pb.Error) -> grpc.StatusCode:
     """The gRPC status an error frame carries (UNKNOWN for a number gRPC does not define)."""
-    return STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+    return status_of(error.code)
 
 
 # -- Generate (mode target) ------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from common.errors import SprinterError
-from common.wire import retry_hint_s
+from common.wire import retry_hint_s, status_of
 from edge.cloud_link.client import CloudLinkError, CloudRefused, CloudUnavailable, DeadlinePassed
-from edge.cloud_link.failures import ACTIONS, Cause, Rest, RetryableFailure, classify, classify_frame, status_of
+from edge.cloud_link.failures import ACTIONS, Cause, Rest, RetryableFailure, classify, classify_frame
 from sprinter.v1 import decoding_pb2 as pb
 
 CODES = list(grpc.StatusCode)

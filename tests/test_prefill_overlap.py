@@ -65,7 +65,7 @@ def test_closing_while_the_early_open_is_in_flight_leaves_nothing_behind(tiny_dr
             await asyncio.sleep(0.05)
             assert session.opening
             await session.close()
-            assert session.call is None and not session.opening
+            assert session.stream.call is None and not session.opening
             assert sum(r["sessions"] for r in replicas.describe()) == 0
 
     with ScriptedCloud(scripted(tiny_draft, open_delay_s=1.0)) as cloud:

@@ -79,7 +79,6 @@ _MODE_LIST = (
 )
 MODE_RECORDS: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
 MODES = tuple(MODE_RECORDS)
-SPECULATIVE_MODES = tuple(m.name for m in _MODE_LIST if m.speculative)
 POLICY_MODES = tuple(m.name for m in _MODE_LIST if m.takes_policy)
 PIPELINED_MODES = tuple(m.name for m in _MODE_LIST if m.pipelines)
 LOSSLESS_MODES = tuple(m.name for m in _MODE_LIST if m.lossless)

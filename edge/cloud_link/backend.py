@@ -79,16 +79,16 @@ class CloudVerifier:
     @property
     def epoch(self) -> int:
         """Blocks written on the session's stream so far (edge/cloud_link/session.py: a candidate names its block's)."""
-        return self.session.epoch
+        return self.session.stream.epoch
 
     @property
     def verdict_epoch(self) -> int:
         """The epoch of the block the last verdict answered."""
-        return self.session.verdict_epoch
+        return self.session.stream.verdict_epoch
 
     @property
     def uplink_bytes(self) -> int:
-        return self.session.uplink_bytes
+        return self.session.stream.uplink_bytes
 
     def open_ahead(self, context: list[int], first_token: bool) -> None:
         """Open the session on `context` now (the cloud prefills while the edge drafts); `first_token`: the open

@@ -25,7 +25,7 @@ from common import wire
 from common.errors import SprinterError
 from common.sampling import SamplingParams
 from common.wire import CloudLimits
-from edge.cloud_link.failures import Cause, classify_status, status_of
+from edge.cloud_link.failures import Cause, classify_status
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -36,7 +36,7 @@ class CloudLinkError(SprinterError):
     """Whatever the edge's link to the cloud raises: it carries the gRPC status that caused it."""
 
     def __init__(self, code: grpc.StatusCode | int, message: str, retry_after_s: float = 0.0) -> None:
-        self.code = status_of(code)
+        self.code = wire.status_of(code)
         self.detail = message
         self.retry_after_s = retry_after_s  # > 0: the cloud is busy, and says when a retry may succeed
         super().__init__(f"{self.code.name}: {message}")

@@ -31,7 +31,7 @@ from enum import Enum
 import grpc
 
 from common.errors import SprinterError
-from common.wire import STATUS_BY_NUMBER
+from common.wire import status_of
 from sprinter.v1 import decoding_pb2 as pb
 
 # Statuses a call or stream ends with when the replica is out of reach (rather than refusing): worth another try.
@@ -98,11 +98,6 @@ class RetryableFailure(SprinterError):
         self.retry_after_s = retry_after_s  # the cloud's own hint (Error.retry_after_ms), where the cause honours it
         # The stream may still carry answers meant for something else (candidates): the retry takes a fresh one.
         self.new_stream = self.action.new_stream or stale_stream
-
-
-def status_of(code: grpc.StatusCode | int) -> grpc.StatusCode:
-    """A status from its number (an Error frame's code); UNKNOWN for a number gRPC does not define."""
-    return STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
 
 
 def classify_frame(code: int, retry_after_ms: int = 0) -> Cause:

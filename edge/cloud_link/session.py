@@ -105,23 +105,6 @@ class CloudSession:
         """An early open is still in flight (the next verify waits for it)."""
         return self.early.in_flight
 
-    @property
-    def call(self) -> grpc.aio.StreamStreamCall | None:
-        return self.stream.call
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the verify frame written last (edge/cloud_link/stream.py)."""
-        return self.stream.epoch
-
-    @property
-    def verdict_epoch(self) -> int:
-        return self.stream.verdict_epoch
-
-    @property
-    def uplink_bytes(self) -> int:
-        return self.stream.uplink_bytes
-
     async def _open(self, context: list[int], first_token: bool = False) -> None:
         if self.client is None:
             self.client = self.replicas.choose(self.key, frozenset(self.avoid))
