@@ -36,12 +36,12 @@ mosquitto:
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
-# Then the summary table goes into the benchmarks page, docs/benchmarks/index.md, between the bench markers.
+# Its summary table and plots go into docs/benchmarks/index.md, section `sweep` (the page keeps the one before, folded).
 BENCH_RTTS ?= 0,50,100
 bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
-	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench
-	$(VENV)/bin/sprinter bench readme --out results/bench --readme docs/benchmarks/index.md
+	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench \
+	    --page docs/benchmarks/index.md --section sweep
 
 # Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
 # One sweep per temperature into results/bench-policy/T0 and T1 (these are `sprinter bench policy`'s defaults).
@@ -49,16 +49,18 @@ POLICIES ?= fixed:3,fixed:5,fixed:8,heuristic,flag,goodput
 bench-policy: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench policy --target $(TARGET) --draft $(DRAFT) --policies $(POLICIES) \
 	    --temperatures 0,1 --rtt-ms 0,50,100,200 --limit 4 --max-new-tokens 40 --no-fleet-validation \
-	    --out results/bench-policy
+	    --out results/bench-policy --page docs/benchmarks/policies.md
 
 bench-local: $(VENV)/.models-qwen
-	$(VENV)/bin/sprinter bench local --target $(TARGET) --draft $(DRAFT) --out results/bench-local
+	$(VENV)/bin/sprinter bench local --target $(TARGET) --draft $(DRAFT) --out results/bench-local \
+	    --page docs/benchmarks/index.md
 
 bench-cloud: $(VENV)/.models-qwen $(VENV)/.models-smollm2 $(STUBS)
-	$(VENV)/bin/sprinter bench cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud
+	$(VENV)/bin/sprinter bench cloud --targets smollm2-135m,$(TARGET) --out results/bench-cloud \
+	    --page docs/benchmarks/cloud.md
 
 bench-draft: $(VENV)/.models-qwen $(STUBS)
-	$(VENV)/bin/sprinter bench draft
+	$(VENV)/bin/sprinter bench draft --page docs/benchmarks/index.md
 
 setup: $(VENV)/.project $(STUBS)
 

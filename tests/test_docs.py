@@ -1,6 +1,7 @@
 """The documentation against the code: every documented `sprinter` command line parses with the real CLI,
-the benchmarks page keeps the markers `sprinter bench readme` writes between, and the reference pages
-`make docs` generates name what the code has. (`make docs` itself builds the site with --strict.)"""
+every benchmark command can write its docs section (`--page`), every table of the benchmark pages sits in a
+section that says its date and command, and the reference pages `make docs` generates name what the code has.
+(`make docs` itself builds the site with --strict.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from test_deploy import CommandLine, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "docs" / "reference"
-BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
+BENCH_PAGES = ROOT / "docs" / "benchmarks"
 SHELL_FENCES = ("bash", "console", "sh", "shell")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"\s*$', re.MULTILINE)
 
@@ -67,19 +68,65 @@ def test_every_documented_sprinter_command_line_parses() -> None:
         parse(line)
 
 
-def test_the_benchmarks_page_takes_the_sweep_between_its_markers(tmp_path: Path) -> None:
-    from sim.bench.readme import END, START, update_readme
+def test_a_measurement_replaces_its_section_and_folds_the_one_before(tmp_path: Path) -> None:
+    from common.results_page import Measurement, markers, publish
 
-    text = BENCH_PAGE.read_text()
-    assert text.count(START) == 1 and text.count(END) == 1
-    page, out = tmp_path / "index.md", tmp_path / "bench"
-    page.write_text(text)
-    out.mkdir()
-    (out / "summary.md").write_text("| RTT ms | mode |\n|---|---|\n| 0 | sd |")
-    update_readme(page, out)
-    updated = page.read_text()
-    assert "| 0 | sd |" in updated and "commit 4760804" not in updated
-    assert updated.split(START)[0] == text.split(START)[0] and updated.split(END)[1] == text.split(END)[1]
+    start, end = markers("cloud")
+    page, plot = tmp_path / "cloud.md", tmp_path / "verified_tokens_per_s.png"
+    plot.write_bytes(b"png")
+    before, after = "# Cloud\n\nintro\n\n", "\n\n## Next\n"
+    page.write_text(f"{before}{start}\nMeasured 2026-11-01 on a laptop:\n\n| old |\n|---|\n{end}{after}")
+    publish(page, "cloud", Measurement("| new |\n|---|", "sprinter bench cloud --page cloud.md", (plot,)))
+    text = page.read_text()
+    assert text.startswith(before + start) and text.endswith(after)
+    newest = text.split(start)[1].split(end)[0]
+    assert "| new |" in newest and "sprinter bench cloud --page cloud.md" in newest and "| old |" not in newest
+    assert re.search(r"Measured \d{4}-\d\d-\d\d on .+ cores, commit ", newest)
+    images = list((tmp_path / "img").iterdir())
+    assert len(images) == 1 and f"(img/{images[0].name})" in newest
+    folded = text.split(end)[1]
+    assert '??? note "Earlier: Measured 2026-11-01 on a laptop"' in folded and "    | old |" in folded
+
+    publish(page, "draft", Measurement("| draft |", "sprinter bench draft"))  # a page without the section
+    assert page.read_text().rstrip().endswith(markers("draft")[1]) and page.read_text().startswith(before)
+
+
+def test_every_benchmark_command_can_write_its_docs_section() -> None:
+    from common.cli import build_parser
+
+    def subcommands(parser) -> dict:
+        return next(a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+
+    top = subcommands(build_parser())
+    measuring = list(subcommands(top["bench"]).values()) + [top["simulate"]]
+    measuring += [subcommands(top["verifier"])[name] for name in ("train", "study", "bound", "replay", "eval")]
+    for parser in measuring:
+        assert "--page" in parser._option_string_actions, parser.prog
+
+
+def bench_sections(text: str) -> list[tuple[str, int, int]]:
+    """(name, start offset, end offset) of every `<!-- bench:NAME:start/end -->` section of a page."""
+    found = []
+    for match in re.finditer(r"<!-- bench:([a-z0-9-]+):start -->", text):
+        end = text.index(f"<!-- bench:{match.group(1)}:end -->", match.end())
+        found.append((match.group(1), match.start(), end))
+    return found
+
+
+def test_every_benchmark_table_says_its_date_and_command() -> None:
+    for page in sorted(BENCH_PAGES.glob("*.md")):
+        text = page.read_text()
+        sections = bench_sections(text)
+        names = [name for name, _, _ in sections]
+        assert len(names) == len(set(names)) == text.count(":end -->"), f"{page.name}: unpaired or repeated markers"
+        for section, start, end in sections:
+            body = text[start:end]
+            assert re.search(r"\d{4}-\d\d-\d\d", body), f"{page.name} {section}: no date"
+            assert re.search(r"`(sprinter|make) |```bash", body), f"{page.name} {section}: no command"
+        for table in re.finditer(r"^\|.*\n\|[-| ]+\|$", text, re.MULTILINE):
+            inside = any(start < table.start() < end for _, start, end in sections)
+            assert inside or table.group(0).startswith("| page | what |"), \
+                f"{page.name}: the table {table.group(0).splitlines()[0][:60]!r} is in no dated section"
 
 
 def test_the_reference_pages_name_what_the_code_has(tmp_path: Path) -> None:

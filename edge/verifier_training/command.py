@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from common.arguments import DTYPE_NAMES, floats
+from common.results_page import add_page_arguments, publish_if_asked
 
 if TYPE_CHECKING:  # models load in the commands that run: `--help` imports no torch
     from common.cached_lm import DraftLM
@@ -86,6 +87,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-new-tokens", type=int, default=48)
     evaluate.add_argument("--temperature", type=float, default=0.0)
     evaluate.set_defaults(run=run_eval)
+    for name in ("train", "study", "bound", "replay", "eval"):  # the measuring commands: their tables go into docs
+        add_page_arguments(commands.choices[name], f"verifier-{name}")
 
 
 def _add_replay(commands: argparse._SubParsersAction) -> None:
@@ -205,9 +208,10 @@ def run_train(args: argparse.Namespace) -> int:
                          args.out / "reliability.png")
     except ImportError:
         log.warning("matplotlib is not installed: no reliability plot (pip install 'sprinter[bench]')")
-    print(report.table())
-    print(f"\nverifier: {path}  ({report.chosen.kind}, threshold {report.chosen.threshold:.4f} for FPR <= "
-          f"{args.max_fpr:.0%} on held-out prompts; label {report.label})")
+    chosen = (f"verifier: {path}  ({report.chosen.kind}, threshold {report.chosen.threshold:.4f} for FPR <= "
+              f"{args.max_fpr:.0%} on held-out prompts; label {report.label})")
+    print(f"{report.table()}\n\n{chosen}")
+    publish_if_asked(args, f"{report.table()}\n\n{chosen}", (args.out / "reliability.png",))
     return 0
 
 
@@ -216,7 +220,9 @@ def run_study(args: argparse.Namespace) -> int:
     from edge.verifier_training.study import run_study as study
     from edge.verifier_training.train import TrainSettings
 
-    print(study(load_dataset(args.data), TrainSettings(label=args.label, epochs=args.epochs, seed=args.seed), args.out))
+    table = study(load_dataset(args.data), TrainSettings(label=args.label, epochs=args.epochs, seed=args.seed), args.out)
+    print(table)
+    publish_if_asked(args, table, (args.out / "learning_curve.png",))
     return 0
 
 
@@ -247,6 +253,7 @@ def run_bound(args: argparse.Namespace) -> int:
     report = bound(target, draft, _draft_lm_factory(draft, args), learned, calibration, held_out, settings, quality)
     write_report(report, args.out)
     print(report.tables())
+    publish_if_asked(args, report.tables())
     return 0
 
 
@@ -261,8 +268,10 @@ def run_replay(args: argparse.Namespace) -> int:
     costs = RoundCosts(args.draft_ms, args.verify_ms, args.verify_per_token_ms)
     settings = ReplaySettings(rtts_ms=args.rtt_ms, seeds=args.seeds)
     rows = replay(traces, costs, settings)
-    print(write_report(rows, costs, settings, traces, args.out))
+    table = write_report(rows, costs, settings, traces, args.out)
+    print(table)
     plot_replay(rows, args.out / "replay.png")
+    publish_if_asked(args, table, (args.out / "replay.png",))
     return 0
 
 
@@ -298,10 +307,17 @@ def run_eval(args: argparse.Namespace) -> int:
                          args.out / "reliability.png")
     except ImportError:
         log.warning("matplotlib is not installed: no trade-off plot (pip install 'sprinter[bench]')")
-    print(markdown)
-    print("\nat matched target calls per token (confidence baseline interpolated on its threshold sweep):")
+    report = markdown + "\n\n" + _matched_lines(comparison)
+    print(report)
+    publish_if_asked(args, report, (args.out / "tradeoff.png",))
+    return 0
+
+
+def _matched_lines(comparison: dict[str, list[dict]]) -> str:
+    lines = ["At matched target calls per token (confidence baseline interpolated on its threshold sweep):", ""]
     for quality, points in comparison.items():
         for p in points:
-            print(f"  {p['method']}: calls/token {p['target_calls_per_token']:.3f}, {quality} {p[quality]:.3f} "
-                  f"vs confidence {'-' if p[f'confidence_{quality}'] is None else format(p[f'confidence_{quality}'], '.3f')}")
-    return 0
+            baseline = p[f"confidence_{quality}"]
+            lines.append(f"- {p['method']}: calls/token {p['target_calls_per_token']:.3f}, {quality} {p[quality]:.3f} "
+                         f"vs confidence {'-' if baseline is None else format(baseline, '.3f')}")
+    return "\n".join(lines)

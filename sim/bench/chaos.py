@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from common.arguments import DTYPE_NAMES, floats, names
+from common.results_page import publish_if_asked
 from common.decoding.modes import PIPELINES
 from sim.bench.load import RequestOutcome, RequestSpec, failure_lines, http_client, latency_summary, seconds, send_request
 from sim.bench.target_identity import TargetIdentity, check_target_identity
@@ -122,7 +123,9 @@ def settings_from_args(args: argparse.Namespace) -> ChaosSettings:
 def run_chaos(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     result = chaos(settings_from_args(args))
-    print(format_chaos(result))
+    table = format_chaos(result)
+    print(table)
+    publish_if_asked(args, table)
     print(f"\nwrote {args.out}/chaos.json")
     return 0 if result.passed else 1
 

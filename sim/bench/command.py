@@ -1,10 +1,12 @@
-"""`sprinter bench local|cloud|draft|policy|readme|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind the tables of docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind docs/benchmarks/.
+
+Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
+between the markers of its section, saying the date, the machine, the commit and the command.
 
     sprinter bench local --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-local
     sprinter bench cloud --targets smollm2-135m,qwen2.5-coder-1.5b --out results/bench-cloud
     sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
-    sprinter bench readme --out results/bench --readme docs/benchmarks/index.md
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
@@ -19,10 +21,11 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
 from common.devices import add_device_argument
+from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_cloud, run_draft, run_fleet, run_local, run_pipeline, run_policy, run_prefill,
-                            run_readme, run_rollout)
+                            run_rollout)
 from sim.bench.settings import (LAYOUTS, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
@@ -42,13 +45,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_cloud(benches)
     _register_draft(benches)
     _register_policy(benches)
-    _register_readme(benches)
     _register_prefill(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     _register_rollout(benches)
     _register_fleet(benches)
     _register_pipeline(benches)
+    for name, parser in benches.choices.items():
+        add_page_arguments(parser, name)
 
 
 def _register_local(benches: argparse._SubParsersAction) -> None:
@@ -139,14 +143,6 @@ def _register_policy(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=defaults.out, help="each temperature's sweep goes into OUT/T<temperature>")
     p.set_defaults(run=run_policy)
 
-
-def _register_readme(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("readme", help="put a sweep's summary into the benchmarks page between the bench markers",
-                           **_described("sim.bench.readme"))
-    p.add_argument("--out", type=Path, default=Path("results/bench"), help="the sweep's output directory")
-    p.add_argument("--readme", type=Path, default=Path("docs/benchmarks/index.md"),
-                   help="the page with the bench markers")
-    p.set_defaults(run=run_readme)
 
 
 def _register_prefill(benches: argparse._SubParsersAction) -> None:

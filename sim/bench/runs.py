@@ -10,6 +10,7 @@ import logging
 import shlex
 from pathlib import Path
 
+from common.results_page import publish_if_asked
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.settings import (CloudBenchSettings, DraftBenchSettings, EngineBenchSettings, FleetBenchSettings,
                                 LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
@@ -23,8 +24,10 @@ def run_local(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, dtype=args.dtype, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, k=args.k,
         verifier_threshold=args.verifier_threshold, assisted=args.assisted, seed=args.seed, out=args.out)
-    print(local.bench_local(settings))
+    table = local.bench_local(settings)
+    print(table)
     print(f"\nwrote {args.out}/results.json, table.md, tokens_per_s.png")
+    publish_if_asked(args, table, (args.out / "tokens_per_s.png",))
     return 0
 
 
@@ -43,8 +46,10 @@ def run_cloud(args: argparse.Namespace) -> int:
                                   max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
                                   engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
                                   device=args.device)
-    print(cloud.bench_cloud(settings))
+    table = cloud.bench_cloud(settings)
+    print(table)
     print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
+    publish_if_asked(args, table, (args.out / "verified_tokens_per_s.png",))
     return 0
 
 
@@ -65,10 +70,12 @@ def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
         attention=args.attention,
         out=args.out or Path("results/bench-engine"))
     try:
-        print(engine.bench_engine(settings))
+        table = engine.bench_engine(settings)
     except ValueError as err:  # an unknown architecture or device
         raise SystemExit(f"sprinter bench cloud: {err}") from None
+    print(table)
     print(f"\nwrote {settings.out}/results.json, table.md, verified_tokens_per_s.png")
+    publish_if_asked(args, table, (settings.out / "verified_tokens_per_s.png",))
     return 0
 
 
@@ -78,9 +85,10 @@ def run_draft(args: argparse.Namespace) -> int:
                                   repeats=args.repeats, rounds=args.rounds, threads=args.threads,
                                   configs=args.configs, out=args.out)
     table, probe = draft.bench_draft(settings)
-    print(table)
-    print(f"\nONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}")
+    probe_line = f"ONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}"
+    print(f"{table}\n\n{probe_line}")
     print(f"\nwrote {args.out}/results.json and table.md")
+    publish_if_asked(args, f"{table}\n\n{probe_line}")
     return 0
 
 
@@ -96,16 +104,12 @@ def run_policy(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"sprinter bench policy: {err}") from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
-    for sweep in policy.bench_policy(settings):
-        print(f"\n## T={sweep.temperature:g} ({sweep.out})\n\n{format_summary(sweep.out)}")
+    tables = [f"T={sweep.temperature:g} (`{sweep.out}`):\n\n{format_summary(sweep.out).strip()}"
+              for sweep in policy.bench_policy(settings)]
+    print("\n\n".join(tables))
+    publish_if_asked(args, "\n\n".join(tables))
     return 0
 
-
-def run_readme(args: argparse.Namespace) -> int:
-    from sim.bench import readme
-    readme.update_readme(args.readme, args.out)
-    log.info("updated %s from %s/summary.md", args.readme, args.out)
-    return 0
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -115,9 +119,10 @@ def run_prefill(args: argparse.Namespace) -> int:
                                     serve_args=tuple(shlex.split(args.serve_args)),
                                     cloud_pythonpath=args.cloud_pythonpath, out=args.out)
     result = prefill.bench_prefill(settings, args.label)
-    print(prefill.TABLE_HEADER)
-    print(prefill.format_result(result))
+    table = f"{prefill.TABLE_HEADER}\n{prefill.format_result(result)}"
+    print(table)
     print(f"\nappended to {args.out}/results.jsonl")
+    publish_if_asked(args, table)
     return 0
 
 
@@ -126,21 +131,27 @@ def run_rollout(args: argparse.Namespace) -> int:
     settings = RolloutSettings(args.real_edges, args.simulated_edges, args.rounds, args.draft, args.telemetry_pairs,
                                out=args.out)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the rounds
-    print(rollout.bench_rollout(settings))
+    table = rollout.bench_rollout(settings)
+    print(table)
     print(f"\nwrote {settings.out / 'rollout.json'}, {settings.out / 'rollout.png'}")
+    publish_if_asked(args, table, (settings.out / "rollout.png",))
     return 0
 
 
 def run_fleet(args: argparse.Namespace) -> int:
     from sim.bench import fleet
     settings = FleetBenchSettings(**{name: getattr(args, name) for name in FleetBenchSettings.__dataclass_fields__})
-    print(fleet.bench_fleet(settings))
+    table = fleet.bench_fleet(settings)
+    print(table)
     print(f"\nwrote {settings.out}/fleet.json, table.md, projection.png")
+    publish_if_asked(args, table, (settings.out / "projection.png",))
     return 0
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
     from sim.bench import pipeline
-    print(pipeline.bench_pipeline(args.sweep, args.edges, args.replicas, list(args.rtt_ms), args.tokens_per_request,
-                                  args.out))
+    table = pipeline.bench_pipeline(args.sweep, args.edges, args.replicas, list(args.rtt_ms), args.tokens_per_request,
+                                    args.out)
+    print(table)
+    publish_if_asked(args, table, (args.out / "pipeline.png",))
     return 0

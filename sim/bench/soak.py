@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from common.arguments import DTYPE_NAMES, floats, names
+from common.results_page import publish_if_asked
 from common.decoding.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
@@ -125,7 +126,9 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
 def run_soak(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
     result = soak(settings_from_args(args))
-    print(format_soak(result))
+    table = format_soak(result)
+    print(table)
+    publish_if_asked(args, table)
     print(f"\nwrote {args.out}/soak.json")
     return 0 if result.passed else 1
 

@@ -23,10 +23,14 @@ from pathlib import Path
 from common.arguments import DTYPE_NAMES, floats, names
 from common.devices import DEVICE_HELP
 from common.fleet_plane.command import broker_url
+from common.results_page import add_page_arguments, publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
 
 log = logging.getLogger(__name__)
+
+# the sweep's plots that go into a docs page with --page (the rest stay in OUT)
+PUBLISHED_PLOTS = ("tokens_per_s_vs_rtt", "quality_vs_cloud_cost")
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -66,6 +70,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="fleet plane broker the cloud and edge report to, recorded in OUT/telemetry.jsonl and "
                         "plotted in telemetry.png: auto (default) starts Mosquitto in OUT/broker if installed, "
                         "off runs without, or mqtt://HOST[:PORT] of a broker of yours")
+    add_page_arguments(p, "simulate")
     p.set_defaults(run=run)
 
 
@@ -74,8 +79,8 @@ def _broker_choice(text: str) -> str:
 
 
 def settings_from_args(args: argparse.Namespace) -> SimulateSettings:
-    # what common/cli.py adds to every command's namespace (argv: for commands that start copies of themselves)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command", "log_level", "argv")}
+    # what common/cli.py adds to every command's namespace, and where --page writes: not sweep settings
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "run", "command", "log_level", "argv", "page", "section")}
     config = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
     if not isinstance(config, dict):
         raise ValueError(f"{args.config}: expected a JSON object")
@@ -95,4 +100,6 @@ def run(args: argparse.Namespace) -> int:
     written = simulate(settings)
     print(format_summary(settings.out))
     print("\nwrote " + ", ".join(str(p) for p in written.values()))
+    publish_if_asked(args, format_summary(settings.out),
+                     tuple(path for name, path in written.items() if name in PUBLISHED_PLOTS))
     return 0
