@@ -89,16 +89,37 @@ def load_model(spec: str, dtype: torch.dtype = torch.bfloat16, device: torch.dev
 
 def _load_hub_or_directory(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A Hugging Face id or a local directory; a name that is neither loadable here is an `UnknownModel`."""
+    presets = ", ".join([*TINY_PRESETS, *GGUF_PRESETS])
+    unknown = f"model {name!r} is neither a preset ({presets}) nor a local directory, and it does not load as a " \
+              "Hugging Face id from here"
+    problem = None if Path(name).is_dir() else _hub_problem(name)
+    if problem is not None:
+        raise UnknownModel(f"{unknown} ({problem})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as err:
         if Path(name).is_dir():
             raise
-        presets = ", ".join([*TINY_PRESETS, *GGUF_PRESETS])
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UnknownModel(f"model {name!r} is neither a preset ({presets}) nor a local directory, and it does not "
-                           f"load as a Hugging Face id from here ({reason})") from err
+        raise UnknownModel(f"{unknown} ({reason})") from err
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), tokenizer
+
+
+def _hub_problem(name: str) -> str | None:
+    """Why `name` cannot come from the Hugging Face hub, asked once (transformers retries an unreachable hub for
+    most of a minute), or None when it is cached here or the hub has it."""
+    import huggingface_hub
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+        return None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except Exception as err:  # noqa: BLE001 - unreachable, unknown, gated, a malformed id: each said in its words
+        text = str(err).strip()
+        return f"asking the hub: {text.splitlines()[0] if text else type(err).__name__}"
+    return None
 
 
 def model_dir(spec: str) -> Path | str:

@@ -9,7 +9,7 @@ processes, and prints one comparison table. Its quality columns say what a user 
 position) and `target NLL/token` (how likely the target itself finds each mode's output, scored
 here after the processes stopped; lower is better, and equal to the target's own when the text is
 the same). In bfloat16 a lossless mode may agree below 1: CPU kernels round a one-token and a
-k-token target forward differently, so near-ties flip (README, Exactness); a footnote says so, and
+k-token target forward differently, so near-ties flip (docs/getting-started.md, Exactness); a footnote says so, and
 `--dtype float32` shows exact identity at about half the speed.
 """
 
@@ -135,7 +135,7 @@ def format_table(rows: list[DemoRow], dtype: str) -> str:
     if below and dtype == "bfloat16":
         lines.append(f"\n* {names}: lossless, yet below 1 here. In bfloat16 the CPU kernels round a one-token and a "
                      "k-token target forward differently, so where the target's two best tokens nearly tie, the "
-                     "choice can flip and the texts part from there (README, Exactness); the target NLL column "
+                     "choice can flip and the texts part from there (docs/getting-started.md, Exactness); the target NLL column "
                      "shows the quality is the target's. `make demo DTYPE=float32` (`sprinter demo --dtype "
                      "float32`) shows exact identity, at about half the speed.")
     elif below:

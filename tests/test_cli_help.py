@@ -1,4 +1,4 @@
-"""`sprinter --help` answers at once: building the parser imports no torch, transformers, vLLM, ONNX Runtime or gRPC tools.
+"""`sprinter --help` answers at once: building the parser imports no torch, transformers, vLLM, ONNX Runtime, gRPC tools or numpy.
 
 Each check runs in a fresh interpreter, so modules an earlier test imported cannot hide an import.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "transformers", "vllm", "onnxruntime", "grpc_tools")
+HEAVY = ("torch", "transformers", "vllm", "onnxruntime", "grpc_tools", "numpy")
 
 # Builds the parser, runs `--help` of every command and group under it, and reports what was imported.
 PROBE = """

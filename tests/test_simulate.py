@@ -26,7 +26,7 @@ PLOTS = ("tokens_per_s_vs_rtt.png", "target_calls_per_token.png", "quality_vs_cl
 
 
 def tiny_settings(out: Path) -> SimulateSettings:
-    # float32: the lossless modes then reproduce the target token for token (README, Exactness);
+    # float32: the lossless modes then reproduce the target token for token (docs/getting-started.md, Exactness);
     # mqtt auto (the default): with Mosquitto installed the sweep records the fleet plane. 16 tokens: the
     # 40 ms phases then take over 4 s (a round trip per call), so the cloud's 2 s load reports land in them.
     return SimulateSettings(out=out, target="tiny-random", draft="tiny-random-draft", dtype="float32",

@@ -22,14 +22,16 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from common.arguments import ints, names
-from sim.fleet.costs import FleetCosts, ModeProfile, demo_costs, demo_profiles, profiles_from_json, profiles_to_json
-from sim.fleet.engine import ROUTINGS
-from sim.fleet.pipeline import PIPELINES, PipelineModel
-from sim.fleet.report import format_table, sweep, write_report
-from sim.fleet.result import FleetResult, compare_all
+from common.decoding.modes import PIPELINES
+from sim.fleet.replicas import ROUTINGS
+
+if TYPE_CHECKING:  # the simulator loads numpy: its modules are imported by the run, not by --help
+    from sim.fleet.costs import FleetCosts, ModeProfile
+    from sim.fleet.pipeline import PipelineModel
+    from sim.fleet.result import FleetResult
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,13 @@ def register(programs: argparse._SubParsersAction) -> None:
 
 def pipeline_models(args: argparse.Namespace) -> list[PipelineModel]:
     """--pipeline, --hit-rate, --candidates as the engine's settings (ValueError naming what is wrong)."""
+    from sim.fleet.pipeline import PipelineModel
     return [PipelineModel(name, args.hit_rate, args.candidates) for name in dict.fromkeys(args.pipeline)]
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[FleetCosts, list[ModeProfile]]:
     """The costs and profiles given, the illustrative built-ins for those not given; --modes filters."""
+    from sim.fleet.costs import FleetCosts, demo_costs, demo_profiles, profiles_from_json
     costs = FleetCosts.from_json(args.costs.read_text()) if args.costs else demo_costs()
     profiles = profiles_from_json(args.profiles.read_text()) if args.profiles else demo_profiles()
     if args.modes:
@@ -94,6 +98,7 @@ def pipeline_note(args: argparse.Namespace) -> str:
 
 
 def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> None:
+    from sim.fleet.result import compare_all
     comparison = compare_all(results, json.loads(measured.read_text()))
     (out / "comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
     for row in comparison:
@@ -102,6 +107,9 @@ def print_comparison(results: list[FleetResult], measured: Path, out: Path) -> N
 
 
 def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
+    from sim.fleet.costs import profiles_to_json
+    from sim.fleet.report import format_table, sweep, write_report
+
     if not args.demo and (args.costs is None or args.profiles is None):
         fail("give --costs and --profiles, or --demo for the illustrative built-in inputs")
     try:

@@ -13,7 +13,7 @@ Context length is not a term: its attention cost is small next to the weights at
 
 A `ModeProfile` says what one edge does per cloud call, as an empirical distribution of
 (block_length, emitted) pairs recorded from real runs; `demo_costs()` and `demo_profiles()` are
-illustrative inputs derived from this machine's measured figures (README, bench tables).
+illustrative inputs derived from this machine's measured figures (docs/benchmarks).
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def _flag_probabilities(flag: float, cap: int, accept_passed: float, accept_flag
 
 
 def demo_profiles(n_calls: int = 400) -> list[ModeProfile]:
-    """Illustrative call records matching the measured block efficiencies (README bench-local, T=0)."""
+    """Illustrative call records matching the measured block efficiencies (docs/benchmarks, bench local, T=0)."""
     sd = _calls_from_probabilities(_sd_probabilities(5, 0.805), n_calls)  # ~3.7 tokens per call, as measured
     # sprinter: the paper's rule keeps every passed token (accept_passed = 1); flags every ~4.3 tokens,
     # half the flagged tokens accepted: ~4.8 tokens per call, as measured with confidence 0.5.

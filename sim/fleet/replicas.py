@@ -13,7 +13,10 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from sim.fleet.costs import FleetCosts
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # `sprinter fleet simulate --help` reads ROUTINGS from here without loading numpy
+    from sim.fleet.costs import FleetCosts
 
 ARRIVE, DEADLINE, DONE, GENERATION = range(4)  # heap event kinds: (time, seq, kind, a, b)
 ROUTINGS = ("least-loaded", "round-robin")

@@ -91,7 +91,7 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
                     and r.exact_match_rate < 1.0})
     if lossy:
         parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "
-                      f"({'expected in bfloat16: see README, Exactness' if settings.dtype == 'bfloat16' else 'a bug: float32 should match'})."]
+                      f"({'expected in bfloat16: see docs/getting-started.md, Exactness' if settings.dtype == 'bfloat16' else 'a bug: float32 should match'})."]
     return "\n".join(parts) + "\n"
 
 
