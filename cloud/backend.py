@@ -17,10 +17,11 @@ import grpc
 
 from cloud.engine import Abandoned, TargetEngine
 from cloud.errors import CloudError
-from cloud.frames import ServiceLimits, admit_sampling, check_prompt, check_verify, decide
+from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
 from cloud.sessions import Session, SessionStore
 from common import wire
+from common.logits_processing import processor_for
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -66,13 +67,15 @@ class TargetBackend:
             if previous is not None and previous is not session:
                 self.close(previous)
             return session, True
-        sampling = admit_sampling(request.sampling)
+        sampling = admit_sampling(request.sampling, self.vocab_size)
         self.engine.check_sampling(sampling)
         prompt_ids = list(request.prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.limits)
+        output_start = check_output_start(request)
         if previous is not None:
             self.close(previous)
         session = self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv())
+        session.processor = processor_for(sampling, prompt_ids[:output_start])
         session.busy = True
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
@@ -101,7 +104,8 @@ class TargetBackend:
                                                abandoned=abandoned)
             session.cached_tokens = session.length
             self.store.check_kv("forward")
-            token = result.rows.next_token(session.sampling, session.generator)
+            token = result.rows.shaped(session.processor, session.tokens, []).next_token(session.sampling,
+                                                                                       session.generator)
             session.tokens.append(token)
         finally:
             session.busy = False
@@ -124,7 +128,8 @@ class TargetBackend:
             self.store.check_kv("forward")
             started = time.perf_counter()
             try:
-                n_accepted, next_token = decide(frame, result.rows, session.sampling, session.generator)
+                rows = result.rows.shaped(session.processor, session.tokens, draft_tokens)
+                n_accepted, next_token = decide(frame, rows, session.sampling, session.generator)
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise
@@ -160,16 +165,17 @@ class TargetBackend:
     async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""
         self._check_fingerprint(request.vocab_fingerprint)
-        sampling = admit_sampling(request.sampling)
+        sampling = admit_sampling(request.sampling, self.vocab_size)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
+        output_start = check_output_start(request)
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
         with self.store.generation(owner, self._whole_pages(len(context) + max_new)):
             self.update_gauges()
             try:
-                async for step in self.engine.generate(context, max_new, sampling):
+                async for step in self.engine.generate(context, max_new, sampling, output_start):
                     self.store.check_kv("forward")
                     self.metrics.tokens_generated.inc()
                     if step.token in self.engine.info.eos_token_ids:

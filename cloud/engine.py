@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 import torch
 
+from common.logits_processing import LogitsProcessor
 from common.sampling import SamplingParams, logits_to_probs, sample
 
 Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
@@ -67,6 +68,14 @@ class TargetRows:
 
     argmax: torch.Tensor  # [n_logits] int64: the target's most likely token after each position
     logits: torch.Tensor | None  # [n_logits, V] float32, -inf outside the support asked for; None: greedy
+
+    def shaped(self, processor: LogitsProcessor | None, context: list[int], block: list[int]) -> TargetRows:
+        """The rows after the request's logit_bias and penalties (row i after context + block[:i]): what the rule
+        and the sampler read. The engine returned full logits: the session's sampling `reads_logits`."""
+        if processor is None or not processor.active:
+            return self
+        logits = processor.rows(self.logits, context, block)
+        return TargetRows(logits.argmax(dim=-1), logits)
 
     def next_token(self, sampling: SamplingParams, generator: torch.Generator) -> int:
         """The token after the last row: its argmax when greedy, else sampled with the session's generator."""
@@ -137,5 +146,6 @@ class TargetEngine(Protocol):
     def rollback(self, session: Session, keep: int) -> None:
         """Keep the KV of the first `keep` context tokens only."""
 
-    def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+    def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                 output_start: int) -> AsyncIterator[GeneratedToken]:
         """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token)."""

@@ -43,7 +43,7 @@ def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
         raise invalid(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def admit_sampling(sampling: pb.SamplingSettings) -> SamplingParams:
+def admit_sampling(sampling: pb.SamplingSettings, vocab_size: int) -> SamplingParams:
     """The session's sampling settings, refused (INVALID_ARGUMENT, saying which field) when out of range."""
     top_p = wire.top_p_of(sampling)
     if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
@@ -52,7 +52,11 @@ def admit_sampling(sampling: pb.SamplingSettings) -> SamplingParams:
         raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
     if not 0.0 < top_p <= 1.0:
         raise invalid(f"sampling.top_p must be in (0, 1] (leave it unset to disable), got {top_p}")
-    return wire.sampling_from_proto(sampling)
+    check_token_ids(sorted(sampling.logit_bias), vocab_size, "sampling.logit_bias")
+    try:
+        return wire.sampling_from_proto(sampling)
+    except ValueError as err:  # a penalty or a bias out of its range
+        raise invalid(f"sampling.{err}") from None
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) -> None:
@@ -62,6 +66,15 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, limits: ServiceLimits) 
         raise invalid(f"prompt has {len(prompt_ids)} tokens; prompts may have at most {limits.max_context - 1} "
                        f"(the context limit is {limits.max_context}, and the first generated token needs a place)")
     check_token_ids(prompt_ids, vocab_size, "open.prompt_ids")
+
+
+def check_output_start(request: pb.OpenSession | pb.GenerateRequest) -> int:
+    """Where the generated tokens begin in the open's prompt_ids, refused when outside it."""
+    start = wire.output_start_of(request)
+    if not 1 <= start <= len(request.prompt_ids):
+        raise invalid(f"output_start is {start}: the generated tokens begin after at least one prompt token and "
+                      f"at most after all {len(request.prompt_ids)}")
+    return start
 
 
 def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingParams, vocab_size: int,

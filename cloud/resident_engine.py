@@ -22,6 +22,7 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
+from common.logits_processing import processor_for
 from common.sampling import SamplingParams
 
 
@@ -88,14 +89,17 @@ class ResidentEngine:
     async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
         return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
-                                          full_logits=not session.sampling.greedy)
+                                          full_logits=session.sampling.reads_logits)
 
     def rollback(self, session: Session, keep: int) -> None:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
-    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                       output_start: int) -> AsyncIterator[GeneratedToken]:
         """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py)."""
         generator = torch.Generator().manual_seed(sampling.seed)
+        processor = processor_for(sampling, context[:output_start])
+        context = list(context)  # grows by each token: the penalties count it
         cache = self.new_session_kv()
         try:
             cache.reserve(len(context) + max_new)
@@ -105,8 +109,9 @@ class ResidentEngine:
             prefill_ms = (time.perf_counter() - started) * 1e3
             new_tokens = context[-1:]
             for _ in range(max_new):
-                result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=not sampling.greedy)
-                token = result.rows.next_token(sampling, generator)
+                result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=sampling.reads_logits)
+                token = result.rows.shaped(processor, context, []).next_token(sampling, generator)
+                context.append(token)
                 yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
                 if token in self.info.eos_token_ids:
                     return

@@ -39,6 +39,7 @@ from cloud.kv_pool import PagedKV
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.errors import SprinterError
+from common.logits_processing import LogitsProcessor
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class Session:
     busy: bool = False  # a prefill or verify is in flight: never evicted under it
     # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow
     last_verdict: tuple[int, int, int] | None = None
+    # the request's logit_bias and penalties, counting from the open's output_start; None: none asked for
+    processor: LogitsProcessor | None = None
 
     @property
     def length(self) -> int:

@@ -155,14 +155,22 @@ class VllmEngine:
 
     def support(self, sampling: SamplingParams) -> int:
         """K: how many logprobs per row make the session's distribution exact (module docstring)."""
+        if sampling.shapes_logits:  # a bias or a penalty can lift any token: the rule reads them all
+            return self.info.vocab_size
         if sampling.greedy:
             return 1
         return min(sampling.top_k, self.info.vocab_size) if sampling.top_k > 0 else self.info.vocab_size
 
     def check_sampling(self, sampling: SamplingParams) -> None:
+        if sampling.repetition_penalty != 1.0:
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "this cloud's vllm engine cannot verify with repetition_penalty exactly: it scales the raw "
+                             "logits, and vLLM returns logprobs (the logits less a per-row constant); use a cloud with "
+                             "--engine resident")
         k = self.support(sampling)
         if k > self.options.max_logprobs:
-            what = f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)"
+            what = ("logit_bias or penalties (the whole vocabulary)" if sampling.shapes_logits else
+                    f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)")
             # INVALID_ARGUMENT, not FAILED_PRECONDITION: edges read that as a lost context and reopen
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"this cloud's vllm engine verifies sampling exactly from each row's {k} largest target "
@@ -199,9 +207,15 @@ class VllmEngine:
     def rollback(self, session: Session, keep: int) -> None:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
 
-    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams) -> AsyncIterator[GeneratedToken]:
+    async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                       output_start: int) -> AsyncIterator[GeneratedToken]:
         """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's)."""
         from vllm.sampling_params import RequestOutputKind
+
+        if sampling.shapes_logits and output_start < len(context):
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "this cloud's vllm engine counts penalties over what it generates itself, and this "
+                             "Generate continues earlier output: use a cloud with --engine resident")
 
         params = self._params(max_new, logprobs=None, sampling=sampling)
         params.output_kind = RequestOutputKind.DELTA
@@ -218,8 +232,12 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSampling
 
         sampling = sampling or SamplingParams()  # a verify reads logprobs; what it samples is never used
+        # Penalties and logit_bias count as ours do (common/logits_processing.py follows vLLM): Generate runs them natively.
         return VllmSampling(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, seed=sampling.seed if not sampling.greedy else None,
+                            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                            repetition_penalty=sampling.repetition_penalty,
+                            logit_bias=dict(sampling.logit_bias) or None,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
                             detokenize=False, skip_reading_prefix_cache=False)

@@ -67,8 +67,13 @@ def method_name(value: int) -> str | None:
 def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
     # The wire's floats are 32-bit: a top_p below their range would arrive as 0 (refused); it means "the argmax alone",
     # which the smallest float32 means too.
-    return pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k,
-                               top_p=max(sampling.top_p, FLOAT32_TINY), seed=sampling.seed)
+    settings = pb.SamplingSettings(temperature=sampling.temperature, top_k=sampling.top_k,
+                                   top_p=max(sampling.top_p, FLOAT32_TINY), seed=sampling.seed,
+                                   logit_bias=dict(sampling.logit_bias), presence_penalty=sampling.presence_penalty,
+                                   frequency_penalty=sampling.frequency_penalty)
+    if sampling.repetition_penalty != 1.0:
+        settings.repetition_penalty = sampling.repetition_penalty
+    return settings
 
 
 def top_p_of(settings: pb.SamplingSettings) -> float:
@@ -78,8 +83,11 @@ def top_p_of(settings: pb.SamplingSettings) -> float:
 
 def sampling_from_proto(settings: pb.SamplingSettings) -> SamplingParams:
     """The settings as `SamplingParams` (ValueError for values it refuses: check them first to say more)."""
+    repetition = settings.repetition_penalty if settings.HasField("repetition_penalty") else 1.0
     return SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=top_p_of(settings),
-                          seed=settings.seed)
+                          seed=settings.seed, presence_penalty=settings.presence_penalty,
+                          frequency_penalty=settings.frequency_penalty, repetition_penalty=repetition,
+                          logit_bias=tuple(sorted(settings.logit_bias.items())))
 
 
 def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:
@@ -128,11 +136,18 @@ def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits:
 
 
 def open_frame(prompt_ids: Sequence[int], sampling: SamplingParams | None = None, vocab_fingerprint: str = "",
-               first_token: bool = False) -> pb.EdgeFrame:
-    """Open a session on `prompt_ids`; without `sampling` the field stays unset, which the cloud reads as greedy."""
+               first_token: bool = False, output_start: int | None = None) -> pb.EdgeFrame:
+    """Open a session on `prompt_ids`; without `sampling` the field stays unset, which the cloud reads as greedy.
+    `output_start`: where the generated tokens begin in `prompt_ids` (a reopen's context); None: after them all."""
     settings = None if sampling is None else sampling_to_proto(sampling)
-    return pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt_ids, sampling=settings,
+    start = None if output_start is None or output_start == len(prompt_ids) else output_start
+    return pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt_ids, sampling=settings, output_start=start,
                                             vocab_fingerprint=vocab_fingerprint, first_token=first_token))
+
+
+def output_start_of(request: pb.OpenSession | pb.GenerateRequest) -> int:
+    """Where the generated tokens begin in an open's (or a Generate's) prompt_ids (unset: after them all)."""
+    return request.output_start if request.HasField("output_start") else len(request.prompt_ids)
 
 
 def resume_frame(session_id: str, vocab_fingerprint: str = "") -> pb.EdgeFrame:
@@ -243,8 +258,9 @@ def error_status(error: pb.Error) -> grpc.StatusCode:
 
 
 def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
-                     vocab_fingerprint: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling),
+                     vocab_fingerprint: str = "", output_start: int | None = None) -> pb.GenerateRequest:
+    start = None if output_start is None or output_start == len(prompt_ids) else output_start
+    return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling), output_start=start,
                               max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
 
 

@@ -6,14 +6,17 @@ import copy
 
 import torch
 
+from common.logits_processing import processor_for
 from common.models import LoadedModel
 from common.sampling import SamplingParams, logits_to_probs
 
 
 def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: SamplingParams,
                               n_tokens: int) -> dict[tuple[int, ...], float]:
-    """P(first `n_tokens` tokens) under the target with `sampling`, exactly (a sequence ends at EOS)."""
+    """P(first `n_tokens` tokens) under the target with `sampling`, exactly (a sequence ends at EOS); the
+    request's logit_bias and penalties, if it has any, transform each step's logits."""
     dist: dict[tuple[int, ...], float] = {}
+    processor = processor_for(sampling, prompt)
 
     def expand(prefix: tuple[int, ...], p: float) -> None:
         if len(prefix) == n_tokens or (prefix and prefix[-1] in target.eos_token_ids):
@@ -21,6 +24,8 @@ def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: 
             return
         with torch.inference_mode():
             logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        if processor is not None:
+            logits = processor.next_row(logits, prompt + list(prefix))
         probs = logits_to_probs(logits, sampling)
         for token in torch.nonzero(probs).flatten().tolist():
             expand(prefix + (token,), p * float(probs[token]))

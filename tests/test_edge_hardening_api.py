@@ -81,10 +81,12 @@ def test_inputs_the_fuzzer_found(edge):
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", True), ("logprobs", 2), ("echo", True), ("best_of", 3),
-                                          ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
+                                          ("presence_penalty", 2.5), ("logit_bias", {"5": 101}),
+                                          ("logit_bias", {"hello": 1}), ("logit_bias", {"999999": 1}),
                                           ("frobnicate", 1), ("tools", [{"type": "function"}])])
 def test_unsupported_fields_are_refused_by_name(edge, field, value):
-    """They used to be dropped silently: a client asking for logprobs got a completion without them."""
+    """Unimplemented fields used to be dropped silently: a client asking for logprobs got a completion without
+    them. Implemented ones with a value out of range are refused by name too."""
     response = post(edge, {field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field and field in response.json()["error"]["message"]

@@ -19,6 +19,7 @@ import torch
 from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
+from common.logits_processing import LogitsProcessor
 from common.sampling import SamplingParams, logits_to_probs, sample
 from common.verifier import DraftStep, Verifier, draft_confidence_features, reads_history
 
@@ -75,7 +76,8 @@ class PendingBlock:
 def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: SamplingParams,
                  generator: torch.Generator, eos_token_ids: frozenset[int], verifier: Verifier | None = None,
                  policy: CallPolicy | None = None, cost_model: CostModel | None = None,
-                 companion: Companion | None = None, prefix: PendingBlock | None = None) -> Iterator[DraftedToken]:
+                 companion: Companion | None = None, prefix: PendingBlock | None = None,
+                 processor: LogitsProcessor | None = None) -> Iterator[DraftedToken]:
     """Draft after `context` (and `prefix`, a block drafted ahead that this one continues) until `policy.should_send(a_1..a_g, cap=limit)`, EOS, or `limit` tokens.
 
     a_i is the verifier's score (the learned verifier's is a calibrated acceptance probability), else
@@ -90,7 +92,9 @@ def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: Sa
     while len(block) < limit:
         started = time.perf_counter()
         out = draft_lm.advance_to(context + block)
-        token, p_draft = next_token(out.logits[-1], sampling, generator)
+        # the request's bias and penalties shape the proposals as they shape the target in the rule
+        logits = processor.next_row(out.logits[-1], context + block) if processor is not None else out.logits[-1]
+        token, p_draft = next_token(logits, sampling, generator)
         signals = companion.features(context + block, out.logits[-1], token) if companion is not None else None
         block.append(token)
         step = DraftStep(token, out.logits[-1], out.hidden[-1] if out.hidden is not None else None, signals, previous)
@@ -137,6 +141,7 @@ class Drafter:
     verifier: Verifier | None = None
     companion: Companion | None = None
     offload: bool = False
+    processor: LogitsProcessor | None = None  # the request's logit_bias and penalties (common/logits_processing.py)
 
     async def draft(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
                     judged: bool = True, on_passed: Callable[[int], None] | None = None,
@@ -158,7 +163,7 @@ class Drafter:
         """The drafting steps themselves, for a caller that decides between them (edge/decoding/pipeline.py)."""
         return draft_tokens(self.draft_lm, context, limit, self.sampling, self.generator, self.eos_token_ids,
                             self.verifier if judged else None, policy, cost_model,
-                            self.companion if judged else None, prefix)
+                            self.companion if judged else None, prefix, self.processor)
 
     async def next_step(self, steps: Iterator[DraftedToken]) -> DraftedToken | None:
         return await asyncio.to_thread(next, steps, None) if self.offload else next(steps, None)

@@ -24,6 +24,7 @@ from common.decoding.drafting import Drafter, next_token
 from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
+from common.logits_processing import processor_for
 from common.models import LoadedModel, check_pair
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import ConfidenceVerifier, Verifier, verifier_for
@@ -82,12 +83,15 @@ class LocalEngine:
     def _autoregressive(self, generation: Generation, generator: torch.Generator) -> None:
         by_target = not generation.settings.traits.drafts  # else the draft decodes alone
         lm = CachedLM(self._model("target").model) if by_target else self.make_draft_lm(False)
+        processor = processor_for(generation.settings.sampling, generation.prompt_ids)
         while not generation.done:
             logits = lm.advance_to(generation.context).logits[-1]
             if by_target:
                 generation.recorder.target_calls += 1
             else:
                 generation.recorder.draft_forwards += 1
+            if processor is not None:
+                logits = processor.next_row(logits, generation.context)
             token, _ = next_token(logits, generation.settings.sampling, generator)
             generation.commit(len(generation.new_tokens), [token])
 
@@ -95,9 +99,11 @@ class LocalEngine:
         settings = generation.settings
         companion = self.make_companion() if self.make_companion is not None else None
         verifier = verifier_for(self.verifier, settings.sampling.temperature)
+        processor = processor_for(settings.sampling, generation.prompt_ids)
         drafter = Drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
-                          self.eos_token_ids, verifier, companion)
-        target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule())
+                          self.eos_token_ids, verifier, companion, processor=processor)
+        target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule(),
+                             processor)
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
         policy = call_policy(settings, verifier, cost_model)
         generation.recorder.policy = policy.describe()

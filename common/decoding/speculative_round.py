@@ -38,6 +38,7 @@ from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation
+from common.logits_processing import LogitsProcessor
 from common.sampling import SamplingParams, logits_to_probs
 from common.verification import VerifyRule
 
@@ -79,9 +80,10 @@ class LocalTarget:
     """Verification in this process: one forward of the target over the block, then the mode's rule."""
 
     def __init__(self, target_lm: CachedLM, sampling: SamplingParams, generator: torch.Generator,
-                 rule: VerifyRule) -> None:
+                 rule: VerifyRule, processor: LogitsProcessor | None = None) -> None:
         self.target_lm = target_lm
         self.sampling = sampling
+        self.processor = processor  # the request's logit_bias and penalties: the rule verifies the target so shaped
         self.generator = generator  # the drafter's: one seeded stream per generation, as the cloud has per session
         self.rule = rule
 
@@ -92,7 +94,8 @@ class LocalTarget:
         started = time.perf_counter()
         g = len(block)
         target_logits = self.target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits  # [g + 1, V]
-        p_target = logits_to_probs(target_logits, self.sampling)  # [g + 1, V]
+        shaped = self.processor.rows(target_logits, context, block.tokens) if self.processor else target_logits
+        p_target = logits_to_probs(shaped, self.sampling)  # [g + 1, V]
         n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft, p_target, self.generator)
         verify_ms = (time.perf_counter() - started) * 1e3
         # In one process the round trip is the target's work alone: the cost model's rtt stays 0.

@@ -36,8 +36,8 @@ from common.prompting import encode_chat, encode_prompt
 from common.sampling import SamplingParams
 from edge.api.guards import ConcurrencyLimit, RequestGuard
 from edge.api.metrics import EdgeMetrics
-from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, openai_error,
-                              request_problem, sprinter_extension, usage)
+from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, logit_bias_pairs,
+                              openai_error, request_problem, sprinter_extension, usage)
 from edge.api.sse import DONE, ChunkFormat, IncrementalText
 from edge.cloud_link.client import CloudLinkError
 from edge.decoding.decoder import Degraded, EdgeResult, EdgeSettings
@@ -144,7 +144,12 @@ class Completions:
         max_tokens = self._max_tokens(body, mode, prompt_tokens)
         if isinstance(max_tokens, JSONResponse):
             return max_tokens
-        sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0)
+        try:
+            bias = logit_bias_pairs(body.logit_bias, self.node.draft.vocab_size)
+        except ValueError as err:
+            return openai_error(400, str(err), "logit_bias")
+        sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0,
+                                  body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,

@@ -59,6 +59,10 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="vLLM's: 1 is off")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in [-100, 100]")
     stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
     # sprinter extensions
     mode: str | None = Field(default=None, max_length=32)
@@ -92,9 +96,8 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
 # OpenAI fields accepted only with a value that asks for nothing; any other value is refused by name.
 NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
     "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
-    "presence_penalty": _none_or(0), "frequency_penalty": _none_or(0), "repetition_penalty": _none_or(1),
     "logprobs": _none_or(False), "top_logprobs": _none_or(0), "echo": _none_or(False), "best_of": _none_or(1),
-    "suffix": _none_or(""), "logit_bias": _none_or({}), "response_format": _none_or({"type": "text"}),
+    "suffix": _none_or(""), "response_format": _none_or({"type": "text"}),
     "tools": _none_or([]), "tool_choice": _none_or("none", "auto"), "parallel_tool_calls": _none_or(True, False),
 }
 
@@ -112,6 +115,20 @@ def request_problem(body: SamplingFields) -> tuple[str, str] | None:
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         return "stop", f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings"
     return None
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) as sorted (id, bias) pairs; ValueError naming a bad entry."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab_size:
+            raise ValueError(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})")
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias: the bias of token {key} is {value}; it must be in [-100, 100]")
+        pairs.append((int(key), float(value)))
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token id twice")
+    return tuple(sorted(pairs))
 
 
 def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",

@@ -146,14 +146,16 @@ class CloudClient:
         return info
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
-                       vocab_fingerprint: str = "", deadline_at: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        """Mode `target`: the cloud generates alone; chunks arrive as tokens are made.
+                       vocab_fingerprint: str = "", deadline_at: float | None = None,
+                       output_start: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """Mode `target`: the cloud generates alone; chunks arrive as tokens are made (`output_start`: where
+        tokens generated before this call begin in `prompt_ids`, which the penalties count).
 
         No whole-call deadline unless the request set one (`deadline_at`, time.monotonic(): DeadlinePassed),
         but each chunk must come within `deadline_s`: a Generate that hangs ends as CloudUnavailable
         instead of holding the request forever.
         """
-        request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint)
+        request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint, output_start)
         call = self.stub.Generate(request, metadata=self.metadata)
         limit, request_bound = self.endpoint.deadline_s, False
         try:

@@ -300,12 +300,13 @@ class ReplicaSet:
         now = time.monotonic()
         return any(r.usable(now) for r in self.replicas.values())
 
-    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "",
-                deadline_at: float | None = None) -> CloudSession:
-        return CloudSession(self, sampling, vocab_fingerprint, deadline_at)
+    def session(self, sampling: SamplingParams, vocab_fingerprint: str = "", deadline_at: float | None = None,
+                output_start: int | None = None) -> CloudSession:
+        return CloudSession(self, sampling, vocab_fingerprint, deadline_at, output_start)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
-                       vocab_fingerprint: str = "", deadline_at: float | None = None) -> AsyncIterator[pb.GenerateChunk]:
+                       vocab_fingerprint: str = "", deadline_at: float | None = None,
+                       output_start: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode target on one replica; CloudUnavailable (the replica rests) when it fails or none is usable."""
         client = self.choose(uuid.uuid4().hex)
         if client is None:
@@ -318,7 +319,7 @@ class ReplicaSet:
             # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
             async with self._replica(client).slots():
                 async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint,
-                                                   deadline_at):
+                                                   deadline_at, output_start):
                     yield chunk
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica

@@ -70,8 +70,11 @@ class CloudSession:
     """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
 
     def __init__(self, replicas: Replicas, sampling: SamplingParams, vocab_fingerprint: str,
-                 deadline_at: float | None = None) -> None:
+                 deadline_at: float | None = None, output_start: int | None = None) -> None:
         self.replicas = replicas
+        # where the generation's tokens begin in every context this session opens with (the user's prompt length):
+        # penalties count them, so a reopen with the full context says where they start
+        self.output_start = output_start
         self.deadline_at = deadline_at  # the request's own deadline (time.monotonic()); None: as long as it takes
         self.key = uuid.uuid4().hex  # what rendezvous hashing places this session by
         self.sampling = sampling
@@ -117,7 +120,8 @@ class CloudSession:
         self.stream.start(self.client)
         if self.abandoned is not None:
             await self._close_abandoned()
-        answer = await self.stream.exchange(wire.open_frame(context, self.sampling, self.vocab_fingerprint, first_token))
+        frame = wire.open_frame(context, self.sampling, self.vocab_fingerprint, first_token, self.output_start)
+        answer = await self.stream.exchange(frame)
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
         if (limits := wire.opened_limits(answer.opened)) is not None:

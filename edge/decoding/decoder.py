@@ -38,6 +38,7 @@ from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, StopSequences
 from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
 from common.decoding.speculative_round import block_limit, draft_block, speculative_round
+from common.logits_processing import processor_for
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
@@ -198,7 +199,7 @@ class EdgeDecoder:
                 log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
                 use.mark_degraded(err.reason)
                 retry_at = time.monotonic() + settings.cloud_retry_s
-            drafter = drafter or self._drafter(settings.decode.sampling)
+            drafter = drafter or self._drafter(settings.decode.sampling, generation.prompt_ids)
             # past the request's deadline (retry_at None) the draft goes on to the end
             while not generation.done and (retry_at is None or time.monotonic() < retry_at):
                 await speculative_round(generation, drafter, None, None, None)
@@ -208,7 +209,7 @@ class EdgeDecoder:
         finish = None
         sampling = generation.settings.sampling
         chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
-                                     deadline_at)
+                                     deadline_at, output_start=len(generation.prompt_ids))
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 generation.recorder.target_calls += len(chunk.token_ids)
@@ -218,10 +219,11 @@ class EdgeDecoder:
                     return None  # our own limit or stop: our own reason
         return finish
 
-    def _drafter(self, sampling: SamplingParams) -> Drafter:
+    def _drafter(self, sampling: SamplingParams, prompt_ids: list[int]) -> Drafter:
         return Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
                        self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
-                       self.make_companion() if self.make_companion is not None else None, offload=True)
+                       self.make_companion() if self.make_companion is not None else None, offload=True,
+                       processor=processor_for(sampling, prompt_ids))
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                          deadline_at: float | None) -> None:
@@ -232,7 +234,7 @@ class EdgeDecoder:
             use.mark_degraded("no_cloud")
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
-        drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support))
+        drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support), generation.prompt_ids)
         policy = None
         if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, drafter.verifier, self.cost_model)
@@ -248,7 +250,9 @@ class EdgeDecoder:
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                        support: int, deadline_at: float | None) -> CloudVerifier:
-        backend = CloudVerifier(self.cloud.session(generation.settings.sampling, self.vocab_fingerprint, deadline_at),
+        session = self.cloud.session(generation.settings.sampling, self.vocab_fingerprint, deadline_at,
+                                     output_start=len(generation.prompt_ids))
+        backend = CloudVerifier(session,
                                 generation.settings.verify_method, generation.settings.sampling,
                                 support, settings.cloud_retry_s, use)
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
