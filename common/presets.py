@@ -110,8 +110,17 @@ def gguf_path(name: str, cache_root: Path) -> Path:
 # `tiny-random-wide` has heads of 32 dimensions, the smallest vLLM's CPU attention kernels take (16 is refused).
 TINY_PRESETS = ("tiny-random", "tiny-random-draft", "tiny-random-wide")
 TINY_SEED = 1234
+# ChatML; with `tools`, a Hermes-style tools section (as Qwen2.5's) so that tool calling is testable on the tiny
+# models (common/tool_calls.py). Without tools and tool calls it renders exactly the plain ChatML turns.
+# transformers' Jinja drops a newline right after a block tag, hence the {{ '\\n' }}.
 _CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions. Their signatures:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each call, reply with\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
