@@ -273,7 +273,7 @@ class GrammarMatcher:
         """Float32 copy of logits [V] or [n, V] (every row at this state) with -inf where not allowed; allowed
         logits unchanged. GrammarError if nothing is allowed (the engine stopped on an error)."""
         if logits.shape[-1] != self.vocab_size:
-            raise GrammarError(f"logits have {logits.shape[-1]} columns, the grammar was compiled for {self.vocab_size}")
+            raise GrammarError(f"logits have {logits.shape[-1]} columns; the grammar has {self.vocab_size}")
         mask = self.allowed()
         if not bool(mask.any()):
             raise GrammarError(f"the grammar allows no token {self._state_words()}: the engine stopped")
@@ -286,7 +286,7 @@ class GrammarMatcher:
         tokens = [int(t) for t in tokens]
         rows = torch.zeros((len(tokens) + 1, self._layout.n_words), dtype=torch.int32)
         words = rows.numpy()
-        n_rows, advanced = len(tokens) + 1, 0
+        n_rows, advanced, mask = len(tokens) + 1, 0, self._mask
         try:
             for i, token in enumerate(tokens):
                 self._fill(rows[i])
@@ -299,6 +299,7 @@ class GrammarMatcher:
                 self._fill(rows[len(tokens)])
         finally:
             self.rollback(advanced)
+            self._mask = mask
         return self._layout.unpack(rows[:n_rows])
 
     def _advance(self, token: int) -> None:
@@ -306,7 +307,8 @@ class GrammarMatcher:
         if token == self._layout.eos_token_id or self._n_eos:
             self._n_eos += 1
         else:
-            self._engine.consume_token(token)
+            if not self._engine.consume_token(token):
+                raise GrammarError(f"the grammar engine refused an allowed token: {self._engine.get_error().strip()}")
             self._n_engine += 1
         self._mask = None
 

@@ -148,7 +148,8 @@ def test_fork_and_rollback_reach_the_same_masks(tiny: LoadedModel, compiler: Gra
     assert fork.finished and not matcher.finished
     fork.rollback(len(tokens) - 20)
     assert torch.equal(fork.allowed(), matcher.allowed())
-    assert torch.equal(torch.stack(_stepped_masks(fork, tokens[20:])), torch.stack(_stepped_masks(matcher, tokens[20:])))
+    rest = tokens[20:]
+    assert torch.equal(torch.stack(_stepped_masks(fork, rest)), torch.stack(_stepped_masks(matcher, rest)))
     with pytest.raises(GrammarError, match="cannot roll back"):
         matcher.rollback(matcher.n_tokens + 1)
 
