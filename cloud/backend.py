@@ -21,7 +21,9 @@ from cloud.frames import ServiceLimits, admit_sampling, check_output_start, chec
 from cloud.metrics import CloudMetrics
 from cloud.sessions import Session, SessionStore
 from common import wire
-from common.logits_processing import processor_for
+from common.grammar import GrammarCompiler
+from common.logits_processing import LogitsProcessor, processor_for
+from common.sampling_params import GrammarError, SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -33,6 +35,7 @@ class TargetBackend:
     limits: ServiceLimits
     store: SessionStore
     metrics: CloudMetrics
+    grammars: GrammarCompiler | None = None  # made at the first request with a grammar (it converts the tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -71,11 +74,11 @@ class TargetBackend:
         self.engine.check_sampling(sampling)
         prompt_ids = list(request.prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.limits)
-        output_start = check_output_start(request)
+        processor = self._processor(sampling, prompt_ids[:check_output_start(request)])
         if previous is not None:
             self.close(previous)
         session = self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv())
-        session.processor = processor_for(sampling, prompt_ids[:output_start])
+        session.processor = processor
         session.busy = True
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
@@ -169,13 +172,14 @@ class TargetBackend:
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         output_start = check_output_start(request)
+        processor = self._processor(sampling, context[:output_start])
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
         with self.store.generation(owner, self._whole_pages(len(context) + max_new)):
             self.update_gauges()
             try:
-                async for step in self.engine.generate(context, max_new, sampling, output_start):
+                async for step in self.engine.generate(context, max_new, sampling, processor):
                     self.store.check_kv("forward")
                     self.metrics.tokens_generated.inc()
                     if step.token in self.engine.info.eos_token_ids:
@@ -185,6 +189,16 @@ class TargetBackend:
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
+
+    def _processor(self, sampling: SamplingParams, prompt_ids: list[int]) -> LogitsProcessor | None:
+        """The request's grammar, bias and penalties over the target's logits; a grammar that does not compile
+        for the target's tokenizer is refused (INVALID_ARGUMENT, the compiler's words)."""
+        if sampling.grammar is not None and self.grammars is None:
+            self.grammars = GrammarCompiler(self.engine.tokenizer, self.vocab_size)
+        try:
+            return processor_for(sampling, prompt_ids, self.grammars)
+        except GrammarError as err:
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.grammar: {err}") from None
 
     def _whole_pages(self, tokens: int) -> int:
         """`tokens` rounded up to the engine's pages: what a Generate's cache allocates, so what it is charged."""

@@ -117,6 +117,7 @@ class TargetEngine(Protocol):
 
     name: str
     info: TargetInfo
+    tokenizer: Any  # the target's (transformers): what a grammar is compiled for
     # KV accounting for admission: what the session store charges per context token, and the unit it
     # allocates in; both 0 for an engine that sizes and evicts its own KV cache (vllm).
     kv_bytes_per_token: int
@@ -147,5 +148,5 @@ class TargetEngine(Protocol):
         """Keep the KV of the first `keep` context tokens only."""
 
     def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                 output_start: int) -> AsyncIterator[GeneratedToken]:
+                 processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
         """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token)."""

@@ -22,7 +22,7 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
-from common.logits_processing import processor_for
+from common.logits_processing import LogitsProcessor
 from common.sampling import SamplingParams
 
 
@@ -43,6 +43,7 @@ class ResidentEngine:
     def __post_init__(self) -> None:
         self._caches: weakref.WeakSet[ResidentKV] = weakref.WeakSet()  # every live per-session buffer pair
         self.info = target_info(self.target)
+        self.tokenizer = self.target.tokenizer
         self.kv_bytes_per_token = self.kv_layout.bytes_per_token
         self.kv_bytes_per_page = self.kv_layout.bytes_per_page
 
@@ -95,10 +96,10 @@ class ResidentEngine:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       output_start: int) -> AsyncIterator[GeneratedToken]:
-        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py)."""
+                       processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
+        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py);
+        `processor`: the request's grammar, bias and penalties."""
         generator = torch.Generator().manual_seed(sampling.seed)
-        processor = processor_for(sampling, context[:output_start])
         context = list(context)  # grows by each token: the penalties count it
         cache = self.new_session_kv()
         try:

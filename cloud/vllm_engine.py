@@ -52,6 +52,7 @@ from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, Gen
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
+from common.logits_processing import LogitsProcessor
 from common.models import eos_token_ids, model_dir, vocab_fingerprint
 from common.sampling import SamplingParams
 
@@ -112,9 +113,10 @@ class VllmEngine:
     kv_bytes_per_page = 0
 
     def __init__(self, llm: Any, info: TargetInfo, options: VllmOptions, metrics: CloudMetrics,
-                 on_batch: Callable[[ForwardStats], None] | None = None) -> None:
+                 on_batch: Callable[[ForwardStats], None] | None = None, tokenizer: Any = None) -> None:
         self.llm = llm
         self.info = info
+        self.tokenizer = tokenizer
         self.options = options
         self.metrics = metrics
         self.on_batch = on_batch  # every verify's ForwardStats, as the resident batcher reports its forwards
@@ -137,7 +139,7 @@ class VllmEngine:
         info = TargetInfo(spec, config.get_text_config().vocab_size, eos_token_ids(configured, tokenizer),
                           vocab_fingerprint(tokenizer))
         llm = AsyncLLM.from_engine_args(options.engine_args())
-        return cls(llm, info, options, metrics, on_batch)
+        return cls(llm, info, options, metrics, on_batch, tokenizer)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
@@ -208,11 +210,16 @@ class VllmEngine:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       output_start: int) -> AsyncIterator[GeneratedToken]:
+                       processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
         """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's)."""
         from vllm.sampling_params import RequestOutputKind
 
-        if sampling.shapes_logits and output_start < len(context):
+        if sampling.grammar is not None:
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "this cloud's vllm engine does not run mode target with structured output: vLLM's own "
+                             "grammar engine is not the one the speculative modes verify with; use a speculative mode "
+                             "or a cloud with --engine resident")
+        if processor is not None and processor.output_start < len(context):
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
                              "this cloud's vllm engine counts penalties over what it generates itself, and this "
                              "Generate continues earlier output: use a cloud with --engine resident")

@@ -39,57 +39,15 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from common.errors import SprinterError
+from common.sampling_params import GrammarError, GrammarSpec
 
 log = logging.getLogger(__name__)
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
 ANY_JSON_OBJECT = '{"type":"object"}'
+# JSON laid out one way: ", " between items, ": " after keys, no other whitespace. Flexible whitespace lets a
+# small model pad its JSON with newlines without end; a schema may choose otherwise with its own "x-guidance".
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 BITS_PER_WORD = 32
-
-
-class GrammarError(SprinterError, ValueError):
-    """A grammar or schema that does not compile or that the engine does not support, or a token the grammar
-    does not allow: the message names what is wrong. Refuse the request (or the token)."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request constrains its output to; two strings, hashable (the compiled-grammar cache's key)."""
-
-    kind: str
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in GRAMMAR_KINDS:
-            raise GrammarError(f"unknown grammar kind {self.kind!r}: expected one of {', '.join(GRAMMAR_KINDS)}")
-        if not isinstance(self.source, str):
-            raise GrammarError(f"a {self.kind} grammar's source is text, not {type(self.source).__name__}")
-        if self.kind == "json_object" and self.source:
-            raise GrammarError("a json_object grammar takes no source (any JSON object is allowed)")
-        if self.kind != "json_object" and not self.source.strip():
-            raise GrammarError(f"a {self.kind} grammar needs a source: it is empty")
-
-    @classmethod
-    def json_object(cls) -> GrammarSpec:
-        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
-        return cls("json_object", "")
-
-    @classmethod
-    def json_schema(cls, schema: dict) -> GrammarSpec:
-        """A JSON value that validates against `schema`. Key order is kept: it is the order properties come in."""
-        if not isinstance(schema, dict):
-            raise GrammarError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
-        try:
-            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            raise GrammarError(f"the JSON schema is not JSON: {err}") from err
-        return cls("json_schema", text)
-
-    @classmethod
-    def lark(cls, text: str) -> GrammarSpec:
-        """A Lark grammar (llguidance's dialect: `start` is the top rule; `%json{...}` embeds a JSON schema)."""
-        return cls("lark", text)
 
 
 @dataclass(frozen=True)
@@ -125,8 +83,10 @@ def _grammar_text(spec: GrammarSpec) -> str:
     try:
         if spec.kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
-        source = ANY_JSON_OBJECT if spec.kind == "json_object" else spec.source
-        return llguidance.LLMatcher.grammar_from_json_schema(source)
+        schema = json.loads(ANY_JSON_OBJECT if spec.kind == "json_object" else spec.source)
+        if isinstance(schema, dict):
+            schema.setdefault("x-guidance", JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
     except ValueError as err:
         raise GrammarError(f"the {spec.kind} grammar is not valid: {err}") from err
 

@@ -43,6 +43,7 @@ import torch
 
 from common.decoding.modes import VERIFY_METHODS
 from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
+from common.sampling_params import GrammarSpec
 from sprinter.v1 import decoding_pb2 as pb
 
 # -- verify methods -----------------------------------------------------------------------------------------
@@ -73,6 +74,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
                                    frequency_penalty=sampling.frequency_penalty)
     if sampling.repetition_penalty != 1.0:
         settings.repetition_penalty = sampling.repetition_penalty
+    if sampling.grammar is not None:
+        settings.grammar.CopyFrom(pb.Grammar(kind=sampling.grammar.kind, source=sampling.grammar.source))
     return settings
 
 
@@ -84,10 +87,11 @@ def top_p_of(settings: pb.SamplingSettings) -> float:
 def sampling_from_proto(settings: pb.SamplingSettings) -> SamplingParams:
     """The settings as `SamplingParams` (ValueError for values it refuses: check them first to say more)."""
     repetition = settings.repetition_penalty if settings.HasField("repetition_penalty") else 1.0
+    grammar = GrammarSpec(settings.grammar.kind, settings.grammar.source) if settings.HasField("grammar") else None
     return SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=top_p_of(settings),
                           seed=settings.seed, presence_penalty=settings.presence_penalty,
                           frequency_penalty=settings.frequency_penalty, repetition_penalty=repetition,
-                          logit_bias=tuple(sorted(settings.logit_bias.items())))
+                          logit_bias=tuple(sorted(settings.logit_bias.items())), grammar=grammar)
 
 
 def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:

@@ -16,7 +16,7 @@ def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: 
     """P(first `n_tokens` tokens) under the target with `sampling`, exactly (a sequence ends at EOS); the
     request's logit_bias and penalties, if it has any, transform each step's logits."""
     dist: dict[tuple[int, ...], float] = {}
-    processor = processor_for(sampling, prompt)
+    processor = processor_for(sampling, prompt, target.grammars if sampling.grammar else None)
 
     def expand(prefix: tuple[int, ...], p: float) -> None:
         if len(prefix) == n_tokens or (prefix and prefix[-1] in target.eos_token_ids):

@@ -24,7 +24,8 @@ from common.decoding.drafting import Drafter, next_token
 from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
-from common.logits_processing import processor_for
+from common.logits_processing import LogitsProcessor, processor_for
+from common.sampling_params import SamplingParams
 from common.models import LoadedModel, check_pair
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import ConfidenceVerifier, Verifier, verifier_for
@@ -80,10 +81,14 @@ class LocalEngine:
             raise ValueError(f"this engine has no {which} model")
         return model
 
+    def _processor(self, sampling: SamplingParams, prompt_ids: list[int], which: str) -> LogitsProcessor | None:
+        """The request's grammar, bias and penalties over `which` model's logits (each its own grammar matcher)."""
+        return processor_for(sampling, prompt_ids, self._model(which).grammars if sampling.grammar else None)
+
     def _autoregressive(self, generation: Generation, generator: torch.Generator) -> None:
         by_target = not generation.settings.traits.drafts  # else the draft decodes alone
         lm = CachedLM(self._model("target").model) if by_target else self.make_draft_lm(False)
-        processor = processor_for(generation.settings.sampling, generation.prompt_ids)
+        processor = self._processor(generation.settings.sampling, generation.prompt_ids, "target" if by_target else "draft")
         while not generation.done:
             logits = lm.advance_to(generation.context).logits[-1]
             if by_target:
@@ -99,11 +104,11 @@ class LocalEngine:
         settings = generation.settings
         companion = self.make_companion() if self.make_companion is not None else None
         verifier = verifier_for(self.verifier, settings.sampling.temperature)
-        processor = processor_for(settings.sampling, generation.prompt_ids)
+        processor = self._processor(settings.sampling, generation.prompt_ids, "draft")
         drafter = Drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
                           self.eos_token_ids, verifier, companion, processor=processor)
         target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule(),
-                             processor)
+                             self._processor(settings.sampling, generation.prompt_ids, "target"))
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
         policy = call_policy(settings, verifier, cost_model)
         generation.recorder.policy = policy.describe()

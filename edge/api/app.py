@@ -32,13 +32,16 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings, mode_of
-from common.prompting import encode_chat, encode_prompt
+from common.prompting import encode_prompt
+from common.sampling_params import GrammarError
+from common.tool_calls import ToolsUnsupported, render_chat
 from common.sampling import SamplingParams
 from edge.api.guards import ConcurrencyLimit, RequestGuard
 from edge.api.metrics import EdgeMetrics
+from edge.api.request_plan import RequestPlan, RequestRefused, plan_request
 from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, logit_bias_pairs,
                               openai_error, request_problem, sprinter_extension, usage)
-from edge.api.sse import DONE, ChunkFormat, IncrementalText
+from edge.api.sse import DONE, ChoiceDeltas, ChunkFormat
 from edge.cloud_link.client import CloudLinkError
 from edge.decoding.decoder import Degraded, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
@@ -76,6 +79,7 @@ class Reply:
     chat: bool
     prompt_tokens: int
     include_usage: bool = False  # streamed: stream_options.include_usage
+    parse_calls: bool = False  # the reply's tool calls become `tool_calls` (edge/api/request_plan.py)
 
 
 class GuardedStream(StreamingResponse):
@@ -132,10 +136,15 @@ class Completions:
         # One thread: a long prompt is tokenized off the event loop, and the tokenizer is never shared by two.
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
-    def settings(self, body: SamplingFields, prompt_tokens: int) -> EdgeSettings | JSONResponse:
+    def settings(self, body: SamplingFields, prompt_tokens: int, plan: RequestPlan) -> EdgeSettings | JSONResponse:
         """The request's decoding settings, or the 400 that says which field is wrong."""
         if problem := request_problem(body):
             return openai_error(400, problem[1], problem[0])
+        if plan.grammar is not None:
+            try:  # compiled once here (cached): a grammar the engine refuses is the request's mistake
+                self.node.draft.grammars.compile(plan.grammar)
+            except GrammarError as err:
+                return openai_error(400, f"{plan.grammar_field}: {err}", plan.grammar_field)
         mode = body.mode or self.api.default_mode
         if mode not in MODES:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
@@ -149,7 +158,8 @@ class Completions:
         except ValueError as err:
             return openai_error(400, str(err), "logit_bias")
         sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0,
-                                  body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias)
+                                  body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias,
+                                  plan.grammar)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
@@ -181,7 +191,7 @@ class Completions:
         return requested
 
     async def respond(self, request: Request, body: SamplingFields, encode: Callable[[], list[int]],
-                      chat: bool) -> Response:
+                      chat: bool, plan: RequestPlan) -> Response:
         if not self.slots.try_acquire():
             self.metrics.rejected.labels("busy").inc()
             return openai_error(429, f"{self.slots.limit} requests are in flight, this daemon's limit "
@@ -189,15 +199,20 @@ class Completions:
                                 "too_many_requests", {"Retry-After": "1"})
         handed_to_stream = False
         try:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, encode)
-            settings = self.settings(body, len(prompt_ids)) if prompt_ids else openai_error(
+            try:
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, encode)
+            except ToolsUnsupported as err:
+                self.metrics.rejected.labels("invalid").inc()
+                return openai_error(400, str(err), "tools")
+            settings = self.settings(body, len(prompt_ids), plan) if prompt_ids else openai_error(
                 400, "the prompt is empty: a completion continues at least one token", "prompt")
             if isinstance(settings, JSONResponse):
                 self.metrics.rejected.labels("invalid").inc()
                 return settings
             reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()),
                           self.api.model_name, chat, len(prompt_ids),
-                          body.stream_options is not None and body.stream_options.include_usage)
+                          body.stream_options is not None and body.stream_options.include_usage,
+                          plan.tools.parse_calls)
             if not body.stream:
                 return await self._whole(request, prompt_ids, settings, reply)
             response = await self._streamed(prompt_ids, settings, reply)
@@ -224,7 +239,8 @@ class Completions:
         self.metrics.observe(result)
         if result.error is not None and not result.token_ids:
             return refusal_response(result.error)
-        body = completion(reply.request_id, reply.created, reply.model, reply.chat, result, reply.prompt_tokens)
+        body = completion(reply.request_id, reply.created, reply.model, reply.chat, result, reply.prompt_tokens,
+                          reply.parse_calls)
         return JSONResponse(body, headers=degraded_headers(result.degraded_reason))
 
     async def _streamed(self, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
@@ -249,7 +265,7 @@ class Completions:
     async def stream(self, first: Any, items: AsyncIterator[Any], settings: EdgeSettings, reply: Reply,
                      finished: asyncio.Event) -> AsyncIterator[str]:
         chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat, reply.include_usage)
-        text = IncrementalText(self.node.draft.tokenizer, settings.stop)
+        deltas = ChoiceDeltas(self.node.draft.tokenizer, settings.stop, reply.parse_calls)
         degraded: str | None = None  # the reason, once the generation degraded
         if reply.chat:
             yield chunks.role()
@@ -258,8 +274,9 @@ class Completions:
             while not isinstance(item, EdgeResult):
                 if isinstance(item, Degraded):
                     degraded = item.reason
-                elif delta := text.push(item):
-                    yield chunks.event(delta, degraded=degraded)
+                else:
+                    for delta in deltas.push(item):
+                        yield chunks.event(delta, degraded=degraded)
                 item = await anext(items)
         except Exception as err:  # a bug of ours mid-stream: say so in the stream, and still end it properly
             log.exception("request %s failed mid-stream", reply.request_id)
@@ -268,9 +285,9 @@ class Completions:
             return
         finished.set()
         self.metrics.observe(item)
-        if tail := text.finish(item.text):
-            yield chunks.event(tail, degraded=degraded)
-        yield chunks.event(None, item.finish_reason, sprinter=sprinter_extension(item))
+        for delta in deltas.finish(item.text):
+            yield chunks.event(delta, degraded=degraded)
+        yield chunks.event(None, deltas.finish_reason(item.finish_reason), sprinter=sprinter_extension(item))
         if chunks.include_usage:
             yield chunks.usage(usage(reply.prompt_tokens, item))
         yield DONE
@@ -313,12 +330,22 @@ def create_app(node: EdgeNode, api: ApiSettings | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await service.respond(request, body, partial(encode_prompt, tokenizer, body.prompt, chat=False), False)
+        try:
+            plan = plan_request(body.response_format)
+        except RequestRefused as err:
+            return openai_error(400, str(err), err.param)
+        return await service.respond(request, body, partial(encode_prompt, tokenizer, body.prompt, chat=False), False,
+                                     plan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        return await service.respond(request, body, partial(encode_chat, tokenizer, messages), True)
+        try:
+            plan = plan_request(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls)
+        except RequestRefused as err:
+            return openai_error(400, str(err), err.param)
+        messages = [m.for_template() for m in body.messages]
+        return await service.respond(request, body, partial(render_chat, tokenizer, messages, plan.tools.tools), True,
+                                     plan)
 
     @app.get("/healthz")
     async def healthz() -> dict:

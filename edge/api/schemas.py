@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from common.tool_calls import parse_tool_calls
 from edge.decoding.decoder import EdgeResult
 
 MAX_STOP_SEQUENCES = 16
@@ -30,15 +31,58 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, calls: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return calls
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (OpenAI's shape; common/tool_calls.py converts the calls)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +107,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="vLLM's: 1 is off")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in [-100, 100]")
+    response_format: dict[str, Any] | None = Field(default=None, description="text, json_object or json_schema")
     stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
     # sprinter extensions
     mode: str | None = Field(default=None, max_length=32)
@@ -85,6 +130,9 @@ class CompletionRequest(SamplingFields):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _none_or(*allowed: Any) -> Callable[[Any], bool]:
@@ -97,8 +145,7 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
 NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
     "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
     "logprobs": _none_or(False), "top_logprobs": _none_or(0), "echo": _none_or(False), "best_of": _none_or(1),
-    "suffix": _none_or(""), "response_format": _none_or({"type": "text"}),
-    "tools": _none_or([]), "tool_choice": _none_or("none", "auto"), "parallel_tool_calls": _none_or(True, False),
+    "suffix": _none_or(""),
 }
 
 
@@ -154,10 +201,18 @@ def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
 
 
 def completion(request_id: str, created: int, model: str, chat: bool, result: EdgeResult,
-               prompt_tokens: int) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion object."""
+               prompt_tokens: int, parse_calls: bool = False) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion object; with `parse_calls` the reply's tool calls
+    become the message's `tool_calls` (finish_reason "tool_calls")."""
     finish = result.finish_reason
-    choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": finish}
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if parse_calls:
+        content, calls = parse_tool_calls(result.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+            finish = "tool_calls" if finish == "stop" else finish
+    choice = ({"index": 0, "message": message, "finish_reason": finish}
               if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage(prompt_tokens, result),

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from common.decoding.generation import StopSequences
+from common.tool_calls import ToolCallStream
 
 
 class IncrementalText:
@@ -90,13 +91,15 @@ class ChunkFormat:
         """A chat stream opens by naming the assistant's role."""
         return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def event(self, delta: str | None, finish: str | None = None, degraded: str | None = None, **extra: Any) -> str:
-        """One chunk; from the point a generation degrades, every chunk says so and why (`sprinter.degraded`,
-        `sprinter.degraded_reason`)."""
+    def event(self, delta: str | dict[str, Any] | None, finish: str | None = None, degraded: str | None = None,
+              **extra: Any) -> str:
+        """One chunk: text, or (chat) a whole delta object such as a tool call's; from the point a generation
+        degrades, every chunk says so and why (`sprinter.degraded`, `sprinter.degraded_reason`)."""
         if degraded and "sprinter" not in extra:
             extra["sprinter"] = {"degraded": True, "degraded_reason": degraded}
         if self.chat:
-            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+            content = {} if delta is None else delta if isinstance(delta, dict) else {"content": delta}
+            choice = {"index": 0, "delta": content, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         return self._line([choice], **extra)
@@ -104,6 +107,31 @@ class ChunkFormat:
     def usage(self, usage: dict[str, int]) -> str:
         """The chunk `include_usage` asks for, after the last choice: no choices, the whole request's usage."""
         return self._line([], usage=usage)
+
+
+class ChoiceDeltas:
+    """One choice's streamed deltas from its tokens: text (IncrementalText), or with `parse_calls` chat deltas where
+    the model's tool calls become `tool_calls` (common/tool_calls.py: ToolCallStream)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], parse_calls: bool) -> None:
+        self.text = IncrementalText(tokenizer, stop)
+        self.calls = ToolCallStream() if parse_calls else None
+
+    def push(self, tokens: list[int]) -> list[str | dict[str, Any]]:
+        return self._split(self.text.push(tokens))
+
+    def finish(self, final_text: str) -> list[str | dict[str, Any]]:
+        deltas = self._split(self.text.finish(final_text))
+        return deltas + (self.calls.finish() if self.calls is not None else [])
+
+    def finish_reason(self, reason: str) -> str:
+        """OpenAI's "tool_calls" when the reply called tools (and was not cut by a limit), else the generation's."""
+        return "tool_calls" if self.calls is not None and self.calls.made_calls and reason == "stop" else reason
+
+    def _split(self, text: str) -> list[str | dict[str, Any]]:
+        if not text:
+            return []
+        return [text] if self.calls is None else self.calls.push(text)
 
 
 DONE = "data: [DONE]\n\n"

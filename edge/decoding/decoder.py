@@ -223,7 +223,7 @@ class EdgeDecoder:
         return Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
                        self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
                        self.make_companion() if self.make_companion is not None else None, offload=True,
-                       processor=processor_for(sampling, prompt_ids))
+                       processor=processor_for(sampling, prompt_ids, self.draft.grammars if sampling.grammar else None))
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                          deadline_at: float | None) -> None:
