@@ -23,6 +23,7 @@ from cloud.sessions import Session, SessionStore
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
+from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarError, SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -97,9 +98,10 @@ class TargetBackend:
         self.update_gauges()
         return session, False
 
-    async def first_token(self, session: Session, abandoned: Abandoned | None = None) -> int:
+    async def first_token(self, session: Session,
+                          abandoned: Abandoned | None = None) -> tuple[int, TokenLogprob | None]:
         """The target's token after a freshly opened session's prompt, sampled with the session's generator
-        (as a Generate's first token is) and appended to its context."""
+        (as a Generate's first token is) and appended to its context; its logprob when the sampling asks."""
         session.busy = True
         try:
             self.store.grant_kv(session, session.length)
@@ -109,13 +111,14 @@ class TargetBackend:
             self.store.check_kv("forward")
             token = result.rows.shaped(session.processor, session.tokens, []).next_token(session.sampling,
                                                                                        session.generator)
+            logprob = next(iter(result.rows.logprobs(session.sampling, [token])), None)
             session.tokens.append(token)
         finally:
             session.busy = False
         self.metrics.tokens_generated.inc()
         self.store.enforce_budget(protect=session)
         self.update_gauges()
-        return token
+        return token, logprob
 
     async def verify(self, session: Session, frame: pb.VerifyBlock, abandoned: Abandoned | None = None) -> pb.Verdict:
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
@@ -142,7 +145,9 @@ class TargetBackend:
             keep = session.length + n_accepted
             self.engine.rollback(session, keep)
             session.cached_tokens = keep
-            session.tokens.extend(draft_tokens[:n_accepted] + [next_token])
+            kept = draft_tokens[:n_accepted] + [next_token]
+            logprobs = result.rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
+            session.tokens.extend(kept)
             session.last_verdict = (start_position, n_accepted, next_token)
         finally:
             session.busy = False
@@ -155,7 +160,8 @@ class TargetBackend:
         return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
                             verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
                             queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
-                            start_position=start_position, candidate=wire.candidate_after(frame) is not None)
+                            start_position=start_position, candidate=wire.candidate_after(frame) is not None,
+                            logprobs=logprobs)
 
     def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
@@ -182,10 +188,11 @@ class TargetBackend:
                 async for step in self.engine.generate(context, max_new, sampling, processor):
                     self.store.check_kv("forward")
                     self.metrics.tokens_generated.inc()
+                    logprobs = [step.logprob] if step.logprob is not None else []
                     if step.token in self.engine.info.eos_token_ids:
-                        yield wire.generate_chunk([step.token], step.step_ms, finish_reason="stop")
+                        yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs)
                         return
-                    yield wire.generate_chunk([step.token], step.step_ms)
+                    yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs)
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import torch
 
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams, logits_to_probs, sample
 
 Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
@@ -69,6 +70,13 @@ class TargetRows:
     argmax: torch.Tensor  # [n_logits] int64: the target's most likely token after each position
     logits: torch.Tensor | None  # [n_logits, V] float32, -inf outside the support asked for; None: greedy
 
+    def logprobs(self, sampling: SamplingParams, tokens: list[int]) -> tuple[TokenLogprob, ...]:
+        """The raw rows' logprobs of `tokens` (row i scored tokens[i]) and their top N, when the sampling asks
+        for logprobs (the engine then returned full logits: `reads_logits`); else none."""
+        if sampling.logprobs is None:
+            return ()
+        return tuple(logprobs_of(self.logits, tokens, sampling.logprobs))
+
     def shaped(self, processor: LogitsProcessor | None, context: list[int], block: list[int]) -> TargetRows:
         """The rows after the request's logit_bias and penalties (row i after context + block[:i]): what the rule
         and the sampler read. The engine returned full logits: the session's sampling `reads_logits`."""
@@ -110,6 +118,7 @@ class GeneratedToken:
 
     token: int
     step_ms: float  # the prefill is counted in the first step
+    logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
 
 
 class TargetEngine(Protocol):

@@ -112,8 +112,9 @@ class ResidentEngine:
             for _ in range(max_new):
                 result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=sampling.reads_logits)
                 token = result.rows.shaped(processor, context, []).next_token(sampling, generator)
+                logprob = next(iter(result.rows.logprobs(sampling, [token])), None)
                 context.append(token)
-                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms)
+                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob)
                 if token in self.info.eos_token_ids:
                     return
                 new_tokens, prefill_ms = [token], 0.0

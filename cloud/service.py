@@ -94,11 +94,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             raise CloudError(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; open the session elsewhere")
                         # shield: a client that cancels mid-prefill must not leave a half-built session
                         session, resumed = await asyncio.shield(backend.open(owner, frame.open, session, abandoned))
-                        first = None
+                        first, first_logprob = None, None
                         if frame.open.first_token and not resumed:
-                            first = await asyncio.shield(backend.first_token(session, abandoned))
+                            first, first_logprob = await asyncio.shield(backend.first_token(session, abandoned))
                         yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
-                                                first)
+                                                first, first_logprob)
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")

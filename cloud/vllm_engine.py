@@ -53,6 +53,7 @@ from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob
 from common.models import eos_token_ids, model_dir, vocab_fingerprint
 from common.sampling import SamplingParams
 
@@ -157,7 +158,8 @@ class VllmEngine:
 
     def support(self, sampling: SamplingParams) -> int:
         """K: how many logprobs per row make the session's distribution exact (module docstring)."""
-        if sampling.shapes_logits:  # a bias or a penalty can lift any token: the rule reads them all
+        if sampling.shapes_logits or sampling.logprobs is not None:
+            # a bias or a penalty can lift any token, and a kept token's logprob may lie outside any top K
             return self.info.vocab_size
         if sampling.greedy:
             return 1
@@ -171,7 +173,8 @@ class VllmEngine:
                              "--engine resident")
         k = self.support(sampling)
         if k > self.options.max_logprobs:
-            what = ("logit_bias or penalties (the whole vocabulary)" if sampling.shapes_logits else
+            what = ("logit_bias, penalties, a grammar or logprobs (the whole vocabulary)"
+                    if sampling.shapes_logits or sampling.logprobs is not None else
                     f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)")
             # INVALID_ARGUMENT, not FAILED_PRECONDITION: edges read that as a lost context and reopen
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -224,14 +227,15 @@ class VllmEngine:
                              "this cloud's vllm engine counts penalties over what it generates itself, and this "
                              "Generate continues earlier output: use a cloud with --engine resident")
 
-        params = self._params(max_new, logprobs=None, sampling=sampling)
+        params = self._params(max_new, logprobs=sampling.logprobs, sampling=sampling)
         params.output_kind = RequestOutputKind.DELTA
         params.stop_token_ids = sorted(self.info.eos_token_ids)
         started = time.perf_counter()
         async for output in self.llm.generate({"prompt_token_ids": context}, params, request_id=self._next_id()):
             now = time.perf_counter()
-            for token in output.outputs[0].token_ids:
-                yield GeneratedToken(token, (now - started) * 1e3)
+            rows = output.outputs[0].logprobs or [None] * len(output.outputs[0].token_ids)
+            for token, row in zip(output.outputs[0].token_ids, rows):
+                yield GeneratedToken(token, (now - started) * 1e3, _token_logprob(token, row, sampling.logprobs))
                 started = now
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
@@ -267,6 +271,14 @@ class VllmEngine:
 
     def _next_id(self) -> str:
         return f"sprinter-{next(self._request_ids)}"
+
+
+def _token_logprob(token: int, row: dict[int, Any] | None, top_n: int | None) -> TokenLogprob | None:
+    """vLLM's logprobs of a sampled token (raw, its default) as ours: the token's, then its top N by rank."""
+    if row is None or top_n is None:
+        return None
+    ranked = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in row.items())
+    return TokenLogprob(token, row[token].logprob, tuple((t, lp) for rank, t, lp in ranked if rank <= top_n))
 
 
 def _dense_logits(rows: list[dict[int, Any]], vocab_size: int) -> torch.Tensor:

@@ -72,6 +72,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     grammar: GrammarSpec | None = None  # structured output: only text the grammar allows
+    # the raw log-probability of each emitted token and of the top N at its place (common/logprobs.py); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -83,6 +85,8 @@ class SamplingParams:
         for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if not -2.0 <= value <= 2.0:  # also refuses NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs (the top N) must be in [0, 20], got {self.logprobs}")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         ids = [token for token, _ in self.logit_bias]
@@ -102,8 +106,8 @@ class SamplingParams:
 
     @property
     def reads_logits(self) -> bool:
-        """Whether picking a token needs the whole row of logits (else its argmax is all there is to read)."""
-        return not self.greedy or self.shapes_logits
+        """Whether a step needs the whole row of logits (else its argmax is all there is to read)."""
+        return not self.greedy or self.shapes_logits or self.logprobs is not None
 
     @property
     def greedy(self) -> bool:

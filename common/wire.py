@@ -43,6 +43,7 @@ import torch
 
 from common.decoding.modes import VERIFY_METHODS
 from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
+from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarSpec
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -76,6 +77,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
         settings.repetition_penalty = sampling.repetition_penalty
     if sampling.grammar is not None:
         settings.grammar.CopyFrom(pb.Grammar(kind=sampling.grammar.kind, source=sampling.grammar.source))
+    if sampling.logprobs is not None:
+        settings.logprobs = sampling.logprobs
     return settings
 
 
@@ -91,7 +94,8 @@ def sampling_from_proto(settings: pb.SamplingSettings) -> SamplingParams:
     return SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=top_p_of(settings),
                           seed=settings.seed, presence_penalty=settings.presence_penalty,
                           frequency_penalty=settings.frequency_penalty, repetition_penalty=repetition,
-                          logit_bias=tuple(sorted(settings.logit_bias.items())), grammar=grammar)
+                          logit_bias=tuple(sorted(settings.logit_bias.items())), grammar=grammar,
+                          logprobs=settings.logprobs if settings.HasField("logprobs") else None)
 
 
 def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:
@@ -200,10 +204,27 @@ def candidate_after(block: pb.VerifyBlock) -> tuple[int, int, int] | None:
 # -- cloud frames -----------------------------------------------------------------------------------------------
 
 
+def logprobs_to_proto(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(logprob=lp.logprob, top_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in logprobs]
+
+
+def logprobs_from_proto(entries: Sequence[pb.TokenLogprobs], tokens: Sequence[int]) -> list[TokenLogprob] | None:
+    """The target's logprobs of `tokens` (the frame's kept tokens, in order); None when the frame carries none."""
+    if not entries:
+        return None
+    if len(entries) != len(tokens):
+        raise ValueError(f"{len(entries)} logprob entries for {len(tokens)} tokens")
+    return [TokenLogprob(token, entry.logprob, tuple(zip(entry.top_ids, entry.top_logprobs)))
+            for token, entry in zip(tokens, entries)]
+
+
 def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
-                 first_token: int | None = None) -> pb.CloudFrame:
+                 first_token: int | None = None, first_token_logprob: TokenLogprob | None = None) -> pb.CloudFrame:
+    logprobs = logprobs_to_proto([first_token_logprob])[0] if first_token_logprob is not None else None
     return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
-                                                 limits=limits, resumed=resumed, first_token=first_token))
+                                                 limits=limits, resumed=resumed, first_token=first_token,
+                                                 first_token_logprobs=logprobs))
 
 
 def opened_limits(opened: pb.SessionOpened) -> CloudLimits | None:
@@ -216,11 +237,19 @@ def opened_first_token(opened: pb.SessionOpened) -> int | None:
     return opened.first_token if opened.HasField("first_token") else None
 
 
+def opened_first_logprob(opened: pb.SessionOpened) -> TokenLogprob | None:
+    """The first token's logprob, when the open brought one and the sampling asked for logprobs."""
+    if not opened.HasField("first_token") or not opened.HasField("first_token_logprobs"):
+        return None
+    return logprobs_from_proto([opened.first_token_logprobs], [opened.first_token])[0]
+
+
 def verdict(*, n_accepted: int, next_token: int, context_length: int, verify_ms: float, queue_ms: float,
-            cloud_batch_size: int, start_position: int, candidate: bool) -> pb.Verdict:
+            cloud_batch_size: int, start_position: int, candidate: bool,
+            logprobs: Sequence[TokenLogprob] = ()) -> pb.Verdict:
     return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=context_length,
                       verify_ms=verify_ms, queue_ms=queue_ms, cloud_batch_size=cloud_batch_size,
-                      start_position=start_position, candidate=candidate)
+                      start_position=start_position, candidate=candidate, logprobs=logprobs_to_proto(logprobs))
 
 
 def verdict_frame(judged: pb.Verdict) -> pb.CloudFrame:
@@ -268,8 +297,8 @@ def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_ne
                               max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
 
 
-def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0,
-                   finish_reason: str | None = None) -> pb.GenerateChunk:
+def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
+                   logprobs: Sequence[TokenLogprob] = ()) -> pb.GenerateChunk:
     """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
-                            finish_reason=finish_reason or "")
+                            finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs))

@@ -74,7 +74,7 @@ def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:
 
     monkeypatch.setattr(CloudVerifier, "verify", traced_verify)
 
-    def delivered(tokens: list[int]) -> None:
+    def delivered(released) -> None:
         tracer.window.clear()  # the verdict's tokens reached the client: the round is over
 
     with tracer, ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as server:

@@ -20,6 +20,7 @@ from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams, logits_to_probs, sample
 from common.verifier import DraftStep, Verifier, draft_confidence_features, reads_history
 
@@ -71,6 +72,16 @@ class PendingBlock:
 
     def __len__(self) -> int:
         return len(self.drafted)
+
+    def draft_logprobs(self, top_n: int | None, first: int = 0) -> list[TokenLogprob] | None:
+        """The draft's raw logprobs of tokens[first:] and their top N (for tokens no target judged); None when
+        the request asks for none."""
+        if top_n is None:
+            return None
+        rows = self.drafted[first:]
+        if not rows:
+            return []
+        return logprobs_of(torch.stack([d.step.logits for d in rows]), [d.token for d in rows], top_n, "draft")
 
 
 def draft_tokens(draft_lm: DraftLM, context: list[int], limit: int, sampling: SamplingParams,
@@ -144,7 +155,7 @@ class Drafter:
     processor: LogitsProcessor | None = None  # the request's logit_bias and penalties (common/logits_processing.py)
 
     async def draft(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                    judged: bool = True, on_passed: Callable[[int], None] | None = None,
+                    judged: bool = True, on_passed: Callable[[DraftedToken], None] | None = None,
                     prefix: PendingBlock | None = None) -> PendingBlock:
         """A pending block after `context` (see `draft_tokens`), continuing `prefix` if given; `on_passed` sees
         each token that does not end it."""
@@ -155,7 +166,7 @@ class Drafter:
         while (drafted := await self.next_step(steps)) is not None:
             block.drafted.append(drafted)
             if on_passed is not None and not drafted.ends_block:
-                on_passed(drafted.token)
+                on_passed(drafted)
         return block
 
     def steps(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,

@@ -17,10 +17,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common.decoding.modes import DecodeSettings
+from common.logprobs import TokenLogprob
 from common.stats import StatsRecorder
 
 
-def _ignore(tokens: list[int]) -> None:
+@dataclass(frozen=True)
+class Released:
+    """Tokens handed to the caller, in order, with their logprobs when the request asked for them."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+def _ignore(released: Released) -> None:
     """The default consumer: callers that only want the final result."""
 
 
@@ -65,13 +74,24 @@ class Generation:
     settings: DecodeSettings
     eos_token_ids: frozenset[int]
     recorder: StatsRecorder
-    emit: Callable[[list[int]], None] = _ignore  # receives each batch of delivered tokens, in order
+    emit: Callable[[Released], None] = _ignore  # receives each batch of delivered tokens, in order
     new_tokens: list[int] = field(default_factory=list)
     released: int = 0  # how many of new_tokens the caller already has
     context_limit: int | None = None  # tokens the context (prompt + new) may hold; None: no limit but max_new_tokens
     stop: StopSequences | None = None
     stopped: bool = False  # a stop sequence matched
     context_full: bool = False  # no block fits before context_limit any more (see `block_room`)
+    # one per new token when the request asks for logprobs (common/logprobs.py), else None
+    logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        if self.settings.sampling.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """N of the top N alternatives the request asks for per token; None: it asks for no logprobs."""
+        return self.settings.sampling.logprobs
 
     @property
     def context(self) -> list[int]:
@@ -107,23 +127,34 @@ class Generation:
         """OpenAI's: "stop" at EOS or a stop sequence, "length" otherwise (a limit, or cut short)."""
         return "stop" if self.ended_at_stop else "length"
 
-    def commit(self, start: int, tokens: list[int]) -> None:
-        """Replace new_tokens[start:] by `tokens` (a verdict's), cut at EOS or the length limit, deliver them.
+    def commit(self, start: int, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Replace new_tokens[start:] by `tokens` (a verdict's), cut at EOS or the length limit, deliver them;
+        `logprobs`, one per token, when the request asks for them.
 
-        Tokens released before a verdict (sprinter's passed tokens) are a prefix of what it keeps.
+        Tokens released before a verdict (sprinter's passed tokens) are a prefix of what it keeps; they keep the
+        logprobs they were released with.
         """
         if self.stopped:  # a passed token already completed a stop sequence: nothing after it counts
             return
         del self.new_tokens[start:]
         self.new_tokens.extend(tokens)
+        if self.logprobs is not None:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise ValueError("this generation keeps logprobs: every commit brings one per token")
+            released = self.logprobs[start:self.released]
+            self.logprobs[start:] = released + list(logprobs[len(released):])
         self._cut()
         self.release()
 
-    def append_final(self, token: int) -> None:
+    def append_final(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """A token no later verdict can take back (one sprinter's verifier passed): deliver it now."""
         if self.done:  # a stop sequence matched on an earlier passed token of this block
             return
         self.new_tokens.append(token)
+        if self.logprobs is not None:
+            if logprob is None:
+                raise ValueError("this generation keeps logprobs: a released token brings its own")
+            self.logprobs.append(logprob)
         self.release()
 
     def release(self) -> None:
@@ -131,9 +162,11 @@ class Generation:
             end = self.stop.match_end(self.new_tokens, self.released)
             if end is not None:
                 del self.new_tokens[end:]
+                self._trim_logprobs()
                 self.stopped = True
         if len(self.new_tokens) > self.released:
-            self.emit(self.new_tokens[self.released:])
+            logprobs = self.logprobs[self.released:] if self.logprobs is not None else None
+            self.emit(Released(self.new_tokens[self.released:], logprobs))
             self.recorder.emitted(len(self.new_tokens) - self.released)
             self.released = len(self.new_tokens)
 
@@ -145,3 +178,8 @@ class Generation:
                 limit = i + 1
                 break
         del self.new_tokens[limit:]
+        self._trim_logprobs()
+
+    def _trim_logprobs(self) -> None:
+        if self.logprobs is not None:
+            del self.logprobs[len(self.new_tokens):]

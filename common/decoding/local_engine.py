@@ -25,6 +25,7 @@ from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
 from common.logits_processing import LogitsProcessor, processor_for
+from common.logprobs import logprobs_of
 from common.sampling_params import SamplingParams
 from common.models import LoadedModel, check_pair
 from common.stats import DecodeStats, StatsRecorder
@@ -95,10 +96,12 @@ class LocalEngine:
                 generation.recorder.target_calls += 1
             else:
                 generation.recorder.draft_forwards += 1
-            if processor is not None:
-                logits = processor.next_row(logits, generation.context)
-            token, _ = next_token(logits, generation.settings.sampling, generator)
-            generation.commit(len(generation.new_tokens), [token])
+            shaped = processor.next_row(logits, generation.context) if processor is not None else logits
+            token, _ = next_token(shaped, generation.settings.sampling, generator)
+            top_n = generation.top_logprobs
+            logprobs = logprobs_of(logits[None], [token], top_n, "target" if by_target else "draft") \
+                if top_n is not None else None
+            generation.commit(len(generation.new_tokens), [token], logprobs)
 
     async def _speculative(self, generation: Generation, generator: torch.Generator) -> None:
         settings = generation.settings

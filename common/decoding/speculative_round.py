@@ -36,9 +36,10 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
-from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.drafting import DraftedToken, Drafter, PendingBlock
 from common.decoding.generation import Generation
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams, logits_to_probs
 from common.verification import VerifyRule
 
@@ -56,6 +57,7 @@ class Verdict:
     round_trip_ms: float | None  # what drafting waited; None when the call also paid for an open or a reopen
     target_logits: torch.Tensor | None = None  # [g + 1, V] along the block (local target only)
     p_target: torch.Tensor | None = None  # [g + 1, V] the distributions the rule read (local target only)
+    logprobs: list[TokenLogprob] | None = None  # the target's, of the n_accepted + 1 kept tokens, when asked
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,11 @@ class LocalTarget:
         p_target = logits_to_probs(shaped, self.sampling)  # [g + 1, V]
         n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft, p_target, self.generator)
         verify_ms = (time.perf_counter() - started) * 1e3
+        kept = block.tokens[:n_accepted] + [next_token]
+        logprobs = logprobs_of(target_logits, kept, self.sampling.logprobs) if self.sampling.logprobs is not None \
+            else None
         # In one process the round trip is the target's work alone: the cost model's rtt stays 0.
-        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, p_target)
+        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, p_target, logprobs)
 
 
 def block_limit(generation: Generation, verifying: bool) -> int:
@@ -117,7 +122,11 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
     drafted ahead: edge/decoding/pipeline.py), under the call policy. `cost_model` learns the drafting steps
     (pass None in the first round, whose drafting overlaps the prompt's prefill)."""
     # sprinter never checks a token its verifier passed: the client may have it at once.
-    on_passed = generation.append_final if generation.settings.traits.releases_passed else None
+    def on_passed(drafted: DraftedToken) -> None:  # the draft's logprob: no target judges a passed token
+        logprobs = PendingBlock([drafted]).draft_logprobs(generation.top_logprobs)
+        generation.append_final(drafted.token, logprobs[0] if logprobs else None)
+
+    on_passed = on_passed if generation.settings.traits.releases_passed else None
     prefix = PendingBlock(prefix.drafted[:limit]) if prefix is not None else None  # drafted for the room there was
     block = await drafter.draft(context, limit, policy, cost_model, verifying, on_passed, prefix)
     generation.recorder.draft_forwards += len(block) - (len(prefix) if prefix is not None else 0)
@@ -131,7 +140,7 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
     trip also paid the prompt's prefill: the cost model does not learn it as a round trip."""
     start = len(context) - len(generation.prompt_ids)
     if verdict is None:
-        generation.commit(start, block.tokens)
+        generation.commit(start, block.tokens, block.draft_logprobs(generation.top_logprobs))
         return
     generation.recorder.verified(len(block), verdict.n_accepted)
     if policy is not None:
@@ -140,7 +149,7 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
         cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
         if not first_round and verdict.round_trip_ms is not None:
             cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
-    generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token])
+    generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token], verdict.logprobs)
 
 
 async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,

@@ -41,7 +41,8 @@ from edge.api.metrics import EdgeMetrics
 from edge.api.request_plan import RequestPlan, RequestRefused, plan_request
 from edge.api.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields, completion, logit_bias_pairs,
                               openai_error, request_problem, sprinter_extension, usage)
-from edge.api.sse import DONE, ChoiceDeltas, ChunkFormat
+from edge.api.choices import ChoiceDeltas, LogprobFormat
+from edge.api.sse import DONE, ChunkFormat
 from edge.cloud_link.client import CloudLinkError
 from edge.decoding.decoder import Degraded, EdgeResult, EdgeSettings
 from edge.node import EdgeNode
@@ -80,6 +81,7 @@ class Reply:
     prompt_tokens: int
     include_usage: bool = False  # streamed: stream_options.include_usage
     parse_calls: bool = False  # the reply's tool calls become `tool_calls` (edge/api/request_plan.py)
+    logprobs: LogprobFormat | None = None  # how the tokens' logprobs are written, when the request asks for them
 
 
 class GuardedStream(StreamingResponse):
@@ -159,7 +161,7 @@ class Completions:
             return openai_error(400, str(err), "logit_bias")
         sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0,
                                   body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias,
-                                  plan.grammar)
+                                  plan.grammar, body.wanted_logprobs)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
@@ -212,7 +214,8 @@ class Completions:
             reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()),
                           self.api.model_name, chat, len(prompt_ids),
                           body.stream_options is not None and body.stream_options.include_usage,
-                          plan.tools.parse_calls)
+                          plan.tools.parse_calls,
+                          LogprobFormat(self.node.draft.tokenizer, chat) if body.wanted_logprobs is not None else None)
             if not body.stream:
                 return await self._whole(request, prompt_ids, settings, reply)
             response = await self._streamed(prompt_ids, settings, reply)
@@ -240,7 +243,7 @@ class Completions:
         if result.error is not None and not result.token_ids:
             return refusal_response(result.error)
         body = completion(reply.request_id, reply.created, reply.model, reply.chat, result, reply.prompt_tokens,
-                          reply.parse_calls)
+                          reply.parse_calls, reply.logprobs)
         return JSONResponse(body, headers=degraded_headers(result.degraded_reason))
 
     async def _streamed(self, prompt_ids: list[int], settings: EdgeSettings, reply: Reply) -> Response:
@@ -269,14 +272,20 @@ class Completions:
         degraded: str | None = None  # the reason, once the generation degraded
         if reply.chat:
             yield chunks.role()
-        item = first
+        item, text_offset = first, 0
         try:
             while not isinstance(item, EdgeResult):
                 if isinstance(item, Degraded):
                     degraded = item.reason
                 else:
-                    for delta in deltas.push(item):
-                        yield chunks.event(delta, degraded=degraded)
+                    pieces = deltas.push(item.tokens)
+                    logprobs = reply.logprobs.entries(item.logprobs, text_offset) \
+                        if reply.logprobs is not None and item.logprobs else None
+                    if logprobs is not None:  # the tokens' logprobs ride with their text, or come on their own
+                        text_offset += sum(len(reply.logprobs.text(lp.token)) for lp in item.logprobs)
+                        pieces = pieces or [""]
+                    for i, delta in enumerate(pieces):
+                        yield chunks.event(delta, degraded=degraded, logprobs=logprobs if i == 0 else None)
                 item = await anext(items)
         except Exception as err:  # a bug of ours mid-stream: say so in the stream, and still end it properly
             log.exception("request %s failed mid-stream", reply.request_id)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from common.tool_calls import parse_tool_calls
+from edge.api.choices import LogprobFormat, sources, whole_choice
 from edge.decoding.decoder import EdgeResult
 
 MAX_STOP_SEQUENCES = 16
@@ -124,8 +124,19 @@ class SamplingFields(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+    @property
+    def wanted_logprobs(self) -> int | None:
+        """The top N per token the request asks logprobs for; None: no logprobs."""
+        return None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str
+    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True, description="the top N per token (OpenAI: at most 5)")
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,6 +144,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _none_or(*allowed: Any) -> Callable[[Any], bool]:
@@ -144,7 +167,7 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
 # OpenAI fields accepted only with a value that asks for nothing; any other value is refused by name.
 NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
     "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
-    "logprobs": _none_or(False), "top_logprobs": _none_or(0), "echo": _none_or(False), "best_of": _none_or(1),
+    "echo": _none_or(False), "best_of": _none_or(1),
     "suffix": _none_or(""),
 }
 
@@ -192,6 +215,8 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
                  "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
+    if result.logprobs is not None:
+        extension["logprob_sources"] = sources(result.logprobs)
     return extension
 
 
@@ -201,19 +226,10 @@ def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
 
 
 def completion(request_id: str, created: int, model: str, chat: bool, result: EdgeResult,
-               prompt_tokens: int, parse_calls: bool = False) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion object; with `parse_calls` the reply's tool calls
-    become the message's `tool_calls` (finish_reason "tool_calls")."""
-    finish = result.finish_reason
-    message: dict[str, Any] = {"role": "assistant", "content": result.text}
-    if parse_calls:
-        content, calls = parse_tool_calls(result.text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.to_openai() for call in calls]
-            finish = "tool_calls" if finish == "stop" else finish
-    choice = ({"index": 0, "message": message, "finish_reason": finish}
-              if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
+               prompt_tokens: int, parse_calls: bool = False, logprobs: LogprobFormat | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion object (edge/api/choices.py: the choice)."""
+    entries = logprobs.entries(result.logprobs) if logprobs is not None and result.logprobs is not None else None
+    choice = whole_choice(0, result.text, result.finish_reason, chat, parse_calls, entries)
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage(prompt_tokens, result),
             "sprinter": sprinter_extension(result)}

@@ -9,7 +9,6 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from common.decoding.generation import StopSequences
-from common.tool_calls import ToolCallStream
 
 
 class IncrementalText:
@@ -87,51 +86,26 @@ class ChunkFormat:
         """OpenAI's in-stream error (the openai client raises it as an APIError)."""
         return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
-    def role(self) -> str:
-        """A chat stream opens by naming the assistant's role."""
-        return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    def role(self, index: int = 0) -> str:
+        """A chat stream opens by naming the assistant's role (once per choice)."""
+        return self._line([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
     def event(self, delta: str | dict[str, Any] | None, finish: str | None = None, degraded: str | None = None,
-              **extra: Any) -> str:
+              logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> str:
         """One chunk: text, or (chat) a whole delta object such as a tool call's; from the point a generation
         degrades, every chunk says so and why (`sprinter.degraded`, `sprinter.degraded_reason`)."""
         if degraded and "sprinter" not in extra:
             extra["sprinter"] = {"degraded": True, "degraded_reason": degraded}
         if self.chat:
             content = {} if delta is None else delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": content, "finish_reason": finish}
+            choice = {"index": index, "delta": content, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         return self._line([choice], **extra)
 
     def usage(self, usage: dict[str, int]) -> str:
         """The chunk `include_usage` asks for, after the last choice: no choices, the whole request's usage."""
         return self._line([], usage=usage)
-
-
-class ChoiceDeltas:
-    """One choice's streamed deltas from its tokens: text (IncrementalText), or with `parse_calls` chat deltas where
-    the model's tool calls become `tool_calls` (common/tool_calls.py: ToolCallStream)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], parse_calls: bool) -> None:
-        self.text = IncrementalText(tokenizer, stop)
-        self.calls = ToolCallStream() if parse_calls else None
-
-    def push(self, tokens: list[int]) -> list[str | dict[str, Any]]:
-        return self._split(self.text.push(tokens))
-
-    def finish(self, final_text: str) -> list[str | dict[str, Any]]:
-        deltas = self._split(self.text.finish(final_text))
-        return deltas + (self.calls.finish() if self.calls is not None else [])
-
-    def finish_reason(self, reason: str) -> str:
-        """OpenAI's "tool_calls" when the reply called tools (and was not cut by a limit), else the generation's."""
-        return "tool_calls" if self.calls is not None and self.calls.made_calls and reason == "stop" else reason
-
-    def _split(self, text: str) -> list[str | dict[str, Any]]:
-        if not text:
-            return []
-        return [text] if self.calls is None else self.calls.push(text)
 
 
 DONE = "data: [DONE]\n\n"

@@ -18,6 +18,7 @@ from common import wire
 from common.decoding.drafting import PendingBlock
 from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
+from common.logprobs import TokenLogprob
 from common.sampling import SamplingParams, SparseDistribution
 from edge.cloud_link.client import CloudLinkError, CloudUnavailable, DeadlinePassed
 from edge.cloud_link.session import CloudSession
@@ -95,8 +96,9 @@ class CloudVerifier:
         also brings the target's token after the context."""
         self.session.open_ahead(context, first_token=first_token)
 
-    async def opened_first_token(self) -> int | None:
-        """The target's token after the opened context, once the open brings it; None if it brought none."""
+    async def opened_first_token(self) -> tuple[int, TokenLogprob | None] | None:
+        """The target's token after the opened context (and its logprob, when asked), once the open brings it;
+        None if it brought none."""
         return await self.session.opened_first_token()
 
     async def send_candidate(self, block: PendingBlock, start_position: int, n_accepted: int, next_token: int,
@@ -130,7 +132,9 @@ class CloudVerifier:
             log.info("cloud is back")
             self.down_since = None
         round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
-        return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms)
+        kept = block.tokens[: verdict.n_accepted] + [verdict.next_token]
+        return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms,
+                       logprobs=wire.logprobs_from_proto(verdict.logprobs, kept))
 
     def _draft_dists(self, block: PendingBlock) -> list[SparseDistribution] | None:
         """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""

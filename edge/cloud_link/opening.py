@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from common.logprobs import TokenLogprob
+
 
 class EarlyOpen:
     """The open in flight, its failure, and the first token it brought."""
@@ -21,6 +23,7 @@ class EarlyOpen:
         self._task: asyncio.Task | None = None  # until the first verify takes it over
         self._failure: Exception | None = None
         self.first_token: int | None = None  # the target's token after the prompt, from an open that asked for it
+        self.first_logprob: TokenLogprob | None = None  # its logprob, when the sampling asked for logprobs
 
     def start(self, opening: Awaitable[None], failure_of: Callable[[Exception], Exception | None]) -> None:
         """Run `opening` now; `failure_of` says which of its exceptions the first verify is to meet (None: raise)."""
@@ -45,13 +48,13 @@ class EarlyOpen:
         """Still waiting for the cloud's answer (the next verify waits for it)."""
         return self._task is not None and not self._task.done()
 
-    async def token(self) -> int | None:
-        """The target's token after the prompt, once the open has answered; None if it failed or brought none
-        (its failure stays for the first verify). Taken once."""
+    async def token(self) -> tuple[int, TokenLogprob | None] | None:
+        """The target's token after the prompt and its logprob, once the open has answered; None if it failed
+        or brought none (its failure stays for the first verify). Taken once."""
         if self._task is not None:
             await asyncio.shield(self._task)
         token, self.first_token = self.first_token, None
-        return token
+        return None if token is None else (token, self.first_logprob)
 
     async def take_over(self) -> None:
         """The first verify's turn: wait for the open, and meet its failure as that verify's own."""

@@ -30,6 +30,7 @@ from typing import Protocol
 import grpc
 
 from common import wire
+from common.logprobs import TokenLogprob
 from common.sampling import SparseDistribution, SamplingParams
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify
@@ -98,9 +99,9 @@ class CloudSession:
             return err
         return self._stream_failure(err) if isinstance(err, STREAM_BROKE) else None
 
-    async def opened_first_token(self) -> int | None:
-        """The target's token after the prompt, once the early open has answered; None if it failed or the
-        cloud did not give one (its failure stays for the first verify to handle)."""
+    async def opened_first_token(self) -> tuple[int, TokenLogprob | None] | None:
+        """The target's token after the prompt (and its logprob, when asked), once the early open has answered;
+        None if it failed or the cloud did not give one (its failure stays for the first verify to handle)."""
         return await self.early.token()
 
     @property
@@ -128,6 +129,7 @@ class CloudSession:
             self.client.limits = limits
         self.session_id = answer.opened.session_id
         self.early.first_token = wire.opened_first_token(answer.opened)
+        self.early.first_logprob = wire.opened_first_logprob(answer.opened)
         self.opens += 1
 
     @property

@@ -31,11 +31,13 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from common import wire
 from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.decoding.drafting import Drafter, PendingBlock
-from common.decoding.generation import Generation, StopSequences
+from common.decoding.generation import Generation, Released, StopSequences
+from common.logprobs import TokenLogprob
 from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
 from common.decoding.speculative_round import block_limit, draft_block, speculative_round
 from common.logits_processing import processor_for
@@ -85,6 +87,7 @@ class EdgeResult:
     finish_reason: str = "length"  # OpenAI's: "stop" (EOS or a stop sequence) or "length" (a limit, or cut short)
     error: CloudLinkError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
     verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
     @property
     def degraded(self) -> bool:
@@ -128,7 +131,7 @@ class EdgeDecoder:
         known = [n for n in limits if n]
         return min(known) if known else None
 
-    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[list[int] | str | EdgeResult]:
+    async def stream(self, prompt_ids: list[int], settings: EdgeSettings) -> AsyncIterator[Released | Degraded | EdgeResult]:
         """Yield tokens as they are released, `Degraded` before the first unverified one; the last item is the EdgeResult."""
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self.generate(prompt_ids, settings, emit=queue.put_nowait,
@@ -142,7 +145,7 @@ class EdgeDecoder:
             task.cancel()
 
     async def generate(self, prompt_ids: list[int], settings: EdgeSettings,
-                       emit: Callable[[list[int]], None] = lambda tokens: None,
+                       emit: Callable[[Released], None] = lambda released: None,
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
@@ -163,7 +166,7 @@ class EdgeDecoder:
         text = self._decode(tokens)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
-                          use.degraded_reason, use.reopens, finish, use.error, verifier)
+                          use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -213,7 +216,8 @@ class EdgeDecoder:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 generation.recorder.target_calls += len(chunk.token_ids)
-                generation.commit(len(generation.new_tokens), list(chunk.token_ids))
+                generation.commit(len(generation.new_tokens), list(chunk.token_ids),
+                                  wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))
                 finish = chunk.finish_reason or None  # empty from a cloud that predates the field
                 if generation.done:
                     return None  # our own limit or stop: our own reason
@@ -289,10 +293,11 @@ class EdgeDecoder:
         drafting = asyncio.create_task(draft_block(generation, drafter, generation.context, limit, policy, None)
                                        ) if limit > 0 else None
         try:
-            token = await backend.opened_first_token()
-            if token is not None:
+            first = await backend.opened_first_token()
+            token = first[0] if first is not None else None
+            if first is not None:
                 generation.recorder.target_calls += 1
-                generation.commit(0, [token])
+                generation.commit(0, [token], [first[1]] if first[1] is not None else None)
             block = await drafting if drafting is not None else PendingBlock()
         finally:
             if drafting is not None:
