@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common.decoding.modes import POLICY_MODES, DecodeSettings, mode_of
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
-from edge.api.app import ApiSettings, Completions
+from edge.api.completions import ApiSettings, Completions
 from edge.fleet_agent import EdgeIdentity
 from edge.node import EdgeNode, VerifierSetup
 

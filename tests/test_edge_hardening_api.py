@@ -50,7 +50,7 @@ def metric(edge: EdgeDaemonThread, name: str) -> float:
 
 
 @pytest.mark.parametrize("field, value", [("seed", -1), ("seed", 2**64), ("top_k", 2**31), ("top_k", -2),
-                                          ("temperature", 3.5), ("max_tokens", 0), ("k", 99), ("n", 2),
+                                          ("temperature", 3.5), ("max_tokens", 0), ("k", 99), ("n", 17), ("n", 0),
                                           ("stop", [""]), ("stop", ["a"] * 17), ("policy", "x" * 100)])
 def test_out_of_range_fields_get_a_400_naming_them(edge, field, value):
     """Values that went into uint64/int32 proto fields used to fail there: HTTP 500."""

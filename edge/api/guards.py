@@ -95,11 +95,12 @@ class ConcurrencyLimit:
         self.limit = limit
         self.in_flight = 0
 
-    def try_acquire(self) -> bool:
-        if self.limit and self.in_flight >= self.limit:
+    def try_acquire(self, n: int = 1) -> bool:
+        """Take `n` places (a request's n generations) or none."""
+        if self.limit and self.in_flight + n > self.limit:
             return False
-        self.in_flight += 1
+        self.in_flight += n
         return True
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    def release(self, n: int = 1) -> None:
+        self.in_flight -= n

@@ -14,10 +14,10 @@ asks for nothing (`presence_penalty: 0`, `logprobs: null`...), which many client
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edge.api.choices import LogprobFormat, sources, whole_choice
 from edge.decoding.decoder import EdgeResult
@@ -44,28 +44,10 @@ class MessageToolCall(BaseModel):
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
+    content: str | list[TextPart]
     name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _calls_are_the_assistants(cls, calls: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
-        if calls is not None and info.data.get("role") != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return calls
-
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> "ChatMessage":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content may be null only in an assistant message with tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
 
     @property
     def text(self) -> str:
@@ -78,11 +60,38 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
+        return message
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None  # None: a turn that only called tools
+    tool_calls: list[MessageToolCall] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = super().for_template()
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str = Field(min_length=1, max_length=128)  # the call this result answers
+
+    def for_template(self) -> dict[str, Any]:
+        return {**super().for_template(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class StreamOptions(BaseModel):
@@ -102,7 +111,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=16, description="choices, generated at once, seeded seed, seed + 1, ...")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="vLLM's: 1 is off")
@@ -220,16 +229,23 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     return extension
 
 
-def usage(prompt_tokens: int, result: EdgeResult) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.token_ids),
-            "total_tokens": prompt_tokens + len(result.token_ids)}
+def usage(prompt_tokens: int, results: list[EdgeResult]) -> dict[str, int]:
+    """OpenAI's usage of a request: its prompt once, the completion tokens of all its choices."""
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(request_id: str, created: int, model: str, chat: bool, result: EdgeResult,
+def completion(request_id: str, created: int, model: str, chat: bool, results: list[EdgeResult],
                prompt_tokens: int, parse_calls: bool = False, logprobs: LogprobFormat | None = None) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion object (edge/api/choices.py: the choice)."""
-    entries = logprobs.entries(result.logprobs) if logprobs is not None and result.logprobs is not None else None
-    choice = whole_choice(0, result.text, result.finish_reason, chat, parse_calls, entries)
+    """A whole (non-streamed) completion or chat completion object with a choice per result
+    (edge/api/choices.py: the choice). With n > 1 the sprinter extension lists each choice's as `choices`."""
+    choices = []
+    for index, result in enumerate(results):
+        entries = logprobs.entries(result.logprobs) if logprobs is not None and result.logprobs is not None else None
+        choices.append(whole_choice(index, result.text, result.finish_reason, chat, parse_calls, entries))
+    extension = sprinter_extension(results[0])
+    if len(results) > 1:
+        extension["choices"] = [sprinter_extension(result) for result in results]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, result),
-            "sprinter": sprinter_extension(result)}
+            "model": model, "choices": choices, "usage": usage(prompt_tokens, results), "sprinter": extension}
