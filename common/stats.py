@@ -36,6 +36,7 @@ class DecodeStats:
     candidates_sent: int = 0
     candidate_hits: int = 0  # sent candidates the cloud verified with no round trip in between
     uplink_bytes: int = 0  # verify frames and candidates the edge wrote
+    downlink_bytes: int = 0  # session frames the edge read (opens, verdicts: logprobs make them longer)
 
     @property
     def ahead_hit_rate(self) -> float | None:
@@ -45,8 +46,13 @@ class DecodeStats:
     def uplink_bytes_per_token(self) -> float | None:
         return self.uplink_bytes / self.new_tokens if self.new_tokens and self.uplink_bytes else None
 
+    @property
+    def downlink_bytes_per_token(self) -> float | None:
+        return self.downlink_bytes / self.new_tokens if self.new_tokens and self.downlink_bytes else None
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "ahead_hit_rate": self.ahead_hit_rate, "uplink_bytes_per_token": self.uplink_bytes_per_token}
+        return {**asdict(self), "ahead_hit_rate": self.ahead_hit_rate, "uplink_bytes_per_token": self.uplink_bytes_per_token,
+                "downlink_bytes_per_token": self.downlink_bytes_per_token}
 
 
 def _mean(values: list[int]) -> float | None:
@@ -79,6 +85,7 @@ class StatsRecorder:
     candidates_sent: int = 0
     candidate_hits: int = 0
     uplink_bytes: int = 0
+    downlink_bytes: int = 0
 
     def emitted(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -126,6 +133,7 @@ class StatsRecorder:
             pipeline=self.pipeline, ahead_rounds=self.ahead_rounds, ahead_hits=self.ahead_hits,
             ahead_off_rounds=self.ahead_off_rounds,
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
+            downlink_bytes=self.downlink_bytes,
         )
 
 

@@ -91,6 +91,10 @@ class CloudVerifier:
     def uplink_bytes(self) -> int:
         return self.session.stream.uplink_bytes
 
+    @property
+    def downlink_bytes(self) -> int:
+        return self.session.stream.downlink_bytes
+
     def open_ahead(self, context: list[int], first_token: bool) -> None:
         """Open the session on `context` now (the cloud prefills while the edge drafts); `first_token`: the open
         also brings the target's token after the context."""

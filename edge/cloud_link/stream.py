@@ -36,6 +36,7 @@ class SessionStream:
         self.epoch = 0  # the epoch of the verify frame written last
         self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
         self.uplink_bytes = 0  # verify frames and candidates written: what send-ahead costs the link
+        self.downlink_bytes = 0  # frames read: opens and verdicts (what logprobs cost the link)
         self.has_candidates = False  # answers to candidates may still be on this call (see CloudSession._failure)
         self._write_lock = asyncio.Lock()  # a call takes one write at a time: candidates queue behind their block
 
@@ -69,6 +70,7 @@ class SessionStream:
             raise
         if answer is grpc.aio.EOF:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
+        self.downlink_bytes += answer.ByteSize()
         return answer
 
     async def send_candidate(self, frame: pb.VerifyBlock, epoch: int) -> bool:

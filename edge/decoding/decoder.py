@@ -250,6 +250,7 @@ class EdgeDecoder:
         finally:
             if backend is not None:
                 generation.recorder.uplink_bytes = backend.uplink_bytes
+                generation.recorder.downlink_bytes = backend.downlink_bytes
                 await backend.close()
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,

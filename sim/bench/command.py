@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline|features`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -10,6 +10,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
+    sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from common.devices import add_device_argument
 from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.runs import (run_cloud, run_draft, run_fleet, run_local, run_pipeline, run_policy, run_prefill,
-                            run_rollout)
+from sim.bench.runs import (run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline, run_policy,
+                            run_prefill, run_rollout)
 from sim.bench.settings import (LAYOUTS, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
@@ -51,6 +52,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_rollout(benches)
     _register_fleet(benches)
     _register_pipeline(benches)
+    _register_features(benches)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 
@@ -212,3 +214,16 @@ def _register_pipeline(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-request", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("results/bench-pipeline"))
     p.set_defaults(run=run_pipeline)
+
+
+def _register_features(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("features", help="what structured output, logprobs and tool calls cost, against plain requests",
+                           **_described("sim.bench.features"))
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    p.add_argument("--modes", type=names, default=("sd-block", "sprinter-exact"), help="comma list")
+    p.add_argument("--repeats", type=int, default=2, help="passes over the prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=Path("results/bench-features"))
+    p.set_defaults(run=run_features)

@@ -155,3 +155,15 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(table)
     publish_if_asked(args, table, (args.out / "pipeline.png",))
     return 0
+
+
+def run_features(args: argparse.Namespace) -> int:
+    from sim.bench import features
+    settings = features.FeaturesBenchSettings(target=args.target, draft=args.draft, dtype=args.dtype, modes=args.modes,
+                                              repeats=args.repeats, max_tokens=args.max_tokens, out=args.out)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress
+    table = features.bench_features(settings)
+    print(table)
+    print(f"\nwrote {args.out}/results.json and table.md")
+    publish_if_asked(args, table)
+    return 0

@@ -1,0 +1,165 @@
+"""`sprinter bench features`: what each OpenAI feature costs, against the same request without it.
+
+    sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
+
+The cloud and the edge run as processes, each pinned to a core of its own. Greedy chat requests go through
+the edge's API, interleaved: for every prompt and repeat, the plain request, then the same request with each
+feature (a JSON schema of 5 typed fields, logprobs with the top 5, a named tool call), in each mode. Prints
+tokens/s, target calls per token and the link's bytes per token (up and down) per feature and mode, each
+against the plain request, and the grammar's step cost per token (a mask and an advance, replayed on the
+outputs against the target's tokenizer). Writes OUT/results.json and OUT/table.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.grammar import GrammarCompiler
+from common.models import load_model
+from common.sampling_params import GrammarSpec
+from common.tool_calls import tool_call_lark
+from sim.processes import cloud_process, edge_daemon_process, free_port
+
+log = logging.getLogger(__name__)
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "height_m", "is_student", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5},
+                         "is_student": {"type": "boolean"}, "city": {"enum": ["Oslo", "Lima", "Pune", "Perth"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city", "unit"],
+                                                           "properties": {"city": {"type": "string", "maxLength": 24},
+                                                                          "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+PROMPTS = ("Describe a fictional student who lives in Oslo.", "Invent a person from Lima and describe them.",
+           "Tell me about someone tall from Perth.", "Make up a character from Pune, age and all.")
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                               "strict": True}}},
+    "logprobs_top5": {"logprobs": True, "top_logprobs": 5},
+    "tool_call": {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+}
+
+
+@dataclass(frozen=True)
+class FeaturesBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    modes: tuple[str, ...] = ("sd-block", "sprinter-exact")
+    repeats: int = 2
+    max_tokens: int = 64
+    out: Path = Path("results/bench-features")
+
+
+@dataclass
+class Run:
+    feature: str
+    mode: str
+    prompt: int
+    seconds: float
+    tokens: int
+    target_calls: int
+    uplink_bytes: int
+    downlink_bytes: int
+    text: str = field(repr=False, default="")
+    token_ids: list[int] = field(repr=False, default_factory=list)
+
+
+def bench_features(settings: FeaturesBenchSettings) -> str:
+    settings.out.mkdir(parents=True, exist_ok=True)
+    two_cores = (os.cpu_count() or 1) >= 2
+    edge_args = ["--draft", settings.draft, "--dtype", settings.dtype, "--verifier", "auto"]
+    with cloud_process("--target", settings.target, "--dtype", settings.dtype, log_path=settings.out / "cloud.log",
+                       cpus={0} if two_cores else None) as address:
+        with edge_daemon_process([*edge_args, "--cloud", address], free_port(), settings.out / "edge.log",
+                                 cpus={1} if two_cores else None) as edge:
+            runs = _drive(edge.base, settings)
+    steps = grammar_step_us(settings.target, [r for r in runs if r.feature in ("json_schema", "tool_call")])
+    (settings.out / "results.json").write_text(json.dumps({"settings": {**asdict(settings), "out": str(settings.out)},
+                                                           "grammar_step_us": steps,
+                                                           "runs": [asdict(r) for r in runs]}, indent=1))
+    table = format_table(runs, steps, settings)
+    (settings.out / "table.md").write_text(table + "\n")
+    return table
+
+
+def _drive(base: str, settings: FeaturesBenchSettings) -> list[Run]:
+    runs, total = [], len(PROMPTS) * settings.repeats * len(settings.modes) * len(FEATURES)
+    with httpx.Client(base_url=base, timeout=600) as client:
+        for repeat in range(settings.repeats):
+            for index, prompt in enumerate(PROMPTS):
+                for mode in settings.modes:
+                    for feature, fields in FEATURES.items():  # interleaved: drift hits every feature alike
+                        runs.append(_one(client, feature, fields, mode, index, prompt, settings.max_tokens))
+                        log.info("%d/%d %s %s: %.1f tokens/s", len(runs), total, mode, feature,
+                                 runs[-1].tokens / runs[-1].seconds)
+    return runs
+
+
+def _one(client: httpx.Client, feature: str, fields: dict[str, Any], mode: str, index: int, prompt: str,
+         max_tokens: int) -> Run:
+    body = {"model": "x", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "mode": mode, **fields}
+    started = time.perf_counter()
+    response = client.post("/v1/chat/completions", json=body)
+    seconds = time.perf_counter() - started
+    response.raise_for_status()
+    reply = response.json()
+    stats, message = reply["sprinter"]["stats"], reply["choices"][0]["message"]
+    text = message.get("content") or json.dumps(message.get("tool_calls"))
+    return Run(feature, mode, index, seconds, reply["usage"]["completion_tokens"], stats["target_calls"],
+               stats["uplink_bytes"], stats["downlink_bytes"], text, reply["sprinter"]["token_ids"])
+
+
+def grammar_step_us(target: str, runs: list[Run]) -> dict[str, float]:
+    """Median cost of one grammar step (the mask for the next token, then the advance) per feature, replayed on
+    the runs' own outputs with the target's tokenizer."""
+    loaded = load_model(target)
+    compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size)
+    specs = {"json_schema": GrammarSpec.json_schema(PERSON),
+             "tool_call": GrammarSpec.lark(tool_call_lark([WEATHER], FEATURES["tool_call"]["tool_choice"]))}
+    costs: dict[str, list[float]] = {}
+    for run in runs:
+        matcher = compiler.compile(specs[run.feature]).matcher()
+        for token in run.token_ids:
+            started = time.perf_counter()
+            allowed = matcher.allowed()
+            if not bool(allowed[token]):
+                break
+            matcher.accept(token)
+            costs.setdefault(run.feature, []).append((time.perf_counter() - started) * 1e6)
+    return {feature: sorted(values)[len(values) // 2] for feature, values in costs.items()}
+
+
+def format_table(runs: list[Run], steps: dict[str, float], settings: FeaturesBenchSettings) -> str:
+    lines = [f"Features against the plain request: target {settings.target}, draft {settings.draft}, "
+             f"{settings.dtype}, greedy, {len(PROMPTS)} prompts x {settings.repeats} repeats, up to "
+             f"{settings.max_tokens} tokens, interleaved.", "",
+             "| mode | feature | tokens/s | vs plain | target calls/token | vs plain | uplink B/token | "
+             "downlink B/token | grammar step us/token |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode in settings.modes:
+        plain = _totals([r for r in runs if r.mode == mode and r.feature == "plain"])
+        for feature in FEATURES:
+            t = _totals([r for r in runs if r.mode == mode and r.feature == feature])
+            step = f"{steps[feature]:.0f}" if feature in steps else "-"
+            lines.append(f"| {mode} | {feature} | {t['tokens_per_s']:.2f} | {t['tokens_per_s'] / plain['tokens_per_s']:.2f}x"
+                         f" | {t['calls_per_token']:.3f} | {t['calls_per_token'] / plain['calls_per_token']:.2f}x"
+                         f" | {t['uplink']:.1f} | {t['downlink']:.1f} | {step} |")
+    return "\n".join(lines)
+
+
+def _totals(runs: list[Run]) -> dict[str, float]:
+    tokens = sum(r.tokens for r in runs) or 1
+    return {"tokens_per_s": tokens / sum(r.seconds for r in runs), "calls_per_token": sum(r.target_calls for r in runs) / tokens,
+            "uplink": sum(r.uplink_bytes for r in runs) / tokens, "downlink": sum(r.downlink_bytes for r in runs) / tokens}
