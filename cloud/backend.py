@@ -23,9 +23,12 @@ from cloud.sessions import Session, SessionStore
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
-from common.logprobs import TokenLogprob
+from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling_params import GrammarError, SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
+
+
+PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo): [chunk, V] logits at a time
 
 
 @dataclass
@@ -84,7 +87,10 @@ class TargetBackend:
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
             self.store.grant_kv(session, len(prompt_ids), headroom_pages=2)
-            if len(prompt_ids) > 1:  # the last prompt token is fed with the first block
+            if len(prompt_ids) > 1 and sampling.prompt_logprobs is not None:  # echo: the prefill's rows are read
+                session.prompt_logprobs = await self._scored_prefill(session, prompt_ids, sampling.prompt_logprobs,
+                                                                     abandoned)
+            elif len(prompt_ids) > 1:  # the last prompt token is fed with the first block
                 await self.engine.prefill(session, prompt_ids[:-1], abandoned)
                 session.cached_tokens = len(prompt_ids) - 1
                 self.store.check_kv("forward")
@@ -97,6 +103,20 @@ class TargetBackend:
         self.store.enforce_budget(protect=session)
         self.update_gauges()
         return session, False
+
+    async def _scored_prefill(self, session: Session, prompt_ids: list[int], top_n: int,
+                              abandoned: Abandoned | None) -> list[TokenLogprob]:
+        """Prefill prompt_ids[:-1] in chunks whose rows score the next prompt token: its raw logprob and top N
+        (the logits of a chunk at a time, not of the whole prompt, are held)."""
+        scored: list[TokenLogprob] = []
+        fed = prompt_ids[:-1]
+        for start in range(0, len(fed), PROMPT_LOGPROB_CHUNK):
+            chunk = fed[start:start + PROMPT_LOGPROB_CHUNK]
+            result = await self.engine.forward(session, chunk, n_logits=len(chunk), abandoned=abandoned)
+            session.cached_tokens += len(chunk)
+            self.store.check_kv("forward")
+            scored += logprobs_of(result.rows.logits, prompt_ids[start + 1:start + 1 + len(chunk)], top_n)
+        return scored
 
     async def first_token(self, session: Session,
                           abandoned: Abandoned | None = None) -> tuple[int, TokenLogprob | None]:
@@ -190,9 +210,10 @@ class TargetBackend:
                     self.metrics.tokens_generated.inc()
                     logprobs = [step.logprob] if step.logprob is not None else []
                     if step.token in self.engine.info.eos_token_ids:
-                        yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs)
+                        yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs, step.prompt_logprobs)
                         return
-                    yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs)
+                    yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs,
+                                              prompt_logprobs=step.prompt_logprobs)
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()

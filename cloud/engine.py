@@ -119,6 +119,7 @@ class GeneratedToken:
     token: int
     step_ms: float  # the prefill is counted in the first step
     logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when the sampling asked for them (echo)
 
 
 class TargetEngine(Protocol):

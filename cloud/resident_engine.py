@@ -23,11 +23,15 @@ from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams
 
 
 def target_info(target: LoadedModel) -> TargetInfo:
     return TargetInfo(target.spec, target.vocab_size, target.eos_token_ids, vocab_fingerprint(target.tokenizer))
+
+
+PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo)
 
 
 @dataclass
@@ -81,6 +85,22 @@ class ResidentEngine:
             for cache in caches:
                 cache.release()
 
+    async def _prefill(self, cache: ResidentKV | PagedKV, context: list[int],
+                       top_n: int | None) -> tuple[TokenLogprob, ...]:
+        """The prompt but its last token into `cache`, apart from verify batches, like a session's; with `top_n`
+        (echo) chunk by chunk, each chunk's rows scoring the next prompt tokens."""
+        if len(context) < 2:
+            return ()
+        if top_n is None:
+            await self.batcher.prefill(cache, context[:-1])
+            return ()
+        scored: list[TokenLogprob] = []
+        for start in range(0, len(context) - 1, PROMPT_LOGPROB_CHUNK):
+            chunk = context[start:min(start + PROMPT_LOGPROB_CHUNK, len(context) - 1)]
+            result = await self.batcher.forward(cache, chunk, n_logits=len(chunk))
+            scored += logprobs_of(result.rows.logits, context[start + 1:start + 1 + len(chunk)], top_n)
+        return tuple(scored)
+
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: the forward returns full-vocabulary logits."""
 
@@ -105,8 +125,7 @@ class ResidentEngine:
         try:
             cache.reserve(len(context) + max_new)
             started = time.perf_counter()
-            if len(context) > 1:  # the prompt apart from verify batches, like a session's
-                await self.batcher.prefill(cache, context[:-1])
+            prompt_logprobs = await self._prefill(cache, context, sampling.prompt_logprobs)
             prefill_ms = (time.perf_counter() - started) * 1e3
             new_tokens = context[-1:]
             for _ in range(max_new):
@@ -114,9 +133,9 @@ class ResidentEngine:
                 token = result.rows.shaped(processor, context, []).next_token(sampling, generator)
                 logprob = next(iter(result.rows.logprobs(sampling, [token])), None)
                 context.append(token)
-                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob)
+                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob, prompt_logprobs)
                 if token in self.info.eos_token_ids:
                     return
-                new_tokens, prefill_ms = [token], 0.0
+                new_tokens, prefill_ms, prompt_logprobs = [token], 0.0, ()
         finally:
             cache.release()

@@ -40,6 +40,7 @@ from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.errors import SprinterError
 from common.logits_processing import LogitsProcessor
+from common.logprobs import TokenLogprob
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Session:
     last_verdict: tuple[int, int, int] | None = None
     # the request's logit_bias and penalties, counting from the open's output_start; None: none asked for
     processor: LogitsProcessor | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the open's answer when it asked (echo)
 
     @property
     def length(self) -> int:

@@ -158,7 +158,7 @@ class VllmEngine:
 
     def support(self, sampling: SamplingParams) -> int:
         """K: how many logprobs per row make the session's distribution exact (module docstring)."""
-        if sampling.shapes_logits or sampling.logprobs is not None:
+        if sampling.shapes_logits or sampling.logprobs is not None or sampling.prompt_logprobs is not None:
             # a bias or a penalty can lift any token, and a kept token's logprob may lie outside any top K
             return self.info.vocab_size
         if sampling.greedy:
@@ -174,7 +174,8 @@ class VllmEngine:
         k = self.support(sampling)
         if k > self.options.max_logprobs:
             what = ("logit_bias, penalties, a grammar or logprobs (the whole vocabulary)"
-                    if sampling.shapes_logits or sampling.logprobs is not None else
+                    if sampling.shapes_logits or sampling.logprobs is not None
+                    or sampling.prompt_logprobs is not None else
                     f"top_k {sampling.top_k}" if sampling.top_k else "no top_k (the whole vocabulary)")
             # INVALID_ARGUMENT, not FAILED_PRECONDITION: edges read that as a lost context and reopen
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -227,7 +228,8 @@ class VllmEngine:
                              "this cloud's vllm engine counts penalties over what it generates itself, and this "
                              "Generate continues earlier output: use a cloud with --engine resident")
 
-        params = self._params(max_new, logprobs=sampling.logprobs, sampling=sampling)
+        params = self._params(max_new, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
+                              sampling=sampling)
         params.output_kind = RequestOutputKind.DELTA
         params.stop_token_ids = sorted(self.info.eos_token_ids)
         started = time.perf_counter()
@@ -235,8 +237,9 @@ class VllmEngine:
             now = time.perf_counter()
             rows = output.outputs[0].logprobs or [None] * len(output.outputs[0].token_ids)
             for token, row in zip(output.outputs[0].token_ids, rows):
-                yield GeneratedToken(token, (now - started) * 1e3, _token_logprob(token, row, sampling.logprobs))
-                started = now
+                yield GeneratedToken(token, (now - started) * 1e3, _token_logprob(token, row, sampling.logprobs),
+                                     _prompt_logprobs(context, output, sampling.prompt_logprobs))
+                started, output.prompt_logprobs = now, None  # the prompt's come with the first token only
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                 sampling: SamplingParams | None = None) -> Any:
@@ -279,6 +282,14 @@ def _token_logprob(token: int, row: dict[int, Any] | None, top_n: int | None) ->
         return None
     ranked = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in row.items())
     return TokenLogprob(token, row[token].logprob, tuple((t, lp) for rank, t, lp in ranked if rank <= top_n))
+
+
+def _prompt_logprobs(context: list[int], output: Any, top_n: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM's prompt logprobs (the first position has none) as ours, for prompt tokens 2..n."""
+    rows = getattr(output, "prompt_logprobs", None)
+    if not rows or top_n is None:
+        return ()
+    return tuple(_token_logprob(token, row, top_n) for token, row in zip(context[1:], rows[1:]))
 
 
 def _dense_logits(rows: list[dict[int, Any]], vocab_size: int) -> torch.Tensor:

@@ -74,6 +74,7 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # structured output: only text the grammar allows
     # the raw log-probability of each emitted token and of the top N at its place (common/logprobs.py); None: none
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens, from the target's prefill (echo)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -85,8 +86,9 @@ class SamplingParams:
         for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if not -2.0 <= value <= 2.0:  # also refuses NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs (the top N) must be in [0, 20], got {self.logprobs}")
+        for name, top in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if top is not None and not 0 <= top <= 20:
+                raise ValueError(f"{name} (the top N) must be in [0, 20], got {top}")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         ids = [token for token, _ in self.logit_bias]
@@ -107,7 +109,7 @@ class SamplingParams:
     @property
     def reads_logits(self) -> bool:
         """Whether a step needs the whole row of logits (else its argmax is all there is to read)."""
-        return not self.greedy or self.shapes_logits or self.logprobs is not None
+        return not self.greedy or self.shapes_logits or self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:

@@ -282,10 +282,16 @@ def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def tool_call_lark(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> str:
+def tool_call_lark(tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                   tokenizer: PreTrainedTokenizerBase | None = None) -> str:
     """A Lark grammar (llguidance) for a reply that is only tool calls: "required" gives one or more calls of
     any of `tools`, a named choice ({"type": "function", "function": {"name": ...}}) exactly one call of that
-    function. Each call's arguments follow its tool's JSON schema. Check the request with `check_tools` first."""
+    function. Each call's arguments follow its tool's JSON schema. Check the request with `check_tools` first.
+
+    Where `tokenizer` has the call tags as tokens of their own (Qwen2.5's added `<tool_call>`), the grammar names
+    those tokens: llguidance reads an added token as a special one, which literal text never matches."""
+    added = tokenizer.get_added_vocab() if tokenizer is not None else {}
+    opening_tag, closing_tag = (_tag(CALL_OPEN, added), _tag(CALL_CLOSE, added))
     if choice == "required":
         chosen, start = list(tools), 'start: call ("\\n" call)*'
     elif isinstance(choice, dict):
@@ -297,13 +303,18 @@ def tool_call_lark(tools: list[dict[str, Any]], choice: str | dict[str, Any]) ->
         raise ToolRequestError(f"tool_choice: {choice!r} takes no grammar (only 'required' or a named function)")
     lines = [start, "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
     for i, tool in enumerate(chosen):
-        opening = json.dumps(f'{CALL_OPEN}\n{{"name": "{tool["function"]["name"]}", "arguments": ')
-        lines.append(f'call_{i}: {opening} arguments_{i} "}}\\n{CALL_CLOSE}"')
+        opening = json.dumps(f'\n{{"name": "{tool["function"]["name"]}", "arguments": ')
+        lines.append(f'call_{i}: {opening_tag} {opening} arguments_{i} "}}\\n" {closing_tag}')
         lines.append(f"arguments_{i}: %json {json.dumps(_arguments_schema(tool))}")
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------- checking
+
+
+def _tag(tag: str, added: dict[str, int]) -> str:
+    """A call tag in the grammar: the added token by id where the tokenizer has one, else the literal text."""
+    return f"<[{added[tag]}]>" if tag in added else json.dumps(tag)
 
 
 def _check_tool(index: int, tool: Any) -> str:

@@ -79,6 +79,8 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.SamplingSettings:
         settings.grammar.CopyFrom(pb.Grammar(kind=sampling.grammar.kind, source=sampling.grammar.source))
     if sampling.logprobs is not None:
         settings.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        settings.prompt_logprobs = sampling.prompt_logprobs
     return settings
 
 
@@ -95,7 +97,8 @@ def sampling_from_proto(settings: pb.SamplingSettings) -> SamplingParams:
                           seed=settings.seed, presence_penalty=settings.presence_penalty,
                           frequency_penalty=settings.frequency_penalty, repetition_penalty=repetition,
                           logit_bias=tuple(sorted(settings.logit_bias.items())), grammar=grammar,
-                          logprobs=settings.logprobs if settings.HasField("logprobs") else None)
+                          logprobs=settings.logprobs if settings.HasField("logprobs") else None,
+                          prompt_logprobs=settings.prompt_logprobs if settings.HasField("prompt_logprobs") else None)
 
 
 def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:
@@ -220,11 +223,13 @@ def logprobs_from_proto(entries: Sequence[pb.TokenLogprobs], tokens: Sequence[in
 
 
 def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
-                 first_token: int | None = None, first_token_logprob: TokenLogprob | None = None) -> pb.CloudFrame:
+                 first_token: int | None = None, first_token_logprob: TokenLogprob | None = None,
+                 prompt_logprobs: Sequence[TokenLogprob] = ()) -> pb.CloudFrame:
     logprobs = logprobs_to_proto([first_token_logprob])[0] if first_token_logprob is not None else None
     return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
                                                  limits=limits, resumed=resumed, first_token=first_token,
-                                                 first_token_logprobs=logprobs))
+                                                 first_token_logprobs=logprobs,
+                                                 prompt_logprobs=logprobs_to_proto(prompt_logprobs)))
 
 
 def opened_limits(opened: pb.SessionOpened) -> CloudLimits | None:
@@ -298,7 +303,8 @@ def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_ne
 
 
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
-                   logprobs: Sequence[TokenLogprob] = ()) -> pb.GenerateChunk:
+                   logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = ()) -> pb.GenerateChunk:
     """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
-                            finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs))
+                            finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
+                            prompt_logprobs=logprobs_to_proto(prompt_logprobs))

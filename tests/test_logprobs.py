@@ -104,3 +104,43 @@ def test_top_logprobs_without_logprobs_is_a_400(tiny_edge) -> None:
         _client(tiny_edge).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                    top_logprobs=2)
     assert "logprobs" in refused.value.body["message"]
+
+
+# --- echo: the prompt back, with the target's logprobs from its prefill --------------------------------------
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("mode", ["target", "sd-block"])
+def test_echo_returns_the_prompts_logprobs_from_the_targets_prefill(smollm2, smollm2_4_layers, mode) -> None:
+    prompt = "The capital of France is"
+    with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
+        api = ApiSettings(default_mode=mode, model_name="smollm2")
+        with EdgeDaemonThread(smollm2_4_layers, cloud.address, lambda node: create_app(node, api)) as daemon:
+            reply = _client(daemon).completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0,
+                                                       logprobs=TOP, echo=True)
+    choice = reply.choices[0]
+    prompt_ids = smollm2.tokenizer(prompt)["input_ids"]
+    assert choice.text.startswith(prompt)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    scored = choice.logprobs.token_logprobs[1:len(prompt_ids)]
+    with torch.inference_mode():
+        logits = smollm2.model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:])]
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scored, expected.tolist()))
+    assert len(choice.logprobs.tokens) == len(prompt_ids) + reply.usage.completion_tokens
+
+
+def test_echo_streams_the_prompt_first_and_refuses_streamed_logprobs(tiny_edge) -> None:
+    from openai import BadRequestError
+    client = _client(tiny_edge)
+    chunks = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="Hello there", max_tokens=4,
+                                                                    temperature=0, echo=True, stream=True) if c.choices]
+    assert chunks[0] == "Hello there"
+    whole = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True)
+    assert "".join(chunks) == whole.choices[0].text
+    with pytest.raises(BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="Hello", echo=True, logprobs=1, stream=True)
+    assert refused.value.body["param"] == "echo"
+    drafted = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0, echo=True,
+                                        logprobs=1, extra_body={"mode": "draft"})
+    assert drafted.choices[0].logprobs.token_logprobs[0] is None  # the draft's prefill scored the rest
+    assert all(v is not None for v in drafted.choices[0].logprobs.token_logprobs[1:])

@@ -159,3 +159,31 @@ def pvalue(seen: Counter, law: dict[tuple[int, ...], float]) -> float:
     mass = sum(law[c] for c in cells)
     total = sum(seen[c] for c in cells)
     return float(chisquare([seen[c] for c in cells], [law[c] / mass * total for c in cells]).pvalue)
+
+
+def test_the_vllm_engine_runs_each_feature_exactly_or_refuses_it() -> None:
+    """Penalties, bias, a grammar and logprobs need every row's whole vocabulary from vLLM (K = V, within
+    --max-logprobs); repetition_penalty scales raw logits, which vLLM's logprobs cannot give: refused."""
+    import grpc
+
+    from cloud.engine import TargetInfo
+    from cloud.errors import CloudError
+    from cloud.vllm_engine import VllmEngine, VllmOptions
+    from common.sampling_params import GrammarSpec
+
+    def engine(max_logprobs: int) -> VllmEngine:
+        return VllmEngine(None, TargetInfo("x", 300, frozenset({0}), "f"), VllmOptions("x", max_logprobs=max_logprobs),
+                          metrics=None)
+
+    wants_rows = [SamplingParams(presence_penalty=0.5), SamplingParams(logit_bias=((3, 1.0),)),
+                  SamplingParams(grammar=GrammarSpec.json_object()), SamplingParams(logprobs=2),
+                  SamplingParams(prompt_logprobs=0)]
+    for sampling in wants_rows:
+        assert engine(64).support(sampling) == 300
+        with pytest.raises(CloudError) as refused:
+            engine(64).check_sampling(sampling)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "whole vocabulary" in str(refused.value)
+        engine(300).check_sampling(sampling)  # the whole vocabulary within --max-logprobs: exact
+    with pytest.raises(CloudError, match="repetition_penalty"):
+        engine(300).check_sampling(SamplingParams(repetition_penalty=1.2))
+    assert engine(64).support(SamplingParams()) == 1  # plain greedy still reads the argmax alone

@@ -239,3 +239,22 @@ def test_a_model_without_a_tools_template_refuses_tools(smollm2) -> None:
         with pytest.raises(BadRequestError) as refused:
             client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
         assert refused.value.body["param"] == "tools" and "tools section" in refused.value.body["message"]
+
+
+@pytest.mark.smollm2
+def test_smollm2_json_schema_output_is_the_constrained_targets_and_validates(smollm2, smollm2_4_layers) -> None:
+    from openai import OpenAI
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age", "student"],
+              "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 99},
+                             "student": {"type": "boolean"}}}
+    with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
+        api = ApiSettings(default_mode="sd-block", model_name="smollm2")
+        with EdgeDaemonThread(smollm2_4_layers, cloud.address, lambda node: create_app(node, api)) as daemon:
+            client = OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0)
+            texts = {mode: client.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": "Describe a student as JSON."}], temperature=0,
+                max_tokens=48, response_format=_schema_format(person), extra_body={"mode": mode, "k": 4},
+            ).choices[0].message.content for mode in ("target", *LOSSLESS)}
+    jsonschema.validate(json.loads(texts["target"]), person)
+    assert all(text == texts["target"] for text in texts.values()), texts

@@ -69,7 +69,7 @@ def create_app(node: EdgeNode, api: ApiSettings | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         try:
-            plan = plan_request(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls)
+            plan = plan_request(body.response_format, body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
         except RequestRefused as err:
             return openai_error(400, str(err), err.param)
         messages = [m.for_template() for m in body.messages]

@@ -41,6 +41,14 @@ class LogprobFormat:
                 "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}
 
+    def echoed(self, prompt_ids: list[int], prompt_logprobs: list[TokenLogprob],
+               logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        """Completions' logprobs with `echo`: the prompt's tokens first (the first has no logprob, as OpenAI
+        returns it), then the completion's."""
+        first = {"tokens": [self.text(prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        rest = self.entries(list(prompt_logprobs) + list(logprobs or []), len(first["tokens"][0]))
+        return {key: first[key] + rest[key] for key in first}
+
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def one(token: int, logprob: float) -> dict[str, Any]:
             text = self.text(token)

@@ -72,6 +72,9 @@ class Completions:
         """The request's decoding settings, or the 400 that says which field is wrong."""
         if problem := request_problem(body):
             return openai_error(400, problem[1], problem[0])
+        if body.stream and body.echoed is not None and body.wanted_logprobs is not None:
+            return openai_error(400, "echo with logprobs is answered whole, not streamed: the prompt's logprobs come "
+                                "with the generation's end; send stream: false", "echo")
         if plan.grammar is not None:
             try:  # compiled once here (cached): a grammar the engine refuses is the request's mistake
                 self.node.draft.grammars.compile(plan.grammar)
@@ -91,7 +94,8 @@ class Completions:
             return openai_error(400, str(err), "logit_bias")
         sampling = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.seed or 0,
                                   body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias,
-                                  plan.grammar, body.wanted_logprobs)
+                                  plan.grammar, body.wanted_logprobs,
+                                  body.wanted_logprobs if body.echoed is not None else None)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
@@ -146,7 +150,7 @@ class Completions:
                           body.stream_options is not None and body.stream_options.include_usage,
                           plan.tools.parse_calls,
                           LogprobFormat(self.node.draft.tokenizer, chat) if body.wanted_logprobs is not None else None,
-                          settings.stop)
+                          settings.stop, (body.echoed, prompt_ids) if body.echoed is not None else None)
             choices = [choice_settings(settings, i) for i in range(body.n)]
             if not body.stream:
                 return await self._whole(request, prompt_ids, choices, reply)
@@ -178,7 +182,7 @@ class Completions:
         if refused := next((r for r in results if refused_before_a_token(r)), None):
             return refusal_response(refused.error)
         body = completion(reply.request_id, reply.created, reply.model, reply.chat, results, reply.prompt_tokens,
-                          reply.parse_calls, reply.logprobs)
+                          reply.parse_calls, reply.logprobs, reply.echo)
         degraded = next((r.degraded_reason for r in results if r.degraded), None)
         return JSONResponse(body, headers=degraded_headers(degraded))
 

@@ -56,8 +56,8 @@ def grammar_of(response_format: dict[str, Any] | None) -> GrammarSpec | None:
         raise RequestRefused("response_format", f"response_format.json_schema.schema: {err}") from None
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
-              grammar: GrammarSpec | None) -> tuple[ToolPlan, GrammarSpec | None]:
+def tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, grammar: GrammarSpec | None,
+              tokenizer: Any = None) -> tuple[ToolPlan, GrammarSpec | None]:
     """The tools' plan and the grammar the reply then follows (the calls' one, when tool_choice requires calls)."""
     try:
         check_tools(tools, tool_choice)
@@ -78,7 +78,7 @@ def tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
                                                     "several, and none would be dropped silently")
     if choice == "auto":
         return ToolPlan(tools, True), None
-    return ToolPlan(tools, True), GrammarSpec.lark(tool_call_lark(tools, choice))
+    return ToolPlan(tools, True), GrammarSpec.lark(tool_call_lark(tools, choice, tokenizer))
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class RequestPlan:
 
 
 def plan_request(response_format: dict[str, Any] | None, tools: Any = None, tool_choice: Any = None,
-                 parallel_tool_calls: bool | None = None) -> RequestPlan:
-    """The plan of a completion (no tools) or a chat completion; RequestRefused naming the field."""
+                 parallel_tool_calls: bool | None = None, tokenizer: Any = None) -> RequestPlan:
+    """The plan of a completion (no tools) or a chat completion; RequestRefused naming the field. `tokenizer`:
+    the model's, whose own tokens a tool-call grammar names."""
     grammar = grammar_of(response_format)
-    plan, constrained = tool_plan(tools, tool_choice, parallel_tool_calls, grammar)
+    plan, constrained = tool_plan(tools, tool_choice, parallel_tool_calls, grammar, tokenizer)
     return RequestPlan(constrained, "response_format" if constrained is grammar else "tools", plan)

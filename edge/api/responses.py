@@ -45,6 +45,7 @@ class Reply:
     parse_calls: bool = False  # the reply's tool calls become `tool_calls` (edge/api/request_plan.py)
     logprobs: LogprobFormat | None = None  # how the tokens' logprobs are written, when the request asks for them
     stop: tuple[str, ...] = ()
+    echo: tuple[str, list[int]] | None = None  # completions' echo: the prompt's text and ids, before the completion
 
 
 class GuardedStream(StreamingResponse):
@@ -135,9 +136,11 @@ async def stream_body(reply: Reply, tokenizer: Any, items: AsyncIterator[tuple[i
     """The `data:` lines of a streamed response over `n` choices."""
     chunks = ChunkFormat(reply.request_id, reply.created, reply.model, reply.chat, reply.include_usage)
     states = [ChoiceState(ChoiceDeltas(tokenizer, reply.stop, reply.parse_calls)) for _ in range(n)]
-    if reply.chat:
-        for index in range(n):
+    for index in range(n):
+        if reply.chat:
             yield chunks.role(index)
+        elif reply.echo is not None:  # the prompt first, as the completion's opening text
+            yield chunks.event(reply.echo[0], index=index)
     try:
         async for index, item in items:
             for line in _lines(chunks, reply, states[index], index, item):

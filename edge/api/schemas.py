@@ -138,14 +138,24 @@ class SamplingFields(BaseModel):
         """The top N per token the request asks logprobs for; None: no logprobs."""
         return None
 
+    @property
+    def echoed(self) -> str | None:
+        """The prompt text a response repeats before the completion (completions' `echo`); None: none."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str
     logprobs: int | None = Field(default=None, ge=0, le=20, strict=True, description="the top N per token (OpenAI: at most 5)")
+    echo: bool = Field(default=False, description="the prompt comes back before the completion (with its logprobs)")
 
     @property
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoed(self) -> str | None:
+        return self.prompt if self.echo else None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -176,7 +186,7 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
 # OpenAI fields accepted only with a value that asks for nothing; any other value is refused by name.
 NO_OP_FIELDS: dict[str, Callable[[Any], bool]] = {
     "user": lambda value: value is None or isinstance(value, str),  # an end-user id for abuse tracking
-    "echo": _none_or(False), "best_of": _none_or(1),
+    "best_of": _none_or(1),
     "suffix": _none_or(""),
 }
 
@@ -237,13 +247,20 @@ def usage(prompt_tokens: int, results: list[EdgeResult]) -> dict[str, int]:
 
 
 def completion(request_id: str, created: int, model: str, chat: bool, results: list[EdgeResult],
-               prompt_tokens: int, parse_calls: bool = False, logprobs: LogprobFormat | None = None) -> dict[str, Any]:
+               prompt_tokens: int, parse_calls: bool = False, logprobs: LogprobFormat | None = None,
+               echo: tuple[str, list[int]] | None = None) -> dict[str, Any]:
     """A whole (non-streamed) completion or chat completion object with a choice per result
-    (edge/api/choices.py: the choice). With n > 1 the sprinter extension lists each choice's as `choices`."""
+    (edge/api/choices.py: the choice). With n > 1 the sprinter extension lists each choice's as `choices`.
+    `echo`: the prompt's text and ids, put before each completion (and its logprobs before theirs)."""
     choices = []
     for index, result in enumerate(results):
         entries = logprobs.entries(result.logprobs) if logprobs is not None and result.logprobs is not None else None
-        choices.append(whole_choice(index, result.text, result.finish_reason, chat, parse_calls, entries))
+        text = result.text
+        if echo is not None:
+            text = echo[0] + text
+            if logprobs is not None and result.prompt_logprobs is not None:
+                entries = logprobs.echoed(echo[1], result.prompt_logprobs, result.logprobs)
+        choices.append(whole_choice(index, text, result.finish_reason, chat, parse_calls, entries))
     extension = sprinter_extension(results[0])
     if len(results) > 1:
         extension["choices"] = [sprinter_extension(result) for result in results]

@@ -40,6 +40,7 @@ class CloudUse:
     degraded_reason: str | None = None
     reopens: int = 0
     error: CloudLinkError | None = None  # the refusal that ended the generation early
+    prompt_logprobs: list[TokenLogprob] | None = None  # the target's, of prompt tokens 2..n, when asked (echo)
     finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
 
     @property
@@ -94,6 +95,11 @@ class CloudVerifier:
     @property
     def downlink_bytes(self) -> int:
         return self.session.stream.downlink_bytes
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The target's logprobs of prompt tokens 2..n from the session's first open, when the sampling asked."""
+        return self.session.prompt_logprobs
 
     def open_ahead(self, context: list[int], first_token: bool) -> None:
         """Open the session on `context` now (the cloud prefills while the edge drafts); `first_token`: the open

@@ -23,6 +23,8 @@ the decoding loop to carry on from the draft alone, and when the request's deadl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import logging
 import uuid
 from typing import Protocol
@@ -76,6 +78,7 @@ class CloudSession:
         # where the generation's tokens begin in every context this session opens with (the user's prompt length):
         # penalties count them, so a reopen with the full context says where they start
         self.output_start = output_start
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the first open's answer when the sampling asked (echo)
         self.deadline_at = deadline_at  # the request's own deadline (time.monotonic()); None: as long as it takes
         self.key = uuid.uuid4().hex  # what rendezvous hashing places this session by
         self.sampling = sampling
@@ -121,7 +124,9 @@ class CloudSession:
         self.stream.start(self.client)
         if self.abandoned is not None:
             await self._close_abandoned()
-        frame = wire.open_frame(context, self.sampling, self.vocab_fingerprint, first_token, self.output_start)
+        # only the first open asks for the prompt's logprobs: a reopen's context holds output too, already scored
+        sampling = self.sampling if self.opens == 0 else replace(self.sampling, prompt_logprobs=None)
+        frame = wire.open_frame(context, sampling, self.vocab_fingerprint, first_token, self.output_start)
         answer = await self.stream.exchange(frame)
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
@@ -130,6 +135,8 @@ class CloudSession:
         self.session_id = answer.opened.session_id
         self.early.first_token = wire.opened_first_token(answer.opened)
         self.early.first_logprob = wire.opened_first_logprob(answer.opened)
+        if self.opens == 0:
+            self.prompt_logprobs = wire.logprobs_from_proto(answer.opened.prompt_logprobs, context[1:])
         self.opens += 1
 
     @property

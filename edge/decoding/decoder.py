@@ -37,7 +37,7 @@ from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, Released, StopSequences
-from common.logprobs import TokenLogprob
+from common.logprobs import TokenLogprob, logprobs_of
 from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
 from common.decoding.speculative_round import block_limit, draft_block, speculative_round
 from common.logits_processing import processor_for
@@ -88,6 +88,7 @@ class EdgeResult:
     error: CloudLinkError | None = None  # the cloud's refusal that ended the generation early (finish_reason "length")
     verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 2..n, when the request asked (echo)
 
     @property
     def degraded(self) -> bool:
@@ -166,7 +167,20 @@ class EdgeDecoder:
         text = self._decode(tokens)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
-                          use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs)
+                          use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs,
+                          self._prompt_logprobs(prompt_ids, settings.decode.sampling, use))
+
+    def _prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams,
+                         use: CloudUse) -> list[TokenLogprob] | None:
+        """The logprobs of prompt tokens 2..n the request asked for (echo): the target's from its prefill, or
+        where no target gave them (mode draft, a cloud out of reach at the open) the draft's."""
+        if sampling.prompt_logprobs is None or len(prompt_ids) < 2:
+            return None
+        if use.prompt_logprobs is not None:
+            return use.prompt_logprobs
+        with torch.inference_mode():
+            logits = self.draft.model(torch.tensor([prompt_ids])).logits[0, :-1]  # [n - 1, V]
+        return logprobs_of(logits, prompt_ids[1:], sampling.prompt_logprobs, "draft")
 
     def _decode(self, tokens: list[int]) -> str:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -180,7 +194,7 @@ class EdgeDecoder:
         drafter, retry_at, busy = None, None, 0
         while not generation.done:
             try:
-                use.finish_reason = await self._cloud_generate(generation, deadline_at)
+                use.finish_reason = await self._cloud_generate(generation, deadline_at, use)
                 return
             except CloudRefused as err:
                 if err.code.name != "RESOURCE_EXHAUSTED" or not err.retry_after_s:
@@ -207,10 +221,12 @@ class EdgeDecoder:
             while not generation.done and (retry_at is None or time.monotonic() < retry_at):
                 await speculative_round(generation, drafter, None, None, None)
 
-    async def _cloud_generate(self, generation: Generation, deadline_at: float | None) -> str | None:
+    async def _cloud_generate(self, generation: Generation, deadline_at: float | None, use: CloudUse) -> str | None:
         """Stream the rest of the generation from the cloud; the cloud's finish_reason, if it sent one."""
         finish = None
         sampling = generation.settings.sampling
+        if generation.new_tokens:  # a later call continues the output: the prompt's logprobs came with the first
+            sampling = replace(sampling, prompt_logprobs=None)
         chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
                                      deadline_at, output_start=len(generation.prompt_ids))
         async with contextlib.aclosing(chunks):
@@ -218,6 +234,8 @@ class EdgeDecoder:
                 generation.recorder.target_calls += len(chunk.token_ids)
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))
+                if chunk.prompt_logprobs:
+                    use.prompt_logprobs = wire.logprobs_from_proto(chunk.prompt_logprobs, generation.prompt_ids[1:])
                 finish = chunk.finish_reason or None  # empty from a cloud that predates the field
                 if generation.done:
                     return None  # our own limit or stop: our own reason
@@ -251,6 +269,7 @@ class EdgeDecoder:
             if backend is not None:
                 generation.recorder.uplink_bytes = backend.uplink_bytes
                 generation.recorder.downlink_bytes = backend.downlink_bytes
+                use.prompt_logprobs = use.prompt_logprobs or backend.prompt_logprobs
                 await backend.close()
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,

@@ -128,7 +128,8 @@ def grammar_step_us(target: str, runs: list[Run]) -> dict[str, float]:
     loaded = load_model(target)
     compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size)
     specs = {"json_schema": GrammarSpec.json_schema(PERSON),
-             "tool_call": GrammarSpec.lark(tool_call_lark([WEATHER], FEATURES["tool_call"]["tool_choice"]))}
+             "tool_call": GrammarSpec.lark(tool_call_lark([WEATHER], FEATURES["tool_call"]["tool_choice"],
+                                                          loaded.tokenizer))}
     costs: dict[str, list[float]] = {}
     for run in runs:
         matcher = compiler.compile(specs[run.feature]).matcher()
