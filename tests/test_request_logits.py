@@ -187,3 +187,23 @@ def test_the_vllm_engine_runs_each_feature_exactly_or_refuses_it() -> None:
     with pytest.raises(CloudError, match="repetition_penalty"):
         engine(300).check_sampling(SamplingParams(repetition_penalty=1.2))
     assert engine(64).support(SamplingParams()) == 1  # plain greedy still reads the argmax alone
+
+
+def test_the_api_takes_penalties_and_bias_streamed_or_not(tiny_cloud, tiny_draft) -> None:
+    from openai import OpenAI
+
+    from edge.api.app import ApiSettings, create_app
+    from edge_harness import EdgeDaemonThread
+
+    fields = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logit_bias": {"5": 3.0, "17": -100},
+              "extra_body": {"repetition_penalty": 1.6, "k": 3}}
+    with EdgeDaemonThread(tiny_draft, tiny_cloud.address,
+                          lambda node: create_app(node, ApiSettings(default_mode="sd-block"))) as daemon:
+        client = OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="x", prompt="The quick brown fox", max_tokens=24, temperature=0, **fields)
+        whole = client.completions.create(**kw)
+        streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+        target = client.completions.create(**{**kw, "extra_body": {**fields["extra_body"], "mode": "target"}})
+        plain = client.completions.create(model="x", prompt="The quick brown fox", max_tokens=24, temperature=0)
+    assert whole.choices[0].text == "".join(streamed) == target.choices[0].text != plain.choices[0].text
+    assert 17 not in whole.model_extra["sprinter"]["token_ids"]  # a bias of -100 bars it

@@ -82,19 +82,29 @@ class Candidate:
     drafting_ms: float = 0.0  # what drafting it took: what the next round saves if it hits
 
 
+Shaping = Callable[[torch.Tensor, list[int]], torch.Tensor]  # logits [V] after a context -> transformed
+
+
 def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_ids: frozenset[int],
-                    bonus_guesses: int, rejections: bool) -> list[Outcome]:
-    """Outcomes of `block`'s verdict worth drafting for, likeliest first (none that ends the generation).
+                    bonus_guesses: int, rejections: bool, shape: Shaping | None = None,
+                    context: list[int] = ()) -> list[Outcome]:
+    """Outcomes of `block` (drafted after `context`)'s verdict worth drafting for, likeliest first (none that
+    ends the generation).
 
     P(all kept, bonus t) = prod a_i * q(t); P(x_1..x_n kept, then r) = prod_{i<=n} a_i * (1 - a_{n+1}) * q'(r),
     with a_i the scores the policy read, q the draft's distribution at T=1 and r the draft's likeliest
     token other than x_{n+1} (q' renormalised without x_{n+1}): the target's replacement, as best guessed.
+    `shape`: the request's logits processor (a grammar, penalties), so that no guess is a token the target
+    could not give there.
     """
+    def logits_at(raw: torch.Tensor, n: int) -> torch.Tensor:
+        return shape(raw, list(context) + block.tokens[:n]) if shape is not None else raw
+
     outcomes, survive = [], 1.0
     for n, drafted in enumerate(block.drafted):
         a = drafted.accept_prob if drafted.accept_prob is not None else 1.0
         if rejections:
-            q = torch.softmax(drafted.step.logits.float(), dim=-1)
+            q = torch.softmax(logits_at(drafted.step.logits, n).float(), dim=-1)
             rest = 1.0 - float(q[drafted.token])
             q[drafted.token] = 0.0
             replacement = int(q.argmax())
@@ -103,10 +113,10 @@ def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_i
         survive *= a
         if drafted.token in eos_token_ids:
             return sorted(outcomes, key=lambda o: -o.likelihood)  # accepted up to EOS, the generation ends
-    q = torch.softmax(bonus_logits.float(), dim=-1)
+    q = torch.softmax(logits_at(bonus_logits, len(block)).float(), dim=-1)
     top = q.topk(bonus_guesses)
     outcomes += [Outcome(len(block), int(t), survive * float(p)) for p, t in zip(top.values, top.indices)
-                 if int(t) not in eos_token_ids]
+                 if int(t) not in eos_token_ids and float(p) > 0]
     return sorted(outcomes, key=lambda o: -o.likelihood)
 
 
@@ -215,8 +225,10 @@ class PipelinedRounds:
             return []  # all kept would end the generation: nothing to draft for
         bonus_logits = (await asyncio.to_thread(self.drafter.draft_lm.advance_to, context + block.tokens)).logits[-1]
         generation.recorder.draft_forwards += 1
-        outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids,
-                                   BONUS_GUESSES if send else 1, rejections=send)
+        processor = self.drafter.processor
+        outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids, BONUS_GUESSES if send else 1,
+                                   rejections=send, shape=processor.next_row if processor is not None else None,
+                                   context=context)
         candidates: list[Candidate] = []
         for outcome in outcomes[: self.max_candidates if send else 1]:
             room = min(generation.settings.block_cap, generation.block_room - outcome.n_accepted - 1)
