@@ -9,6 +9,7 @@ skipped before its forward.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -204,16 +205,18 @@ class TargetBackend:
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
         with self.store.generation(owner, self._whole_pages(len(context) + max_new)):
             self.update_gauges()
+            # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
             try:
-                async for step in self.engine.generate(context, max_new, sampling, processor):
-                    self.store.check_kv("forward")
-                    self.metrics.tokens_generated.inc()
-                    logprobs = [step.logprob] if step.logprob is not None else []
-                    if step.token in self.engine.info.eos_token_ids:
-                        yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs, step.prompt_logprobs)
-                        return
-                    yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs,
-                                              prompt_logprobs=step.prompt_logprobs)
+                async with contextlib.aclosing(self.engine.generate(context, max_new, sampling, processor)) as steps:
+                    async for step in steps:
+                        self.store.check_kv("forward")
+                        self.metrics.tokens_generated.inc()
+                        logprobs = [step.logprob] if step.logprob is not None else []
+                        if step.token in self.engine.info.eos_token_ids:
+                            yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs, step.prompt_logprobs)
+                            return
+                        yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs,
+                                                  prompt_logprobs=step.prompt_logprobs)
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()

@@ -89,8 +89,8 @@ class SamplingParams:
         for name, top in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if top is not None and not 0 <= top <= 20:
                 raise ValueError(f"{name} (the top N) must be in [0, 20], got {top}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100.0:  # smaller divides logits past float32's range
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         ids = [token for token, _ in self.logit_bias]
         if ids != sorted(set(ids)) or any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
             raise ValueError("logit_bias: each token id once, in increasing order, with a bias in [-100, 100]")

@@ -74,6 +74,10 @@ def _message(draw: st.DrawFn, descriptor: Descriptor, depth: int):
         oneof = field.containing_oneof
         if oneof is not None and not oneof.name.startswith("_") and chosen_oneofs[oneof.name] != field.name:
             continue
+        if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            values[field.name] = draw(st.dictionaries(_field_value(key, depth), _field_value(value, depth), max_size=6))
+            continue
         if field.type == FieldDescriptor.TYPE_MESSAGE and depth >= 3:
             continue
         if _repeated(field):

@@ -80,7 +80,7 @@ def test_inputs_the_fuzzer_found(edge):
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", True), ("logprobs", 21), ("echo", True), ("best_of", 3),
+@pytest.mark.parametrize("field, value", [("logprobs", True), ("logprobs", 21), ("echo", 1), ("best_of", 3),
                                           ("presence_penalty", 2.5), ("logit_bias", {"5": 101}),
                                           ("logit_bias", {"hello": 1}), ("logit_bias", {"999999": 1}),
                                           ("frobnicate", 1), ("tools", [{"type": "function"}])])

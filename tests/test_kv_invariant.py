@@ -110,3 +110,24 @@ def test_a_breach_is_counted_and_raises_in_strict_mode():
     store.invariant.strict = True
     with pytest.raises(KVBudgetExceeded, match="1001 bytes > budget 1000, checked at: eviction"):
         store.enforce_budget()
+
+
+def test_a_generate_that_ends_at_eos_gives_its_pages_back_at_once(tiny_target):
+    """The stop path returned with the engine's generator suspended: its pages came back only when the generator
+    was collected, which a property run caught as pages missing at the end."""
+    async def program() -> None:
+        layout = KVLayout.of(tiny_target.model, page_tokens=PAGE, max_tokens=BUDGET_PAGES * PAGE)
+        budget = BUDGET_PAGES * layout.bytes_per_page
+        pool = KVPool(layout, budget, slack_tokens=4 * PAGE)
+        async with Batcher(tiny_target.model, max_batch=4) as batcher:
+            engine = ResidentEngine(tiny_target, batcher, layout, pool)
+            store = SessionStore(SessionLimits(kv_budget_bytes=budget), layout.bytes_per_token)
+            backend = TargetBackend(engine, ServiceLimits(max_context=BUDGET_PAGES * PAGE - 8), store, CloudMetrics())
+            eos = min(tiny_target.eos_token_ids)
+            request = pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=20,
+                                         sampling=pb.SamplingSettings(logit_bias={eos: 100.0}))
+            chunks = [chunk async for chunk in backend.generate("edge", request)]
+            assert chunks[-1].finish_reason == "stop" and list(chunks[-1].token_ids) == [eos]
+            assert pool.free_pages == pool.pages
+
+    asyncio.run(program())

@@ -114,7 +114,7 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16, description="choices, generated at once, seeded seed, seed + 1, ...")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="vLLM's: 1 is off")
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0, description="vLLM's: 1 is off")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in [-100, 100]")
     response_format: dict[str, Any] | None = Field(default=None, description="text, json_object or json_schema")
     stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_SEQUENCES} strings")
@@ -147,7 +147,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str
     logprobs: int | None = Field(default=None, ge=0, le=20, strict=True, description="the top N per token (OpenAI: at most 5)")
-    echo: bool = Field(default=False, description="the prompt comes back before the completion (with its logprobs)")
+    echo: bool = Field(default=False, strict=True, description="the prompt comes back before the completion (with its logprobs)")
 
     @property
     def wanted_logprobs(self) -> int | None:
