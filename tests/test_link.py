@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sim.link.netns import netem_available, netem_link
 from sim.link.proxy import ChunkEvent, LinkProxy
 from sim.link.shaping import DelaySampler, LinkSettings, TokenBucket
-from sim.link.units import parse_disconnect, parse_mbps, parse_ms, parse_probability
+from sim.link.units import parse_delay_change, parse_disconnect, parse_mbps, parse_ms, parse_probability
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Reconnect at once after the emulated disconnect instead of gRPC's default 1 s backoff.
@@ -277,3 +277,24 @@ def test_kernel_mode_with_netem() -> None:
             server.kill()
             server.wait()
     assert 0.035 <= float(result.stdout) <= 0.1  # a TCP handshake is one round trip: 2 * 20 ms
+
+
+def test_the_delay_changes_mid_run_on_schedule_and_by_hand() -> None:
+    """Placement must follow a changing RTT: the link's delay changes at a scheduled time, or when a test says."""
+    assert parse_delay_change("0.3:60ms") == (0.3, 60.0)
+    settings = LinkSettings(delay_ms=5, delay_changes=[parse_delay_change("0.4:60")])
+    assert settings.delay_at(0.39) == 5 and settings.delay_at(0.4) == 60
+    with pytest.raises(ValueError):
+        LinkSettings(delay_changes=((1, -5),))
+
+    async def main() -> None:
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
+        upstream = server.sockets[0].getsockname()[:2]
+        async with server, LinkProxy(settings, upstream) as link:
+            before = await echo_round_trip(link, b"x")
+            await asyncio.sleep(max(0.0, 0.45 - link._elapsed()))
+            after = await echo_round_trip(link, b"x")
+            link.change_delay(20)
+            by_hand = await echo_round_trip(link, b"x")
+        assert before < 0.05 and 0.11 <= after < 0.3 and 0.035 <= by_hand < 0.1, (before, after, by_hand)
+    run(main)

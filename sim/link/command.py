@@ -1,7 +1,7 @@
 r"""`sprinter link`: the link emulator alone, between any TCP client and its server.
 
     sprinter link --upstream 127.0.0.1:50051 --listen 127.0.0.1:7000 --delay-ms 25ms --jitter-ms 5ms \
-        --bandwidth-mbps 20mbit --loss 1% --disconnect 30:5
+        --bandwidth-mbps 20mbit --loss 1% --disconnect 30:5 --delay-change 60:100ms
 
 Clients connect to --listen and reach --upstream through the emulated link (sim.link.proxy);
 it runs until Ctrl-C, then logs what went through.
@@ -19,7 +19,8 @@ from typing import NoReturn
 
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.link.units import parse_address, parse_disconnect, parse_listen_address, parse_mbps, parse_ms, parse_probability
+from sim.link.units import (parse_address, parse_delay_change, parse_disconnect, parse_listen_address, parse_mbps,
+                            parse_ms, parse_probability)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--loss", type=_argument(parse_probability), default=0.0, help="e.g. 0.01 or 1%%")
     p.add_argument("--disconnect", type=_argument(parse_disconnect), action="append", default=[],
                    metavar="AT:DURATION", help="seconds after start; repeatable")
+    p.add_argument("--delay-change", type=_argument(parse_delay_change), action="append", default=[],
+                   metavar="AT:DELAY", help="from AT seconds after start, the one-way delay is DELAY; repeatable")
     p.add_argument("--seed", type=int, default=0)
     # Settings that parse but do not make a link (a loss of 2) are usage errors too: exit 2 with usage.
     p.set_defaults(run=functools.partial(run, fail=p.error))
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     try:
         settings = LinkSettings(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
                                 jitter_distribution=args.jitter_distribution, bandwidth_mbps=args.bandwidth_mbps,
-                                loss=args.loss, disconnects=tuple(args.disconnect), seed=args.seed)
+                                loss=args.loss, disconnects=tuple(args.disconnect), seed=args.seed,
+                                delay_changes=tuple(args.delay_change))
     except ValueError as err:
         fail(str(err))
     with contextlib.suppress(KeyboardInterrupt):

@@ -115,6 +115,7 @@ class LinkProxy:
                  listen: tuple[str, int] = ("127.0.0.1", 0),
                  on_chunk: Callable[[ChunkEvent], None] | None = None) -> None:
         self.settings = settings
+        self._delay_override: float | None = None  # change_delay's
         self.upstream = upstream
         self.listen = listen
         self.on_chunk = on_chunk
@@ -160,6 +161,18 @@ class LinkProxy:
 
     def _elapsed(self) -> float:
         return asyncio.get_running_loop().time() - self._started
+
+    def change_delay(self, delay_ms: float) -> None:
+        """From now on the one-way delay is `delay_ms` (over any scheduled change): a test's or a bench's hand."""
+        if not delay_ms >= 0:
+            raise ValueError(f"a delay is >= 0 ms, got {delay_ms!r}")
+        self._delay_override = delay_ms
+
+    def delay_ms_now(self) -> float:
+        """The one-way delay a chunk arriving now gets: a change made by hand, else the schedule's."""
+        if self._delay_override is not None:
+            return self._delay_override
+        return self.settings.delay_at(self._elapsed())
 
     async def _run_disconnects(self) -> None:
         for at, duration in sorted(self.settings.disconnects):
@@ -214,7 +227,7 @@ class LinkProxy:
             last = 0.0
             while chunk := await reader.read(CHUNK_BYTES):
                 arrival = loop.time()
-                delay = sampler.sample()
+                delay = sampler.sample(self.delay_ms_now())
                 if delay.stall_ms:
                     self.stats.stalls += 1
                 start = max(last, arrival + delay.total_ms / 1000)
@@ -224,7 +237,7 @@ class LinkProxy:
                     self.on_chunk(ChunkEvent(number, direction, len(chunk), arrival, delay, serialisation, last))
                 await pipe.put(last, chunk)
             # The FIN travels the link too: after the data, one delay later.
-            await pipe.put(max(last, loop.time() + self.settings.delay_ms / 1000), None)
+            await pipe.put(max(last, loop.time() + self.delay_ms_now() / 1000), None)
 
     async def _deliver(self, pipe: _Pipe, direction: Direction, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()

@@ -43,6 +43,8 @@ class LinkSettings:
     lose bytes, it waits for the retransmission timeout.
     `disconnects`: (at_s, duration_s) pairs, seconds since the proxy started: at at_s every open
     connection is reset, and new ones are refused until at_s + duration_s.
+    `delay_changes`: (at_s, delay_ms) pairs: from at_s on, the one-way delay is delay_ms (a link whose RTT
+    changes mid-run: placement and policies must follow it). Chunks already on the way keep their delivery.
     """
 
     delay_ms: float = 0.0
@@ -52,6 +54,7 @@ class LinkSettings:
     loss: float = 0.0
     disconnects: tuple[tuple[float, float], ...] = ()
     seed: int = 0
+    delay_changes: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("delay_ms", "jitter_ms"):
@@ -69,16 +72,34 @@ class LinkSettings:
             if not (math.isfinite(at) and at >= 0 and math.isfinite(duration) and duration > 0):
                 raise ValueError(f"a disconnect is (at_s >= 0, duration_s > 0), got {(at, duration)!r}")
         object.__setattr__(self, "disconnects", windows)  # lists and ints in, one canonical form out
+        changes = tuple(sorted((float(at), float(delay)) for at, delay in self.delay_changes))
+        for at, delay in changes:
+            if not (math.isfinite(at) and at >= 0 and math.isfinite(delay) and delay >= 0):
+                raise ValueError(f"a delay change is (at_s >= 0, delay_ms >= 0), got {(at, delay)!r}")
+        object.__setattr__(self, "delay_changes", changes)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
     @property
     def rto_ms(self) -> float:
         """The stall of one lost chunk: TCP's retransmission timeout, max(200 ms, 2 RTT)."""
-        return max(MIN_RTO_MS, 2 * (2 * self.delay_ms))
+        return rto_ms(self.delay_ms)
+
+    def delay_at(self, elapsed_s: float) -> float:
+        """The one-way delay in force `elapsed_s` after the proxy started (the latest change at or before it)."""
+        delay = self.delay_ms
+        for at, changed in self.delay_changes:
+            if at <= elapsed_s:
+                delay = changed
+        return delay
 
     def disconnected(self, elapsed_s: float) -> bool:
         return any(at <= elapsed_s < at + duration for at, duration in self.disconnects)
+
+
+def rto_ms(delay_ms: float) -> float:
+    """TCP's retransmission timeout on a link of one-way delay `delay_ms`: max(200 ms, 2 RTT)."""
+    return max(MIN_RTO_MS, 2 * (2 * delay_ms))
 
 
 @dataclass(frozen=True)
@@ -106,8 +127,10 @@ class DelaySampler:
         # A string seed is hashed with SHA-512: stable across runs and Python processes.
         return cls(settings, random.Random(f"{settings.seed}:{connection}:{direction}"))
 
-    def sample(self) -> ChunkDelay:
+    def sample(self, delay_ms: float | None = None) -> ChunkDelay:
+        """One chunk's latency; `delay_ms`: the delay in force now (a changed one), else the settings'."""
         s = self.settings
+        delay = s.delay_ms if delay_ms is None else delay_ms
         # Both draws happen whatever the settings, so changing `loss` does not shift the jitter sequence.
         if s.jitter_distribution == "normal":
             jitter = abs(self.rng.gauss(0.0, s.jitter_ms))
@@ -115,7 +138,7 @@ class DelaySampler:
             lomax_std = math.sqrt(PARETO_SHAPE / ((PARETO_SHAPE - 1) ** 2 * (PARETO_SHAPE - 2)))
             jitter = s.jitter_ms / lomax_std * (self.rng.paretovariate(PARETO_SHAPE) - 1.0)
         stalled = self.rng.random() < s.loss
-        return ChunkDelay(s.delay_ms, jitter, s.rto_ms if stalled else 0.0)
+        return ChunkDelay(delay, jitter, rto_ms(delay) if stalled else 0.0)
 
 
 class TokenBucket:

@@ -43,6 +43,15 @@ def parse_disconnect(text: str) -> tuple[float, float]:
     return _quantity(at, _TIME_S, "a time"), _quantity(duration, _TIME_S, "a duration")
 
 
+def parse_delay_change(text: str) -> tuple[float, float]:
+    """"AT:DELAY", seconds after start and the one-way delay from then on: "30:100ms", "1m:0.2s" is refused
+    (seconds at most), "30:100" (milliseconds)."""
+    at, sep, delay = text.partition(":")
+    if not sep:
+        raise ValueError(f"a delay change is AT:DELAY (seconds, then the new one-way delay), got {text!r}")
+    return _quantity(at, _TIME_S, "a time"), _quantity(delay, _TIME_MS, "a delay")
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """"host:port" or "[v6]:port" (no host: 127.0.0.1); a port out of 1-65535 is an argparse.ArgumentTypeError."""
     return _address(text, port)
