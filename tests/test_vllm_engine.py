@@ -222,11 +222,19 @@ def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path
                     return any(r["sessions"] for r in node.cloud.describe() if r["address"] == links[victim].address)
 
                 async def kill_when_busy():
-                    for _ in range(2000):
+                    for _ in range(4000):
                         if busy():
-                            await asyncio.sleep(0.2)  # the sessions there are past their open, mid-generation
-                            await asyncio.to_thread(victim.kill)
-                            return
+                            # Kill once verdicts flow there: the sessions are past their open, mid-generation. A
+                            # fixed wait was too short on a loaded machine: the kill landed in an open, which the
+                            # session then made elsewhere as its first (no reopen to count).
+                            seen = links[victim].stats.bytes_down
+                            for _ in range(500):
+                                if links[victim].stats.bytes_down - seen >= 200 or not busy():
+                                    break
+                                await asyncio.sleep(0.01)
+                            if busy():
+                                await asyncio.to_thread(victim.kill)
+                                return
                         await asyncio.sleep(0.01)
                     raise AssertionError("no session ever reached the replica to kill")
 
