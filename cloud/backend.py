@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from cloud.engine import Abandoned, TargetEngine
+from cloud.engine import Abandoned, TargetEngine, TargetRows, scored_prefill
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
@@ -24,12 +24,9 @@ from cloud.sessions import Session, SessionStore
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
-from common.logprobs import TokenLogprob, logprobs_of
+from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarError, SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
-
-
-PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo): [chunk, V] logits at a time
 
 
 @dataclass
@@ -107,17 +104,14 @@ class TargetBackend:
 
     async def _scored_prefill(self, session: Session, prompt_ids: list[int], top_n: int,
                               abandoned: Abandoned | None) -> list[TokenLogprob]:
-        """Prefill prompt_ids[:-1] in chunks whose rows score the next prompt token: its raw logprob and top N
-        (the logits of a chunk at a time, not of the whole prompt, are held)."""
-        scored: list[TokenLogprob] = []
-        fed = prompt_ids[:-1]
-        for start in range(0, len(fed), PROMPT_LOGPROB_CHUNK):
-            chunk = fed[start:start + PROMPT_LOGPROB_CHUNK]
+        """Prefill the session with prompt_ids[:-1], its rows scoring the prompt's tokens (echo)."""
+        async def forward(chunk: list[int]) -> TargetRows:
             result = await self.engine.forward(session, chunk, n_logits=len(chunk), abandoned=abandoned)
             session.cached_tokens += len(chunk)
             self.store.check_kv("forward")
-            scored += logprobs_of(result.rows.logits, prompt_ids[start + 1:start + 1 + len(chunk)], top_n)
-        return scored
+            return result.rows
+
+        return await scored_prefill(forward, prompt_ids, top_n)
 
     async def first_token(self, session: Session,
                           abandoned: Abandoned | None = None) -> tuple[int, TokenLogprob | None]:

@@ -21,7 +21,7 @@ the session in `check_sampling`, before anything is computed; it never approxima
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import torch
 
@@ -30,6 +30,7 @@ from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams, logits_to_probs, sample
 
 Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
+PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo): [chunk, V] logits at a time
 
 
 class Session(Protocol):
@@ -92,6 +93,19 @@ class TargetRows:
         if self.logits is None:
             raise ValueError("a sampled token needs the target's logits, and this forward brought back the argmax only")
         return sample(logits_to_probs(self.logits[-1], sampling), generator)
+
+
+async def scored_prefill(forward: Callable[[list[int]], Awaitable[TargetRows]], prompt_ids: list[int],
+                         top_n: int) -> list[TokenLogprob]:
+    """Feed prompt_ids[:-1] through `forward` (which appends a chunk to the cache and returns its rows) chunk by chunk,
+    each chunk's rows scoring the prompt tokens after it: their raw logprobs and top N (echo). Only a chunk's logits
+    are held at a time, not the whole prompt's."""
+    scored: list[TokenLogprob] = []
+    for start in range(0, len(prompt_ids) - 1, PROMPT_LOGPROB_CHUNK):
+        chunk = prompt_ids[start:min(start + PROMPT_LOGPROB_CHUNK, len(prompt_ids) - 1)]
+        rows = await forward(chunk)
+        scored += logprobs_of(rows.logits, prompt_ids[start + 1:start + 1 + len(chunk)], top_n)
+    return scored
 
 
 @dataclass(frozen=True)

@@ -17,21 +17,18 @@ from typing import AsyncIterator
 import torch
 
 from cloud.batcher import Batcher
-from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo
+from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo, TargetRows, scored_prefill
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.models import LoadedModel, vocab_fingerprint
 from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob, logprobs_of
+from common.logprobs import TokenLogprob
 from common.sampling import SamplingParams
 
 
 def target_info(target: LoadedModel) -> TargetInfo:
     return TargetInfo(target.spec, target.vocab_size, target.eos_token_ids, vocab_fingerprint(target.tokenizer))
-
-
-PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo)
 
 
 @dataclass
@@ -94,12 +91,10 @@ class ResidentEngine:
         if top_n is None:
             await self.batcher.prefill(cache, context[:-1])
             return ()
-        scored: list[TokenLogprob] = []
-        for start in range(0, len(context) - 1, PROMPT_LOGPROB_CHUNK):
-            chunk = context[start:min(start + PROMPT_LOGPROB_CHUNK, len(context) - 1)]
-            result = await self.batcher.forward(cache, chunk, n_logits=len(chunk))
-            scored += logprobs_of(result.rows.logits, context[start + 1:start + 1 + len(chunk)], top_n)
-        return tuple(scored)
+        async def forward(chunk: list[int]) -> TargetRows:
+            return (await self.batcher.forward(cache, chunk, n_logits=len(chunk))).rows
+
+        return tuple(await scored_prefill(forward, context, top_n))
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: the forward returns full-vocabulary logits."""

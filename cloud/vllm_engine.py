@@ -232,14 +232,14 @@ class VllmEngine:
                               sampling=sampling)
         params.output_kind = RequestOutputKind.DELTA
         params.stop_token_ids = sorted(self.info.eos_token_ids)
-        started = time.perf_counter()
+        started, first = time.perf_counter(), True
         async for output in self.llm.generate({"prompt_token_ids": context}, params, request_id=self._next_id()):
             now = time.perf_counter()
             rows = output.outputs[0].logprobs or [None] * len(output.outputs[0].token_ids)
             for token, row in zip(output.outputs[0].token_ids, rows):
-                yield GeneratedToken(token, (now - started) * 1e3, _token_logprob(token, row, sampling.logprobs),
-                                     _prompt_logprobs(context, output, sampling.prompt_logprobs))
-                started, output.prompt_logprobs = now, None  # the prompt's come with the first token only
+                prompt = _prompt_logprobs(context, output, sampling.prompt_logprobs) if first else ()
+                yield GeneratedToken(token, (now - started) * 1e3, _token_logprob(token, row, sampling.logprobs), prompt)
+                started, first = now, False  # the prompt's logprobs come with the first token only
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                 sampling: SamplingParams | None = None) -> Any:

@@ -17,7 +17,7 @@ Glossary:
 - mask: a bool tensor [V], True where a token may come next. Special tokens other than EOS never are.
 - EOS: the tokenizer's `eos_token_id`. Allowed exactly where the text so far is complete; the only token
   allowed once the grammar takes nothing more (`finished`). After an EOS only EOS is allowed, so a mask
-  is never empty in a well-formed state and `apply` never masks every logit.
+  is never empty in a well-formed state: a masked row (common/logits_processing.py) keeps a token.
 - block rows (`masks_along`): for a block of g tokens, the g + 1 masks before each token and after the
   whole block, the rows a verification rule reads (common/verification.py: p_target [g + 1, V]). The rows
   stop at the first token its row does not allow: that row is the last one returned (a verification rule
@@ -134,12 +134,6 @@ class GrammarCompiler:
         return CompiledGrammar(spec=spec, layout=self.layout, start=start)
 
 
-def compile_grammar(spec: GrammarSpec, tokenizer: object, vocab_size: int) -> CompiledGrammar:
-    """`spec` compiled for `tokenizer` (a transformers fast tokenizer) and a model of `vocab_size` logits.
-    Converts the tokenizer each call: a server keeps a `GrammarCompiler` instead."""
-    return GrammarCompiler(tokenizer, vocab_size, cache_size=1).compile(spec)
-
-
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A spec compiled for one tokenizer and V; `matcher()` starts a generation (a copy, microseconds)."""
@@ -228,16 +222,6 @@ class GrammarMatcher:
         twin._n_engine = self._n_engine
         twin._mask = self._mask
         return twin
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Float32 copy of logits [V] or [n, V] (every row at this state) with -inf where not allowed; allowed
-        logits unchanged. GrammarError if nothing is allowed (the engine stopped on an error)."""
-        if logits.shape[-1] != self.vocab_size:
-            raise GrammarError(f"logits have {logits.shape[-1]} columns; the grammar has {self.vocab_size}")
-        mask = self.allowed()
-        if not bool(mask.any()):
-            raise GrammarError(f"the grammar allows no token {self._state_words()}: the engine stopped")
-        return logits.float().masked_fill(~mask.to(logits.device), float("-inf"))
 
     def masks_along(self, tokens: Sequence[int]) -> torch.Tensor:
         """Bool [len(tokens) + 1, V]: the mask before each token of a block and after the whole block, the state

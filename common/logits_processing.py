@@ -35,6 +35,8 @@ class LogitsProcessor:
             raise ValueError("a request with a grammar needs its matcher, and only such a request has one")
         self.params = params
         self.output_start = len(prompt_ids)  # the context's tokens from here on are the output
+        self.prompt_ids = list(prompt_ids)
+        self._prompt_counts: dict[int, torch.Tensor] = {}  # per vocabulary width: the prompt never changes
         self.grammar = GrammarTrack(grammar) if grammar is not None else None
         self.bias_ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long)
         self.bias_values = torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32)
@@ -63,7 +65,9 @@ class LogitsProcessor:
         shaped[:, self.bias_ids[known]] += self.bias_values[known]
         p = self.params
         if p.repetition_penalty != 1.0:
-            seen = (counts + self._counts(context[: self.output_start], [], 1, vocab_size)) > 0
+            if vocab_size not in self._prompt_counts:
+                self._prompt_counts[vocab_size] = self._counts(self.prompt_ids, [], 1, vocab_size)
+            seen = (counts + self._prompt_counts[vocab_size]) > 0
             penalized = torch.where(shaped > 0, shaped / p.repetition_penalty, shaped * p.repetition_penalty)
             shaped = torch.where(seen, penalized, shaped)
         if p.frequency_penalty:

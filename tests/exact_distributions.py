@@ -1,10 +1,15 @@
-"""Exact references for the statistical tests: a target's distribution over its first tokens, and a near draft."""
+"""The statistical tests' parts: a target's exact distribution over its first tokens, a near draft, many seeded
+generations on an edge, and the chi-square of what they gave against the exact law."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from collections import Counter
+from typing import Callable
 
 import torch
+from scipy.stats import chisquare
 
 from common.logits_processing import processor_for
 from common.models import LoadedModel
@@ -43,3 +48,25 @@ def near_draft(target: LoadedModel, noise: float = 0.3, seed: int = 7) -> Loaded
         head = model.get_output_embeddings().weight
         head.add_(torch.randn(head.shape, generator=generator) * noise * head.std())
     return LoadedModel(target.spec, model, target.tokenizer)
+
+
+async def seeded_generations(node, prompt: list[int], n: int, settings_for: Callable[[int], object],
+                             at_once: int) -> list:
+    """EdgeResults of `n` generations of `prompt` on the edge `node`, generation i under `settings_for(i)` (its
+    EdgeSettings, seeded i), at most `at_once` in flight (within the cloud's streams and the draft's threads)."""
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(seed: int):
+        async with gate:
+            return await node.decoder.generate(prompt, settings_for(seed))
+
+    return await asyncio.gather(*(one(seed) for seed in range(n)))
+
+
+def chi_square_pvalue(seen: Counter, law: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of the observed sequences against `law` over its support (expected counts scaled to the
+    observed total there, so float rounding of the law's mass does not trip scipy's sum check)."""
+    cells = [c for c in sorted(law) if law[c] > 0]
+    mass = sum(law[c] for c in cells)
+    total = sum(seen[c] for c in cells)
+    return float(chisquare([seen[c] for c in cells], [law[c] / mass * total for c in cells]).pvalue)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec, compile_grammar
+from common.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
 from common.models import LoadedModel, load_model
 
 PERSON = {
@@ -185,23 +185,6 @@ def test_ids_past_the_tokenizer_are_never_allowed(tiny: LoadedModel) -> None:
     assert matcher.masks_along([65, 280, 65]).shape == (2, 300)
 
 
-# --- apply ----------------------------------------------------------------------------------------------------
-
-
-def test_apply_masks_the_rest_and_keeps_allowed_logits(tiny: LoadedModel, compiler: GrammarCompiler) -> None:
-    matcher = _person(compiler)
-    matcher.accept_all(_encode(tiny, '{"name": "x", "role": "'))
-    logits = torch.randn(3, tiny.model.config.vocab_size, generator=torch.Generator().manual_seed(0))
-    masked = matcher.apply(logits.bfloat16())
-    allowed = matcher.allowed()
-    assert masked.dtype == torch.float32 and masked.shape == logits.shape
-    assert torch.equal(masked[:, allowed], logits.bfloat16().float()[:, allowed])
-    assert torch.isneginf(masked[:, ~allowed]).all()
-    assert torch.equal(matcher.apply(logits[0]), matcher.apply(logits)[0])
-    with pytest.raises(GrammarError, match="columns"):
-        matcher.apply(logits[:, :-1])
-
-
 # --- compiling and refusing ---------------------------------------------------------------------------------
 
 
@@ -239,8 +222,8 @@ def test_compiler_caches_recent_grammars(tiny: LoadedModel) -> None:
     compiler.compile(GrammarSpec.json_object())
     compiler.compile(GrammarSpec.lark('start: "a"'))
     assert compiler.compile(GrammarSpec.json_schema(PERSON)) is not first
-    one_shot = compile_grammar(GrammarSpec.json_schema(PERSON), tiny.tokenizer, 259).matcher()
-    assert torch.equal(one_shot.allowed(), first.matcher().allowed())
+    fresh = GrammarCompiler(tiny.tokenizer, 259).compile(GrammarSpec.json_schema(PERSON)).matcher()
+    assert torch.equal(fresh.allowed(), first.matcher().allowed())  # the same spec, the same masks
 
 
 # --- property: random schemas, random walks -----------------------------------------------------------------

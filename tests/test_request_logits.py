@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
@@ -25,7 +25,7 @@ from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
-from exact_distributions import first_tokens_distribution, near_draft
+from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
 PENALIZED = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
@@ -132,33 +132,21 @@ def test_sampled_output_follows_the_penalized_target(tiny_cloud, tiny_target, mo
     unpenalized = first_tokens_distribution(tiny_target, prompt, SamplingParams(temperature=1.0, top_k=3), NEW_TOKENS)
     n = 300
 
+    def settings_for(seed: int) -> EdgeSettings:
+        return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=2,
+                                           sampling=replace(SAMPLED, seed=seed)))
+
     async def work(node: EdgeNode):
-        gate = asyncio.Semaphore(16)  # within the cloud's streams
-
-        async def one(seed: int):
-            sampling = SamplingParams(**{**SAMPLED.__dict__, "seed": seed})
-            decode = DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=2, sampling=sampling)
-            async with gate:
-                return await node.decoder.generate(prompt, EdgeSettings(decode))
-
-        return await asyncio.gather(*(one(seed) for seed in range(n)))
+        return await seeded_generations(node, prompt, n, settings_for, at_once=16)
 
     results = asyncio.run(_on_edge(tiny_cloud, near_draft(tiny_target), work))
     assert not any(r.degraded for r in results)
     seen = Counter(tuple(r.token_ids) for r in results)
     cells = sorted(set(exact) | set(unpenalized))
     assert set(seen) <= set(exact)
-    assert pvalue(seen, exact) > 1e-3
+    assert chi_square_pvalue(seen, exact) > 1e-3
     # the check has power: the unpenalized target's law is told apart
-    assert any(seen[c] and not unpenalized.get(c) for c in cells) or pvalue(seen, unpenalized) < 1e-6
-
-
-def pvalue(seen: Counter, law: dict[tuple[int, ...], float]) -> float:
-    """Chi-square p-value of the observed sequences against `law` (expected counts scaled to the observed total)."""
-    cells = [c for c in sorted(law) if law[c] > 0]
-    mass = sum(law[c] for c in cells)
-    total = sum(seen[c] for c in cells)
-    return float(chisquare([seen[c] for c in cells], [law[c] / mass * total for c in cells]).pvalue)
+    assert any(seen[c] and not unpenalized.get(c) for c in cells) or chi_square_pvalue(seen, unpenalized) < 1e-6
 
 
 def test_the_vllm_engine_runs_each_feature_exactly_or_refuses_it() -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from dataclasses import replace
 
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
-from scipy.stats import chisquare
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
@@ -29,7 +29,7 @@ from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge_harness import EdgeDaemonThread
-from exact_distributions import first_tokens_distribution, near_draft
+from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 from test_grammar import SCHEMAS
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
@@ -91,9 +91,9 @@ def test_json_schema_output_equals_the_constrained_target_in_every_mode(client) 
 
 
 def test_json_object_on_completions_parses(client) -> None:
-    text = client.completions.create(model="tiny", prompt="Data:", temperature=0, max_tokens=80,
-                                     extra_body={"response_format": {"type": "json_object"}}).choices[0].text
-    assert text.startswith("{")
+    choice = client.completions.create(model="tiny", prompt="Data:", temperature=0, max_tokens=200,
+                                       extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.text), dict)
 
 
 @pytest.mark.parametrize("response_format, words", [
@@ -121,33 +121,24 @@ def test_sampled_output_follows_the_constrained_target(tiny_cloud, tiny_target, 
     exact = first_tokens_distribution(tiny_target, prompt, sampling, NEW_TOKENS)
     n = 400
 
-    async def work(node: EdgeNode):
-        gate = asyncio.Semaphore(16)
+    def settings_for(seed: int) -> EdgeSettings:
+        return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=2,
+                                           sampling=replace(sampling, seed=seed)))
 
-        async def one(seed: int):
-            decode = DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=2,
-                                    sampling=SamplingParams(temperature=1.0, seed=seed, grammar=LETTERS))
-            async with gate:
-                return await node.decoder.generate(prompt, EdgeSettings(decode))
-
-        return await asyncio.gather(*(one(seed) for seed in range(n)))
-
-    settings_ = EdgeNodeSettings(draft="tiny-random", cloud=tiny_cloud.address, draft_runtime="torch",
-                                 dtype="float32", verifier="confidence:0.3")
+    node_settings = EdgeNodeSettings(draft="tiny-random", cloud=tiny_cloud.address, draft_runtime="torch",
+                                     dtype="float32", verifier="confidence:0.3")
 
     async def on_edge():
-        async with EdgeNode(settings_, near_draft(tiny_target)) as node:
-            return await work(node)
+        async with EdgeNode(node_settings, near_draft(tiny_target)) as node:
+            return await seeded_generations(node, prompt, n, settings_for, at_once=16)
 
     results = asyncio.run(on_edge())
     assert not any(r.degraded for r in results)
     seen = Counter(tuple(r.token_ids) for r in results)
     assert set(seen) <= set(exact)
-    cells = [c for c in sorted(exact) if exact[c] > 0]
-    mass = sum(exact[c] for c in cells)
-    assert chisquare([seen[c] for c in cells], [exact[c] / mass * n for c in cells]).pvalue > 1e-3
+    assert chi_square_pvalue(seen, exact) > 1e-3
     # the check has power: a uniform law over the same cells is told apart
-    assert chisquare([seen[c] for c in cells], [n / len(cells)] * len(cells)).pvalue < 1e-6
+    assert chi_square_pvalue(seen, {c: 1.0 for c in exact if exact[c] > 0}) < 1e-6
 
 
 # --- property: every finished output validates -------------------------------------------------------------

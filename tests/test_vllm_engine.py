@@ -20,11 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from cloud.vllm_launch import cpu_problem, vllm_environment
 from cloud_harness import SessionStream
-from exact_distributions import first_tokens_distribution, near_draft
+from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel, load_model
@@ -156,24 +155,19 @@ def test_sampled_output_on_vllm_follows_the_target(wide_vllm, wide_target, wide_
     exact = first_tokens_distribution(wide_target, prompt, SAMPLED, NEW_TOKENS)
     n = 240
 
+    def settings_for(seed: int) -> EdgeSettings:
+        sampling = SamplingParams(SAMPLED.temperature, SAMPLED.top_k, SAMPLED.top_p, seed)
+        return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=NEW_TOKENS, k=2, sampling=sampling))
+
     async def work(node: EdgeNode):
-        gate = asyncio.Semaphore(8)
-
-        async def one(seed: int):
-            async with gate:
-                sampling = SamplingParams(SAMPLED.temperature, SAMPLED.top_k, SAMPLED.top_p, seed)
-                return await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
-                    mode=mode, max_new_tokens=NEW_TOKENS, k=2, sampling=sampling)))
-
-        return await asyncio.gather(*(one(seed) for seed in range(n)))
+        return await seeded_generations(node, prompt, n, settings_for, at_once=8)
 
     results = asyncio.run(_on_edge(wide_vllm.address, wide_draft, work))
     assert not any(r.degraded for r in results)
     assert sum(n_acc < g for r in results for g, n_acc in zip(r.stats.block_lengths, r.stats.accepted_lengths)) > n // 4
     seen = Counter(tuple(r.token_ids) for r in results)
-    cells = sorted(exact)
-    assert set(seen) <= set(cells)
-    assert chisquare([seen[c] for c in cells], [exact[c] * n for c in cells]).pvalue > 1e-3
+    assert set(seen) <= set(exact)
+    assert chi_square_pvalue(seen, exact) > 1e-3
 
 
 def test_sampling_without_top_k_reads_the_whole_vocabulary(wide_vllm, wide_target, wide_draft):

@@ -32,11 +32,11 @@ class LogprobFormat:
         """The logprobs object of consecutive tokens; `text_offset`: where the first one's text begins."""
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in logprobs]}
-        offsets, at = [], text_offset
-        for lp in logprobs:
+        texts, offsets, at = [self.text(lp.token) for lp in logprobs], [], text_offset
+        for text in texts:
             offsets.append(at)
-            at += len(self.text(lp.token))
-        return {"tokens": [self.text(lp.token) for lp in logprobs],
+            at += len(text)
+        return {"tokens": texts,
                 "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -128,7 +128,7 @@ class ChoiceState:
     deltas: ChoiceDeltas
     text_offset: int = 0
     degraded: str | None = None
-    result: EdgeResult | None = field(default=None)
+    result: EdgeResult | None = None
 
 
 async def stream_body(reply: Reply, tokenizer: Any, items: AsyncIterator[tuple[int, Item]], n: int,
@@ -171,7 +171,8 @@ def _lines(chunks: ChunkFormat, reply: Reply, state: ChoiceState, index: int, it
     logprobs = None
     if reply.logprobs is not None and item.logprobs:  # the tokens' logprobs ride with their text, or come alone
         logprobs = reply.logprobs.entries(item.logprobs, state.text_offset)
-        state.text_offset += sum(len(reply.logprobs.text(lp.token)) for lp in item.logprobs)
+        if not reply.chat:  # completions' logprobs place each token in the text: the next chunk's start there
+            state.text_offset += sum(map(len, logprobs["tokens"]))
         pieces = pieces or [""]
     return [chunks.event(delta, degraded=state.degraded, logprobs=logprobs if i == 0 else None, index=index)
             for i, delta in enumerate(pieces)]

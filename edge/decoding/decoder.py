@@ -166,9 +166,12 @@ class EdgeDecoder:
         tokens = generation.new_tokens
         text = self._decode(tokens)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
+        # off the event loop: where no target scored the prompt, the draft's forward over it does
+        prompt_logprobs = await asyncio.to_thread(self._prompt_logprobs, prompt_ids, settings.decode.sampling, use) \
+            if settings.decode.sampling.prompt_logprobs is not None else None
         return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
                           use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs,
-                          self._prompt_logprobs(prompt_ids, settings.decode.sampling, use))
+                          prompt_logprobs)
 
     def _prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams,
                          use: CloudUse) -> list[TokenLogprob] | None:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from common.grammar import GrammarCompiler
-from common.models import load_model
+from common.models import model_dir
 from common.sampling_params import GrammarSpec
 from common.tool_calls import tool_call_lark
 from sim.processes import cloud_process, edge_daemon_process, free_port
@@ -125,11 +125,13 @@ def _one(client: httpx.Client, feature: str, fields: dict[str, Any], mode: str, 
 def grammar_step_us(target: str, runs: list[Run]) -> dict[str, float]:
     """Median cost of one grammar step (the mask for the next token, then the advance) per feature, replayed on
     the runs' own outputs with the target's tokenizer."""
-    loaded = load_model(target)
-    compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size)
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = model_dir(target)  # the tokenizer and the logits width: no weights are loaded for a mask
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    compiler = GrammarCompiler(tokenizer, AutoConfig.from_pretrained(directory).get_text_config().vocab_size)
     specs = {"json_schema": GrammarSpec.json_schema(PERSON),
-             "tool_call": GrammarSpec.lark(tool_call_lark([WEATHER], FEATURES["tool_call"]["tool_choice"],
-                                                          loaded.tokenizer))}
+             "tool_call": GrammarSpec.lark(tool_call_lark([WEATHER], FEATURES["tool_call"]["tool_choice"], tokenizer))}
     costs: dict[str, list[float]] = {}
     for run in runs:
         matcher = compiler.compile(specs[run.feature]).matcher()

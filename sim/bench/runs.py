@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from common.results_page import publish_if_asked
+from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.settings import (CloudBenchSettings, DraftBenchSettings, EngineBenchSettings, FleetBenchSettings,
                                 LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
@@ -24,11 +25,7 @@ def run_local(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, dtype=args.dtype, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, k=args.k,
         verifier_threshold=args.verifier_threshold, assisted=args.assisted, seed=args.seed, out=args.out)
-    table = local.bench_local(settings)
-    print(table)
-    print(f"\nwrote {args.out}/results.json, table.md, tokens_per_s.png")
-    publish_if_asked(args, table, (args.out / "tokens_per_s.png",))
-    return 0
+    return _report(args, local.bench_local(settings), args.out, ("results.json", "table.md", "tokens_per_s.png"))
 
 
 def run_cloud(args: argparse.Namespace) -> int:
@@ -46,11 +43,8 @@ def run_cloud(args: argparse.Namespace) -> int:
                                   max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
                                   engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
                                   device=args.device)
-    table = cloud.bench_cloud(settings)
-    print(table)
-    print(f"\nwrote {args.out}/results.json, table.md, verified_tokens_per_s.png")
-    publish_if_asked(args, table, (args.out / "verified_tokens_per_s.png",))
-    return 0
+    return _report(args, cloud.bench_cloud(settings), args.out,
+                   ("results.json", "table.md", "verified_tokens_per_s.png"))
 
 
 def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
@@ -73,10 +67,7 @@ def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
         table = engine.bench_engine(settings)
     except ValueError as err:  # an unknown architecture or device
         raise SystemExit(f"sprinter bench cloud: {err}") from None
-    print(table)
-    print(f"\nwrote {settings.out}/results.json, table.md, verified_tokens_per_s.png")
-    publish_if_asked(args, table, (settings.out / "verified_tokens_per_s.png",))
-    return 0
+    return _report(args, table, settings.out, ("results.json", "table.md", "verified_tokens_per_s.png"))
 
 
 def run_draft(args: argparse.Namespace) -> int:
@@ -86,10 +77,7 @@ def run_draft(args: argparse.Namespace) -> int:
                                   configs=args.configs, out=args.out)
     table, probe = draft.bench_draft(settings)
     probe_line = f"ONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}"
-    print(f"{table}\n\n{probe_line}")
-    print(f"\nwrote {args.out}/results.json and table.md")
-    publish_if_asked(args, f"{table}\n\n{probe_line}")
-    return 0
+    return _report(args, f"{table}\n\n{probe_line}", args.out, ("results.json", "table.md"))
 
 
 def run_policy(args: argparse.Namespace) -> int:
@@ -103,12 +91,10 @@ def run_policy(args: argparse.Namespace) -> int:
         settings.sweeps()
     except ValueError as err:
         raise SystemExit(f"sprinter bench policy: {err}") from None
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
+    quiet_http_clients()  # a line per request would bury the progress bar
     tables = [f"T={sweep.temperature:g} (`{sweep.out}`):\n\n{format_summary(sweep.out).strip()}"
               for sweep in policy.bench_policy(settings)]
-    print("\n\n".join(tables))
-    publish_if_asked(args, "\n\n".join(tables))
-    return 0
+    return _report(args, "\n\n".join(tables), args.out, ())
 
 
 
@@ -119,51 +105,44 @@ def run_prefill(args: argparse.Namespace) -> int:
                                     serve_args=tuple(shlex.split(args.serve_args)),
                                     cloud_pythonpath=args.cloud_pythonpath, out=args.out)
     result = prefill.bench_prefill(settings, args.label)
-    table = f"{prefill.TABLE_HEADER}\n{prefill.format_result(result)}"
-    print(table)
-    print(f"\nappended to {args.out}/results.jsonl")
-    publish_if_asked(args, table)
-    return 0
+    return _report(args, f"{prefill.TABLE_HEADER}\n{prefill.format_result(result)}", args.out,
+                   ("results.jsonl (appended)",))
 
 
 def run_rollout(args: argparse.Namespace) -> int:
     from sim.bench import rollout
     settings = RolloutSettings(args.real_edges, args.simulated_edges, args.rounds, args.draft, args.telemetry_pairs,
                                out=args.out)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the rounds
-    table = rollout.bench_rollout(settings)
-    print(table)
-    print(f"\nwrote {settings.out / 'rollout.json'}, {settings.out / 'rollout.png'}")
-    publish_if_asked(args, table, (settings.out / "rollout.png",))
-    return 0
+    quiet_http_clients()  # a line per request would bury the rounds
+    return _report(args, rollout.bench_rollout(settings), settings.out, ("rollout.json", "rollout.png"))
 
 
 def run_fleet(args: argparse.Namespace) -> int:
     from sim.bench import fleet
     settings = FleetBenchSettings(**{name: getattr(args, name) for name in FleetBenchSettings.__dataclass_fields__})
-    table = fleet.bench_fleet(settings)
-    print(table)
-    print(f"\nwrote {settings.out}/fleet.json, table.md, projection.png")
-    publish_if_asked(args, table, (settings.out / "projection.png",))
-    return 0
+    return _report(args, fleet.bench_fleet(settings), settings.out, ("fleet.json", "table.md", "projection.png"))
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
     from sim.bench import pipeline
     table = pipeline.bench_pipeline(args.sweep, args.edges, args.replicas, list(args.rtt_ms), args.tokens_per_request,
                                     args.out)
-    print(table)
-    publish_if_asked(args, table, (args.out / "pipeline.png",))
-    return 0
+    return _report(args, table, args.out, ("pipeline.json", "pipeline.png"))
 
 
 def run_features(args: argparse.Namespace) -> int:
     from sim.bench import features
     settings = features.FeaturesBenchSettings(target=args.target, draft=args.draft, dtype=args.dtype, modes=args.modes,
                                               repeats=args.repeats, max_tokens=args.max_tokens, out=args.out)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress
-    table = features.bench_features(settings)
+    quiet_http_clients()  # a line per request would bury the progress
+    return _report(args, features.bench_features(settings), args.out, ("results.json", "table.md"))
+
+
+def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
+    """A bench's ending: its table, the files it wrote into `out`, and with --page the table and its plots in the
+    page's section (common/results_page.py)."""
     print(table)
-    print(f"\nwrote {args.out}/results.json and table.md")
-    publish_if_asked(args, table)
+    if written:
+        print("\nwrote " + ", ".join(str(out / name) for name in written))
+    publish_if_asked(args, table, tuple(out / name for name in written if name.endswith(".png")))
     return 0
