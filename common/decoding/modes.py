@@ -5,12 +5,18 @@
     sd-block        block                         block_verify            greedy_verify
     sprinter        sprinter                      sprinter_verify         sprinter_verify
     sprinter-exact  block                         block_verify            greedy_verify
+    cloud-sd        (none: verified in the cloud) block_verify            greedy_verify
 
 A method's name is also its rule's name in common/verification.py and, upper-cased after
 `METHOD_`, its value of the `Method` enum in the .proto: the edge sends the method, the cloud
 applies `verify_rule(method, sampling)`, and the local engine applies the same function here.
 Every lossless rule reduces to greedy_verify on one-hot distributions; sprinter is not lossless and
 checks only the flagged last token, so it keeps its own rule under greedy too.
+
+`cloud-sd` is speculative decoding wholly in the cloud (cloud/speculation.py): the cloud's own copy of
+the draft proposes k tokens per round next to the target, which block-verifies them, and the edge only
+streams the tokens (a Generate call with a speculation). Where a request drafts is its placement:
+`placed_mode(mode, "cloud")` moves the lossless edge-drafting modes there; lossy sprinter has no cloud form.
 """
 
 from __future__ import annotations
@@ -31,14 +37,15 @@ class Mode:
     """What a decoding mode is. Code asks a mode for a trait; it never compares a mode's name."""
 
     name: str
-    verify_method: str | None  # on the wire (the table above); None: no round verifies a block
-    drafts: bool  # the edge's draft proposes tokens (all but target)
+    verify_method: str | None  # the rule's method (the table above); None: no round verifies a block
+    drafts: bool  # the edge's draft proposes tokens (all but target and cloud-sd)
     uses_cloud: bool  # the target takes part (all but draft)
     lossless: bool  # distributed as the target's output (identical to it under greedy)
     uses_verifier: bool  # the learned verifier scores the draft's tokens (the sprinter modes)
     takes_policy: bool  # a call policy decides when a block goes (sprinter's is always its verifier's flag)
     default_policy: str | None  # the policy spec of a generation that names none ("{k}": the block length); None: no rounds
     releases_passed: bool  # tokens the verifier passes reach the client at once, never checked (sprinter)
+    cloud_drafts: bool = False  # the cloud drafts next to the target and verifies its own blocks (cloud-sd)
 
     @property
     def speculative(self) -> bool:
@@ -47,20 +54,26 @@ class Mode:
 
     @property
     def pipelines(self) -> bool:
-        """Can draft ahead while a block is in flight (edge/decoding/pipeline.py): the lossless speculative
-        modes; sprinter's blocks end at a token its verifier expects rejected, the outcome least worth drafting for."""
-        return self.speculative and self.lossless
+        """Can draft ahead while a block is in flight (edge/decoding/pipeline.py): the lossless modes whose edge
+        drafts; sprinter's blocks end at a token its verifier expects rejected, the outcome least worth drafting for."""
+        return self.placeable
 
     @property
     def first_token_from_open(self) -> bool:
         """Takes the target's first token from the session's open, while the first block is drafted."""
-        return self.speculative and self.lossless
+        return self.placeable
 
     @property
     def reference(self) -> bool:
         """Its output is the target's own (the target decodes alone): what the lossless modes reproduce,
         and what agreement and exact match are measured against."""
-        return self.uses_cloud and not self.drafts
+        return self.uses_cloud and not self.drafts and not self.cloud_drafts
+
+    @property
+    def placeable(self) -> bool:
+        """Its drafting can move to the cloud (cloud-sd) without changing what it outputs: the lossless modes
+        whose edge drafts blocks for the target."""
+        return self.speculative and self.lossless and self.drafts
 
     @property
     def fixed_block(self) -> bool:
@@ -76,6 +89,7 @@ _MODE_LIST = (
     Mode("sd-block",       "block",    True,  True,      True,    False,   True,  "fixed:{k}", False),
     Mode("sprinter",       "sprinter", True,  True,      False,   True,    False, "flag",      True),
     Mode("sprinter-exact", "block",    True,  True,      True,    True,    True,  "goodput",   False),
+    Mode("cloud-sd",       "block",    False, True,      True,    False,   False, "fixed:{k}", False, cloud_drafts=True),
 )
 MODE_RECORDS: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
 MODES = tuple(MODE_RECORDS)
@@ -85,6 +99,18 @@ LOSSLESS_MODES = tuple(m.name for m in _MODE_LIST if m.lossless)
 VERIFY_METHODS = ("token", "block", "sprinter")
 # How an edge overlaps its rounds with the round trip (edge/decoding/pipeline.py); the modes that `pipelines`.
 PIPELINES = ("off", "ahead", "send-ahead")
+# Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
+PLACEMENTS = ("edge", "cloud", "auto")
+CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)
+
+
+def placed_mode(name: str, placement: str) -> str:
+    """The mode a request in mode `name` runs in when its drafting is placed at `placement` ("edge" or "cloud"):
+    a placeable mode moves to cloud-sd in the cloud; every other mode stays as it is (sprinter has no cloud form,
+    and target, draft and cloud-sd have nothing to move)."""
+    if placement not in ("edge", "cloud"):
+        raise ValueError(f"placement {placement!r} is not a decided one (edge or cloud)")
+    return CLOUD_DRAFTING if placement == "cloud" and mode_of(name).placeable else name
 
 
 def mode_of(name: str) -> Mode:
@@ -116,7 +142,7 @@ class DecodeSettings:
     mode: str = "sd"
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    k: int = 5  # block length of sd and sd-block
+    k: int = 5  # block length of sd and sd-block, and of the cloud's rounds in cloud-sd
     max_run_length: int = 20  # cap on a pending block (sprinter modes, and any explicit policy)
     policy: str | None = None  # call policy spec (common/call_policy.py); None: the mode's default
     max_block: int | None = None  # the verifying backend's own cap on a block (the cloud's limits.max_block)
