@@ -16,11 +16,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from cloud.engine import Abandoned, TargetEngine, TargetRows, scored_prefill
+from cloud.engine import Abandoned, GeneratedToken, TargetEngine, TargetRows, scored_prefill
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
 from cloud.sessions import Session, SessionStore
+from cloud.speculation import SpeculatedRound
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
@@ -50,7 +51,7 @@ class TargetBackend:
     def info(self) -> pb.ServiceInfo:
         target = self.engine.info
         return wire.service_info(target.spec, target.vocab_fingerprint, target.vocab_size, self.limits.to_proto(),
-                                 sorted(target.eos_token_ids))
+                                 sorted(target.eos_token_ids), self.engine.draft_spec or "")
 
     def _check_fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.vocab_fingerprint:
@@ -187,33 +188,59 @@ class TargetBackend:
         return matches
 
     async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
-        """Target-only decoding, its KV held inside the budget; the last chunk says why it finished."""
+        """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/speculation.py), its KV held inside
+        the budget; a chunk per token (per round), the last says why it finished."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = admit_sampling(request.sampling, self.vocab_size)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         output_start = check_output_start(request)
+        block = self._speculation_block(request)
         processor = self._processor(sampling, context[:output_start])
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
-        with self.store.generation(owner, self._whole_pages(len(context) + max_new)):
+        if block is None:
+            steps = self.engine.generate(context, max_new, sampling, processor)
+        else:  # the draft shapes its logits with a processor of its own: each follows its own model's rows
+            steps = self.engine.speculate(context, max_new, sampling,
+                                          (processor, self._processor(sampling, context[:output_start])), block)
+        with self.store.generation(owner, self._whole_pages(len(context) + max_new + (block or 0))):
             self.update_gauges()
             # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
             try:
-                async with contextlib.aclosing(self.engine.generate(context, max_new, sampling, processor)) as steps:
+                async with contextlib.aclosing(steps):
                     async for step in steps:
                         self.store.check_kv("forward")
-                        self.metrics.tokens_generated.inc()
-                        logprobs = [step.logprob] if step.logprob is not None else []
-                        if step.token in self.engine.info.eos_token_ids:
-                            yield wire.generate_chunk([step.token], step.step_ms, "stop", logprobs, step.prompt_logprobs)
+                        self._count_step(step)
+                        stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
+                        yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
+                                                  drafted=step.drafted, draft_ms=step.draft_ms)
+                        if stop:
                             return
-                        yield wire.generate_chunk([step.token], step.step_ms, logprobs=logprobs,
-                                                  prompt_logprobs=step.prompt_logprobs)
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
+
+    def _speculation_block(self, request: pb.GenerateRequest) -> int | None:
+        """The draft tokens per round a Generate with a speculation asks for (cloud-sd); None: target alone."""
+        if not request.HasField("speculation"):
+            return None
+        block = request.speculation.block
+        if not 1 <= block <= self.limits.max_block:
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"speculation.block must be in 1..{self.limits.max_block} (max_block), got {block}")
+        if self.engine.draft_spec is None:
+            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
+                             "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
+        return block
+
+    def _count_step(self, step: GeneratedToken | SpeculatedRound) -> None:
+        self.metrics.tokens_generated.inc(len(step.tokens))
+        if step.drafted:
+            self.metrics.cloud_drafted.inc(step.drafted)
+            self.metrics.cloud_draft_accepted.inc(len(step.tokens) - 1)
 
     def _processor(self, sampling: SamplingParams, prompt_ids: list[int]) -> LogitsProcessor | None:
         """The request's grammar, bias and penalties over the target's logits; a grammar that does not compile

@@ -56,7 +56,8 @@ class Batcher:
     def __init__(self, model: PreTrainedModel, window_s: float = 0.0, max_batch: int = 8,
                  on_batch: Callable[[ForwardStats], None] | None = None,
                  demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256,
-                 max_forward_tokens: int = 1024, straggler_share: float = 0.25, max_hold_s: float = 0.02) -> None:
+                 max_forward_tokens: int = 1024, straggler_share: float = 0.25, max_hold_s: float = 0.02,
+                 thread_name: str = "target-forward") -> None:
         install(model)
         self.model = model
         self.window_s = window_s
@@ -75,7 +76,7 @@ class Batcher:
         self._prefills: deque[ForwardRequest] = deque()
         self._prefill_first = False  # a chunk left out of a full forward goes first in the next
         self._arrived = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Batcher":

@@ -21,6 +21,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = cloud.add_parser("serve", help="serve the target model over gRPC",
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
+    p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
+                   "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
+                   "cloud-sd, --placement cloud)")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_NAMES)
     add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
     p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
@@ -89,6 +92,9 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     vllm.add_argument("--max-logprobs", type=int, default=DEFAULTS.max_logprobs,
                       help="sampled verifies read each row's top_k target logprobs (the whole vocabulary without "
                            "top_k); sessions that need more are refused")
+    vllm.add_argument("--draft-block", type=int, default=DEFAULTS.draft_block,
+                      help="with --draft: vLLM's draft tokens per speculation round (fixed when vLLM starts; a "
+                           "cloud-sd request must ask for this block)")
     vllm.add_argument("--kv-block-tokens", type=int, help="prefix-cache block size (default: 32 on CPU, vLLM's "
                                                           "default on GPUs)")
 

@@ -1,6 +1,6 @@
 """The verify-engine seam: what the target backend (cloud/backend.py) asks of whatever runs the target.
 
-Two engines sit behind it:
+Two engines sit behind it (either may also speculate with a draft of its own: mode cloud-sd):
     resident  cloud/resident_engine.py, the embedded default: each session's KV stays where the
               forward writes it; concurrent sessions share one packed forward (cloud/batcher.py).
     vllm      cloud/vllm_engine.py: vLLM in-process, which batches and caches by itself; a session
@@ -134,6 +134,16 @@ class GeneratedToken:
     step_ms: float  # the prefill is counted in the first step
     logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when the sampling asked for them (echo)
+    drafted = 0  # as a cloud-sd round (cloud/speculation.py) reads: no draft proposed this token
+    draft_ms = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return [self.token]
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        return (self.logprob,) if self.logprob is not None else ()
 
 
 class TargetEngine(Protocol):
@@ -174,3 +184,13 @@ class TargetEngine(Protocol):
     def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
                  processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
         """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token)."""
+
+    @property
+    def draft_spec(self) -> str | None:
+        """The cloud's own draft (`--draft`), which `speculate` drafts with; None: this engine drafts nothing."""
+
+    def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                  processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
+                  block: int) -> AsyncIterator[Any]:
+        """cloud-sd (cloud/speculation.py): rounds of `block` tokens drafted by the cloud's draft and block-verified
+        by the target (SpeculatedRound); `processors`: the request's, one for the target's logits, one for the draft's."""

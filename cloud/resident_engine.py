@@ -4,14 +4,17 @@ Each session's KV stays where the forward writes it: in buffers of its own (clou
 attention per session) or in pages of one pool (cloud/kv_pool.py, one attention call per layer for
 all sessions: `--attention paged`, the default on CUDA). Concurrent sessions' new tokens go through
 one packed, unpadded forward with continuous batching and prefill chunks (cloud/batcher.py). The
-session store charges every page to the KV budget (cloud/sessions.py).
+session store charges every page to the KV budget (cloud/sessions.py). With a draft (`--draft`) it
+also speculates by itself, for mode cloud-sd (cloud/speculation.py): the draft's steps go through a
+batcher of their own; its per-generation KV is the draft's, apart from the target's budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import torch
@@ -21,6 +24,7 @@ from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, Targ
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
+from cloud.speculation import CloudSpeculation, DraftEngine, SpeculatedRound
 from common.models import LoadedModel, vocab_fingerprint
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
@@ -39,6 +43,7 @@ class ResidentEngine:
     batcher: Batcher
     kv_layout: KVLayout
     kv_pool: KVPool | None = None  # paged: every session's pages; None: each session's own buffers
+    draft: DraftEngine | None = None  # the cloud's own draft (`--draft`): cloud-sd
     name: str = "resident"
 
     def __post_init__(self) -> None:
@@ -134,3 +139,38 @@ class ResidentEngine:
                 new_tokens, prefill_ms, prompt_logprobs = [token], 0.0, ()
         finally:
             cache.release()
+
+    @property
+    def draft_spec(self) -> str | None:
+        return self.draft.model.spec if self.draft is not None else None
+
+    async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                        processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
+                        block: int) -> AsyncIterator[SpeculatedRound]:
+        """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
+        counting the prefills and bringing the prompt's logprobs when asked (echo)."""
+        if self.draft is None:
+            raise ValueError("this engine has no draft model (start the cloud with --draft)")
+        room = len(context) + max_new + block  # a verify writes its whole block before the rollback
+        target_cache, draft_cache = self.new_session_kv(), self.draft.new_cache(room)
+        try:
+            target_cache.reserve(room)
+            started = time.perf_counter()
+            prompt_logprobs = await self._prefill(target_cache, context, sampling.prompt_logprobs)
+            if len(context) > 1:
+                await self.draft.batcher.prefill(draft_cache, context[:-1])
+            prefill_ms = (time.perf_counter() - started) * 1e3
+            speculation = CloudSpeculation(self.draft, target_cache, draft_cache, sampling, self.info.vocab_size,
+                                           self.info.eos_token_ids, *processors)
+
+            async def target_forward(new_tokens: list[int], n_logits: int) -> ForwardResult:
+                return await self.batcher.forward(target_cache, new_tokens, n_logits,
+                                                  full_logits=sampling.reads_logits)
+
+            async with contextlib.aclosing(speculation.rounds(context, max_new, block, target_forward)) as rounds:
+                async for speculated in rounds:
+                    yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs)
+                    prefill_ms, prompt_logprobs = 0.0, ()
+        finally:
+            target_cache.release()
+            draft_cache.release()

@@ -33,10 +33,11 @@ from cloud.resident_engine import ResidentEngine
 from cloud.kv_pool import KVPool
 from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout
+from cloud.speculation import DraftEngine
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
 from common.devices import resolve_device
-from common.models import DTYPES, LoadedModel, load_model
+from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -48,9 +49,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 class CloudServer:
     """`async with CloudServer(settings) as server:` serves until `server.stop()` or a signal."""
 
-    def __init__(self, settings: CloudSettings, target: LoadedModel | None = None) -> None:
+    def __init__(self, settings: CloudSettings, target: LoadedModel | None = None,
+                 draft: LoadedModel | None = None) -> None:
         self.settings = settings
-        self.preloaded_target = target  # tests hand in a model; the CLI loads it after the port is up
+        self.preloaded_target = target  # tests hand in models; the CLI loads them after the port is up
+        self.preloaded_draft = draft
         self.metrics = CloudMetrics()
         self.health = health_aio.HealthServicer()
         self.servicer = TargetServicer(EdgeAuthenticator.from_file(settings.auth_tokens), self.metrics,
@@ -192,12 +195,36 @@ class CloudServer:
         async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
-                           max_forward_tokens=settings.max_forward_tokens) as batcher:
-            engine = ResidentEngine(target, batcher, kv_layout, kv_pool)
+                           max_forward_tokens=settings.max_forward_tokens) as batcher, \
+                self._draft_engine(target) as draft:
+            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft)
             log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
                 await asyncio.to_thread(engine.warm_up)
             yield engine
+
+    @asynccontextmanager
+    async def _draft_engine(self, target: LoadedModel) -> AsyncIterator[DraftEngine | None]:
+        """The cloud's own draft with its batcher (`--draft`, mode cloud-sd), on the target's device; None without."""
+        settings = self.settings
+        if settings.draft is None:
+            yield None
+            return
+        draft = self.preloaded_draft
+        if draft is None:
+            log.info("loading the cloud's draft %s (%s) on %s", settings.draft, settings.dtype, target.model.device)
+            draft = await asyncio.to_thread(load_model, settings.draft, DTYPES[settings.dtype], target.model.device)
+        if vocab_fingerprint(draft.tokenizer) != vocab_fingerprint(target.tokenizer):
+            raise ValueError(f"--draft {settings.draft} does not share the target's tokenizer ({settings.target}): "
+                             "its tokens could not be verified")
+        kv_layout = KVLayout.of(draft.model, max_tokens=settings.max_context + settings.max_block + 1)
+        async with Batcher(draft.model, max_batch=settings.max_batch, on_batch=self._observe_draft_batch,
+                           demand=lambda: self.servicer.open_streams, max_prefill_chunk=settings.max_prefill_chunk,
+                           max_forward_tokens=settings.max_forward_tokens, thread_name="draft-forward") as batcher:
+            yield DraftEngine(draft, batcher, kv_layout)
+
+    def _observe_draft_batch(self, forward: ForwardStats) -> None:
+        self.metrics.draft_forward_seconds.observe(forward.seconds)
 
     def _observe_batch(self, forward: ForwardStats) -> None:
         self.metrics.observe_batch(forward)

@@ -20,6 +20,7 @@ ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout
 @dataclass(frozen=True)
 class CloudSettings:
     target: str = "tiny-random"
+    draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/speculation.py); None: the cloud drafts nothing
     dtype: str = "bfloat16"
     device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
@@ -30,6 +31,7 @@ class CloudSettings:
     quantization: str | None = None
     max_logprobs: int = 64  # the largest support a sampled verify may read per row (cloud/vllm_engine.py)
     kv_block_tokens: int | None = None  # vLLM's prefix-cache block; None: 32 on CPU, vLLM's default elsewhere
+    draft_block: int = 5  # vLLM's draft tokens per round with --draft (its speculation is configured at start)
     host: str = "127.0.0.1"
     port: int = 50051
     tls_cert: Path | None = None
@@ -110,6 +112,8 @@ class CloudSettings:
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.max_logprobs >= 1, f"--max-logprobs must be >= 1, got {self.max_logprobs}"),
+            (1 <= self.draft_block <= self.max_block,
+             f"--draft-block must be in 1..--max-block ({self.max_block}), got {self.draft_block}"),
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
         ]
@@ -138,6 +142,7 @@ class CloudSettings:
                 "tensor_parallel_size": "--tensor-parallel-size", "gpu_memory_utilization": "--gpu-memory-utilization",
                 "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens",
                 "max_logprobs": "--max-logprobs (the resident engine reads whole rows)",
+                "draft_block": "--draft-block (the resident engine drafts each request's own speculation.block)",
             }
         return [f"{flag} does not apply to --engine {self.engine}" for name, flag in resident_only.items()
                 if getattr(self, name) != defaults[name].default]

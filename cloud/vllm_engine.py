@@ -38,6 +38,7 @@ Shapes: a forward's logits are [n_logits, V] float32.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import secrets
@@ -76,6 +77,9 @@ class VllmOptions:
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
     seed: int = 0
+    draft_spec: str | None = None  # --draft: vLLM's own draft-model speculative decoding (mode cloud-sd)
+    draft_dir: str | None = None
+    draft_block: int = 5  # --draft-block: its num_speculative_tokens
 
     @classmethod
     def of(cls, settings: CloudSettings) -> "VllmOptions":
@@ -85,7 +89,9 @@ class VllmOptions:
                    max_num_seqs=settings.max_batch, max_num_batched_tokens=settings.max_forward_tokens,
                    max_logprobs=settings.max_logprobs, block_size=settings.kv_block_tokens,
                    tensor_parallel_size=settings.tensor_parallel_size,
-                   gpu_memory_utilization=settings.gpu_memory_utilization, quantization=settings.quantization)
+                   gpu_memory_utilization=settings.gpu_memory_utilization, quantization=settings.quantization,
+                   draft_spec=settings.draft, draft_dir=str(model_dir(settings.draft)) if settings.draft else None,
+                   draft_block=settings.draft_block)
 
     def engine_args(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -99,6 +105,9 @@ class VllmOptions:
         block_size = self.block_size or (32 if current_platform.is_cpu() else None)
         if block_size:
             extra["block_size"] = block_size
+        if self.draft_dir is not None:  # vLLM verifies the draft's proposals with its own rejection sampler
+            extra["speculative_config"] = {"method": "draft_model", "model": self.draft_dir,
+                                           "num_speculative_tokens": self.draft_block}
         return AsyncEngineArgs(
             model=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len, enable_prefix_caching=True,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_model_len),
@@ -144,6 +153,23 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+    @property
+    def draft_spec(self) -> str | None:
+        return self.options.draft_spec
+
+    async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                        processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
+                        block: int) -> AsyncIterator[GeneratedToken]:
+        """cloud-sd on vLLM: its own draft-model speculative decoding (configured at start: `--draft`,
+        `--draft-block`), so the tokens come as vLLM's Generate gives them."""
+        if block != self.options.draft_block:
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"speculation.block {block}: this cloud's vllm engine speculates {self.options.draft_block} "
+                             "tokens a round, fixed when it started (--draft-block); ask for that block (k)")
+        async with contextlib.aclosing(self.generate(context, max_new, sampling, processors[0])) as steps:
+            async for step in steps:
+                yield step
 
     @property
     def queue_depth(self) -> int:

@@ -138,9 +138,9 @@ def info_request() -> pb.GetInfoRequest:
 
 
 def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits: pb.Limits,
-                 eos_token_ids: Sequence[int]) -> pb.ServiceInfo:
+                 eos_token_ids: Sequence[int], draft_model_id: str = "") -> pb.ServiceInfo:
     return pb.ServiceInfo(model_id=model_id, vocab_fingerprint=vocab_fingerprint, vocab_size=vocab_size,
-                          limits=limits, eos_token_ids=eos_token_ids)
+                          limits=limits, eos_token_ids=eos_token_ids, draft_model_id=draft_model_id)
 
 
 # -- edge frames ------------------------------------------------------------------------------------------------
@@ -296,15 +296,21 @@ def error_status(error: pb.Error) -> grpc.StatusCode:
 
 
 def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
-                     vocab_fingerprint: str = "", output_start: int | None = None) -> pb.GenerateRequest:
+                     vocab_fingerprint: str = "", output_start: int | None = None,
+                     speculate_block: int | None = None) -> pb.GenerateRequest:
+    """A Generate; with `speculate_block`, cloud-sd: the cloud drafts that many tokens a round and verifies them."""
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
+    speculation = pb.Speculation(block=speculate_block) if speculate_block is not None else None
     return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling), output_start=start,
-                              max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint)
+                              max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint,
+                              speculation=speculation)
 
 
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
-                   logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = ()) -> pb.GenerateChunk:
-    """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk."""
+                   logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = (),
+                   drafted: int = 0, draft_ms: float = 0.0) -> pb.GenerateChunk:
+    """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk.
+    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
                             finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
-                            prompt_logprobs=logprobs_to_proto(prompt_logprobs))
+                            prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms)

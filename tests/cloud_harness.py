@@ -22,9 +22,11 @@ class ServerThread:
     With `wait_ready=False` it is usable as soon as the port is bound, before the model is loaded.
     """
 
-    def __init__(self, settings: CloudSettings, target: LoadedModel | None, wait_ready: bool = True) -> None:
+    def __init__(self, settings: CloudSettings, target: LoadedModel | None, wait_ready: bool = True,
+                 draft: LoadedModel | None = None) -> None:
         self.settings = replace(settings, port=0) if settings.port == 50051 else settings
         self.target = target
+        self.draft = draft  # the cloud's own (settings.draft names it): cloud-sd
         self.wait_ready = wait_ready
         self.server: CloudServer | None = None
         self._ready = threading.Event()
@@ -57,7 +59,7 @@ class ServerThread:
             self._ready.set()
 
     async def _main(self) -> None:
-        async with CloudServer(self.settings, self.target) as server:
+        async with CloudServer(self.settings, self.target, self.draft) as server:
             self.server = server
             if self.wait_ready:
                 await server.wait_ready()

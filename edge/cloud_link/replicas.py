@@ -306,8 +306,9 @@ class ReplicaSet:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "", deadline_at: float | None = None,
-                       output_start: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        """Mode target on one replica; CloudUnavailable (the replica rests) when it fails or none is usable."""
+                       output_start: int | None = None, speculate_block: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """Mode target (cloud-sd with `speculate_block`) on one replica; CloudUnavailable (the replica rests) when it
+        fails or none is usable."""
         client = self.choose(uuid.uuid4().hex)
         if client is None:
             await self.recover()
@@ -319,7 +320,7 @@ class ReplicaSet:
             # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
             async with self._replica(client).slots():
                 async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint,
-                                                   deadline_at, output_start):
+                                                   deadline_at, output_start, speculate_block):
                     yield chunk
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica

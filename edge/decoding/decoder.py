@@ -1,6 +1,7 @@
 """The edge decoding loop: draft locally, pay a cloud round trip only when the mode says so.
 
-Modes (design.md): `draft` never calls the cloud; `target` streams from the cloud alone; `sd` and
+Modes (design.md): `draft` never calls the cloud; `target` streams from the cloud alone, and `cloud-sd`
+from the cloud speculating with its own draft (a Generate with a speculation); `sd` and
 `sd-block` send the pending block when their call policy says so (every k drafted tokens by
 default); `sprinter` streams the tokens its verifier passes at once and sends the pending block
 when a token is flagged; `sprinter-exact` releases tokens only once the cloud block-verified them
@@ -190,10 +191,10 @@ class EdgeDecoder:
 
     async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                       deadline_at: float | None) -> None:
-        """Mode target: the cloud generates alone; while it cannot, the draft does, and the cloud takes over
-        again (from the context so far) once it answers, unless the request's deadline has passed."""
+        """Modes target and cloud-sd: the cloud generates (speculates) alone; while it cannot, the draft does, and the
+        cloud takes over again (from the context so far) once it answers, unless the request's deadline has passed."""
         if self.cloud is None:
-            raise ValueError("mode 'target' needs a cloud (--cloud HOST:PORT)")
+            raise ValueError(f"mode {generation.settings.mode!r} needs a cloud (--cloud HOST:PORT)")
         drafter, retry_at, busy = None, None, 0
         while not generation.done:
             try:
@@ -230,11 +231,17 @@ class EdgeDecoder:
         sampling = generation.settings.sampling
         if generation.new_tokens:  # a later call continues the output: the prompt's logprobs came with the first
             sampling = replace(sampling, prompt_logprobs=None)
+        speculates = generation.settings.traits.cloud_drafts
         chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
-                                     deadline_at, output_start=len(generation.prompt_ids))
+                                     deadline_at, output_start=len(generation.prompt_ids),
+                                     speculate_block=min(generation.settings.k, self.cloud.limits.max_block or generation.settings.k)
+                                     if speculates else None)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                generation.recorder.target_calls += len(chunk.token_ids)
+                if speculates and chunk.token_ids:  # one round: one target forward over the cloud's block
+                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1)
+                else:
+                    generation.recorder.target_calls += len(chunk.token_ids)
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))
                 if chunk.prompt_logprobs:
