@@ -21,9 +21,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = cloud.add_parser("serve", help="serve the target model over gRPC",
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
-    p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
-                   "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
-                   "cloud-sd, --placement cloud)")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_NAMES)
     add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
     p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
@@ -70,14 +67,21 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="drop a connection whose ping is not answered within this")
     p.add_argument("--max-connection-idle-s", type=float, default=DEFAULTS.max_connection_idle_s,
                    help="close a connection without calls after this long")
-    p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
-    p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
+    _add_operations_arguments(p)
+    p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
+                   "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
+                   "cloud-sd, --placement cloud)")
     _add_vllm_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_operations_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
+    p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
 
 
 def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
