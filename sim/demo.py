@@ -37,7 +37,7 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "What is the difference between a list and a tuple in Python?",
 )
-MODES = ("target", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/test_layout.py)
+MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/test_layout.py)
 
 
 @dataclass
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"starting the cloud ({args.target}, {args.dtype}) and the edge daemon ({args.draft}, verifier "
           f"{args.verifier}); the first run converts and exports the models once", flush=True)
-    with cloud_process("--target", args.target, "--dtype", args.dtype, "--drain-s", "5",
+    with cloud_process("--target", args.target, "--draft", args.draft, "--dtype", args.dtype, "--drain-s", "5",
                        log_path=args.out / "cloud.log", startup_timeout_s=900) as cloud_address, \
             edge_daemon(["--draft", args.draft, "--verifier", args.verifier, "--cloud", cloud_address,
                          "--mode", "sprinter-exact", "--dtype", args.dtype,

@@ -30,7 +30,8 @@ def tiny_settings(out: Path) -> SimulateSettings:
     # mqtt auto (the default): with Mosquitto installed the sweep records the fleet plane. 16 tokens: the
     # 40 ms phases then take over 4 s (a round trip per call), so the cloud's 2 s load reports land in them.
     return SimulateSettings(out=out, target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                            modes=("target", "sd", "sprinter-exact", "sprinter-exact@fixed:3"), rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=16)
+                            modes=("target", "sd", "sprinter-exact", "sprinter-exact@fixed:3", "cloud-sd"),
+                            rtt_ms=(0.0, 40.0), limit=2, max_new_tokens=16)
 
 
 def lines(path: Path) -> list[dict]:
@@ -47,7 +48,7 @@ def sweep(tmp_path_factory) -> SimulateSettings:
 @pytest.mark.slow
 def test_a_tiny_sweep_writes_results_summary_and_plots(sweep: SimulateSettings) -> None:
     results = lines(sweep.out / "results.jsonl")
-    assert len(results) == 2 * 4 * 2  # rtt x method x prompt
+    assert len(results) == 2 * 5 * 2  # rtt x method x prompt
     assert {(r["rtt_ms"], r["mode"]) for r in results} == {(rtt, m) for rtt in (0.0, 40.0) for m in sweep.modes}
     for r in results:
         assert r["completion_tokens"] >= 1 and r["wall_ms"] > 0 and r["ttft_ms"] > 0
@@ -56,7 +57,7 @@ def test_a_tiny_sweep_writes_results_summary_and_plots(sweep: SimulateSettings) 
         if r["mode"] == "sprinter-exact@fixed:3":  # a method: the mode with the call policy it names
             assert r["sprinter"]["policy"] == "fixed:3" and max(r["sprinter"]["stats"]["block_lengths"]) <= 3
     rows = read_csv(sweep.out / "summary.csv")
-    assert len(rows) == 8
+    assert len(rows) == 10
     for row in rows:
         assert row.tokens_per_s > 0 and row.target_nll_per_token > 0 and row.degraded == 0
         assert row.itl_ms_p50 is not None and row.ttft_ms_p50 is not None

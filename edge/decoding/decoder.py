@@ -238,9 +238,9 @@ class EdgeDecoder:
                                      if speculates else None)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                if speculates and chunk.token_ids:  # one round: one target forward over the cloud's block
+                if chunk.drafted:  # a cloud-sd round: one target forward over the cloud's block
                     generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1)
-                else:
+                else:  # a token of the target alone (a round with no room left to draft in is one too)
                     generation.recorder.target_calls += len(chunk.token_ids)
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))

@@ -114,14 +114,14 @@ def calibrate(settings: SimulateSettings, records: list[dict[str, Any]],
                 samples.append((1, g + 1, cm["t_verify_base_ms"] + cm["t_verify_per_token_ms"] * g))
         notes.append(f"verify time: the edge cost model's verify line (an EWMA of the cloud's verify_ms) at "
                      f"{len(samples)} (rtt, mode) mean block lengths; the daemon reports no per-call verify_ms")
-    target_gaps = [g for (_, mode), rs in groups.items() if not mode_of(mode).drafts for r in rs for g in token_gaps_ms(r)]
+    target_gaps = [g for (_, mode), rs in groups.items() if mode_of(mode).reference for r in rs for g in token_gaps_ms(r)]
     if target_gaps:
         samples.append((1, 1, statistics.median(target_gaps)))
         notes.append("1-token forward: target mode's median gap between tokens")
     # target mode's first forward carries the whole prompt: its time to first token, less the round
     # trip, measures a prompt-sized forward (without it, prefill is extrapolated from short blocks)
     prefills = [(1, r["prompt_tokens"], max(0.0, _stats(r)["ttft_ms"] - rtt_model(settings, rtt).mean_ms))
-                for (rtt, mode), rs in groups.items() if not mode_of(mode).drafts for r in rs
+                for (rtt, mode), rs in groups.items() if mode_of(mode).reference for r in rs
                 if r.get("prompt_tokens") and _stats(r).get("ttft_ms") is not None]
     if prefills:
         samples += prefills

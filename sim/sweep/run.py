@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from common.decoding.modes import mode_of
 from common.prompt_sets import PromptRecord
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
@@ -79,8 +80,10 @@ class SweepSystem:
         self._stack.push_async_callback(self.client.aclose)
         try:
             # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
+            # the cloud drafts too only where a mode asks it to (cloud-sd): the draft's weights cost its memory
+            drafts = ["--draft", s.draft] if any(mode_of(m).cloud_drafts for m in s.modes) else []
             address = self._stack.enter_context(cloud_process(
-                "--target", s.target, "--dtype", s.dtype, "--device", s.device, "--drain-s", "2",
+                "--target", s.target, "--dtype", s.dtype, "--device", s.device, "--drain-s", "2", *drafts,
                 *cloud_fleet_args(self.mqtt_url),
                 log_path=s.out / "cloud.log",
                 startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))

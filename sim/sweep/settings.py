@@ -13,7 +13,7 @@ from typing import Any
 from common.decoding.modes import MODES, PIPELINES, DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 
-DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact
+DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact, cloud-sd
 
 
 def base_mode(method: str) -> str:
