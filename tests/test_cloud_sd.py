@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
@@ -22,6 +23,7 @@ from common.decoding.modes import DecodeSettings, placed_mode
 from common.models import LoadedModel
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
+from common.sampling_params import GrammarSpec
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
@@ -106,3 +108,30 @@ def test_a_speculation_block_beyond_max_block_is_refused(tiny_target) -> None:
     # the cloud's draft is the target itself: greedy accepts every draft token, a round gives block + 1 tokens
     assert [(len(c.token_ids), c.drafted) for c in chunks] == [(4, 3), (4, 3), (2, 1), (0, 0)]
     assert chunks[-1].finish_reason == "length"
+
+
+def test_cloud_sd_keeps_the_requests_logits_processing_and_logprobs(tiny_target) -> None:
+    """Penalties, logit_bias, a grammar and logprobs reach both of the cloud's models: the output equals the target's
+    own under the same request, and each token's logprob is the target's raw one."""
+    prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
+    requests = {
+        "penalties": SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
+                                    logit_bias=((5, 3.0), (17, -100.0)), logprobs=2),
+        "json": SamplingParams(grammar=GrammarSpec("json_object"), logprobs=1),
+    }
+    references = {name: LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(
+        mode="target", max_new_tokens=24, sampling=sampling)) for name, sampling in requests.items()}
+    settings = CloudSettings(target="tiny-random", draft="tiny-random", batch_window_ms=1)
+    with ServerThread(settings, tiny_target, draft=near_draft(tiny_target)) as cloud:
+        async def work(node: EdgeNode):
+            return {name: await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+                mode="cloud-sd", max_new_tokens=24, k=3, sampling=sampling))) for name, sampling in requests.items()}
+
+        results = asyncio.run(_on_edge(cloud, tiny_target, work))
+    for name, result in results.items():
+        assert result.token_ids == references[name].token_ids, name
+        with torch.inference_mode():
+            logits = tiny_target.model(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        assert [e.token for e in result.logprobs] == result.token_ids
+        assert all(abs(e.logprob - float(expected[i, e.token])) < 1e-4 for i, e in enumerate(result.logprobs)), name
