@@ -167,6 +167,10 @@ class VllmEngine:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"speculation.block {block}: this cloud's vllm engine speculates {self.options.draft_block} "
                              "tokens a round, fixed when it started (--draft-block); ask for that block (k)")
+        if sampling.logit_bias:  # vLLM's own warning: "min_p and logit_bias parameters won't work with speculative decoding"
+            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "this cloud's vllm engine cannot speculate with logit_bias (vLLM's speculative decoding "
+                             "ignores it); draft on the edge (--placement edge) or use a cloud with --engine resident")
         async with contextlib.aclosing(self.generate(context, max_new, sampling, processors[0])) as steps:
             async for step in steps:
                 yield step
