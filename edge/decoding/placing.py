@@ -63,6 +63,7 @@ class Placer:
 
     uplink_mbps: float = 0.0  # 0: unlimited
     margin: float = DEFAULT_MARGIN
+    prior_cloud_draft_ms: float = PRIOR_CLOUD_DRAFT_MS  # a cloud draft step before its first cloud-sd round
     previous: str | None = None
     decisions: Counter = field(default_factory=Counter)  # (asked, used) -> requests
     _edge_tokens: Ewma | None = None  # tokens an edge round yields
@@ -108,7 +109,7 @@ class Placer:
         edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
         verify = cost_model.t_verify_ms(k)
         cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
-            k * PRIOR_CLOUD_DRAFT_MS + verify
+            k * self.prior_cloud_draft_ms + verify
         return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms, verify,
                                self._uplink_bytes.value, self.uplink_mbps,
                                self._cloud_tokens.value if self._cloud_tokens is not None else edge_tokens,
