@@ -215,6 +215,10 @@ class CostModel:
         self._sgg = decay * self._sgg + g * g
         self._sgv = decay * self._sgv + g * verify_ms
 
+    def observe_rtt(self, ms: float) -> None:
+        """A round trip measured outside a verify call (the first round of a cloud-sd stream, less the cloud's time)."""
+        self._rtt.update(max(0.0, ms))
+
     def seed_verify_ms(self, verify_ms: float) -> None:
         """Start t_verify from a cloud's announced verify time instead of the cold prior.
 

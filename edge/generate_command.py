@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, host_port_list
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.modes import MODES, PIPELINES, POLICY_MODES, DecodeSettings
+from common.decoding.modes import MODES, PIPELINES, PLACEMENTS, POLICY_MODES, DecodeSettings
 from common.devices import DeviceError, add_device_argument, resolve_device
 from common.sampling_params import SamplingParams
 from common.stats import DecodeStats
@@ -66,6 +66,13 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _non_negative_mbps(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: unlimited), got {text}")
+    return value
+
+
 def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cloud", type=host_port_list, metavar="HOST:PORT", help="verify on this cloud service instead of a local target")
     p.add_argument("--cloud-ca", type=Path, help="PEM root certificate: speak TLS to the cloud")
@@ -88,6 +95,12 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cloud, modes sd, sd-block and sprinter-exact: while a block is in flight draft the next one "
                         "for the likeliest verdict (ahead), or for the few likeliest and send them along (send-ahead); "
                         "lossless either way")
+    p.add_argument("--placement", default="edge", choices=PLACEMENTS,
+                   help="with --cloud: where modes sd, sd-block and sprinter-exact draft: on the edge, in the cloud "
+                        "(mode cloud-sd, on a cloud served with --draft), or auto (per request, by predicted tokens/s "
+                        "and the cloud's announced load)")
+    p.add_argument("--uplink-mbps", type=_non_negative_mbps, default=0.0, metavar="MBPS",
+                   help="the uplink's bandwidth, which placement auto charges a round's bytes against (0: unlimited)")
     p.add_argument("--no-pipeline-adapt", dest="pipeline_adapts", action="store_false",
                    help="draft ahead every round, even while the measured hit rate says it does not pay "
                         "(by default a pipeline runs rounds as off then, probing now and then)")
@@ -143,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"sprinter generate: {err}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
+    if args.placement != "edge" and not args.cloud:
+        print(f"sprinter generate: --placement {args.placement} needs --cloud (a cloud to draft in)", file=sys.stderr)
+        return 2
     if args.cloud:
         if args.device != "auto":
             print("sprinter generate: --device is for the local engine; with --cloud the target runs where the "
@@ -187,6 +203,7 @@ def _say_degraded(reason: str) -> None:
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
     from edge.decoding.decoder import EdgeSettings
     from common.prompting import encode_prompt
+    from edge.decoding.placing import PlacementRefused
     from edge.node import EdgeNode, EdgeNodeSettings
 
     try:
@@ -197,9 +214,15 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
         edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
-                                     pipeline_adapts=args.pipeline_adapts)
-        result = await node.decoder.generate(prompt_ids, edge_settings, on_degraded=_say_degraded)
+                                     pipeline_adapts=args.pipeline_adapts, placement=args.placement)
+        try:
+            result = await node.decoder.generate(prompt_ids, edge_settings, on_degraded=_say_degraded)
+        except PlacementRefused as err:
+            print(f"sprinter generate: --placement: {err}", file=sys.stderr)
+            return 2
     extra = {"degraded": result.degraded_reason or False}
+    if result.placed is not None and args.placement != "edge":
+        extra["placement"] = result.placed.describe()
     if result.stats.ahead_rounds:
         extra["pipeline"] = f"{args.pipeline} (hit rate {result.stats.ahead_hit_rate:.2f})"
     print_result(args, result.text, result.token_ids, result.stats, **extra)

@@ -18,6 +18,7 @@ from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier
 from edge.cloud_link.client import CloudEndpoint
 from edge.decoding.decoder import EdgeDecoder
+from edge.decoding.placing import Placer
 from edge.runtime.draft import draft_lm_factory
 from edge.cloud_link.replicas import ReplicaSet
 from edge.runtime.verifier import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
@@ -43,9 +44,12 @@ class EdgeNodeSettings:
     draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
     threads: int | None = None
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
+    uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placing.py); 0: unlimited
     companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
 
     def __post_init__(self) -> None:
+        if self.uplink_mbps < 0:
+            raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
         if self.cloud_token and self.cloud and not self.cloud_ca and not self.insecure:
             raise ValueError("a cloud token without TLS would travel in clear: give --cloud-ca (TLS), or --insecure "
                              "if the link is already private (a loopback test, a tunnel)")
@@ -57,7 +61,7 @@ class EdgeNodeSettings:
                    cloud_tls_server_name=args.cloud_tls_server_name, insecure=args.insecure,
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
                    dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
-                   max_model_len=getattr(args, "max_model_len", None),
+                   max_model_len=getattr(args, "max_model_len", None), uplink_mbps=getattr(args, "uplink_mbps", 0.0),
                    discover_clouds=bool(getattr(args, "mqtt", None)) and not args.cloud)
 
 
@@ -98,7 +102,8 @@ class EdgeNode:
             await self._clouds.aclose()
             raise
         self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
-                                   make_companion=setup.make_companion, max_context=self.settings.max_model_len)
+                                   make_companion=setup.make_companion, max_context=self.settings.max_model_len,
+                                   placer=Placer(uplink_mbps=self.settings.uplink_mbps))
         self.decoder.verifier_identity = setup.identity
         return self
 

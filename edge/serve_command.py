@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         node_settings = EdgeNodeSettings.from_args(args)
     except ValueError as err:
         problem = problem or str(err)
+    if not problem and args.placement != "edge" and not args.cloud and not getattr(args, "mqtt", None):
+        problem = f"--placement {args.placement} needs a cloud to draft in (--cloud, or --mqtt to find one)"
     if problem:
         print(f"sprinter edge serve: {problem}", file=sys.stderr)
         return 2
@@ -108,7 +110,7 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
 
     host, _, port = args.listen.rpartition(":")
     api = ApiSettings(default_mode=args.mode, model_name=args.model_name or args.draft, default_policy=args.policy,
-                      default_pipeline=args.pipeline,
+                      default_pipeline=args.pipeline, default_placement=args.placement,
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
                       max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s,
                       request_deadline_s=args.request_deadline_s, pipeline_adapts=args.pipeline_adapts)

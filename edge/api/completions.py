@@ -20,7 +20,7 @@ from typing import Callable
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from common.decoding.modes import MODES, POLICY_MODES, DecodeSettings, mode_of
+from common.decoding.modes import MODES, PLACEMENTS, POLICY_MODES, DecodeSettings, mode_of
 from common.sampling import SamplingParams
 from common.sampling_params import GrammarError
 from common.tool_calls import ToolsUnsupported
@@ -47,6 +47,7 @@ class ApiSettings:
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
     default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
+    default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placing.py)
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)
@@ -85,6 +86,9 @@ class Completions:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if not mode_of(mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft alone
             return openai_error(400, f"mode {mode!r} needs a cloud, and this daemon has none (--cloud)", "mode")
+        placement = body.placement or self.api.default_placement
+        if problem := self._placement_problem(placement):
+            return openai_error(400, problem, "placement")
         max_tokens = self._max_tokens(body, mode, prompt_tokens)
         if isinstance(max_tokens, JSONResponse):
             return max_tokens
@@ -103,9 +107,20 @@ class Completions:
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
         return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
-                            pipeline=body.pipeline or self.api.default_pipeline,
+                            pipeline=body.pipeline or self.api.default_pipeline, placement=placement,
                             request_deadline_s=body.request_deadline_s or self.api.request_deadline_s,
                             pipeline_adapts=self.api.pipeline_adapts)
+
+    def _placement_problem(self, placement: str) -> str | None:
+        """Why this edge cannot serve `placement` now (never a silent fallback to the edge); None if it can."""
+        if placement not in PLACEMENTS:
+            return f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}"
+        if placement != "edge" and self.node.cloud is None:
+            return f"placement {placement!r} needs a cloud, and this daemon has none (--cloud)"
+        if placement == "cloud" and not self.node.cloud.drafts():
+            return ("placement 'cloud' needs a cloud replica with a draft of its own (sprinter cloud serve --draft); "
+                    "none of this daemon's has one now")
+        return None
 
     def _max_tokens(self, body: SamplingFields, mode: str, prompt_tokens: int) -> int | JSONResponse:
         """vLLM's rule: prompt + max_tokens must fit the context (the draft's window, the cloud's max_context);
@@ -219,7 +234,9 @@ class Completions:
         return {"status": "ok", "draft": node.settings.draft, "cloud": cloud, "cloud_replicas": replicas,
                 "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
                 "default_mode": self.api.default_mode,
-                "default_policy": self.api.default_policy, "default_pipeline": self.api.default_pipeline, "in_flight": self.slots.in_flight,
+                "default_policy": self.api.default_policy, "default_pipeline": self.api.default_pipeline,
+                "default_placement": self.api.default_placement, "placement": node.decoder.placer.snapshot(),
+                "in_flight": self.slots.in_flight,
                 "context_limit": node.decoder.context_limit(self.api.default_mode),
                 "cost_model": node.decoder.cost_model.snapshot()}
 

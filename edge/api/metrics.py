@@ -77,6 +77,8 @@ class EdgeMetrics:
                                       "refused", ["reason"], registry=r)
         self.refused = Counter("sprinter_edge_cloud_refusals", "Generations ended early by a cloud refusal", ["code"],
                                registry=r)
+        self.placements = Counter("sprinter_edge_placements", "Requests placed, by the placement asked and where "
+                                  "the draft ran", ["asked", "used"], registry=r)
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -86,6 +88,8 @@ class EdgeMetrics:
         self.tokens.labels(mode).inc(result.stats.new_tokens)
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
+        if result.placed is not None:
+            self.placements.labels(result.placed.asked, result.placed.used).inc()
         if result.degraded_reason is not None:
             self.degraded.labels(result.degraded_reason).inc()
         self.totals.requests += 1

@@ -2,6 +2,7 @@
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
 spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipeline.py) and
+`placement` (edge, cloud or auto: where the draft runs, edge/decoding/placing.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
 from the draft, degraded with reason `deadline`). Each response carries the usual `usage` plus a
 `sprinter` object (mode, policy, target_calls, tokens_per_call, block_length_mean, degraded and
@@ -123,6 +124,7 @@ class SamplingFields(BaseModel):
     k: int | None = Field(default=None, ge=1, le=32)
     policy: str | None = Field(default=None, max_length=64)
     pipeline: Literal["off", "ahead", "send-ahead"] | None = None
+    placement: str | None = Field(default=None, max_length=16, description="edge, cloud or auto: where the draft runs")
     request_deadline_s: float | None = Field(default=None, gt=0, le=86400,
                                              description="how long this request may wait for the cloud in all")
 
@@ -234,6 +236,8 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
                  "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
+    if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction
+        extension["placement"] = result.placed.describe()
     if result.logprobs is not None:
         extension["logprob_sources"] = sources(result.logprobs)
     return extension

@@ -39,7 +39,8 @@ import grpc
 from common.addresses import split_host_port
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
-from edge.cloud_link.client import CloudClient, CloudEndpoint, CloudLimits, CloudUnavailable, DeadlinePassed, backoff_delay
+from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudRefused, CloudUnavailable, DeadlinePassed,
+                                    backoff_delay)
 from edge.cloud_link.failures import ACTIONS, Cause, Rest
 from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
@@ -47,6 +48,7 @@ from sprinter.v1 import decoding_pb2 as pb
 log = logging.getLogger(__name__)
 
 LOAD_FACTOR = 1.25
+BUSY_HOLD_S = 10.0  # a replica that refused with RESOURCE_EXHAUSTED counts as busy this long (placement)
 DRAIN_REST_S = 30.0
 ANNOUNCEMENT_FRESH_S = 15.0
 PROBE_EVERY_S = 2.0
@@ -59,12 +61,16 @@ class Replica:
     client: CloudClient
     origin: str  # the --cloud entry or announcement it came from
     model_id: str | None = None  # set once GetInfo answered with this draft's vocabulary
+    draft_model_id: str | None = None  # the cloud's own draft (cloud-sd), as GetInfo announced it; None: none
     refused: str | None = None  # why it is never used
     rest_until: float = 0.0
     failures: int = 0
     sessions: int = 0  # this edge's sessions on it now
     announced_sessions: int | None = None
+    announced_queue_depth: int = 0  # verifications waiting for a batch, as last announced
+    announced_batch_mean: float = 0.0
     announced_at: float = 0.0
+    busy_until: float = 0.0  # it refused a Generate with RESOURCE_EXHAUSTED: busy until then
     gone: bool = False  # no longer resolved or announced: no new sessions
     generate_slots: asyncio.Semaphore | None = None  # the replica's Generate quota for this edge, queued here
 
@@ -80,9 +86,17 @@ class Replica:
     def usable(self, now: float) -> bool:
         return self.model_id is not None and self.refused is None and not self.gone and now >= self.rest_until
 
+    def fresh(self, now: float) -> bool:
+        return self.announced_sessions is not None and now - self.announced_at < ANNOUNCEMENT_FRESH_S
+
     def load(self, now: float) -> int:
-        fresh = self.announced_sessions is not None and now - self.announced_at < ANNOUNCEMENT_FRESH_S
-        return max(self.sessions, self.announced_sessions) if fresh else self.sessions
+        return max(self.sessions, self.announced_sessions) if self.fresh(now) else self.sessions
+
+    def drafting_load(self, now: float) -> tuple[float, bool]:
+        """(how much its queue stretches a cloud-sd round, >= 1; whether it is busy): a fresh announcement's
+        queue (a queue of one batch doubles a round), or a RESOURCE_EXHAUSTED refusal within BUSY_HOLD_S."""
+        queue = self.announced_queue_depth if self.fresh(now) else 0
+        return 1.0 + queue / max(1.0, self.announced_batch_mean), queue > 0 or now < self.busy_until
 
 
 def rendezvous_order(key: str, replicas: Sequence[Replica]) -> list[Replica]:
@@ -180,6 +194,7 @@ class ReplicaSet:
             self._spawn(self._add_announced(load))
             return
         replica.announced_sessions, replica.announced_at = load.open_sessions, time.monotonic()
+        replica.announced_queue_depth, replica.announced_batch_mean = load.queue_depth, load.batch_size_mean
         if load.status == "online":
             replica.rest_until, replica.gone = 0.0, False
         elif load.status == "draining":
@@ -213,6 +228,7 @@ class ReplicaSet:
             log.error("cloud replica %s refused: it %s", replica.address, replica.refused)
             return None
         replica.model_id, replica.failures, replica.rest_until = info.model_id, 0, 0.0
+        replica.draft_model_id = info.draft_model_id or None
         return info
 
     def _rest(self, replica: Replica) -> None:
@@ -243,9 +259,9 @@ class ReplicaSet:
         retries = next(iter(self.replicas.values())).client.endpoint.retries if self.replicas else 2
         return retries + max(1, len(self.replicas))
 
-    def choose(self, key: str, avoid: frozenset[str] = frozenset()) -> CloudClient | None:
+    def choose(self, key: str, avoid: frozenset[str] = frozenset(), drafting: bool = False) -> CloudClient | None:
         now = time.monotonic()
-        usable = [r for r in self.replicas.values() if r.usable(now)]
+        usable = [r for r in self.replicas.values() if r.usable(now) and (r.draft_model_id or not drafting)]
         if not usable:
             return None
         ranked = rendezvous_order(key, usable)
@@ -300,6 +316,17 @@ class ReplicaSet:
         now = time.monotonic()
         return any(r.usable(now) for r in self.replicas.values())
 
+    def drafts(self) -> bool:
+        """Some usable replica has a draft of its own: cloud-sd (placement cloud) can run."""
+        now = time.monotonic()
+        return any(r.usable(now) and r.draft_model_id for r in self.replicas.values())
+
+    def drafting_load(self) -> tuple[float, bool]:
+        """The least loaded usable drafting replica's (load factor, busy): where a cloud-sd request would go."""
+        now = time.monotonic()
+        loads = [r.drafting_load(now) for r in self.replicas.values() if r.usable(now) and r.draft_model_id]
+        return min(loads, key=lambda load: (load[1], load[0])) if loads else (1.0, False)
+
     def session(self, sampling: SamplingParams, vocab_fingerprint: str = "", deadline_at: float | None = None,
                 output_start: int | None = None) -> CloudSession:
         return CloudSession(self, sampling, vocab_fingerprint, deadline_at, output_start)
@@ -309,10 +336,11 @@ class ReplicaSet:
                        output_start: int | None = None, speculate_block: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode target (cloud-sd with `speculate_block`) on one replica; CloudUnavailable (the replica rests) when it
         fails or none is usable."""
-        client = self.choose(uuid.uuid4().hex)
+        drafting = speculate_block is not None  # cloud-sd: only a replica with a draft of its own
+        client = self.choose(uuid.uuid4().hex, drafting=drafting)
         if client is None:
             await self.recover()
-            client = self.choose(uuid.uuid4().hex)
+            client = self.choose(uuid.uuid4().hex, drafting=drafting)
         if client is None:
             raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, "no cloud replica is usable now")
         self.acquire(client)
@@ -324,6 +352,10 @@ class ReplicaSet:
                     yield chunk
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica
+        except CloudRefused as err:
+            if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: placement keeps drafting off it for a while
+                self._replica(client).busy_until = time.monotonic() + BUSY_HOLD_S
+            raise
         except CloudUnavailable:
             self.report(client, Cause.REPLICA_FAILED)
             raise
@@ -332,7 +364,8 @@ class ReplicaSet:
 
     def describe(self) -> list[dict]:
         now = time.monotonic()
-        return [{"address": r.address, "model": r.model_id, "usable": r.usable(now), "sessions": r.sessions,
+        return [{"address": r.address, "model": r.model_id, "draft": r.draft_model_id, "usable": r.usable(now),
+                 "sessions": r.sessions,
                  "refused": r.refused, "draining_or_resting_s": max(0.0, round(r.rest_until - now, 1))}
                 for r in sorted(self.replicas.values(), key=lambda r: r.address)]
 

@@ -50,6 +50,7 @@ from edge.cloud_link.client import CloudLinkError, CloudRefused, CloudUnavailabl
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_link.backend import CloudUse, CloudVerifier
 from edge.decoding.pipeline import PipelinedRounds
+from edge.decoding.placing import Placed, Placer, check_placement
 from edge.cloud_link.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class EdgeSettings:
     request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
     pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/decoding/ahead_gauge.py)
     pipeline: str = "off"  # edge/decoding/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
+    placement: str = "edge"  # where the draft runs: edge, cloud (cloud-sd), auto (edge/decoding/placing.py)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
+        check_placement(self.placement)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class EdgeResult:
     verifier: dict | None = None  # {"id", "sha256"} of the verifier in force when the generation started
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 2..n, when the request asked (echo)
+    placed: Placed | None = None  # where the request drafted, the mode run, and why
 
     @property
     def degraded(self) -> bool:
@@ -99,7 +103,8 @@ class EdgeResult:
 class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
                  cloud: ReplicaSet | None, cost_model: CostModel | None = None,
-                 make_companion: Callable[[], Companion] | None = None, max_context: int | None = None) -> None:
+                 make_companion: Callable[[], Companion] | None = None, max_context: int | None = None,
+                 placer: Placer | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
         self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
@@ -109,6 +114,7 @@ class EdgeDecoder:
         # Shared by every generation, so it keeps learning across requests. Concurrent generations
         # update it from worker threads too; a lost update under that race costs one sample of an EWMA.
         self.cost_model = cost_model or CostModel()
+        self.placer = placer or Placer()  # where auto places a request: learned across requests, like the cost model
         # Whether drafting ahead pays, per (pipeline, mode): like the cost model, a property of this edge and its link.
         self.ahead_records: dict[tuple[str, str], AheadRecord] = {}
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
@@ -149,6 +155,10 @@ class EdgeDecoder:
     async def generate(self, prompt_ids: list[int], settings: EdgeSettings,
                        emit: Callable[[Released], None] = lambda released: None,
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
+        placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
+                                   settings.decode.max_new_tokens, self.cost_model, self.cloud)
+        if placed.mode != settings.decode.mode:  # cloud-sd takes no call policy: its rounds are the cloud's k
+            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None))
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
@@ -166,13 +176,16 @@ class EdgeDecoder:
             use.error = err
         tokens = generation.new_tokens
         text = self._decode(tokens)
+        stats = generation.recorder.finish(len(tokens))
+        if generation.settings.traits.placeable and not use.degraded_reason and use.error is None:
+            self.placer.observe_edge(stats)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         # off the event loop: where no target scored the prompt, the draft's forward over it does
         prompt_logprobs = await asyncio.to_thread(self._prompt_logprobs, prompt_ids, settings.decode.sampling, use) \
             if settings.decode.sampling.prompt_logprobs is not None else None
-        return EdgeResult(tokens, stop.cut(text) if stop else text, generation.recorder.finish(len(tokens)),
+        return EdgeResult(tokens, stop.cut(text) if stop else text, stats,
                           use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs,
-                          prompt_logprobs)
+                          prompt_logprobs, placed)
 
     def _prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams,
                          use: CloudUse) -> list[TokenLogprob] | None:
@@ -236,10 +249,15 @@ class EdgeDecoder:
                                      deadline_at, output_start=len(generation.prompt_ids),
                                      speculate_block=min(generation.settings.k, self.cloud.limits.max_block or generation.settings.k)
                                      if speculates else None)
+        started, first = time.perf_counter(), True
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.drafted:  # a cloud-sd round: one target forward over the cloud's block
                     generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1)
+                    if first:  # the round trip, paid once: what the first round took here less what it took there
+                        self.cost_model.observe_rtt((time.perf_counter() - started) * 1e3 - chunk.step_ms)
+                    self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
+                    first = False
                 else:  # a token of the target alone (a round with no room left to draft in is one too)
                     generation.recorder.target_calls += len(chunk.token_ids)
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),

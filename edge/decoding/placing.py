@@ -1,0 +1,145 @@
+"""Placement per request on the edge: what the decision (common/decoding/placement.py) reads, learned here.
+
+The edge's own side comes from the decoder's `CostModel` (draft step, round trip, t_verify(gamma)) and from its
+finished generations (tokens a round, uplink bytes a round); the cloud's side from the GenerateChunks of earlier
+cloud-sd requests (each chunk one round: its tokens, the drafted count, the round's step_ms), with priors before
+any: the edge's acceptance (the same pair drafts) and PRIOR_CLOUD_DRAFT_MS a draft step. The cloud's load comes
+from its announcements and RESOURCE_EXHAUSTED refusals (edge/cloud_link/replicas.py `drafting_load`).
+
+A placement names where the draft runs: `edge` (the mode as asked), `cloud` (`placed_mode(mode, "cloud")`), or
+`auto` (decided per request). Only the placeable modes move; sprinter stays on the edge (it has no cloud form).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from common.call_policy import CostModel, Ewma
+from common.decoding.modes import PLACEMENTS, mode_of, placed_mode
+from common.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, PlacementDecision, PlacementInputs, decide
+from common.errors import SprinterError
+from common.stats import DecodeStats
+
+log = logging.getLogger(__name__)
+
+PRIOR_ACCEPT = 0.6  # a drafted token's chance to be kept, before this edge has seen a verdict
+PRIOR_CLOUD_DRAFT_MS = 5.0  # one draft step in the cloud (an accelerator's), before its first cloud-sd round
+ALPHA = 0.25
+
+
+class PlacementRefused(SprinterError, ValueError):
+    """A placement this edge cannot serve (no cloud, or no cloud with a draft); names `placement`."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """How a request was placed: what it asked, where it drafted, the mode that ran, and why."""
+
+    asked: str
+    used: str  # "edge" or "cloud"
+    mode: str  # the mode actually run
+    decision: PlacementDecision | None = None  # auto's prediction
+    note: str | None = None  # e.g. why a cloud placement stayed on the edge
+
+    def describe(self) -> dict[str, object]:
+        described: dict[str, object] = {"asked": self.asked, "used": self.used, "mode": self.mode}
+        if self.decision is not None:
+            described.update({k: v for k, v in self.decision.describe().items() if k != "placement"})
+        if self.note:
+            described["note"] = self.note
+        return described
+
+
+def check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise PlacementRefused(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+
+
+@dataclass
+class Placer:
+    """One per decoder: learns both sides across requests and keeps the last decision (hysteresis)."""
+
+    uplink_mbps: float = 0.0  # 0: unlimited
+    margin: float = DEFAULT_MARGIN
+    prior_cloud_draft_ms: float = PRIOR_CLOUD_DRAFT_MS  # a cloud draft step before its first cloud-sd round
+    previous: str | None = None
+    decisions: Counter = field(default_factory=Counter)  # (asked, used) -> requests
+    _edge_tokens: Ewma | None = None  # tokens an edge round yields
+    _uplink_bytes: Ewma = field(default_factory=lambda: Ewma(0.0, ALPHA))  # per edge round
+    _cloud_tokens: Ewma | None = None  # tokens a cloud-sd round yields
+    _cloud_round_ms: Ewma | None = None
+
+    def __post_init__(self) -> None:
+        if self.uplink_mbps < 0:
+            raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
+
+    def place(self, mode: str, placement: str, k: int, max_tokens: int, cost_model: CostModel,
+              cloud: object | None) -> Placed:
+        """The mode a request runs in; PlacementRefused when the placement cannot be served. `cloud` is the
+        decoder's ReplicaSet (read: drafts(), drafting_load())."""
+        check_placement(placement)
+        if placement == EDGE:
+            return self._count(Placed(EDGE, EDGE, mode))
+        if cloud is None:
+            raise PlacementRefused(f"placement {placement!r} needs a cloud, and this edge has none (--cloud)")
+        if not mode_of(mode).placeable:
+            note = f"mode {mode!r} has no cloud form: it drafts on the edge" if mode_of(mode).drafts else None
+            return self._count(Placed(placement, EDGE if mode_of(mode).drafts else CLOUD, mode, note=note))
+        drafts = cloud.drafts()  # type: ignore[attr-defined]
+        if placement == CLOUD:
+            if not drafts:
+                raise PlacementRefused("placement 'cloud' needs a cloud replica with a draft of its own "
+                                       "(sprinter cloud serve --draft); none of this edge's has one")
+            return self._count(Placed(CLOUD, CLOUD, placed_mode(mode, CLOUD)))
+        load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
+        decision = decide(self.inputs(k, max_tokens, cost_model, load, busy, drafts), self.previous, self.margin)
+        self.previous = decision.placement
+        log.debug("placement auto: %s", decision)
+        return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
+
+    def _count(self, placed: Placed) -> Placed:
+        self.decisions[(placed.asked, placed.used)] += 1
+        return placed
+
+    def inputs(self, k: int, max_tokens: int, cost_model: CostModel, load: float = 1.0, busy: bool = False,
+               drafts: bool = True) -> PlacementInputs:
+        prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
+        edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
+        verify = cost_model.t_verify_ms(k)
+        cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
+            k * self.prior_cloud_draft_ms + verify
+        return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms, verify,
+                               self._uplink_bytes.value, self.uplink_mbps,
+                               self._cloud_tokens.value if self._cloud_tokens is not None else edge_tokens,
+                               cloud_round, load, busy, drafts)
+
+    def observe_edge(self, stats: DecodeStats) -> None:
+        """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round."""
+        if stats.target_calls == 0 or stats.new_tokens == 0:
+            return
+        self._edge_tokens = _update(self._edge_tokens, stats.new_tokens / stats.target_calls)
+        self._uplink_bytes.update(stats.uplink_bytes / stats.target_calls)
+
+    def observe_cloud_round(self, tokens: int, drafted: int, step_ms: float, first: bool) -> None:
+        """One cloud-sd round as its GenerateChunk reported it; the first also holds the prefill, so it teaches
+        tokens a round but not a round's time."""
+        if tokens == 0 or drafted == 0:
+            return  # a chunk with no round (the last of a stream, or a round cut to no draft by the budget)
+        self._cloud_tokens = _update(self._cloud_tokens, float(tokens))
+        if not first:
+            self._cloud_round_ms = _update(self._cloud_round_ms, step_ms)
+
+    def snapshot(self) -> dict[str, object]:
+        return {"previous": self.previous, "uplink_mbps": self.uplink_mbps,
+                "edge_tokens_per_round": self._edge_tokens.value if self._edge_tokens else None,
+                "uplink_bytes_per_round": self._uplink_bytes.value,
+                "cloud_tokens_per_round": self._cloud_tokens.value if self._cloud_tokens else None,
+                "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None}
+
+
+def _update(ewma: Ewma | None, x: float) -> Ewma:
+    ewma = ewma or Ewma(x, ALPHA)
+    ewma.update(x)
+    return ewma
