@@ -43,6 +43,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="KV cache of all sessions and Generate calls; must hold one --max-context session")
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
+    p.add_argument("--residual-candidates", type=int, default=DEFAULTS.residual_candidates,
+                   help="an edge that sends no draft distributions (--draft-dists on-rejection): candidate tokens "
+                        "per residual query at a rejection")
+    p.add_argument("--residual-queries", type=int, default=DEFAULTS.residual_queries,
+                   help="residual queries of candidates before the whole draft distribution is asked for (exact "
+                        "either way)")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
     p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
                    help="a session used within this many seconds is not evicted to admit another; the newcomer "
