@@ -43,12 +43,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="KV cache of all sessions and Generate calls; must hold one --max-context session")
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
-    p.add_argument("--residual-candidates", type=int, default=DEFAULTS.residual_candidates,
-                   help="an edge that sends no draft distributions (--draft-dists on-rejection): candidate tokens "
-                        "per residual query at a rejection")
-    p.add_argument("--residual-queries", type=int, default=DEFAULTS.residual_queries,
-                   help="residual queries of candidates before the whole draft distribution is asked for (exact "
-                        "either way)")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
     p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
                    help="a session used within this many seconds is not evicted to admit another; the newcomer "
@@ -77,10 +71,21 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
     _add_vllm_arguments(p)
+    _add_residual_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_residual_arguments(p: argparse.ArgumentParser) -> None:
+    """cloud/residual.py: the residual of an edge that sends no draft distributions (--draft-dists on-rejection)."""
+    p.add_argument("--residual-candidates", type=int, default=DEFAULTS.residual_candidates,
+                   help="candidate tokens per residual query at a rejection, for edges that send no draft "
+                        "distributions (--draft-dists on-rejection)")
+    p.add_argument("--residual-queries", type=int, default=DEFAULTS.residual_queries,
+                   help="residual queries of candidates before the whole draft distribution is asked for (exact "
+                        "either way)")
 
 
 def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
