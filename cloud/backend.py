@@ -11,22 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
-from cloud.engine import Abandoned, GeneratedToken, TargetEngine, TargetRows, scored_prefill
-from cloud.errors import CloudError
+from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill
+from cloud.errors import CloudError, invalid
 from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
+from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
 from cloud.speculation import SpeculatedRound
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import TokenLogprob
+from common.sampling import logits_to_probs, sample
 from common.sampling_params import GrammarError, SamplingParams
+from common.verification import token_acceptances
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -39,6 +42,7 @@ class TargetBackend:
     store: SessionStore
     metrics: CloudMetrics
     grammars: GrammarCompiler | None = None  # made at the first request with a grammar (it converts the tokenizer)
+    residual: ResidualSettings = field(default_factory=ResidualSettings)  # cloud/residual.py: dists_on_rejection
 
     @property
     def vocab_size(self) -> int:
@@ -136,48 +140,111 @@ class TargetBackend:
         self.update_gauges()
         return token, logprob
 
-    async def verify(self, session: Session, frame: pb.VerifyBlock, abandoned: Abandoned | None = None) -> pb.Verdict:
+    async def verify(self, session: Session, frame: pb.VerifyBlock,
+                     abandoned: Abandoned | None = None) -> pb.Verdict | pb.ResidualQuery:
+        """The verdict on `frame`, or (a frame with dists_on_rejection that the rule rejects in) the residual
+        query the edge must answer first (`answer_residual`); the session stays busy until then."""
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
             raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
         session.busy = True
         try:
             draft_tokens = list(frame.draft_tokens)
-            g = len(draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
             self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
-            result = await self.engine.forward(session, new_tokens, n_logits=g + 1, abandoned=abandoned)
+            result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
+                                               abandoned=abandoned)
             self.store.check_kv("forward")
             started = time.perf_counter()
             try:
                 rows = result.rows.shaped(session.processor, session.tokens, draft_tokens)
-                n_accepted, next_token = decide(frame, rows, session.sampling, session.generator)
+                if frame.dists_on_rejection and not session.sampling.greedy:
+                    pending = self._scalar_decision(frame, rows, session, result, len(new_tokens), started)
+                    if isinstance(pending, PendingResidual):
+                        if abandoned is not None and abandoned():  # the stream that would answer is gone
+                            raise CloudError(grpc.StatusCode.CANCELLED, "the edge left before its residual query")
+                        session.pending_residual = pending
+                        return self._ask(pending, session)  # busy until answered
+                    n_accepted, next_token = pending
+                else:
+                    n_accepted, next_token = decide(frame, rows, session.sampling, session.generator)
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise
-            session.cached_tokens += len(new_tokens)
-            # Roll the cache back to the accepted prefix; next_token is fed with the next block.
-            start_position = session.length
-            keep = session.length + n_accepted
-            self.engine.rollback(session, keep)
-            session.cached_tokens = keep
-            kept = draft_tokens[:n_accepted] + [next_token]
-            logprobs = result.rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
-            session.tokens.extend(kept)
-            session.last_verdict = (start_position, n_accepted, next_token)
+            return self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
+                                (time.perf_counter() - started) * 1e3)
         finally:
-            session.busy = False
+            session.busy = session.pending_residual is not None
+
+    def _scalar_decision(self, frame: pb.VerifyBlock, rows: TargetRows, session: Session, result: ForwardResult,
+                         new_tokens: int, started: float) -> tuple[int, int] | PendingResidual:
+        """The token rule's coins from the draft's scalars: the verdict when all pass, else the residual to sample."""
+        p_target = logits_to_probs(rows.logits, session.sampling)
+        draft_tokens = list(frame.draft_tokens)
+        j = token_acceptances(draft_tokens, list(frame.draft_token_probs), p_target, session.generator)
+        if j == len(draft_tokens):
+            return j, sample(p_target[j], session.generator)
+        return PendingResidual(frame, result, new_tokens, j, p_target[j].clone(),
+                               (time.perf_counter() - started) * 1e3)
+
+    def answer_residual(self, session: Session, answer: pb.ResidualAnswer) -> pb.Verdict | pb.ResidualQuery:
+        """Go on with the verify waiting on `answer`: its verdict, or the next query. A refused answer abandons
+        that verify (its forward rolled back) and raises, as a verify that fails does."""
+        pending = session.pending_residual
+        if pending is None:
+            raise invalid("residual_answer without a residual_query pending: answer only the cloud's queries, "
+                          "each once, before any other frame")
+        started = time.perf_counter()
+        try:
+            token = pending.resolve(answer, self.limits, self.vocab_size, session.generator)
+            if token is None:
+                return self._ask(pending, session)
+        except BaseException:
+            self.abandon_residual(session)
+            raise
+        session.pending_residual = None
+        session.busy = False
+        return self._settle(session, pending.frame, pending.result, pending.new_tokens, pending.position, token,
+                            pending.compute_ms + (time.perf_counter() - started) * 1e3)
+
+    def _ask(self, pending: PendingResidual, session: Session) -> pb.ResidualQuery:
+        query = pending.next_query(self.residual, session.generator)
+        self.metrics.residual_queries.labels("full" if query.full_distribution else "candidates").inc()
+        return query
+
+    def abandon_residual(self, session: Session) -> None:
+        """Drop a verify still waiting on residual answers (the edge sent something else, went away, or answered
+        garbage): its forward is rolled back and the session is as before that verify."""
+        if session.pending_residual is None:
+            return
+        session.pending_residual = None
+        self.engine.rollback(session, session.cached_tokens)
+        session.busy = False
+        self.metrics.residual_queries.labels("abandoned").inc()
+
+    def _settle(self, session: Session, frame: pb.VerifyBlock, result: ForwardResult, new_tokens: int,
+                n_accepted: int, next_token: int, decide_ms: float) -> pb.Verdict:
+        """Keep the verdict's tokens: the cache rolled back to the accepted prefix, next_token fed with the next block."""
+        draft_tokens = list(frame.draft_tokens)
+        session.cached_tokens += new_tokens
+        start_position = session.length
+        keep = session.length + n_accepted
+        self.engine.rollback(session, keep)
+        session.cached_tokens = keep
+        kept = draft_tokens[:n_accepted] + [next_token]
+        logprobs = result.rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
+        session.tokens.extend(kept)
+        session.last_verdict = (start_position, n_accepted, next_token)
         session.touch()
         self.metrics.verify_calls.labels(wire.method_name(frame.method)).inc()
-        self.metrics.tokens_verified.inc(g)
+        self.metrics.tokens_verified.inc(len(draft_tokens))
         self.metrics.tokens_accepted.inc(n_accepted)
         self.store.enforce_budget(protect=session)
         self.update_gauges()
         return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
-                            verify_ms=result.forward_ms + (time.perf_counter() - started) * 1e3,
-                            queue_ms=result.queue_ms, cloud_batch_size=result.batch_size,
-                            start_position=start_position, candidate=wire.candidate_after(frame) is not None,
-                            logprobs=logprobs)
+                            verify_ms=result.forward_ms + decide_ms, queue_ms=result.queue_ms,
+                            cloud_batch_size=result.batch_size, start_position=start_position,
+                            candidate=wire.candidate_after(frame) is not None, logprobs=logprobs)
 
     def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge

@@ -72,6 +72,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
                    "cloud-sd, --placement cloud)")
     _add_vllm_arguments(p)
+    _add_residual_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
@@ -82,6 +83,16 @@ def _add_operations_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
+
+
+def _add_residual_arguments(p: argparse.ArgumentParser) -> None:
+    """cloud/residual.py: the residual of an edge that sends no draft distributions (--draft-dists on-rejection)."""
+    p.add_argument("--residual-candidates", type=int, default=DEFAULTS.residual_candidates,
+                   help="candidate tokens per residual query at a rejection, for edges that send no draft "
+                        "distributions (--draft-dists on-rejection)")
+    p.add_argument("--residual-queries", type=int, default=DEFAULTS.residual_queries,
+                   help="residual queries of candidates before the whole draft distribution is asked for (exact "
+                        "either way)")
 
 
 def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import torch
 from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from common import wire
-from common.decoding.modes import reads_last_draft_only, verify_rule
+from common.decoding.modes import reads_draft_dist_at_rejection_only, reads_last_draft_only, verify_rule
 from common.verification import greedy_verdict
 from common.sampling import SamplingParams, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
@@ -101,27 +101,47 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         raise invalid("verify.draft_token_probs must lie in (0, 1]: the draft sampled these tokens")
     if sampling.greedy:
         return
+    if frame.dists_on_rejection:
+        _check_dists_on_rejection(frame, method)
+        return
     needed = 1 if reads_last_draft_only(method) else g
     if len(frame.draft_dists) not in (needed, g):
         raise invalid(f"verify.draft_dists has {len(frame.draft_dists)} distributions; sampling with this method "
                        f"needs {needed} (one per draft token{', or just the last' if needed == 1 else ''})")
     first_row = g - len(frame.draft_dists)
     for i, dist in enumerate(frame.draft_dists):
-        where = f"verify.draft_dists[{i}]"
-        token = frame.draft_tokens[first_row + i]
-        if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
-            raise invalid(f"{where}: token_ids and probs must be non-empty and of equal length")
-        if len(dist.token_ids) > limits.max_sparse_support:
-            raise invalid(f"{where}: {len(dist.token_ids)} entries; the limit is {limits.max_sparse_support}")
-        check_token_ids(list(dist.token_ids), vocab_size, where)
-        repeated = [t for t, n in Counter(dist.token_ids).items() if n > 1]
-        if repeated:
-            raise invalid(f"{where}: token id {repeated[0]} appears more than once; list each id once")
-        total = sum(dist.probs)
-        if any(p < 0 or not math.isfinite(p) for p in dist.probs) or abs(total - 1.0) > PROBABILITY_SUM_TOLERANCE:
-            raise invalid(f"{where}: probabilities must be >= 0 and sum to 1 (they sum to {total:.6f})")
-        if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
-            raise invalid(f"{where} gives its draft token {token} probability 0, so the draft cannot have sampled it")
+        check_sparse_distribution(dist, f"verify.draft_dists[{i}]", frame.draft_tokens[first_row + i],
+                                  limits.max_sparse_support, vocab_size)
+
+
+def _check_dists_on_rejection(frame: pb.VerifyBlock, method: str) -> None:
+    """A frame that leaves its distributions for the residual queries: the token rule only, scalars for all."""
+    if not reads_draft_dist_at_rejection_only(method):
+        raise invalid(f"verify.dists_on_rejection is set with method {method}, whose rule reads every draft "
+                      "distribution: send them all in verify.draft_dists (only METHOD_TOKEN may leave them out)")
+    if frame.draft_dists:
+        raise invalid("verify.dists_on_rejection is set but verify.draft_dists is not empty: send one or the other")
+    if len(frame.draft_token_probs) != len(frame.draft_tokens):
+        raise invalid(f"verify.draft_token_probs has {len(frame.draft_token_probs)} entries for "
+                      f"{len(frame.draft_tokens)} draft tokens: with dists_on_rejection the rule decides from them")
+
+
+def check_sparse_distribution(dist: pb.SparseDistribution, where: str, token: int, max_entries: int,
+                              vocab_size: int) -> None:
+    """A sparse draft distribution `token` was sampled from: well-formed, within `max_entries`, summing to 1."""
+    if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
+        raise invalid(f"{where}: token_ids and probs must be non-empty and of equal length")
+    if len(dist.token_ids) > max_entries:
+        raise invalid(f"{where}: {len(dist.token_ids)} entries; the limit is {max_entries}")
+    check_token_ids(list(dist.token_ids), vocab_size, where)
+    repeated = [t for t, n in Counter(dist.token_ids).items() if n > 1]
+    if repeated:
+        raise invalid(f"{where}: token id {repeated[0]} appears more than once; list each id once")
+    total = sum(dist.probs)
+    if any(p < 0 or not math.isfinite(p) for p in dist.probs) or abs(total - 1.0) > PROBABILITY_SUM_TOLERANCE:
+        raise invalid(f"{where}: probabilities must be >= 0 and sum to 1 (they sum to {total:.6f})")
+    if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
+        raise invalid(f"{where} gives its draft token {token} probability 0, so the draft cannot have sampled it")
 
 
 def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_size: int) -> torch.Tensor:

@@ -62,6 +62,8 @@ class CloudMetrics:
                                                 registry=r)
         self.engine_cache_bypasses = Counter("sprinter_cloud_engine_cache_bypasses",
                                              "Verifies re-run with the prefix cache skipped", registry=r)
+        self.residual_queries = Counter("sprinter_cloud_residual_queries", "Residual queries sent (candidates, full) "
+                                        "and verifies abandoned while one was out (abandoned)", ["kind"], registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
 
     def observe_batch(self, forward: ForwardStats) -> None:

@@ -27,6 +27,7 @@ from cloud.frames import ServiceLimits
 from cloud.load_announcer import LoadAnnouncer, LoadTracker, load_reader
 from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
+from cloud.residual import ResidualSettings
 from cloud.service import TargetServicer
 from cloud.sessions import KVInvariant, SessionLimits, SessionStore
 from cloud.resident_engine import ResidentEngine
@@ -150,7 +151,8 @@ class CloudServer:
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
                 invariant=invariant,
             )
-            backend = TargetBackend(engine, self.limits, store, self.metrics)
+            backend = TargetBackend(engine, self.limits, store, self.metrics,
+                                    residual=ResidualSettings(settings.residual_candidates, settings.residual_queries))
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -14,6 +14,10 @@ no round trip to the edge in between; otherwise it is dropped before any check o
 a reply (the edge knows the verdict, so it knows which candidate, if any, it will hear about). A
 candidate for a session that is gone (evicted, expired) is answered NOT_FOUND like any verify: the
 edge then reopens on a fresh stream, leaving any further such answers behind with the old one.
+
+A verify sent with dists_on_rejection may be answered with a residual query (cloud/residual.py) instead
+of its verdict; the edge's next frame must be the residual answer. Any other frame, or the stream's
+end, abandons that verify first (its forward rolled back), then is served as usual.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         try:
             async for frame in request_iterator:
                 kind = frame.WhichOneof("frame")
+                if kind != "residual_answer" and session is not None:
+                    backend.abandon_residual(session)  # anything but the answer gives up a verify waiting on one
                 try:
                     if kind == "open":
                         if self.draining:
@@ -109,14 +115,18 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                 continue
                             backend.metrics.candidates.labels("verified").inc()
                         # shield: the cache and the token list must move together even if the edge goes away
-                        verdict = await asyncio.shield(backend.verify(session, frame.verify, abandoned))
-                        yield wire.verdict_frame(verdict)
+                        answer = await asyncio.shield(backend.verify(session, frame.verify, abandoned))
+                        yield wire.cloud_frame(answer)  # the verdict, or a residual query to be answered first
+                    elif kind == "residual_answer":
+                        if session is None:
+                            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "residual_answer before open")
+                        yield wire.cloud_frame(backend.answer_residual(session, frame.residual_answer))
                     elif kind == "close":
                         if session is not None:
                             backend.close(session)
                         return
                     else:
-                        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "empty frame: set one of open, verify or close")
+                        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "empty frame: set one of open, verify, residual_answer or close")
                 except CloudError as err:
                     yield self._error_frame(err, session if session and backend.store.contains(session.session_id) else None)
                 except Exception as err:  # a bug of ours: say so on this frame, keep the stream and the server up
@@ -125,6 +135,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         finally:
             left = True
             self.open_streams -= 1
+            if session is not None:
+                backend.abandon_residual(session)  # the edge went away mid-query: roll that verify back
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:

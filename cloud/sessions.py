@@ -28,7 +28,7 @@ import itertools
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 import torch
@@ -42,6 +42,9 @@ from common.errors import SprinterError
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cloud.residual import PendingResidual
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class Session:
     busy: bool = False  # a prefill or verify is in flight: never evicted under it
     # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow
     last_verdict: tuple[int, int, int] | None = None
+    pending_residual: PendingResidual | None = None  # a verify waiting on the edge's residual answers (busy meanwhile)
     # the request's logit_bias and penalties, counting from the open's output_start; None: none asked for
     processor: LogitsProcessor | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the open's answer when it asked (echo)

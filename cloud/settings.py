@@ -42,6 +42,9 @@ class CloudSettings:
     kv_budget_mb: int = 2048
     max_block: int = 32
     max_context: int = 4096
+    # cloud/residual.py: how the token rule's residual is sampled for an edge that sends no draft distributions
+    residual_candidates: int = 16
+    residual_queries: int = 2
     idle_timeout_s: float = 300.0
     # A session used within this many seconds is not evicted to admit another: the newcomer waits its turn
     # (RESOURCE_EXHAUSTED with a retry hint) instead of the two evicting each other, each eviction a prefill.
@@ -80,6 +83,9 @@ class CloudSettings:
             (self.max_sessions >= 1, f"--max-sessions must be >= 1, got {self.max_sessions}"),
             (self.kv_budget_mb >= 1, f"--kv-budget-mb must be >= 1, got {self.kv_budget_mb}"),
             (self.max_block >= 1, f"--max-block must be >= 1, got {self.max_block}"),
+            (self.residual_candidates >= 1, f"--residual-candidates must be >= 1, got {self.residual_candidates}"),
+            (self.residual_queries >= 0, f"--residual-queries must be >= 0 (0: ask for the whole distribution at "
+                                         f"once), got {self.residual_queries}"),
             (self.max_context >= self.max_block + 2,
              f"--max-context {self.max_context} leaves no room for a block of --max-block {self.max_block} "
              f"after a prompt: it must be at least {self.max_block + 2}"),

@@ -37,6 +37,7 @@ class DecodeStats:
     candidate_hits: int = 0  # sent candidates the cloud verified with no round trip in between
     uplink_bytes: int = 0  # verify frames and candidates the edge wrote
     downlink_bytes: int = 0  # session frames the edge read (opens, verdicts: logprobs make them longer)
+    residual_queries: int = 0  # the cloud's residual queries answered (draft_dists on-rejection): extra round trips
 
     @property
     def ahead_hit_rate(self) -> float | None:
@@ -86,6 +87,7 @@ class StatsRecorder:
     candidate_hits: int = 0
     uplink_bytes: int = 0
     downlink_bytes: int = 0
+    residual_queries: int = 0
 
     def emitted(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -133,7 +135,7 @@ class StatsRecorder:
             pipeline=self.pipeline, ahead_rounds=self.ahead_rounds, ahead_hits=self.ahead_hits,
             ahead_off_rounds=self.ahead_off_rounds,
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
-            downlink_bytes=self.downlink_bytes,
+            downlink_bytes=self.downlink_bytes, residual_queries=self.residual_queries,
         )
 
 

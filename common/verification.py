@@ -63,6 +63,34 @@ def token_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: to
     return len(draft_tokens), sample(p_target[-1], generator)
 
 
+def token_acceptances(draft_tokens: list[int], p_draft_of_tokens: list[float], p_target: torch.Tensor,
+                      generator: torch.Generator) -> int:
+    """`token_verify`'s coins from the draft's probabilities of its own tokens alone: the index of the first
+    rejected token, or len(draft_tokens) when all pass. Draws the same uniforms as `token_verify` does."""
+    for i, x in enumerate(draft_tokens):
+        if _uniform(generator) * p_draft_of_tokens[i] > p_target[i, x].item():
+            return i
+    return len(draft_tokens)
+
+
+def residual_candidates(p_target: torch.Tensor, n: int, generator: torch.Generator) -> list[int]:
+    """`n` proposals for sampling the residual by rejection: independent draws from the target's row p_target [V]."""
+    return torch.multinomial(p_target.float(), n, replacement=True, generator=generator).tolist()
+
+
+def residual_by_rejection(candidates: list[int], p_target: torch.Tensor, p_draft_of_candidates: list[float],
+                          generator: torch.Generator) -> int | None:
+    """The first candidate y (drawn from p_target) kept with probability max(0, 1 - p_draft(y) / p_target(y)), or
+    None when none is. A kept y is distributed as norm(max(p_target - p_draft, 0)), the token rule's residual,
+    exactly: P(propose y and keep it) = p_t(y) * (p_t(y) - p_d(y))^+ / p_t(y). So any number of rounds of this,
+    ended by sampling `residual` from the full distribution, samples the residual exactly."""
+    for y, q in zip(candidates, p_draft_of_candidates):
+        p = p_target[y].item()
+        if _uniform(generator) * p < p - q:
+            return y
+    return None
+
+
 def block_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
                  generator: torch.Generator) -> tuple[int, int]:
     """Block verification (Sun et al., ICLR 2025): lossless and optimal in tokens per target call.

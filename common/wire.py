@@ -18,11 +18,16 @@ Glossary (who sends what)
                    verdict on the block in flight, verified only if the cloud gave exactly that verdict.
                    Sent again the ordinary way, `after` dropped: `ordinary_verify_frame`.
         close      the end of the session (`close_frame`).
+        residual_answer  the draft's probabilities of a residual query's candidates, or its whole distribution
+                   at the queried position (`residual_answer_frame`).
       cloud -> edge, `CloudFrame`, one per open and per verify (none for a dropped candidate):
         opened     the session id and length, the limits, whether it was resumed, and the target's token
                    after the prompt when the open asked for it (`opened_frame`).
         verdict    the first n_accepted draft tokens are kept and next_token follows; named by its
                    block's start_position (`verdict`, framed by `verdict_frame`).
+        residual_query  mid-verify of a block sent with `dists_on_rejection` (mode sd under sampling): the
+                   token at a position was rejected; the cloud asks for the draft's probabilities of its
+                   candidates, or the whole distribution there (`residual_query`, framed by `cloud_frame`); the verdict follows.
         error      a refused frame: gRPC status, message, the cloud's session length, a retry hint
                    (`error_frame`); the stream and the session stay usable.
     Generate       mode target. edge -> cloud: `GenerateRequest` (`generate_request`). cloud -> edge:
@@ -174,11 +179,13 @@ def after_verdict(start_position: int, n_accepted: int, next_token: int) -> pb.A
 def verify_block(start_position: int, draft_tokens: Sequence[int], method: str,
                  draft_token_probs: Sequence[float] | None = None,
                  draft_dists: Sequence[SparseDistribution] | None = None,
-                 after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
-    """A verify block checked by verify `method` ("block"); with `after`, a candidate for that verdict."""
+                 after: pb.AfterVerdict | None = None, dists_on_rejection: bool = False) -> pb.VerifyBlock:
+    """A verify block checked by verify `method` ("block"); with `after`, a candidate for that verdict; with
+    `dists_on_rejection`, no distributions: the cloud asks for what it needs at a rejection (residual_query)."""
     return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method_value(method),
                           draft_token_probs=draft_token_probs or [], after=after,
-                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []])
+                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []],
+                          dists_on_rejection=dists_on_rejection)
 
 
 def verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
@@ -190,7 +197,16 @@ def ordinary_verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
     """The frame that sends `block` as an ordinary verify: a candidate's `after` is dropped."""
     return pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
                                               draft_token_probs=block.draft_token_probs,
-                                              draft_dists=block.draft_dists, method=block.method))
+                                              draft_dists=block.draft_dists, method=block.method,
+                                              dists_on_rejection=block.dists_on_rejection))
+
+
+def residual_answer_frame(query: pb.ResidualQuery, draft_probs: Sequence[float] = (),
+                          draft_dist: SparseDistribution | None = None) -> pb.EdgeFrame:
+    """The answer to `query`: the draft's probabilities of its candidates, or (asked for) its whole distribution."""
+    return pb.EdgeFrame(residual_answer=pb.ResidualAnswer(
+        start_position=query.start_position, position=query.position, draft_probs=draft_probs,
+        draft_dist=sparse_to_proto(draft_dist) if draft_dist is not None else None))
 
 
 def close_frame() -> pb.EdgeFrame:
@@ -259,6 +275,19 @@ def verdict(*, n_accepted: int, next_token: int, context_length: int, verify_ms:
 
 def verdict_frame(judged: pb.Verdict) -> pb.CloudFrame:
     return pb.CloudFrame(verdict=judged)
+
+
+def residual_query(start_position: int, position: int, candidate_ids: Sequence[int] = (),
+                   full_distribution: bool = False) -> pb.ResidualQuery:
+    return pb.ResidualQuery(start_position=start_position, position=position, candidate_ids=candidate_ids,
+                            full_distribution=full_distribution)
+
+
+def cloud_frame(answer: pb.Verdict | pb.ResidualQuery) -> pb.CloudFrame:
+    """A verify's answer framed: its verdict, or the residual query it needs answered first."""
+    if isinstance(answer, pb.ResidualQuery):
+        return pb.CloudFrame(residual_query=answer)
+    return verdict_frame(answer)
 
 
 def error_frame(code: grpc.StatusCode, message: str, retry_after_ms: int = 0, context_length: int = 0) -> pb.CloudFrame:

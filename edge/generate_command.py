@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, host_port_list
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.modes import MODES, PIPELINES, PLACEMENTS, POLICY_MODES, DecodeSettings
+from common.decoding.modes import DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, DecodeSettings
 from common.devices import DeviceError, add_device_argument, resolve_device
 from common.sampling_params import SamplingParams
 from common.stats import DecodeStats
@@ -101,6 +101,11 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                         "and the cloud's announced load)")
     p.add_argument("--uplink-mbps", type=_non_negative_mbps, default=0.0, metavar="MBPS",
                    help="the uplink's bandwidth, which placement auto charges a round's bytes against (0: unlimited)")
+    p.add_argument("--draft-dists", default="full", choices=DRAFT_DISTS,
+                   help="with --cloud under sampling, mode sd only: send every draft distribution the tokens were drawn "
+                        "from (full), or only each token's draft probability, the cloud asking for what it needs at a "
+                        "rejection, one more round trip there (on-rejection: ~30x less uplink; exact either way; "
+                        "not with --pipeline send-ahead)")
     p.add_argument("--no-pipeline-adapt", dest="pipeline_adapts", action="store_false",
                    help="draft ahead every round, even while the measured hit rate says it does not pay "
                         "(by default a pipeline runs rounds as off then, probing now and then)")
@@ -211,10 +216,15 @@ async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> i
     except ValueError as err:
         print(f"sprinter generate: {err}", file=sys.stderr)
         return 2
+    try:
+        edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
+                                     pipeline_adapts=args.pipeline_adapts, draft_dists=args.draft_dists,
+                                     placement=args.placement)
+    except ValueError as err:
+        print(f"sprinter generate: {err}", file=sys.stderr)
+        return 2
     async with EdgeNode(node_settings) as node:
         prompt_ids = encode_prompt(node.draft.tokenizer, args.prompt, args.chat)
-        edge_settings = EdgeSettings(decode=settings, pipeline=args.pipeline, request_deadline_s=args.request_deadline_s,
-                                     pipeline_adapts=args.pipeline_adapts, placement=args.placement)
         try:
             result = await node.decoder.generate(prompt_ids, edge_settings, on_degraded=_say_degraded)
         except PlacementRefused as err:

@@ -113,7 +113,8 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
                       default_pipeline=args.pipeline, default_placement=args.placement,
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
                       max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s,
-                      request_deadline_s=args.request_deadline_s, pipeline_adapts=args.pipeline_adapts)
+                      request_deadline_s=args.request_deadline_s, pipeline_adapts=args.pipeline_adapts,
+                      draft_dists=args.draft_dists)
     StoppingServer = _stopping_server_class()
     async with EdgeNode(node_settings) as node:
         app = create_app(node, api)

@@ -227,7 +227,7 @@ def test_verify_before_open(channel):
 
 def test_empty_edge_frame(channel):
     edge = Edge(channel)
-    assert_refused(edge.send(pb.EdgeFrame()), S.INVALID_ARGUMENT, "empty frame", "open, verify or close")
+    assert_refused(edge.send(pb.EdgeFrame()), S.INVALID_ARGUMENT, "empty frame", "open, verify, residual_answer or close")
     edge.opened([1, 2])
     assert_refused(edge.send(pb.EdgeFrame()), S.INVALID_ARGUMENT, "empty frame", context_length=2)
     edge.still_works()

@@ -76,6 +76,12 @@ class Mode:
         return self.speculative and self.lossless and self.drafts
 
     @property
+    def dists_on_rejection(self) -> bool:
+        """Under sampling its rule needs a draft's full distribution only at a rejection (see
+        `reads_draft_dist_at_rejection_only`): it may leave them out of its verify frames (sd)."""
+        return self.verify_method is not None and reads_draft_dist_at_rejection_only(self.verify_method)
+
+    @property
     def fixed_block(self) -> bool:
         """Under its default policy a block is k tokens long (sd's papers), not capped by max_run_length."""
         return self.default_policy == "fixed:{k}"
@@ -99,6 +105,9 @@ LOSSLESS_MODES = tuple(m.name for m in _MODE_LIST if m.lossless)
 VERIFY_METHODS = ("token", "block", "sprinter")
 # How an edge overlaps its rounds with the round trip (edge/decoding/pipeline.py); the modes that `pipelines`.
 PIPELINES = ("off", "ahead", "send-ahead")
+# What a sampled verify frame carries of the draft's distributions: all of them, or (modes whose rule
+# `dists_on_rejection`) none, the cloud asking for what it needs at a rejection (cloud/residual.py).
+DRAFT_DISTS = ("full", "on-rejection")
 # Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
 PLACEMENTS = ("edge", "cloud", "auto")
 CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)
@@ -124,6 +133,13 @@ def mode_of(name: str) -> Mode:
 def reads_last_draft_only(method: str) -> bool:
     """The rule reads the draft's distribution of the block's last token only (sprinter checks only it)."""
     return method == "sprinter"
+
+
+def reads_draft_dist_at_rejection_only(method: str) -> bool:
+    """The rule reads a draft's full distribution only where it rejects (the token rule: the residual there), so
+    the edge may send the draft's probabilities of its tokens alone and answer the cloud's residual queries
+    (`dists_on_rejection`). Block verification sums over the vocabulary at every position: it needs them all."""
+    return method == "token"
 
 
 def verify_rule(method: str, sampling: SamplingParams) -> VerifyRule:

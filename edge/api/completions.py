@@ -55,6 +55,9 @@ class ApiSettings:
     cloud_retry_s: float = 2.0  # while degraded, how often a generation tries the cloud again
     request_deadline_s: float | None = None  # a request's wait for the cloud in all, unless it sets its own
     pipeline_adapts: bool = True  # pipelines run rounds as off while drafting ahead does not pay
+    # EdgeSettings.draft_dists of the requests that can use it (a mode whose rule `dists_on_rejection`, no
+    # send-ahead); the others send their draft distributions in full, which is as exact
+    draft_dists: str = "full"
 
 
 class Completions:
@@ -106,8 +109,11 @@ class Completions:
                                     policy=policy)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
+        pipeline = body.pipeline or self.api.default_pipeline
+        fits = decode.traits.dists_on_rejection and not (pipeline == "send-ahead" and decode.traits.pipelines)
         return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
-                            pipeline=body.pipeline or self.api.default_pipeline, placement=placement,
+                            pipeline=pipeline, placement=placement,
+                            draft_dists=self.api.draft_dists if fits else "full",
                             request_deadline_s=body.request_deadline_s or self.api.request_deadline_s,
                             pipeline_adapts=self.api.pipeline_adapts)
 

@@ -58,11 +58,14 @@ class CloudVerifier:
     """The speculative round's backend over one generation's cloud session; None when out of reach."""
 
     def __init__(self, session: CloudSession, method: str, sampling: SamplingParams, max_sparse_support: int,
-                 retry_s: float, use: CloudUse) -> None:
+                 retry_s: float, use: CloudUse, dists_on_rejection: bool = False) -> None:
         self.session = session
         self.method = method
         self.sampling = sampling
         self.max_sparse_support = max_sparse_support
+        # Under sampling: send p_draft(x_i) alone and answer the cloud's residual queries at a rejection
+        # (cloud/residual.py) instead of every distribution (EdgeSettings.draft_dists "on-rejection").
+        self.dists_on_rejection = dists_on_rejection and not sampling.greedy
         self.retry_s = retry_s
         self.use = use
         self.down_since: float | None = None
@@ -76,7 +79,26 @@ class CloudVerifier:
     def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
         """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`)."""
         probs = [float(d.p_draft[d.token]) for d in block.drafted]
+        if self.dists_on_rejection:
+            return wire.verify_block(start_position, block.tokens, self.method, probs, None, after,
+                                     dists_on_rejection=True)
         return wire.verify_block(start_position, block.tokens, self.method, probs, self._draft_dists(block), after)
+
+    def _residual_answer(self, block: PendingBlock, query: pb.ResidualQuery) -> pb.EdgeFrame:
+        """The draft's probabilities of the cloud's candidates at the rejected position, or that whole distribution
+        (exact: the draft sampled from at most max_sparse_support tokens); a position outside the block is
+        answered with nothing, which the cloud refuses by name."""
+        if query.position >= len(block):
+            return wire.residual_answer_frame(query)
+        p_draft = block.drafted[query.position].p_draft
+        if query.full_distribution:
+            return wire.residual_answer_frame(query, draft_dist=SparseDistribution.from_dense(p_draft))
+        return wire.residual_answer_frame(query, p_draft[list(query.candidate_ids)].tolist())
+
+    @property
+    def residual_queries(self) -> int:
+        """Residual queries answered: round trips beyond one per verify."""
+        return self.session.stream.residual_answers
 
     @property
     def epoch(self) -> int:
@@ -128,7 +150,9 @@ class CloudVerifier:
         steady = self.session.session_id is not None and not self.session.opening
         reopens, started = self.session.reopens, waited_since or time.perf_counter()
         try:
-            verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate)
+            answer = (lambda query: self._residual_answer(block, query)) if self.dists_on_rejection else None
+            verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate,
+                                                      answer)
         except CloudUnavailable as err:
             if self.down_since is None:
                 log.warning("%s; continuing from the draft alone (degraded): %s", err.reason, err)

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import logging
 import uuid
-from typing import Protocol
+from typing import Callable, Protocol
 
 import grpc
 
@@ -41,6 +41,9 @@ from edge.cloud_link.stream import STREAM_BROKE, SessionStream
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+AnswerQuery = Callable[[pb.ResidualQuery], pb.EdgeFrame]  # the edge's residual answer to a query of the cloud
 
 
 class Replicas(Protocol):
@@ -192,15 +195,21 @@ class CloudSession:
         self.stream.matched()
         return answer.verdict
 
-    async def _attempt(self, context: list[int], frame: pb.EdgeFrame) -> pb.Verdict:
+    async def _attempt(self, context: list[int], frame: pb.EdgeFrame, answer_query: AnswerQuery | None) -> pb.Verdict:
         if self.early.started:  # the first verify meets the early open's outcome
             await self.early.take_over()
         try:
             if self.session_id is None:
                 await self._open(context)
             answer = await self.stream.exchange(frame)
+            # a block sent without its distributions: the cloud asks for the draft's at a rejection first
+            while answer.WhichOneof("frame") == "residual_query" and answer_query is not None:
+                answer = await self.stream.exchange(answer_query(answer.residual_query))
         except STREAM_BROKE as err:
             raise self._stream_failure(err) from err
+        if answer.WhichOneof("frame") == "residual_query":
+            raise RetryableFailure(Cause.OUT_OF_STEP, "the cloud asked a residual query of a block sent with "
+                                                      "its distributions")
         if answer.WhichOneof("frame") == "verdict":
             return answer.verdict
         raise self._failure(answer.error, len(context))
@@ -220,11 +229,12 @@ class CloudSession:
         return await self.verify_block(context, wire.verify_block(len(context), draft_tokens, wire.method_name(method),
                                                                   draft_token_probs, draft_dists))
 
-    async def verify_block(self, context: list[int], block: pb.VerifyBlock,
-                           matched_candidate: bool = False) -> pb.Verdict:
+    async def verify_block(self, context: list[int], block: pb.VerifyBlock, matched_candidate: bool = False,
+                           answer_query: AnswerQuery | None = None) -> pb.Verdict:
         """Verify `block` following `context` (the edge's committed tokens). With `matched_candidate` the block
         went out as a candidate the cloud has matched: its verdict is read, not asked for; should that fail,
-        the block is sent again the ordinary way."""
+        the block is sent again the ordinary way. `answer_query` answers the cloud's residual queries on a block
+        sent without its distributions (dists_on_rejection)."""
         frame = wire.ordinary_verify_frame(block)
         last_failure: RetryableFailure | None = None
         failures = tries = 0  # failures: replicas out of reach (they count against the attempts); tries: all
@@ -233,7 +243,7 @@ class CloudSession:
                 if tries == 0 and matched_candidate:
                     verdict = await self._read_candidate_verdict(context, block)
                 else:
-                    verdict = await self._attempt(context, frame)
+                    verdict = await self._attempt(context, frame, answer_query)
             except RetryableFailure as failure:
                 last_failure, tries = failure, tries + 1
                 failures += failure.action.counts

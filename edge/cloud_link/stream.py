@@ -35,8 +35,9 @@ class SessionStream:
         self.deadline_s = 0.0  # the replica's per-frame deadline
         self.epoch = 0  # the epoch of the verify frame written last
         self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
-        self.uplink_bytes = 0  # verify frames and candidates written: what send-ahead costs the link
-        self.downlink_bytes = 0  # frames read: opens and verdicts (what logprobs cost the link)
+        self.uplink_bytes = 0  # verify frames, candidates and residual answers written: what the link carried up
+        self.downlink_bytes = 0  # frames read: opens, verdicts (what logprobs cost the link), residual queries
+        self.residual_answers = 0  # residual queries answered (edge/cloud_link/backend.py): each one more round trip
         self.has_candidates = False  # answers to candidates may still be on this call (see CloudSession._failure)
         self._write_lock = asyncio.Lock()  # a call takes one write at a time: candidates queue behind their block
 
@@ -50,7 +51,9 @@ class SessionStream:
         """Write `frame` and read the answer; a verify frame starts an epoch."""
         if frame.HasField("verify"):
             self.epoch += 1
+        if frame.HasField("verify") or frame.HasField("residual_answer"):
             self.uplink_bytes += frame.ByteSize()
+            self.residual_answers += frame.HasField("residual_answer")
         epoch = self.epoch
         async with self._write_lock:
             await asyncio.wait_for(self.call.write(frame), self.deadline_s)

@@ -39,7 +39,7 @@ from common.companion import Companion
 from common.decoding.drafting import Drafter, PendingBlock
 from common.decoding.generation import Generation, Released, StopSequences
 from common.logprobs import TokenLogprob, logprobs_of
-from common.decoding.modes import PIPELINES, DecodeSettings, call_policy, mode_of
+from common.decoding.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of
 from common.decoding.speculative_round import block_limit, draft_block, speculative_round
 from common.logits_processing import processor_for
 from common.models import LoadedModel, vocab_fingerprint
@@ -74,11 +74,31 @@ class EdgeSettings:
     pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/decoding/ahead_gauge.py)
     pipeline: str = "off"  # edge/decoding/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
     placement: str = "edge"  # where the draft runs: edge, cloud (cloud-sd), auto (edge/decoding/placing.py)
+    # Under sampling, what a verify frame carries of the draft's distributions: "full" (all of them), or
+    # "on-rejection" (p_draft of each token alone; the cloud asks for what it needs at a rejection, one more
+    # round trip there: cloud/residual.py). Only for modes whose rule reads a distribution only where it rejects.
+    draft_dists: str = "full"
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
         check_placement(self.placement)
+        if self.draft_dists not in DRAFT_DISTS:
+            raise ValueError(f"unknown draft_dists {self.draft_dists!r}; choose one of {', '.join(DRAFT_DISTS)}")
+        if self.draft_dists == "on-rejection":
+            self._check_on_rejection()
+
+    def _check_on_rejection(self) -> None:
+        traits = self.decode.traits
+        if not traits.dists_on_rejection:
+            raise ValueError(f"draft_dists 'on-rejection' needs a rule that reads a draft distribution only where it "
+                             f"rejects (the token rule); mode {self.decode.mode!r} "
+                             + (f"verifies with the {traits.verify_method} rule, which reads every one: use 'full'"
+                                if traits.verify_method else "verifies no blocks"))
+        if self.pipeline == "send-ahead" and traits.pipelines:
+            raise ValueError("draft_dists 'on-rejection' cannot go with pipeline 'send-ahead': candidates queued "
+                             "behind a block would reach the cloud before the answer to its residual query; "
+                             "use pipeline 'ahead' or 'off', or draft_dists 'full'")
 
 
 @dataclass
@@ -158,7 +178,8 @@ class EdgeDecoder:
         placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
                                    settings.decode.max_new_tokens, self.cost_model, self.cloud)
         if placed.mode != settings.decode.mode:  # cloud-sd takes no call policy: its rounds are the cloud's k
-            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None))
+            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None),
+                               draft_dists="full")  # the cloud drafts: no draft distribution goes up
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
@@ -297,6 +318,7 @@ class EdgeDecoder:
             if backend is not None:
                 generation.recorder.uplink_bytes = backend.uplink_bytes
                 generation.recorder.downlink_bytes = backend.downlink_bytes
+                generation.recorder.residual_queries = backend.residual_queries
                 use.prompt_logprobs = use.prompt_logprobs or backend.prompt_logprobs
                 await backend.close()
 
@@ -306,7 +328,7 @@ class EdgeDecoder:
                                      output_start=len(generation.prompt_ids))
         backend = CloudVerifier(session,
                                 generation.settings.verify_method, generation.settings.sampling,
-                                support, settings.cloud_retry_s, use)
+                                support, settings.cloud_retry_s, use, settings.draft_dists == "on-rejection")
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
         # The lossless modes also take the target's first token from that open (see `_first_token`).
         backend.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)

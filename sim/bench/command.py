@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline|features`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline|features|uplink`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -26,7 +26,7 @@ from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline, run_policy,
-                            run_prefill, run_rollout)
+                            run_prefill, run_rollout, run_uplink)
 from sim.bench.settings import (LAYOUTS, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
@@ -53,6 +53,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_fleet(benches)
     _register_pipeline(benches)
     _register_features(benches)
+    _register_uplink(benches)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 
@@ -227,3 +228,19 @@ def _register_features(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("results/bench-features"))
     p.set_defaults(run=run_features)
+
+
+def _register_uplink(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("uplink", help="sampled sd's link bytes: full draft distributions against on-rejection",
+                           **_described("sim.bench.uplink"))
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="smollm2-135m:layers=4")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--rtt-ms", type=floats, default=(20.0, 100.0), help="comma list")
+    p.add_argument("--bandwidth-mbps", type=float, default=20.0, help="each way; 0: unlimited")
+    p.add_argument("--prompts", type=int, default=3, help="the first N bench prompts")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("-k", type=int, default=4, help="sd's block length")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--out", type=Path, default=Path("results/bench-uplink"))
+    p.set_defaults(run=run_uplink)

@@ -138,6 +138,16 @@ def run_features(args: argparse.Namespace) -> int:
     return _report(args, features.bench_features(settings), args.out, ("results.json", "table.md"))
 
 
+def run_uplink(args: argparse.Namespace) -> int:
+    from sim.bench import uplink
+    settings = uplink.UplinkBenchSettings(target=args.target, draft=args.draft, dtype=args.dtype, rtts_ms=args.rtt_ms,
+                                          bandwidth_mbps=args.bandwidth_mbps or None, prompts=args.prompts,
+                                          max_tokens=args.max_tokens, k=args.k, temperature=args.temperature,
+                                          out=args.out)
+    quiet_http_clients()
+    return _report(args, uplink.bench_uplink(settings), args.out, ("results.json", "table.md"))
+
+
 def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
     """A bench's ending: its table, the files it wrote into `out`, and with --page the table and its plots in the
     page's section (common/results_page.py)."""
