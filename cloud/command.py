@@ -62,11 +62,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="concurrent Generate calls per edge")
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
                    help="concurrent Session and Generate calls; beyond: RESOURCE_EXHAUSTED with a retry hint")
-    p.add_argument("--keepalive-s", type=float, default=DEFAULTS.keepalive_s, help="ping a silent connection this often")
-    p.add_argument("--keepalive-timeout-s", type=float, default=DEFAULTS.keepalive_timeout_s,
-                   help="drop a connection whose ping is not answered within this")
-    p.add_argument("--max-connection-idle-s", type=float, default=DEFAULTS.max_connection_idle_s,
-                   help="close a connection without calls after this long")
     _add_operations_arguments(p)
     p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
                    "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
@@ -80,6 +75,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _add_operations_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keepalive-s", type=float, default=DEFAULTS.keepalive_s, help="ping a silent connection this often")
+    p.add_argument("--keepalive-timeout-s", type=float, default=DEFAULTS.keepalive_timeout_s,
+                   help="drop a connection whose ping is not answered within this")
+    p.add_argument("--max-connection-idle-s", type=float, default=DEFAULTS.max_connection_idle_s,
+                   help="close a connection without calls after this long")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")

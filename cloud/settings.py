@@ -118,7 +118,7 @@ class CloudSettings:
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.max_logprobs >= 1, f"--max-logprobs must be >= 1, got {self.max_logprobs}"),
-            (1 <= self.draft_block <= self.max_block,
+            (self.engine != "vllm" or self.draft is None or 1 <= self.draft_block <= self.max_block,
              f"--draft-block must be in 1..--max-block ({self.max_block}), got {self.draft_block}"),
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
