@@ -14,11 +14,7 @@ kind). With prompt_tokens > 0 the first round's first draft step carries the pro
 prompt but its last token too (the cloud runs them as prefill chunks first; one forward each here, as
 target mode's first forward carries the prompt). A later round's first step feeds one token (the real one
 feeds one or two: the bonus token, and the last drafted one when all were kept; a token's cost is small
-next to a step's).
-
-Approximation: while the target's batch gathers (a batching window, `window_ms` > 0) the replica's compute
-waits with it, and so does a draft step that arrives meanwhile (the real draft batcher's thread would run it
-then); with continuous batching (window 0) nothing waits.
+next to a step's). While the target's batch gathers in its window, the replica runs draft steps.
 
 A mixin of sim.fleet.engine._Simulation: it reads the simulation's per-edge state and its pool.
 """

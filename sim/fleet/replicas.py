@@ -8,8 +8,9 @@ lone edge never waits out the window. The edges' side and the event loop: sim.fl
 Two kinds of forward (mode cloud-sd): the target's (verifies, target mode's steps) and the cloud's draft's
 (`cloud serve --draft`: its own batcher, no batching window, as cloud/server.py builds it). Both batchers'
 worker threads run on the replica's cores, so a replica is one compute resource that runs one forward at
-a time, of either kind, batching within each kind; when a forward ends and both kinds wait, the other
-kind than the one that just ran goes next (neither starves the other, as two threads sharing a core).
+a time, of either kind, batching within each kind. The target's batch gathers during its window whatever
+runs meanwhile (a draft step may); when the compute is free and both kinds are ready, the other kind than
+the one that just ran goes next (neither starves the other, as two threads sharing a core).
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ Request = tuple[int, int, float]  # (edge, tokens in the forward, sent at)
 
 class Replica:
     __slots__ = ("batch", "busy", "busy_ms", "calls", "draft_calls", "draft_forwards", "draft_queue", "forwards",
-                 "gather_id", "gathering", "kind", "queue", "queues", "sessions")
+                 "gather_id", "gathering", "kind", "queue", "queues", "ready", "sessions")
 
     def __init__(self) -> None:
         self.queue: deque[Request] = deque()  # the target's
         self.draft_queue: deque[Request] = deque()  # the cloud's draft's (cloud-sd)
         self.queues = (self.queue, self.draft_queue)  # by forward kind
-        self.kind = TARGET  # of the batch gathering or running (or that ran last)
-        self.batch: list[Request] = []
-        self.gathering = False
+        self.kind = TARGET  # of the forward running (or that ran last)
+        self.batch: list[Request] = []  # the target's, gathering
+        self.gathering = False  # the target's batch is gathering (or gathered, waiting for the compute)
+        self.ready = False  # ... and is complete: it runs when the compute is free
         self.gather_id = 0
         self.busy = False
         self.sessions = 0  # open generations placed here: the batcher's "demand"
@@ -74,50 +76,50 @@ class ReplicaPool:
     def arrive(self, r: int, request: Request, t: float, kind: int = TARGET) -> None:
         replica = self.replicas[r]
         replica.queues[kind].append(request)
-        if replica.gathering:
-            if replica.kind != kind:
-                return  # it waits for the batch gathering now to run
-            batch, queue, limit = replica.batch, replica.queues[kind], self._limit(replica)
+        if kind == TARGET and replica.gathering and not replica.ready:
+            batch, queue, limit = replica.batch, replica.queue, self._limit(replica)
             while len(batch) < limit and queue:
                 batch.append(queue.popleft())
             if len(batch) >= limit:
-                self.launch(r, t)
-        elif not replica.busy:
-            self.gather(r, t, kind)
+                replica.ready = True
+        self.next_batch(r, t)
 
     def enqueue(self, r: int, request: Request, kind: int) -> None:
         """Queue a request made at the replica itself while its forward ends (the caller then calls `next_batch`)."""
         self.replicas[r].queues[kind].append(request)
 
-    def gather(self, r: int, t: float, kind: int = TARGET) -> None:
+    def gather(self, r: int, t: float) -> None:
+        """The target's batch starts gathering: complete at once, or when full or at the window's deadline."""
         replica = self.replicas[r]
-        replica.kind = kind
-        queue, limit = replica.queues[kind], self._limit(replica)
+        queue, limit = replica.queue, self._limit(replica)
         batch = replica.batch = [queue.popleft()]
         while len(batch) < limit and queue:
             batch.append(queue.popleft())
-        if len(batch) >= limit or self.costs.window_ms <= 0 or kind == DRAFT:  # the draft's batcher has no window
-            self.launch(r, t)
-            return
         replica.gathering = True
-        replica.gather_id += 1
-        heapq.heappush(self.heap, (t + self.costs.window_ms, next(self.seq), DEADLINE, r, replica.gather_id))
+        replica.ready = len(batch) >= limit or self.costs.window_ms <= 0
+        if not replica.ready:
+            replica.gather_id += 1
+            heapq.heappush(self.heap, (t + self.costs.window_ms, next(self.seq), DEADLINE, r, replica.gather_id))
 
     def deadline(self, r: int, gather_id: int, t: float) -> None:
         replica = self.replicas[r]
-        if not replica.gathering or replica.gather_id != gather_id:
+        if not replica.gathering or replica.ready or replica.gather_id != gather_id:
             return  # the batch filled up before the window closed
-        queue = replica.queues[replica.kind]
-        while len(replica.batch) < self.costs.max_batch and queue:  # whatever is queued joins for free
-            replica.batch.append(queue.popleft())
-        self.launch(r, t)
+        replica.ready = True
+        self.next_batch(r, t)
 
-    def launch(self, r: int, t: float) -> None:
+    def launch(self, r: int, t: float, kind: int) -> None:
         replica = self.replicas[r]
-        batch, replica.batch, replica.gathering = replica.batch, [], False
+        if kind == TARGET:
+            batch, replica.batch, replica.gathering, replica.ready = replica.batch, [], False, False
+            while len(batch) < self.costs.max_batch and replica.queue:  # whatever is queued joins for free
+                batch.append(replica.queue.popleft())
+        else:
+            queue, limit = replica.draft_queue, self._limit(replica)
+            batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
         b = len(batch)
         n = b * max(req[1] for req in batch) if self.costs.padded_batches else sum(req[1] for req in batch)
-        if replica.kind == DRAFT:
+        if kind == DRAFT:
             duration = self.costs.draft_model().t_forward_ms(b, n)
             replica.draft_forwards += 1
             replica.draft_calls += b
@@ -125,7 +127,7 @@ class ReplicaPool:
             duration = self.costs.forward.t_forward_ms(b, n)
             replica.forwards += 1
             replica.calls += b
-        replica.busy = True
+        replica.busy, replica.kind = True, kind
         replica.busy_ms += max(0.0, min(duration, self.horizon - t))
         heapq.heappush(self.heap, (t + duration, next(self.seq), DONE, r, batch))
 
@@ -137,9 +139,15 @@ class ReplicaPool:
         return replica
 
     def next_batch(self, r: int, t: float) -> None:
+        """The target's next batch starts gathering unless its forward runs; the compute, when free, runs a ready
+        target batch or the draft's queued steps, the other kind than the last first."""
         replica = self.replicas[r]
-        other = DRAFT if replica.kind == TARGET else TARGET
-        if replica.queues[other]:
-            self.gather(r, t, other)
-        elif replica.queues[replica.kind]:
-            self.gather(r, t, replica.kind)
+        if not replica.gathering and replica.queue and not (replica.busy and replica.kind == TARGET):
+            self.gather(r, t)
+        if replica.busy:
+            return
+        target, draft = replica.gathering and replica.ready, bool(replica.draft_queue)
+        if target and (not draft or replica.kind == DRAFT):
+            self.launch(r, t, TARGET)
+        elif draft:
+            self.launch(r, t, DRAFT)
