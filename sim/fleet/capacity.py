@@ -69,8 +69,8 @@ def project_capacity(costs: FleetCosts, profiles: dict[str, ModeProfile], edges:
                      itl_p99_ms: float, *, tokens_per_request: int = 128, seed: int = 0,
                      e_max: int = 1024) -> dict:
     """Per (label, RTT) over one replica: per-user tokens/s and ITL p99 at each E of `edges`, and the edges per
-    replica at the ITL target; per RTT and edge-drafting label, the formula's ratio against the cloud-sd label
-    (when `profiles` has one) next to the simulated one. JSON-ready; ms and tokens/s throughout.
+    replica at the ITL target; per RTT and edge-drafting label with the cloud-sd label's record (the same rounds),
+    the formula's ratio against the cloud-sd label next to the simulated one. JSON-ready; ms and tokens/s throughout.
 
     costs: the replica's (its rtt's mean is replaced by each of rtts_ms, its jitter and distribution kept).
     profiles: label -> profile, e.g. {"target": ..., "cloud-sd": ..., "sd-block": ..., "sprinter-exact": ...}.
@@ -92,8 +92,9 @@ def project_capacity(costs: FleetCosts, profiles: dict[str, ModeProfile], edges:
                          "tokens_per_s_per_user_at_itl": best.tokens_per_s_mean if best else None})
         for cloud_label in cloud:
             terms = formula_ratio(at_rtt, profiles[cloud_label], capacity[cloud_label])
-            for label, profile in profiles.items():
-                if profile.traits.placeable:
+            cloud_record = (profiles[cloud_label].block_lengths, profiles[cloud_label].emitted)
+            for label, profile in profiles.items():  # the formula's premise: the same rounds, drafted elsewhere
+                if profile.traits.placeable and (profile.block_lengths, profile.emitted) == cloud_record:
                     simulated = capacity[label] / capacity[cloud_label] if capacity[cloud_label] else None
                     formula.append({"rtt_ms": float(rtt), "edge_label": label, "cloud_label": cloud_label,
                                     **terms, "simulated": simulated})
