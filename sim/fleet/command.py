@@ -8,9 +8,12 @@ r"""`sprinter fleet simulate`: the fleet-scale discrete-event simulator over a g
 N edges (1 to 10,000) share M cloud replicas; each edge drafts, sends its block, waits for the
 replica's batched target forward and emits, one cloud call per round, with (block length, emitted)
 pairs drawn from the mode's recorded profile (the model: sim.fleet.engine; the inputs:
-sim.fleet.costs). OUT gets results.jsonl, table.md, three plots, and the inputs that were used
-(costs.json, profiles.json); with --measured, comparison.json. --pipeline models the edge drafting
-ahead while a block is in flight (ahead) and sending candidates for the likeliest verdicts (send-ahead):
+sim.fleet.costs). Modes: target (the cloud streams, one forward per token), cloud-sd (the cloud drafts
+with its own draft and verifies, both on the replica, and streams: sim.fleet.cloud_rounds; costs need
+draft_forward), sd, sd-block, sprinter, sprinter-exact (the edge drafts) and draft (no cloud).
+OUT gets results.jsonl, table.md, three plots, and the inputs that were used (costs.json,
+profiles.json); with --measured, comparison.json. --pipeline models the edge drafting ahead while a
+block is in flight (ahead) and sending candidates for the likeliest verdicts (send-ahead):
 sim.fleet.pipeline says how, and how the default hit rate is derived from a profile (an assumption).
 """
 
@@ -117,6 +120,9 @@ def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     except ValueError as err:
         fail(str(err))
     costs, profiles = load_inputs(args)
+    if costs.draft_forward is None and any(p.traits.cloud_drafts for p in profiles):
+        fail("--costs has no draft_forward, which mode cloud-sd needs (the cloud's draft step time model); "
+             "add it or leave cloud-sd out with --modes")
     illustrative = args.costs is None or args.profiles is None
     if illustrative:
         log.warning("using ILLUSTRATIVE built-in inputs (derived from measured figures, not a measurement)")

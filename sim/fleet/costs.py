@@ -10,6 +10,8 @@ requests' own tokens; `FleetCosts.padded_batches` models the engine before it (o
 forward: n = b x the longest request). c0 is the fixed cost of a forward (weights streamed once),
 c_tok the marginal cost of a token, c_seq a per-sequence overhead (per-session attention calls).
 Context length is not a term: its attention cost is small next to the weights at these sizes.
+`FleetCosts.draft_forward` is the same model for the cloud's own draft (mode cloud-sd, `cloud serve
+--draft`): one batched draft step, b requests of (mostly) one token each, fitted the same way.
 
 A `ModeProfile` says what one edge does per cloud call, as an empirical distribution of
 (block_length, emitted) pairs recorded from real runs; `demo_costs()` and `demo_profiles()` are
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from common.decoding.modes import MODES, Mode, mode_of
+from common.decoding.modes import MODES, Mode, mode_of, placed_mode
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ class RttModel:
         return self.floor_ms + rng.gamma((span / s) ** 2, s * s / span, size)
 
 
+def _forward_model(data: dict[str, Any]) -> ForwardModel:
+    """Coefficients, or `{"samples": [[b, n, ms], ...]}` to fit them."""
+    return fit_forward_model(data["samples"]) if "samples" in data else ForwardModel(**data)
+
+
 @dataclass(frozen=True)
 class FleetCosts:
     draft_step_ms: float  # one draft token on the edge
@@ -128,6 +135,8 @@ class FleetCosts:
     # mode the first forward carries the prompt; the edge's first draft token costs draft_prefill_ms.
     prompt_tokens: int = 0
     draft_prefill_ms: float = 0.0
+    # The cloud's own draft (cloud-sd): a batched draft step's time; None: not given (cloud-sd cannot run).
+    draft_forward: ForwardModel | None = None
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -135,6 +144,13 @@ class FleetCosts:
             raise ValueError("draft_step_ms, verifier_ms, window_ms, prompt_tokens and draft_prefill_ms must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+
+    def draft_model(self) -> ForwardModel:
+        """The cloud draft's forward time model, which mode cloud-sd needs."""
+        if self.draft_forward is None:
+            raise ValueError("mode cloud-sd needs the costs' draft_forward (the cloud's draft step time model: "
+                             "coefficients or {\"samples\": [[b, n, ms], ...]})")
+        return self.draft_forward
 
     def uplink_ms(self, n_tokens: int) -> float:
         if not self.uplink_mbps:
@@ -149,11 +165,11 @@ class FleetCosts:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FleetCosts:
-        """`forward` holds coefficients, or `{"samples": [[b, n, ms], ...]}` to fit them here."""
+        """`forward` (and `draft_forward`) hold coefficients, or `{"samples": [[b, n, ms], ...]}` to fit them here."""
         data = dict(data)
-        forward = data.pop("forward")
-        model = fit_forward_model(forward["samples"]) if "samples" in forward else ForwardModel(**forward)
-        return cls(forward=model, rtt=RttModel(**data.pop("rtt", {})), **data)
+        draft = data.pop("draft_forward", None)
+        return cls(forward=_forward_model(data.pop("forward")), rtt=RttModel(**data.pop("rtt", {})),
+                   draft_forward=None if draft is None else _forward_model(draft), **data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -169,7 +185,7 @@ class ModeProfile:
 
     block_length: draft tokens sent with the call; emitted: tokens the user gets for it (accepted
     + the target's next token). `target` needs no record (one token per 1-token forward), `draft`
-    makes no calls.
+    makes no calls. In cloud-sd a call is one of the cloud's rounds (g draft steps at the replica, one verify).
     """
 
     mode: str
@@ -195,7 +211,7 @@ class ModeProfile:
 
     @property
     def tokens_per_call(self) -> float | None:
-        if not self.traits.drafts:  # the target alone: one token per 1-token forward
+        if self.traits.reference:  # the target alone: one token per 1-token forward
             return 1.0
         return sum(self.emitted) / len(self.emitted) if self.emitted else None
 
@@ -215,6 +231,16 @@ class ModeProfile:
                 "calls": [{"block_length": g, "emitted": e} for g, e in zip(self.block_lengths, self.emitted)]}
 
 
+def cloud_profile(edge_profile: ModeProfile, name: str = "") -> ModeProfile:
+    """The cloud-sd profile of an edge-drafting lossless profile (sd-block, ...): its record as it is, since the
+    cloud's rounds apply the same rule with the same draft (common/decoding/modes.py placed_mode)."""
+    mode = placed_mode(edge_profile.mode, "cloud")
+    if not mode_of(mode).cloud_drafts:
+        raise ValueError(f"profile {edge_profile.name!r}: mode {edge_profile.mode} has no cloud-drafting form")
+    return ModeProfile(mode, name or mode, edge_profile.block_lengths, edge_profile.emitted,
+                       f"{edge_profile.name}'s record, drafted at the replica. {edge_profile.note}".strip())
+
+
 def profiles_from_json(text: str) -> list[ModeProfile]:
     return [ModeProfile.from_dict(d) for d in json.loads(text)]
 
@@ -230,17 +256,24 @@ ILLUSTRATIVE = "ILLUSTRATIVE, not a measurement: "
 # (b, n, ms): bench-cloud, Qwen2.5-Coder-1.5B bf16 on 2 CPU cores, k=5 (6 tokens per edge), full
 # batches, p50 verify latency; and a 1-token forward from bench-local's target mode (7.34 tokens/s).
 DEMO_FORWARD_SAMPLES = [(1, 1, 136.0), (1, 6, 171.0), (8, 48, 405.0), (16, 96, 609.0)]
+# The cloud's draft (Qwen2.5-Coder-0.5B bf16) as a fraction of the target's forward: batched 1-token steps through
+# the cloud's Batcher (packed forward, 64-token contexts), pinned to one core, b = 1, 2, 4, 8, 16: 0.5B 201, 187,
+# 179, 211, 278 ms; 1.5B 465, 418, (871, disturbed), 654, 695 ms; median ratio 0.40 (by parameter count: 0.32).
+DEMO_DRAFT_TO_TARGET = 0.40
 
 
 def demo_costs() -> FleetCosts:
+    forward = fit_forward_model(DEMO_FORWARD_SAMPLES)
     return FleetCosts(
         draft_step_ms=18.0,  # Qwen2.5-Coder-0.5B, ONNX Runtime int8 (bench-draft, 17.8 ms median)
         verifier_ms=0.8,
-        forward=fit_forward_model(DEMO_FORWARD_SAMPLES),
+        forward=forward,
+        draft_forward=ForwardModel(*(DEMO_DRAFT_TO_TARGET * c for c in (forward.c0_ms, forward.c_tok_ms, forward.c_seq_ms))),
         rtt=RttModel(mean_ms=30.0, jitter_ms=10.0),  # assumed WAN link; the measurements ran on loopback
         window_ms=5.0, max_batch=16, padded_batches=True,  # bench-cloud's settings (the padded engine)
         note=ILLUSTRATIVE + "draft 18 ms/step (ONNX int8), verifier 0.8 ms/token, target forward fitted to "
-             "bench-cloud (1x6 tokens 171 ms, 8x6 405 ms, 16x6 609 ms) and a 136 ms 1-token step; RTT 30+-10 ms assumed",
+             "bench-cloud (1x6 tokens 171 ms, 8x6 405 ms, 16x6 609 ms) and a 136 ms 1-token step; the cloud's draft "
+             f"(cloud-sd) {DEMO_DRAFT_TO_TARGET:g} x the target's forward (measured 0.5B/1.5B step ratio); RTT 30+-10 ms assumed",
     )
 
 
@@ -287,4 +320,7 @@ def demo_profiles(n_calls: int = 400) -> list[ModeProfile]:
         ModeProfile("sprinter", "sprinter", *sprinter, note=ILLUSTRATIVE + "confidence 0.5, ~4.8 tokens per call (measured 4.84)"),
         ModeProfile("sprinter-exact", "sprinter-exact", *exact,
                     note=ILLUSTRATIVE + "ASSUMED: sprinter's blocks, 0.95 acceptance per passed token; not measured"),
+        # the cloud's rounds follow sd-block's rule with the same draft: the same (block, emitted) distribution
+        ModeProfile("cloud-sd", "cloud-sd", *sd, note=ILLUSTRATIVE + "sd-block's record (same rule, same draft), "
+                    "drafted at the replica"),
     ]

@@ -7,7 +7,8 @@ sprinter modes)), send the block (half an RTT + uplink), queue at its replica, w
 target forward, get the verdict (half an RTT + downlink), emit. (g, emitted) pairs are drawn from
 the mode's recorded profile. `sprinter` streams verifier-passed tokens as they are drafted; the
 other modes release a block's tokens when its verdict returns. `target` is the cloud streaming one
-token per 1-token forward; `draft` never calls the cloud. Prefill is modelled only when the costs
+token per 1-token forward; `cloud-sd` is the cloud's own rounds (draft steps and a verify at the
+replica, streamed: sim.fleet.cloud_rounds); `draft` never calls the cloud. Prefill is modelled only when the costs
 give prompt_tokens (the session open: one more round trip and a prompt forward in the batch queue).
 With a pipeline (sim.fleet.pipeline: ahead, send-ahead) a verdict that hits has the next block drafted
 ahead (sent at once) or, for send-ahead, already on its way to the cloud (verified with no round trip).
@@ -32,9 +33,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sim.fleet.cloud_rounds import CloudRounds
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.pipeline import PipelineModel
-from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, GENERATION, ROUTINGS, Replica, ReplicaPool
+from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, DRAFT, GENERATION, ROUND, ROUTINGS, Replica, ReplicaPool
 from sim.fleet.result import FleetResult, itl_percentiles, percentile
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class _Draws:
         return self._values[self._i - 1]
 
 
-class _Simulation:
+class _Simulation(CloudRounds):
     def __init__(self, costs: FleetCosts, profile: ModeProfile, n_edges: int, n_replicas: int, seed: int,
                  tokens_per_request: int, requests: int | None, duration_s: float | None, routing: str,
                  start_spread_ms: float, pipeline: PipelineModel) -> None:
@@ -65,6 +67,8 @@ class _Simulation:
             raise ValueError("n_edges, n_replicas and tokens_per_request must be >= 1")
         if (requests is None) == (duration_s is None):
             raise ValueError("give exactly one of requests and duration_s")
+        if profile.traits.cloud_drafts:
+            costs.draft_model()  # missing: a clear error now, not at the first draft forward
         self.costs, self.profile, self.routing, self.seed, self.pipeline = costs, profile, routing, seed, pipeline
         self.n_edges, self.tokens_per_request = n_edges, tokens_per_request
         self.requests, self.duration_s = requests, duration_s
@@ -99,6 +103,9 @@ class _Simulation:
         self.down_ms = [0.0] * n_edges  # the in-flight call's way back
         self.opening = [False] * n_edges  # the in-flight request is the session open (prefill), the block waits
         self.pending_n = [0] * n_edges  # tokens of the block waiting for the open
+        self.steps_left = [0] * n_edges  # cloud-sd: draft steps of the round still to run at the replica
+        self.block = [0] * n_edges  # cloud-sd: the round's g
+        self.round_start = [0.0] * n_edges  # cloud-sd: when the round began at the replica
         self.request_start = [0.0] * n_edges
         self.last_emit = [-1.0] * n_edges  # -1: nothing emitted yet in this generation
         self.tokens = [0] * n_edges  # emitted by the horizon
@@ -129,7 +136,9 @@ class _Simulation:
         self.remaining[edge] = self.tokens_per_request
         self.request_start[edge] = t
         self.last_emit[edge] = -1.0
-        if not self.profile.traits.drafts:  # target: one Generate stream; the cloud then loops on its own
+        if self.profile.traits.cloud_drafts:  # cloud-sd: one Generate stream; the replica runs the rounds
+            self._cloud_open(edge, t)
+        elif not self.profile.traits.drafts:  # target: one Generate stream; the cloud then loops on its own
             self.calls += 1
             prompt = max(1, self.costs.prompt_tokens)  # the first forward carries the prompt
             arrival = t + 0.5 * self.rtt_draws.next() + self.costs.uplink_ms(prompt)
@@ -233,16 +242,7 @@ class _Simulation:
                 continue
             t_reply = t + self.down_ms[edge]
             self.call_ms.append(t_reply - t_sent)
-            late = self.late[edge]
-            last = self.last_emit[edge]
-            if last < 0:
-                self.ttft_ms.append(t_reply - self.request_start[edge])
-            else:
-                self.other_gaps.append(t_reply - last)
-            self.zero_gaps += late - 1
-            self.last_emit[edge] = t_reply
-            if t_reply <= self.horizon:
-                self.tokens[edge] += late
+            self._release(edge, t_reply, self.late[edge])
             if self.remaining[edge] == 0:
                 self._end_generation(edge, t_reply)
             elif not (self.pipelined and self._pipelined(edge, t, t_reply)):
@@ -256,19 +256,25 @@ class _Simulation:
             last = self.last_emit[edge]
             t_emit = max(t + 0.5 * self.rtt_draws.next() + down, last)  # one stream arrives in order
             self.call_ms.append(t_emit - request[2])
-            if last < 0:
-                self.ttft_ms.append(t_emit - self.request_start[edge])
-            else:
-                self.other_gaps.append(t_emit - last)
-            self.last_emit[edge] = t_emit
-            if t_emit <= self.horizon:
-                self.tokens[edge] += 1
+            self._release(edge, t_emit, 1)
             self.remaining[edge] -= 1
             if self.remaining[edge] > 0:
                 self.calls += 1
                 replica.queue.append((edge, 1, t))
             else:
                 self._end_generation(edge, t_emit)
+
+    def _release(self, edge: int, t_emit: float, n: int) -> None:
+        """n tokens reach the edge together at t_emit: the TTFT or one gap since the last, then n - 1 gaps of 0."""
+        last = self.last_emit[edge]
+        if last < 0:
+            self.ttft_ms.append(t_emit - self.request_start[edge])
+        else:
+            self.other_gaps.append(t_emit - last)
+        self.zero_gaps += n - 1
+        self.last_emit[edge] = t_emit
+        if t_emit <= self.horizon:
+            self.tokens[edge] += n
 
     def _end_generation(self, edge: int, t: float) -> None:
         self.request_ms.append(t - self.request_start[edge])
@@ -278,7 +284,11 @@ class _Simulation:
 
     def _done(self, r: int, batch: list[tuple[int, int, float]], t: float) -> None:
         replica = self.pool.done(r)
-        if not self.profile.traits.drafts:
+        if replica.kind == DRAFT:
+            self._cloud_drafted(batch, t)
+        elif self.profile.traits.cloud_drafts:
+            self._cloud_verified(batch, t)
+        elif not self.profile.traits.drafts:
             self._target_tokens(replica, batch, t)
         else:
             self._verdicts(batch, t)
@@ -320,7 +330,8 @@ class _Simulation:
         heap = self.heap
         for edge, start in enumerate(self.starts):
             heapq.heappush(heap, (start, next(self.seq), GENERATION, edge, None))
-        handlers = {ARRIVE: self.pool.arrive, DEADLINE: self.pool.deadline, DONE: self._done}
+        handlers = {ARRIVE: self.pool.arrive, DEADLINE: self.pool.deadline, DONE: self._done,
+                    ROUND: lambda edge, _, t: self._cloud_round(edge, t)}
         while heap:
             t, _, kind, a, b = heapq.heappop(heap)
             if t > self.horizon:
@@ -342,6 +353,7 @@ class _Simulation:
         itl_p50, itl_p99 = itl_percentiles(self.step_ms, self.zero_gaps, self.step_gaps, self.other_gaps)
         forwards = sum(r.forwards for r in self.replicas)
         batched = sum(r.calls for r in self.replicas)
+        draft_forwards = sum(r.draft_forwards for r in self.replicas)
         busy_ms = sum(r.busy_ms for r in self.replicas)
         return FleetResult(
             mode=self.profile.mode, profile=self.profile.name, n_edges=self.n_edges, n_replicas=len(self.replicas),
@@ -356,6 +368,8 @@ class _Simulation:
             cloud_utilisation=busy_ms / (len(self.replicas) * sim_ms) if sim_ms > 0 else 0.0,
             cloud_forwards=forwards, cloud_forwards_per_token=forwards / tokens if tokens else 0.0,
             cloud_batch_size_mean=batched / forwards if forwards else None,
+            cloud_draft_forwards=draft_forwards,
+            cloud_draft_batch_size_mean=sum(r.draft_calls for r in self.replicas) / draft_forwards if draft_forwards else None,
             target_calls=self.calls, target_calls_per_token=self.calls / tokens if tokens else 0.0,
             tokens_per_call=tokens / self.calls if self.calls else None, wall_s=wall_s,
             pipeline=self.pipeline.pipeline if self.pipelined else "off",

@@ -51,6 +51,9 @@ class FleetResult:
     ahead_hit_rate: float | None = None
     candidate_hits: int = 0
     uplink_bytes_per_token: float | None = None
+    # cloud-sd: the cloud's draft forwards (cloud_forwards counts the target's) and their mean batch
+    cloud_draft_forwards: int = 0
+    cloud_draft_batch_size_mean: float | None = None
 
 
 def percentile(values: array, q: float) -> float | None:
