@@ -30,7 +30,7 @@ from sim.processes import quiet_http_clients
 
 log = logging.getLogger(__name__)
 
-MODES = tuple(m.name for m in MODE_RECORDS.values() if m.lossless and m.speculative)  # sd, sd-block, sprinter-exact
+MODES = tuple(m.name for m in MODE_RECORDS.values() if m.placeable)  # sd, sd-block, sprinter-exact: edges draft
 PROMPTS = ("def fibonacci(n):", "The capital of France is", "Once upon a time", "import numpy as np")
 
 
