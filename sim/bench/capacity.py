@@ -32,7 +32,8 @@ Writes OUT/results.json: {"date", "args", "cpu", "itl_p99_target_ms", "itl_p99_t
 per user and in total, tokens/drafted per round, acceptance, verify_ms_by_batch (session modes: the verdicts'
 verify_ms by cloud batch size), draft_ms_per_token_seen (cloud-sd: chunk draft_ms / drafted), and "cloud"
 (the replica's metrics over the point: target forwards, mean ms, batch and tokens; draft forwards, mean ms,
-mean draft steps per forward)}; table.md; tokens_per_s_per_user.png.
+mean draft steps per forward)}; table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json
+holds the rows measured so far.
 """
 
 from __future__ import annotations
@@ -236,6 +237,8 @@ def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[l
                     before = _scrape(metrics_port)
                     per_edge = asyncio.run(_point(cloud.address, settings, mode, edges, rtt_ms, recorded, len(tokenizer)))
                     rows.append(summarise(name, edges, rtt_ms, settings.k, per_edge, before, _scrape(metrics_port)))
+                    # a long run leaves what it has measured so far, should it be stopped
+                    (settings.out / "rows.partial.json").write_text(json.dumps(rows, indent=1))
                     log.info("%s E=%d RTT=%g: %.1f tokens/s per user, ITL p99 %.1f ms", name, edges, rtt_ms,
                              rows[-1]["tokens_per_s_per_user"] or 0, rows[-1]["itl_ms_p99"] or 0)
     return rows, recorded
@@ -272,5 +275,6 @@ def bench_capacity(settings: CapacityBenchSettings) -> str:
         {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": settings.to_dict(), "cpu": machine(), **summary,
          "rows": rows}, indent=1))
     (settings.out / "table.md").write_text(table + "\n")
+    (settings.out / "rows.partial.json").unlink(missing_ok=True)
     plot(rows, settings.out / "tokens_per_s_per_user.png")
     return table
