@@ -32,7 +32,8 @@ Writes OUT/results.json: {"date", "args", "cpu", "itl_p99_target_ms", "itl_p99_t
 per user and in total, tokens/drafted per round, acceptance, verify_ms_by_batch (session modes: the verdicts'
 verify_ms by cloud batch size), draft_ms_per_token_seen (cloud-sd: chunk draft_ms / drafted), and "cloud"
 (the replica's metrics over the point: target forwards, mean ms, batch and tokens; draft forwards, mean ms,
-mean draft steps per forward)}; table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json
+mean draft steps per forward), cloud_cpu_share (the share of its core the replica got: below 1 when other
+load took some) and edges_cpu_share}; table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json
 holds the rows measured so far.
 """
 
@@ -59,7 +60,7 @@ from common.results_page import machine
 from common.sampling import SamplingParams
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
                                       summarise)
-from sim.bench.load import parse_metrics
+from sim.bench.load import cpu_seconds, parse_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import CapacityBenchSettings
 from sim.processes import CloudProcess, free_port
@@ -220,6 +221,15 @@ def _serve_args(settings: CapacityBenchSettings, metrics_port: int) -> list[str]
     return args
 
 
+def _cpu_shares(row: dict[str, Any], before: tuple[float | None, float], cloud_after: float | None) -> None:
+    """The share of a core the replica got over the point (below 1 when it was busy: other load on a shared
+    machine lowers it), and what the edges (this process) took."""
+    elapsed = row["elapsed_s"]
+    cloud = None if before[0] is None or cloud_after is None else (cloud_after - before[0]) / elapsed
+    row["cloud_cpu_share"] = cloud
+    row["edges_cpu_share"] = (time.process_time() - before[1]) / elapsed
+
+
 def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[list[dict], list[Recorded]]:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir(settings.target))  # the tokenizer alone: no weights here
@@ -231,12 +241,15 @@ def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[l
             CloudProcess(*_serve_args(settings, metrics_port), log_path=log_path, cpus=cloud_cpus,
                          env={"OMP_NUM_THREADS": "1"}) as cloud:
         recorded = asyncio.run(record(cloud.address, prompt_ids, settings.k, settings.max_new_tokens))
-        for name, mode in modes.items():
-            for rtt_ms in settings.rtts:
-                for edges in settings.edges:
-                    before = _scrape(metrics_port)
+        # modes innermost: load from outside the replica's core (a shared machine) drifts over minutes, and
+        # the modes compared at one (RTT, E) should share what drift there is
+        for rtt_ms in settings.rtts:
+            for edges in settings.edges:
+                for name, mode in modes.items():
+                    before, cpu = _scrape(metrics_port), (cpu_seconds(cloud.pid), time.process_time())
                     per_edge = asyncio.run(_point(cloud.address, settings, mode, edges, rtt_ms, recorded, len(tokenizer)))
                     rows.append(summarise(name, edges, rtt_ms, settings.k, per_edge, before, _scrape(metrics_port)))
+                    _cpu_shares(rows[-1], cpu, cpu_seconds(cloud.pid))
                     # a long run leaves what it has measured so far, should it be stopped
                     (settings.out / "rows.partial.json").write_text(json.dumps(rows, indent=1))
                     log.info("%s E=%d RTT=%g: %.1f tokens/s per user, ITL p99 %.1f ms", name, edges, rtt_ms,
@@ -260,6 +273,8 @@ def bench_capacity(settings: CapacityBenchSettings) -> str:
     modes = check_modes(settings.modes)
     settings.out.mkdir(parents=True, exist_ok=True)
     rows, recorded = _measure(settings, modes)
+    order = list(modes)
+    rows.sort(key=lambda r: (order.index(r["mode"]), r["rtt_ms"], r["edges"]))
     itl_p99_ms, basis = _itl_target(settings, rows, modes)
     edge_mode = next((n for n, m in modes.items() if m.placeable and not m.uses_verifier), None)
     pred = prediction(rows, CLOUD_DRAFTING, edge_mode or "", itl_p99_ms)

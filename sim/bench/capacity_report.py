@@ -155,13 +155,14 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 
 def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     lines = ["| mode | RTT ms | edges | tokens/s per user | ITL p50 ms | ITL p99 ms | tokens/round | acceptance | "
-             "target fwd ms (batch) | draft fwd ms (batch) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "target fwd ms (batch) | draft fwd ms (batch) | replica's core share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["cloud"]
         lines.append(f"| {r['mode']} | {r['rtt_ms']:g} | {r['edges']} | {_fmt(r['tokens_per_s_per_user'])} | "
                      f"{_fmt(r['itl_ms_p50'])} | {_fmt(r['itl_ms_p99'])} | {_fmt(r['tokens_per_round'], '.2f')} | "
                      f"{_fmt(r['acceptance'], '.2f')} | {_fmt(c['target_forward_ms'])} ({_fmt(c['target_batch_mean'])}) | "
-                     f"{_fmt(c['draft_forward_ms'])} ({_fmt(c['draft_batch_mean'])}) |")
+                     f"{_fmt(c['draft_forward_ms'])} ({_fmt(c['draft_batch_mean'])}) | "
+                     f"{_fmt(r.get('cloud_cpu_share'), '.0%')} |")
     lines += ["", f"Edges per replica at per-token ITL p99 <= {summary['itl_p99_target_ms']:.1f} ms (RTT 0; "
               f"{summary['itl_p99_target_basis']}):", "", "| mode | edges per replica |", "|---|---|"]
     lines += [f"| {mode} | {edges if edges is not None else '< 1'} |" for mode, edges in summary["capacity"].items()]
