@@ -61,6 +61,13 @@ def test_a_replayed_block_gets_the_recorded_verdict_and_sprinter_exact_stops_at_
     assert replay_block(RecordedRound(kept=[99], drafted=0), 100, cut_at_rejection=False) == [98]
 
 
+def test_settings_that_cannot_work_are_refused_by_flag(tmp_path) -> None:
+    for bad, flag in (({"edges": (0, 2)}, "--edges"), ({"rtts": (-1.0,)}, "--rtts"), ({"k": 0}, "--k"),
+                      ({"edge_draft_ms": -1.0}, "--edge-draft-ms"), ({"itl_p99_ms": 0.0}, "--itl-p99-ms")):
+        with pytest.raises(CapacityBenchError, match=flag):
+            bench_capacity(CapacityBenchSettings(out=tmp_path, **bad))
+
+
 def test_modes_it_cannot_run_are_refused_by_name() -> None:
     with pytest.raises(CapacityBenchError, match="sprinter is neither"):
         check_modes(("target", "sprinter"))
@@ -70,7 +77,8 @@ def test_modes_it_cannot_run_are_refused_by_name() -> None:
 
 def test_the_bench_end_to_end_on_the_tiny_pair(tmp_path) -> None:
     settings = CapacityBenchSettings(target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                                     edges=(1, 2), rtts=(0.0, 10.0), max_new_tokens=8, out=tmp_path)
+                                     edges=(1, 2), rtts=(0.0, 10.0), max_new_tokens=8, edge_draft_ms=1.0,
+                                     out=tmp_path)
     table = bench_capacity(settings)
 
     report = json.loads((tmp_path / "results.json").read_text())
@@ -89,6 +97,6 @@ def test_the_bench_end_to_end_on_the_tiny_pair(tmp_path) -> None:
     assert report["itl_p99_target_basis"].startswith("2.5x target")
     assert set(report["capacity"]) == set(settings.modes)
     assert report["prediction"]["at_one_edge"]["predicted_ratio"] > 1
-    assert report["recorded"]["prompts"] > 0
+    assert report["recorded"]["prompts"] > 0 and report["edge_draft_ms"] == 1.0
     assert "Edges per replica" in table and (tmp_path / "table.md").read_text().strip() == table.strip()
     assert (tmp_path / "tokens_per_s_per_user.png").stat().st_size > 0

@@ -19,6 +19,9 @@ would, so a replayed block is the real one. A round records the tokens kept and 
 replayed block is the accepted tokens, then one token other than the target's (the rejected draft token
 itself is not on the wire), padded to the count drafted: the same verify work and the same verdict.
 `diverged_rounds` counts verdicts that were not the recorded ones (batched numerics; bfloat16).
+The replaying edges draft in no time unless `--edge-draft-ms` says how long a draft token takes on the device
+(they then wait that long per block token before each verify): with 0, their tokens/s per user and ITL are an
+edge with an instant draft's, and the figure they are fair for is the replica's capacity, what the cloud spends.
 RTT: a Session edge sleeps RTT/2 before each frame and RTT/2 after each answer; a Generate edge pays one RTT
 before its request (the chunks then stream). The ITL is per token (sim/bench/capacity_report.py: a release's
 gap spread over its tokens); per-user tokens/s is an edge's tokens over its wall time (first request to last
@@ -86,6 +89,18 @@ class Recorded:
     rounds: list[RecordedRound]
 
 
+def check_settings(settings: CapacityBenchSettings) -> None:
+    """Values that cannot work, refused by their flag's name."""
+    for flag, ok in (("--edges", all(e >= 1 for e in settings.edges) and settings.edges),
+                     ("--rtts", all(t >= 0 for t in settings.rtts) and settings.rtts), ("--k", settings.k >= 1),
+                     ("--max-new-tokens", settings.max_new_tokens >= 2), ("--generations", settings.generations >= 1),
+                     ("--edge-draft-ms", settings.edge_draft_ms >= 0),
+                     ("--itl-p99-ms", settings.itl_p99_ms is None or settings.itl_p99_ms > 0)):
+        if not ok:
+            raise CapacityBenchError(f"{flag}: out of range (edges >= 1, RTTs and draft ms >= 0, k >= 1, "
+                                     "max new tokens >= 2, generations >= 1, the ITL target > 0)")
+
+
 def check_modes(modes: tuple[str, ...]) -> dict[str, Mode]:
     """The modes the bench can run: the reference (Generate), cloud drafting (Generate with a speculation) and the
     lossless edge-drafting modes (Sessions replaying blocks); anything else refused, by name."""
@@ -133,7 +148,7 @@ async def _round_trip(call: Any, frame: Any, rtt_s: float) -> Any:
 
 
 async def _session(stub: pb_grpc.TargetServiceStub, prompt: Recorded, rtt_s: float, mode: Mode,
-                   vocab_size: int) -> GenerationTrace:
+                   vocab_size: int, edge_draft_s: float) -> GenerationTrace:
     trace = GenerationTrace(time.perf_counter())
     call = stub.Session()
     answer = await _round_trip(call, wire.open_frame(prompt.prompt_ids), rtt_s)
@@ -142,6 +157,7 @@ async def _session(stub: pb_grpc.TargetServiceStub, prompt: Recorded, rtt_s: flo
     length = answer.opened.context_length
     for recorded in prompt.rounds:
         block = replay_block(recorded, vocab_size, cut_at_rejection=mode.uses_verifier)
+        await asyncio.sleep(len(block) * edge_draft_s)  # the edge's drafting, as long as it is said to take
         frame = await _round_trip(call, wire.verify_frame(wire.verify_block(length, block, mode.verify_method)), rtt_s)
         if frame.WhichOneof("frame") != "verdict":
             raise RuntimeError(f"cloud refused a replayed block: {frame}")
@@ -165,7 +181,7 @@ async def _edge(stub: pb_grpc.TargetServiceStub, settings: CapacityBenchSettings
     for g in range(settings.generations):
         prompt = prompts[(edge + g) % len(prompts)]
         if mode.drafts:
-            traces.append(await _session(stub, prompt, rtt_ms / 1e3, mode, vocab_size))
+            traces.append(await _session(stub, prompt, rtt_ms / 1e3, mode, vocab_size, settings.edge_draft_ms / 1e3))
         else:
             max_new = sum(len(r.kept) for r in prompt.rounds)  # the recorded generation's length
             traces.append(await _generate(stub, prompt, max_new, rtt_ms / 1e3,
@@ -270,6 +286,7 @@ def _itl_target(settings: CapacityBenchSettings, rows: list[dict], modes: dict[s
 
 def bench_capacity(settings: CapacityBenchSettings) -> str:
     """Every mode x RTT x edge count on one pinned replica; writes OUT, returns the table."""
+    check_settings(settings)
     modes = check_modes(settings.modes)
     settings.out.mkdir(parents=True, exist_ok=True)
     rows, recorded = _measure(settings, modes)
@@ -281,6 +298,7 @@ def bench_capacity(settings: CapacityBenchSettings) -> str:
     capacity = {name: edges_per_replica(rows, name, itl_p99_ms) for name in modes}
     rounds = [r for rec in recorded for r in rec.rounds]
     summary = {"itl_p99_target_ms": itl_p99_ms, "itl_p99_target_basis": basis, "capacity": capacity,
+               "edge_draft_ms": settings.edge_draft_ms,
                "prediction": pred,
                "recorded": {"prompts": len(recorded), "rounds": len(rounds),
                             "tokens_per_round": sum(len(r.kept) for r in rounds) / max(1, len(rounds)),

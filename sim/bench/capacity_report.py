@@ -163,7 +163,8 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                      f"{_fmt(r['acceptance'], '.2f')} | {_fmt(c['target_forward_ms'])} ({_fmt(c['target_batch_mean'])}) | "
                      f"{_fmt(c['draft_forward_ms'])} ({_fmt(c['draft_batch_mean'])}) | "
                      f"{_fmt(r.get('cloud_cpu_share'), '.0%')} |")
-    lines += ["", f"Edges per replica at per-token ITL p99 <= {summary['itl_p99_target_ms']:.1f} ms (RTT 0; "
+    lines += ["", f"Replaying edges' draft time: {summary['edge_draft_ms']:g} ms a block token.",
+              "", f"Edges per replica at per-token ITL p99 <= {summary['itl_p99_target_ms']:.1f} ms (RTT 0; "
               f"{summary['itl_p99_target_basis']}):", "", "| mode | edges per replica |", "|---|---|"]
     lines += [f"| {mode} | {edges if edges is not None else '< 1'} |" for mode, edges in summary["capacity"].items()]
     pred = summary["prediction"]

@@ -216,6 +216,7 @@ def _register_capacity(benches: argparse._SubParsersAction) -> None:
             ("rtts", floats, "round trips in ms, comma list"), ("k", int, "draft tokens per round"),
             ("max-new-tokens", int, "tokens per generation"), ("generations", int, "per edge per point"),
             ("batch-window-ms", float, "default: the cloud's own"),
+            ("edge-draft-ms", float, "sd-block, sprinter-exact: an edge's draft time per block token (0: instant)"),
             ("cloud-cpu", int, "the replica's core (default: the last one); the edges run on the others"),
             ("out", Path, "")]:
         default = getattr(d, name.replace("-", "_"))

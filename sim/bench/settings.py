@@ -124,6 +124,7 @@ class CapacityBenchSettings:
     max_new_tokens: int = 32  # per recorded generation (each replayed generation has the recorded length)
     generations: int = 1  # per edge per point, back to back
     itl_p99_ms: float | None = None  # None: 2.5x target's single-edge ITL p99 at RTT 0
+    edge_draft_ms: float = 0.0  # a replaying edge waits this long per block token before sending (its drafting)
     batch_window_ms: float | None = None  # None: the cloud's own default
     cloud_cpu: int | None = None  # the replica's core (default: this process's last); the edges get the others
     out: Path = Path("results/bench-capacity")
