@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|pipeline|features|uplink`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -9,6 +9,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
+    sprinter bench capacity --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-capacity
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
     sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
 """
@@ -25,9 +26,9 @@ from common.devices import add_device_argument
 from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.runs import (run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline, run_policy,
-                            run_prefill, run_rollout, run_uplink)
-from sim.bench.settings import (LAYOUTS, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
+                            run_policy, run_prefill, run_rollout, run_uplink)
+from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
 
@@ -51,6 +52,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     chaos.register_chaos(benches)
     _register_rollout(benches)
     _register_fleet(benches)
+    _register_capacity(benches)
     _register_pipeline(benches)
     _register_features(benches)
     _register_uplink(benches)
@@ -203,6 +205,31 @@ def _register_fleet(benches: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name}", type=kind, default=default, choices=FLEET_CHOICES.get(name),
                        help=f"{help_text} (default {shown})".strip())
     p.set_defaults(run=run_fleet)
+
+
+def _register_capacity(benches: argparse._SubParsersAction) -> None:
+    d = CapacityBenchSettings()
+    p = benches.add_parser("capacity", help="edges per cloud replica when the edges draft vs when the cloud drafts",
+                           **_described("sim.bench.capacity"))
+    for name, kind, help_text in [
+            ("target", str, ""), ("draft", str, "the cloud's draft, and the edges' (replayed)"),
+            ("modes", names, "comma list"), ("edges", ints, "concurrent edges per point, comma list"),
+            ("rtts", floats, "round trips in ms, comma list"), ("k", int, "draft tokens per round"),
+            ("max-new-tokens", int, "tokens per generation"), ("generations", int, "per edge per point"),
+            ("batch-window-ms", float, "default: the cloud's own"),
+            ("edge-draft-ms", float, "sd-block, sprinter-exact: an edge's draft time per block token (0: instant)"),
+            ("cloud-cpu", int, "the replica's core (default: the last one); the edges run on the others"),
+            ("out", Path, "")]:
+        default = getattr(d, name.replace("-", "_"))
+        shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default) \
+            if isinstance(default, tuple) else default
+        p.add_argument(f"--{name}", type=kind, default=default,
+                       help=help_text if default is None else f"{help_text} (default {shown})".strip())
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
+    p.add_argument("--itl-p99-ms", type=float, default=d.itl_p99_ms,
+                   help="the per-token ITL p99 that edges per replica are counted at (default 2.5x the target-alone "
+                        "mode's at one edge and RTT 0: a user keeps 40%% of an idle replica's streaming speed)")
+    p.set_defaults(run=run_capacity)
 
 
 def _register_pipeline(benches: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from common.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.settings import (CloudBenchSettings, DraftBenchSettings, EngineBenchSettings, FleetBenchSettings,
+from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings, FleetBenchSettings,
                                 LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,13 @@ def run_rollout(args: argparse.Namespace) -> int:
                                out=args.out)
     quiet_http_clients()  # a line per request would bury the rounds
     return _report(args, rollout.bench_rollout(settings), settings.out, ("rollout.json", "rollout.png"))
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from sim.bench import capacity
+    settings = CapacityBenchSettings(**{name: getattr(args, name) for name in CapacityBenchSettings.__dataclass_fields__})
+    return _report(args, capacity.bench_capacity(settings), settings.out,
+                   ("results.json", "table.md", "tokens_per_s_per_user.png"))
 
 
 def run_fleet(args: argparse.Namespace) -> int:

@@ -111,6 +111,29 @@ class CloudBenchSettings:
 
 
 @dataclass(frozen=True)
+class CapacityBenchSettings:
+    """bench capacity (sim/bench/capacity.py): one pinned replica, E synthetic edges, each mode."""
+
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    modes: tuple[str, ...] = ("target", "cloud-sd", "sd-block", "sprinter-exact")
+    edges: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    rtts: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)  # ms
+    k: int = 5  # draft tokens per round
+    max_new_tokens: int = 32  # per recorded generation (each replayed generation has the recorded length)
+    generations: int = 1  # per edge per point, back to back
+    itl_p99_ms: float | None = None  # None: 2.5x target's single-edge ITL p99 at RTT 0
+    edge_draft_ms: float = 0.0  # a replaying edge waits this long per block token before sending (its drafting)
+    batch_window_ms: float | None = None  # None: the cloud's own default
+    cloud_cpu: int | None = None  # the replica's core (default: this process's last); the edges get the others
+    out: Path = Path("results/bench-capacity")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class EngineBenchSettings:
     targets: tuple[str, ...] = ("qwen2.5-1.5b",)  # architectures (sim/bench/architectures)
     device: str = "auto"
