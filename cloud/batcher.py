@@ -57,7 +57,7 @@ class Batcher:
                  on_batch: Callable[[ForwardStats], None] | None = None,
                  demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256,
                  max_forward_tokens: int = 1024, straggler_share: float = 0.25, max_hold_s: float = 0.02,
-                 thread_name: str = "target-forward") -> None:
+                 worker: ThreadPoolExecutor | None = None) -> None:
         install(model)
         self.model = model
         self.window_s = window_s
@@ -76,7 +76,11 @@ class Batcher:
         self._prefills: deque[ForwardRequest] = deque()
         self._prefill_first = False  # a chunk left out of a full forward goes first in the next
         self._arrived = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        # One thread runs the forwards. Another batcher on the same device (the cloud's draft, cloud/speculation.py)
+        # shares it: two models' forwards at once would only split the same cores, and while one kind runs, the
+        # other kind's requests gather into a bigger batch.
+        self._own_worker = worker is None
+        self._worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Batcher":
@@ -87,7 +91,8 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._worker.shutdown(wait=True)
+        if self._own_worker:
+            self._worker.shutdown(wait=True)
 
     async def forward(self, cache: ResidentKV, new_tokens: list[int], n_logits: int,
                       abandoned: Callable[[], bool] | None = None, full_logits: bool = True) -> ForwardResult:
@@ -106,6 +111,11 @@ class Batcher:
             self._prefills.append(request)
             self._arrived.set()
             await request.future
+
+    @property
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread that runs this batcher's forwards (another batcher on the same device may share it)."""
+        return self._worker
 
     @property
     def queue_depth(self) -> int:

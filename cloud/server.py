@@ -198,7 +198,7 @@ class CloudServer:
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher, \
-                self._draft_engine(target) as draft:
+                self._draft_engine(target, batcher) as draft:
             engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft)
             log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
@@ -206,8 +206,9 @@ class CloudServer:
             yield engine
 
     @asynccontextmanager
-    async def _draft_engine(self, target: LoadedModel) -> AsyncIterator[DraftEngine | None]:
-        """The cloud's own draft with its batcher (`--draft`, mode cloud-sd), on the target's device; None without."""
+    async def _draft_engine(self, target: LoadedModel, target_batcher: Batcher) -> AsyncIterator[DraftEngine | None]:
+        """The cloud's own draft with its batcher (`--draft`, mode cloud-sd), on the target's device and its forward
+        thread (the two models' forwards take turns); None without."""
         settings = self.settings
         if settings.draft is None:
             yield None
@@ -222,7 +223,7 @@ class CloudServer:
         kv_layout = KVLayout.of(draft.model, max_tokens=settings.max_context + settings.max_block + 1)
         async with Batcher(draft.model, max_batch=settings.max_batch, on_batch=self._observe_draft_batch,
                            demand=lambda: self.servicer.open_streams, max_prefill_chunk=settings.max_prefill_chunk,
-                           max_forward_tokens=settings.max_forward_tokens, thread_name="draft-forward") as batcher:
+                           max_forward_tokens=settings.max_forward_tokens, worker=target_batcher.worker) as batcher:
             yield DraftEngine(draft, batcher, kv_layout)
 
     def _observe_draft_batch(self, forward: ForwardStats) -> None:
