@@ -45,9 +45,21 @@ def test_one_edge_cloud_sd_matches_hand_computation() -> None:
     assert result.tokens_per_s_mean == pytest.approx(10 / 0.174)
     assert result.ttft_ms_p50 == pytest.approx(87.0)
     assert result.itl_ms_p50 == 0.0 and result.itl_ms_p99 == pytest.approx(87.0)  # a round's chunk at once
+    # per token (bench capacity's): the second chunk's 87 ms over its 5 tokens; the first chunk is no gap
+    assert result.itl_per_token_ms_p50 == pytest.approx(17.4) and result.itl_per_token_ms_p99 == pytest.approx(17.4)
     assert result.cloud_draft_forwards == 8 and result.cloud_forwards == 2
     assert result.cloud_utilisation == pytest.approx(1.0)
     assert result.target_calls_per_token == pytest.approx(0.2)  # one verify per round
+
+
+def test_per_token_itl_counts_a_streamed_sprinter_token_once_and_a_verdicts_tokens_each() -> None:
+    # sprinter, calls (3, 3): 2 passed tokens stream a step (11 ms) apart (11, 22 ms), the verdict's one token comes
+    # after the verify (sent at 33, 50 + 2 x 4 + 3 = 61 ms: 94); the second call streams at 105, 116 and its verdict
+    # comes at 188. Per-token samples after the first token: 11, 72, 11, 11, 72.
+    result = run_fleet(FIXED, profile("sprinter", [(3, 3)]), 1, 1, tokens_per_request=6)
+    assert result.itl_per_token_ms_p50 == pytest.approx(11.0)
+    assert result.itl_per_token_ms_p99 == pytest.approx(72.0)
+    assert result.itl_ms_p99 == pytest.approx(72.0)  # one token a release: the two definitions agree
 
 
 def test_draft_and_target_forwards_share_the_replica() -> None:

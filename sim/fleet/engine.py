@@ -37,7 +37,7 @@ from sim.fleet.cloud_rounds import CloudRounds
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.pipeline import PipelineModel
 from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, DRAFT, GENERATION, ROUND, ROUTINGS, Replica, ReplicaPool
-from sim.fleet.result import FleetResult, itl_percentiles, percentile
+from sim.fleet.result import FleetResult, itl_per_token_percentiles, itl_percentiles, percentile
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,10 @@ class _Simulation(CloudRounds):
         self.tokens = [0] * n_edges  # emitted by the horizon
         self.wall_ms = [0.0] * n_edges  # summed generation wall times
         # measurements; ITL gaps of 0 (a block released at once) and of one draft step are only counted
-        self.zero_gaps = 0
-        self.step_gaps = 0
+        self.zero_gaps = self.step_gaps = 0
         self.other_gaps = array("d")
-        self.ttft_ms = array("d")
-        self.call_ms = array("d")
-        self.request_ms = array("d")
+        self.other_gap_tokens = array("d")  # the tokens released after each of other_gaps (per-token ITL)
+        self.ttft_ms, self.call_ms, self.request_ms = array("d"), array("d"), array("d")
         self.calls = 0
 
     # --- edges ---------------------------------------------------------------------------------
@@ -166,6 +164,7 @@ class _Simulation(CloudRounds):
             self.ttft_ms.append(t0 + step - self.request_start[edge])
         else:
             self.other_gaps.append(t0 + step - last)
+            self.other_gap_tokens.append(1)
         self.step_gaps += early - 1
         self.last_emit[edge] = t0 + early * step
         if t0 + early * step <= self.horizon:
@@ -271,6 +270,7 @@ class _Simulation(CloudRounds):
             self.ttft_ms.append(t_emit - self.request_start[edge])
         else:
             self.other_gaps.append(t_emit - last)
+            self.other_gap_tokens.append(n)
         self.zero_gaps += n - 1
         self.last_emit[edge] = t_emit
         if t_emit <= self.horizon:
@@ -351,6 +351,7 @@ class _Simulation(CloudRounds):
             wall = self.horizon - np.asarray(self.starts)
         per_edge = np.asarray(self.tokens) / np.maximum(wall, 1e-9) * 1e3
         itl_p50, itl_p99 = itl_percentiles(self.step_ms, self.zero_gaps, self.step_gaps, self.other_gaps)
+        token_p50, token_p99 = itl_per_token_percentiles(self.step_ms, self.step_gaps, self.other_gaps, self.other_gap_tokens)
         forwards = sum(r.forwards for r in self.replicas)
         batched = sum(r.calls for r in self.replicas)
         draft_forwards = sum(r.draft_forwards for r in self.replicas)
@@ -363,6 +364,7 @@ class _Simulation(CloudRounds):
             tokens_per_s_mean=float(per_edge.mean()), tokens_per_s_p50=float(np.median(per_edge)),
             fleet_tokens_per_s=tokens / sim_ms * 1e3 if sim_ms > 0 else 0.0,
             ttft_ms_p50=percentile(self.ttft_ms, 0.5), itl_ms_p50=itl_p50, itl_ms_p99=itl_p99,
+            itl_per_token_ms_p50=token_p50, itl_per_token_ms_p99=token_p99,
             call_ms_p50=percentile(self.call_ms, 0.5), call_ms_p99=percentile(self.call_ms, 0.99),
             request_ms_p50=percentile(self.request_ms, 0.5),
             cloud_utilisation=busy_ms / (len(self.replicas) * sim_ms) if sim_ms > 0 else 0.0,

@@ -54,6 +54,10 @@ class FleetResult:
     # cloud-sd: the cloud's draft forwards (cloud_forwards counts the target's) and their mean batch
     cloud_draft_forwards: int = 0
     cloud_draft_batch_size_mean: float | None = None
+    # ITL per token (itl_per_token_percentiles): a release of n tokens after a gap g is n samples of g / n, as
+    # `sprinter bench capacity` measures it; itl_ms_p50/p99 above count it as one gap of g and n - 1 of 0
+    itl_per_token_ms_p50: float | None = None
+    itl_per_token_ms_p99: float | None = None
 
 
 def percentile(values: array, q: float) -> float | None:
@@ -69,6 +73,21 @@ def itl_percentiles(step_ms: float, zero_gaps: int, step_gaps: int, other_gaps: 
     which are only counted (they are most gaps), and other_gaps as measured."""
     values = np.concatenate([[0.0, step_ms], np.frombuffer(other_gaps, dtype=float)])
     counts = np.concatenate([[zero_gaps, step_gaps], np.ones(len(other_gaps))])
+    return weighted_percentiles(values, counts)
+
+
+def itl_per_token_percentiles(step_ms: float, step_gaps: int, other_gaps: array,
+                              other_tokens: array) -> tuple[float | None, float | None]:
+    """p50 and p99 of the per-token ITL (sim/bench/capacity_report.py's): other_gaps[i], a gap before a release of
+    other_tokens[i] tokens, gives that many samples of other_gaps[i] / other_tokens[i]; step_gaps tokens streamed a
+    draft step apart give one sample of step_ms each. A generation's first release gives none (it is no gap)."""
+    tokens = np.frombuffer(other_tokens, dtype=float)
+    values = np.concatenate([[step_ms], np.frombuffer(other_gaps, dtype=float) / np.maximum(tokens, 1.0)])
+    return weighted_percentiles(values, np.concatenate([[step_gaps], tokens]))
+
+
+def weighted_percentiles(values: np.ndarray, counts: np.ndarray) -> tuple[float | None, float | None]:
+    """Nearest-rank p50 and p99 of `values`, each repeated counts[i] times (None, None: no samples)."""
     if counts.sum() == 0:
         return None, None
     order = np.argsort(values, kind="stable")
