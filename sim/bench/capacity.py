@@ -37,7 +37,10 @@ verify_ms by cloud batch size), draft_ms_per_token_seen (cloud-sd: chunk draft_m
 (the replica's metrics over the point: target forwards, mean ms, batch and tokens; draft forwards, mean ms,
 mean draft steps per forward), cloud_cpu_share (the share of its core the replica got: below 1 when other
 load took some) and edges_cpu_share}; table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json
-holds the rows measured so far.
+holds the rows measured so far. "recorded" also has "per_prompt": each prompt's length and rounds [kept, drafted].
+Then the fleet simulator fitted to the run, checked against it and projected to `--project-edges` x
+`--project-rtts` (sim/bench/capacity_projection.py): results.json's "projection", the table's second part,
+projection.png. `--measured OUT/results.json` projects an earlier run again (other edges, RTTs), measuring nothing.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ from common.models import model_dir
 from common.prompting import encode_prompt
 from common.results_page import machine
 from common.sampling import SamplingParams
+from sim.bench.capacity_projection import format_projection, plot_projection, project
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
-                                      summarise)
+                                      replayed_length, summarise)
 from sim.bench.load import cpu_seconds, parse_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import CapacityBenchSettings
@@ -95,9 +99,11 @@ def check_settings(settings: CapacityBenchSettings) -> None:
                      ("--rtts", all(t >= 0 for t in settings.rtts) and settings.rtts), ("--k", settings.k >= 1),
                      ("--max-new-tokens", settings.max_new_tokens >= 2), ("--generations", settings.generations >= 1),
                      ("--edge-draft-ms", settings.edge_draft_ms >= 0),
-                     ("--itl-p99-ms", settings.itl_p99_ms is None or settings.itl_p99_ms > 0)):
+                     ("--itl-p99-ms", settings.itl_p99_ms is None or settings.itl_p99_ms > 0),
+                     ("--project-edges", all(e >= 1 for e in settings.project_edges) and settings.project_edges),
+                     ("--project-rtts", all(t >= 0 for t in settings.project_rtts) and settings.project_rtts)):
         if not ok:
-            raise CapacityBenchError(f"{flag}: out of range (edges >= 1, RTTs and draft ms >= 0, k >= 1, "
+            raise CapacityBenchError(f"{flag}: out of range (edges >= 1, RTTs and draft ms >= 0 and not empty, k >= 1, "
                                      "max new tokens >= 2, generations >= 1, the ITL target > 0)")
 
 
@@ -118,11 +124,8 @@ def replay_block(recorded: RecordedRound, vocab_size: int, cut_at_rejection: boo
     """The block an edge sends for a recorded round (module docstring); cut after the rejected token on request."""
     accepted, target_token = recorded.kept[:-1], recorded.kept[-1]
     rejected = target_token + 1 if target_token + 1 < vocab_size else target_token - 1
-    length = max(1, recorded.drafted)
-    if len(accepted) >= length:  # all accepted: the target's token is the bonus one
-        return accepted[:length]
-    block = accepted + [rejected] * (length - len(accepted))
-    return block[:len(accepted) + 1] if cut_at_rejection else block
+    length = replayed_length(len(recorded.kept), recorded.drafted, cut_at_rejection)
+    return (accepted + [rejected] * length)[:length]  # all accepted: the target's token is the bonus one
 
 
 async def _generate(stub: pb_grpc.TargetServiceStub, prompt: Recorded, max_new: int, rtt_s: float,
@@ -284,11 +287,44 @@ def _itl_target(settings: CapacityBenchSettings, rows: list[dict], modes: dict[s
     return target, f"{ITL_FACTOR:g}x {reference}'s single-edge ITL p99"
 
 
+def _prompt_lengths(target: str) -> list[int]:
+    """The bench prompts' lengths in the target's tokens (the tokenizer alone), for a results.json that lacks them."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(target))
+    return [len(encode_prompt(tokenizer, p["prompt"], p["chat"])) for p in load_bench_prompts()]
+
+
+def _write_projected(settings: CapacityBenchSettings, report: dict[str, Any], table: str) -> str:
+    """The projection of `report` (a results.json) added to it; results.json, table.md and the plots written."""
+    lengths = None if "per_prompt" in report["recorded"] else _prompt_lengths(report["args"]["target"])
+    report["projection"] = project(report, list(settings.project_edges), list(settings.project_rtts), lengths)
+    table = f"{table}\n\n{format_projection(report['projection'])}"
+    (settings.out / "results.json").write_text(json.dumps(report, indent=1))
+    (settings.out / "table.md").write_text(table + "\n")
+    plot(report["rows"], settings.out / "tokens_per_s_per_user.png")
+    plot_projection(report["projection"], report["rows"], settings.out / "projection.png")
+    return table
+
+
+def _recorded_summary(recorded: list[Recorded]) -> dict[str, Any]:
+    rounds = [r for rec in recorded for r in rec.rounds]
+    return {"prompts": len(recorded), "rounds": len(rounds),
+            "tokens_per_round": sum(len(r.kept) for r in rounds) / max(1, len(rounds)),
+            "acceptance": sum(len(r.kept) - 1 for r in rounds) / max(1, sum(r.drafted for r in rounds)),
+            "per_prompt": [{"prompt_tokens": len(rec.prompt_ids), "rounds": [[len(r.kept), r.drafted] for r in rec.rounds]}
+                           for rec in recorded]}
+
+
 def bench_capacity(settings: CapacityBenchSettings) -> str:
-    """Every mode x RTT x edge count on one pinned replica; writes OUT, returns the table."""
+    """Every mode x RTT x edge count on one pinned replica, then the projection; writes OUT, returns the table.
+    With `settings.measured`, an earlier run's results projected again (its own settings kept)."""
     check_settings(settings)
-    modes = check_modes(settings.modes)
     settings.out.mkdir(parents=True, exist_ok=True)
+    if settings.measured is not None:
+        earlier = json.loads(settings.measured.read_text())
+        report = earlier | {"measured_from": str(settings.measured)}
+        return _write_projected(settings, report, format_table(earlier["rows"], earlier))
+    modes = check_modes(settings.modes)
     rows, recorded = _measure(settings, modes)
     order = list(modes)
     rows.sort(key=lambda r: (order.index(r["mode"]), r["rtt_ms"], r["edges"]))
@@ -296,18 +332,12 @@ def bench_capacity(settings: CapacityBenchSettings) -> str:
     edge_mode = next((n for n, m in modes.items() if m.placeable and not m.uses_verifier), None)
     pred = prediction(rows, CLOUD_DRAFTING, edge_mode or "", itl_p99_ms)
     capacity = {name: edges_per_replica(rows, name, itl_p99_ms) for name in modes}
-    rounds = [r for rec in recorded for r in rec.rounds]
     summary = {"itl_p99_target_ms": itl_p99_ms, "itl_p99_target_basis": basis, "capacity": capacity,
-               "edge_draft_ms": settings.edge_draft_ms,
-               "prediction": pred,
-               "recorded": {"prompts": len(recorded), "rounds": len(rounds),
-                            "tokens_per_round": sum(len(r.kept) for r in rounds) / max(1, len(rounds)),
-                            "acceptance": sum(len(r.kept) - 1 for r in rounds) / max(1, sum(r.drafted for r in rounds))}}
+               "edge_draft_ms": settings.edge_draft_ms, "prediction": pred, "recorded": _recorded_summary(recorded)}
     table = format_table(rows, summary)
-    (settings.out / "results.json").write_text(json.dumps(
-        {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": settings.to_dict(), "cpu": machine(), **summary,
-         "rows": rows}, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": settings.to_dict(), "cpu": machine(), **summary,
+              "rows": rows}
+    # the measurement first, whatever the projection makes of it
+    (settings.out / "results.json").write_text(json.dumps(report, indent=1))
     (settings.out / "rows.partial.json").unlink(missing_ok=True)
-    plot(rows, settings.out / "tokens_per_s_per_user.png")
-    return table
+    return _write_projected(settings, report, table)

@@ -41,6 +41,14 @@ class GenerationTrace:
         return self.releases[-1][0] if self.releases else self.started
 
 
+def replayed_length(kept: int, drafted: int, cut_at_rejection: bool) -> int:
+    """The length of the block an edge replays for a recorded round of `kept` tokens (the accepted ones and the
+    target's) and `drafted` draft tokens (sim/bench/capacity.py replay_block): the count drafted (at least 1), or
+    with `cut_at_rejection` (sprinter-exact) the accepted tokens and the rejected one when a token was rejected."""
+    length, accepted = max(1, drafted), kept - 1
+    return accepted + 1 if cut_at_rejection and accepted < length else length
+
+
 def itl_samples(trace: GenerationTrace) -> tuple[list[float], list[float]]:
     """(per-token ITL samples ms, release gaps ms) of one generation (module docstring)."""
     per_token, gaps = [], []

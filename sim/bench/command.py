@@ -219,6 +219,9 @@ def _register_capacity(benches: argparse._SubParsersAction) -> None:
             ("batch-window-ms", float, "default: the cloud's own"),
             ("edge-draft-ms", float, "sd-block, sprinter-exact: an edge's draft time per block token (0: instant)"),
             ("cloud-cpu", int, "the replica's core (default: the last one); the edges run on the others"),
+            ("project-edges", ints, "the fleet simulator fitted to the run, projected to these edge counts"),
+            ("project-rtts", floats, "... and these RTTs in ms"),
+            ("measured", Path, "an earlier OUT/results.json: project it again (its own settings), measure nothing"),
             ("out", Path, "")]:
         default = getattr(d, name.replace("-", "_"))
         shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default) \

@@ -121,7 +121,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from sim.bench import capacity
     settings = CapacityBenchSettings(**{name: getattr(args, name) for name in CapacityBenchSettings.__dataclass_fields__})
     return _report(args, capacity.bench_capacity(settings), settings.out,
-                   ("results.json", "table.md", "tokens_per_s_per_user.png"))
+                   ("results.json", "table.md", "tokens_per_s_per_user.png", "projection.png"))
 
 
 def run_fleet(args: argparse.Namespace) -> int:

@@ -127,6 +127,10 @@ class CapacityBenchSettings:
     edge_draft_ms: float = 0.0  # a replaying edge waits this long per block token before sending (its drafting)
     batch_window_ms: float | None = None  # None: the cloud's own default
     cloud_cpu: int | None = None  # the replica's core (default: this process's last); the edges get the others
+    # the fleet simulator fitted to the run, projected to these edge counts and RTTs (sim/bench/capacity_projection.py)
+    project_edges: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    project_rtts: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
+    measured: Path | None = None  # an earlier OUT/results.json: project it again, measure nothing
     out: Path = Path("results/bench-capacity")
 
     def to_dict(self) -> dict[str, Any]:
