@@ -34,13 +34,13 @@ mosquitto:
 	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q mosquitto || (apt-get update -q && apt-get install -y -q mosquitto)) >/dev/null; \
 	  else echo "the fleet plane tests need Mosquitto: run 'sudo apt-get install -y mosquitto'" >&2; exit 1; fi; }
 
-# The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all six modes,
+# The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all seven modes (cloud-sd: the cloud drafts too),
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
 # Its summary table and plots go into docs/benchmarks/index.md, section `sweep` (the page keeps the one before, folded).
 BENCH_RTTS ?= 0,50,100
 bench: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter simulate --target $(TARGET) --draft $(DRAFT) --rtt-ms $(BENCH_RTTS) \
-	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact --limit 6 --max-new-tokens 48 --out results/bench \
+	    --modes target,draft,sd,sd-block,sprinter,sprinter-exact,cloud-sd --limit 6 --max-new-tokens 48 --out results/bench \
 	    --page docs/benchmarks/index.md --section sweep
 
 # Call policies on the Qwen pair (issue 7): sprinter-exact with each policy, greedy and T=1, four RTTs.
