@@ -37,6 +37,8 @@ from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import ResidentKV
 
 log = logging.getLogger(__name__)
+STRAGGLER_SHARE = 0.25  # the hold right after a forward: this share of it (module docstring) ...
+MAX_HOLD_S = 0.02  # ... at most this long
 
 
 @dataclass
@@ -56,7 +58,7 @@ class Batcher:
     def __init__(self, model: PreTrainedModel, window_s: float = 0.0, max_batch: int = 8,
                  on_batch: Callable[[ForwardStats], None] | None = None,
                  demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256,
-                 max_forward_tokens: int = 1024, straggler_share: float = 0.25, max_hold_s: float = 0.02,
+                 max_forward_tokens: int = 1024, straggler_share: float = STRAGGLER_SHARE, max_hold_s: float = MAX_HOLD_S,
                  worker: ThreadPoolExecutor | None = None) -> None:
         install(model)
         self.model = model

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cloud.batcher import MAX_HOLD_S, STRAGGLER_SHARE
 from common.decoding.modes import mode_of
 from common.plots import pyplot
 from sim.bench.capacity_report import edges_per_replica, replayed_length
@@ -162,6 +163,7 @@ def fit_costs(results: dict[str, Any], rounds: Rounds) -> tuple[FleetCosts, dict
                        verifier_ms=0.0, forward=fit_forward_model(target),
                        draft_forward=fit_forward_model(draft) if draft else None, rtt=RttModel(0.0),
                        window_ms=float(args.get("batch_window_ms") or 0.0), max_batch=max(max(args["edges"]) + 4, 8),
+                       straggler_share=STRAGGLER_SHARE, max_hold_ms=MAX_HOLD_S * 1e3,  # the batcher's own hold
                        prompt_tokens=round(prompt_tokens), note=f"fitted to bench capacity's run of {results.get('date', '?')}")
     point = lambda r: f"{r['mode']} E={r['edges']} RTT={r['rtt_ms']:g}"  # noqa: E731
     return costs, {"target_samples": target, "draft_samples": draft,

@@ -125,6 +125,10 @@ class FleetCosts:
     rtt: RttModel = field(default_factory=RttModel)
     window_ms: float = 0.0  # cloud batching window (`--batch-window-ms`; 0: continuous batching)
     max_batch: int = 8  # cloud `--max-batch`
+    # The batcher's straggler hold with continuous batching (cloud/batcher.py): right after a forward, a batch short
+    # of the replica's open generations waits min(max_hold_ms, straggler_share x that forward) for more. 0: off.
+    straggler_share: float = 0.0
+    max_hold_ms: float = 0.0
     padded_batches: bool = False  # True: n = b x longest request, as the engine before the packed forward ran it
     uplink_mbps: float | None = None  # None: transfer time not modelled
     downlink_mbps: float | None = None

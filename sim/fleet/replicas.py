@@ -3,7 +3,9 @@
 Sessions are sticky (the KV cache lives on one replica; a generation is placed on the replica with
 the fewest open sessions, or round-robin); when idle a replica takes the first queued request and
 gathers more for up to window_ms or until min(max_batch, open sessions on the replica) are in, so a
-lone edge never waits out the window. The edges' side and the event loop: sim.fleet.engine.
+lone edge never waits out the window. With continuous batching (no window) and `straggler_share` set, a batch
+short of that right after a forward waits for stragglers as the batcher does (a share of the last forward,
+capped); a replica that was idle starts at once. The edges' side and the event loop: sim.fleet.engine.
 
 Two kinds of forward (mode cloud-sd): the target's (verifies, target mode's steps) and the cloud's draft's
 (`cloud serve --draft`: its own batcher, no batching window, as cloud/server.py builds it). Both batchers'
@@ -34,7 +36,7 @@ Request = tuple[int, int, float]  # (edge, tokens in the forward, sent at)
 
 class Replica:
     __slots__ = ("batch", "busy", "busy_ms", "calls", "draft_calls", "draft_forwards", "draft_queue", "forwards",
-                 "gather_id", "gathering", "kind", "queue", "queues", "ready", "sessions")
+                 "gather_id", "gathering", "kind", "last_end", "last_forward_ms", "queue", "queues", "ready", "sessions")
 
     def __init__(self) -> None:
         self.queue: deque[Request] = deque()  # the target's
@@ -52,6 +54,8 @@ class Replica:
         self.calls = 0  # requests in the target's forwards
         self.draft_forwards = 0
         self.draft_calls = 0
+        self.last_forward_ms = 0.0  # the target's last forward, and when it ended: the straggler hold reads them
+        self.last_end = float("-inf")
 
 
 class ReplicaPool:
@@ -96,10 +100,20 @@ class ReplicaPool:
         while len(batch) < limit and queue:
             batch.append(queue.popleft())
         replica.gathering = True
-        replica.ready = len(batch) >= limit or self.costs.window_ms <= 0
+        hold = self._hold_ms(replica, t)
+        replica.ready = len(batch) >= limit or hold <= 0
         if not replica.ready:
             replica.gather_id += 1
-            heapq.heappush(self.heap, (t + self.costs.window_ms, next(self.seq), DEADLINE, r, replica.gather_id))
+            heapq.heappush(self.heap, (t + hold, next(self.seq), DEADLINE, r, replica.gather_id))
+
+    def _hold_ms(self, replica: Replica, t: float) -> float:
+        """How long a short batch gathers: the window, or (continuous batching) the straggler hold right after a
+        forward, none after an idle spell (cloud/batcher.py)."""
+        if self.costs.window_ms > 0:
+            return self.costs.window_ms
+        if t - replica.last_end > replica.last_forward_ms:
+            return 0.0
+        return min(self.costs.max_hold_ms, self.costs.straggler_share * replica.last_forward_ms)
 
     def deadline(self, r: int, gather_id: int, t: float) -> None:
         replica = self.replicas[r]
@@ -125,6 +139,7 @@ class ReplicaPool:
             replica.draft_calls += b
         else:
             duration = self.costs.forward.t_forward_ms(b, n)
+            replica.last_forward_ms, replica.last_end = duration, t + duration
             replica.forwards += 1
             replica.calls += b
         replica.busy, replica.kind = True, kind
