@@ -216,10 +216,17 @@ async def _at_rtt(settings: PlacementBenchSettings, nodes: dict[str, EdgeNode], 
                      "tokens": sum(r["tokens"] for r in requests), "requests": requests,
                      "chose": dict(Counter(r["used"] for r in requests)),
                      "learning": learning if placement == "auto" else None,
-                     "placer": nodes[placement].decoder.placer.snapshot() if placement == "auto" else None})
+                     "placer": nodes[placement].decoder.placer.snapshot() if placement == "auto" else None,
+                     "cost_model": _costs(nodes[placement], settings.k)})
     log.info("rtt %g%s: %s", rtt_ms, " under load" if load else "",
              ", ".join(f"{r['placement']} {r['tokens_per_s']:.2f}" for r in rows))
     return rows
+
+
+def _costs(node: EdgeNode, k: int) -> dict[str, float]:
+    """What the node's cost model has learned (or still assumes): the edge side of auto's prediction."""
+    costs = node.decoder.cost_model
+    return {"draft_ms": costs.effective_draft_ms, "rtt_ms": costs.rtt_ms, "verify_ms": costs.t_verify_ms(k)}
 
 
 async def _request(settings: PlacementBenchSettings, node: EdgeNode, prompt: list[int], placement: str,
