@@ -43,6 +43,8 @@ def test_goal_reads_the_better_fixed_placement_and_the_worse_one_under_load():
                       "met": True}]
     loaded = goal([row("edge", 10.0, 3), row("cloud", 5.0, 3), row("auto", 9.9, 3, chose={"edge": 1, "cloud": 1})])
     assert loaded[0]["better"] == "edge" and not loaded[0]["met"]  # within 5%, but a request went to the worse side
+    tied = goal([row("edge", 10.0, 3), row("cloud", 9.7, 3), row("auto", 9.8, 3, chose={"cloud": 2})])
+    assert tied[0]["met"]  # 3% apart: neither is the worse one beyond noise
 
 
 def test_bad_settings_are_refused_naming_the_flag():
