@@ -11,6 +11,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
     sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
+    sprinter bench placement --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-placement
 """
 
 from __future__ import annotations

@@ -202,13 +202,14 @@ async def _at_rtt(settings: PlacementBenchSettings, nodes: dict[str, EdgeNode], 
     for i, prompt in enumerate(prompts):
         order = PLACEMENTS[i % 3:] + PLACEMENTS[: i % 3]  # who goes first rotates: no placement always follows another
         for placement in order:
+            seen = list(nodes[placement].cloud.drafting_load())  # what auto's decision reads: (load, busy)
             result, wall_s = await _request(settings, nodes[placement], prompt, placement, rtt_ms)
             decision = result.placed.decision
             runs[placement].append({
                 "tokens": result.stats.new_tokens, "wall_s": wall_s, "tokens_per_s": result.stats.new_tokens / wall_s,
                 "used": result.placed.used, "reason": decision.reason if decision else None,
                 "predicted": decision.describe() if decision else None,
-                "drafting_load": list(nodes[placement].cloud.drafting_load()) if placement == "auto" else None})
+                "drafting_load": seen if placement == "auto" else None})
     rows = []
     for placement, requests in runs.items():
         rows.append({"rtt_ms": rtt_ms, "load_streams": settings.load_streams if load else 0, "placement": placement,
