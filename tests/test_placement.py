@@ -3,7 +3,8 @@
 The decision is a pure function (common/decoding/placement.py), tested on its own; then over a real cloud on
 loopback that drafts with `--draft` (ServerThread(draft=)), behind the real link proxy (sim/link/) for the RTT:
 placement cloud runs cloud-sd with the same greedy output as the edge placement and the target; auto moves to the
-cloud when the scripted RTT rises and back when the cloud announces a queue. The announcement is fed to the edge's
+cloud when the scripted RTT rises and back when the cloud announces a queue (and stays there when the next
+announcement happens to catch the cloud between forwards, with no queue). The announcement is fed to the edge's
 replica set the way the fleet agent does (edge/fleet_controls.py `cloud_announced` -> `ReplicaSet.observe`), not
 over MQTT: the broker's path to `observe` is the fleet tests' business. Bad values are refused, the field named.
 """
@@ -24,6 +25,7 @@ from common.decoding.modes import DecodeSettings
 from common.decoding.placement import PlacementInputs, cloud_tokens_per_s, decide, edge_tokens_per_s
 from common.fleet_plane.messages import CloudLoad
 from edge.api.app import ApiSettings, create_app
+from edge.cloud_link import replicas
 from edge.decoding.decoder import EdgeSettings
 from edge.decoding.placing import Placer, PlacementRefused
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -112,7 +114,9 @@ def test_placement_cloud_runs_cloud_sd_with_the_edge_placements_greedy_output(ti
     assert sprinter.placed.used == "edge" and sprinter.stats.mode == "sprinter" and "no cloud form" in sprinter.placed.note
 
 
-def test_auto_moves_to_the_cloud_when_the_rtt_rises_and_back_when_the_cloud_is_busy(tiny_target, tiny_draft) -> None:
+def test_auto_moves_to_the_cloud_when_the_rtt_rises_and_back_when_the_cloud_is_busy(tiny_target, tiny_draft,
+                                                                                    monkeypatch) -> None:
+    monkeypatch.setattr(replicas, "BUSY_HOLD_S", 60.0)  # longer than the requests after the announcement take here
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
     # A cloud draft step priced well above the tiny draft's on the edge: at RTT 0 the edge is faster.
     placer = Placer(prior_cloud_draft_ms=30.0)
@@ -128,6 +132,8 @@ def test_auto_moves_to_the_cloud_when_the_rtt_rises_and_back_when_the_cloud_is_b
                         link.change_delay(150.0)  # an RTT of 300 ms from here on
                     if step == 6:  # the cloud announces a queue, as the fleet agent hands it on
                         node.cloud.observe(_busy_load(node, cloud))
+                    if step == 7:  # the next announcement caught the cloud between forwards: the queue holds
+                        node.cloud.observe(replace(_busy_load(node, cloud), queue_depth=0))
                     result = await node.decoder.generate(prompt, settings)
                     assert not result.degraded and result.error is None
                     used.append((result.placed.used, result.placed.decision.reason))

@@ -8,8 +8,9 @@ A pure decision over measured quantities, so that a response or a log can say wh
 where E is the tokens a round yields (accepted + the target's own), t_round_cloud = gamma * t_draft_cloud +
 t_verify(gamma) (the cloud's round, as its GenerateChunks report it), and the cloud's stream pays the round trip
 once at the start. `load` >= 1 stretches the cloud's rounds when it announces a queue: cloud drafting spends
-the shared cloud's compute that edge drafting saves, so a cloud that says it is busy (or refused us with
-RESOURCE_EXHAUSTED lately) gets no cloud drafting at all ("never the worse one under load").
+the shared cloud's compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused
+us with RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at
+all ("never the worse one under load").
 
 Hysteresis: a request keeps the previous request's placement unless the other side is predicted faster by
 more than `margin` (a share), so that a request-by-request decision does not flap on noise.

@@ -48,7 +48,9 @@ from sprinter.v1 import decoding_pb2 as pb
 log = logging.getLogger(__name__)
 
 LOAD_FACTOR = 1.25
-BUSY_HOLD_S = 10.0  # a replica that refused with RESOURCE_EXHAUSTED counts as busy this long (placement)
+# A replica that refused with RESOURCE_EXHAUSTED, or announced a queue, counts as busy this long (placement): an
+# announced queue is one instant's, and a batching cloud under load announces 0 between its forwards as often as not.
+BUSY_HOLD_S = 10.0
 DRAIN_REST_S = 30.0
 ANNOUNCEMENT_FRESH_S = 15.0
 PROBE_EVERY_S = 2.0
@@ -70,7 +72,7 @@ class Replica:
     announced_queue_depth: int = 0  # verifications waiting for a batch, as last announced
     announced_batch_mean: float = 0.0
     announced_at: float = 0.0
-    busy_until: float = 0.0  # it refused a Generate with RESOURCE_EXHAUSTED: busy until then
+    busy_until: float = 0.0  # it refused a Generate with RESOURCE_EXHAUSTED or announced a queue: busy until then
     gone: bool = False  # no longer resolved or announced: no new sessions
     generate_slots: asyncio.Semaphore | None = None  # the replica's Generate quota for this edge, queued here
 
@@ -94,7 +96,8 @@ class Replica:
 
     def drafting_load(self, now: float) -> tuple[float, bool]:
         """(how much its queue stretches a cloud-sd round, >= 1; whether it is busy): a fresh announcement's
-        queue (a queue of one batch doubles a round), or a RESOURCE_EXHAUSTED refusal within BUSY_HOLD_S."""
+        queue (a queue of one batch doubles a round); busy while it is, and for BUSY_HOLD_S after an announced queue
+        or a RESOURCE_EXHAUSTED refusal."""
         queue = self.announced_queue_depth if self.fresh(now) else 0
         return 1.0 + queue / max(1.0, self.announced_batch_mean), queue > 0 or now < self.busy_until
 
@@ -195,6 +198,8 @@ class ReplicaSet:
             return
         replica.announced_sessions, replica.announced_at = load.open_sessions, time.monotonic()
         replica.announced_queue_depth, replica.announced_batch_mean = load.queue_depth, load.batch_size_mean
+        if load.queue_depth > 0:
+            replica.busy_until = max(replica.busy_until, replica.announced_at + BUSY_HOLD_S)
         if load.status == "online":
             replica.rest_until, replica.gone = 0.0, False
         elif load.status == "draining":

@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -12,6 +12,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench capacity --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-capacity
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
     sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
+    sprinter bench placement --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-placement
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
-                            run_policy, run_prefill, run_rollout, run_uplink)
+                            run_placement, run_policy, run_prefill, run_rollout, run_uplink)
 from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
-                                FleetBenchSettings, LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
+                                FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
+                                RolloutSettings)
 
 
 def _described(module: str) -> dict[str, object]:
@@ -56,6 +58,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_pipeline(benches)
     _register_features(benches)
     _register_uplink(benches)
+    _register_placement(benches)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 
@@ -274,3 +277,25 @@ def _register_uplink(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=Path("results/bench-uplink"))
     p.set_defaults(run=run_uplink)
+
+
+def _register_placement(benches: argparse._SubParsersAction) -> None:
+    d = PlacementBenchSettings()
+    p = benches.add_parser("placement", help="edge, cloud and auto placement of the draft over RTTs and under load",
+                           **_described("sim.bench.placement"))
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--draft", default=d.draft, help="the edges' draft, and the cloud's (cloud serve --draft)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
+    p.add_argument("--rtt-ms", type=floats, default=d.rtts_ms, help="comma list (default 0,20,50,100,200)")
+    p.add_argument("--load-rtt-ms", type=comma_list(float, "RTTs", allow_empty=True), default=d.load_rtts_ms,
+                   help="RTTs measured again under load, comma list (default 50; empty: no load phase)")
+    p.add_argument("--load-streams", type=int, default=d.load_streams,
+                   help="other users' concurrent cloud-sd streams under load")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="the first N bench prompts")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_tokens)
+    p.add_argument("-k", type=int, default=d.k, help="draft tokens per round")
+    p.add_argument("--mode", default=d.mode, help="the placeable mode measured")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed requests per placement at each RTT")
+    p.add_argument("--mqtt", default=d.mqtt, help="fleet plane: auto (Mosquitto here), off, or a broker URL")
+    p.add_argument("--out", type=Path, default=d.out)
+    p.set_defaults(run=run_placement)

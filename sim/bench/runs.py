@@ -13,8 +13,9 @@ from pathlib import Path
 from common.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings, FleetBenchSettings,
-                                LocalBenchSettings, PrefillBenchSettings, RolloutSettings)
+from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+                                FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
+                                RolloutSettings)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,16 @@ def run_uplink(args: argparse.Namespace) -> int:
                                           out=args.out)
     quiet_http_clients()
     return _report(args, uplink.bench_uplink(settings), args.out, ("results.json", "table.md"))
+
+
+def run_placement(args: argparse.Namespace) -> int:
+    from sim.bench import placement
+    settings = PlacementBenchSettings(
+        target=args.target, draft=args.draft, dtype=args.dtype, rtts_ms=args.rtt_ms, load_rtts_ms=args.load_rtt_ms,
+        load_streams=args.load_streams, prompts=args.prompts, max_tokens=args.max_new_tokens, k=args.k,
+        mode=args.mode, warmup=args.warmup, mqtt=args.mqtt, out=args.out)
+    quiet_http_clients()
+    return _report(args, placement.bench_placement(settings), args.out, ("results.json", "table.md", "tokens_per_s.png"))
 
 
 def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
