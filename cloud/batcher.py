@@ -196,13 +196,12 @@ class Batcher:
                 await self._forward(batch)
 
     async def _forward(self, batch: list[ForwardRequest]) -> None:
-        started = time.perf_counter()
         copied_before = sum(r.cache.copied_bytes for r in batch)
         for request in batch:  # a session closed meanwhile keeps its KV until this forward is done with it
             request.cache.in_forward = True
         try:
-            rows = await asyncio.get_running_loop().run_in_executor(
-                self._worker, forward_packed, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
+            rows, started, forward_s = await asyncio.get_running_loop().run_in_executor(
+                self._worker, _timed_forward, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
                 [r.n_logits for r in batch], [r.full_logits for r in batch])
         except Exception as err:  # a failed forward fails its requests, never the batcher
             log.exception("target forward failed for a batch of %d", len(batch))
@@ -213,7 +212,6 @@ class Batcher:
         finally:
             for request in batch:
                 request.cache.end_forward()
-        forward_s = time.perf_counter() - started
         self._last_forward_s, self._last_forward_end = forward_s, time.perf_counter()
         if self.on_batch:
             self.on_batch(ForwardStats(len(batch), sum(len(r.new_tokens) for r in batch), forward_s,
@@ -222,3 +220,11 @@ class Batcher:
             if not request.future.done():
                 request.future.set_result(ForwardResult(
                     request_rows, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))
+
+
+def _timed_forward(*args: object) -> tuple[list, float, float]:
+    """forward_packed, when it began and the seconds it ran, timed on the worker: a forward waiting for the thread
+    (another batcher's, sharing it) is queueing, not forward time."""
+    started = time.perf_counter()
+    rows = forward_packed(*args)
+    return rows, started, time.perf_counter() - started
