@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -61,6 +61,21 @@ bench-cloud: $(VENV)/.models-qwen $(VENV)/.models-smollm2 $(STUBS)
 
 bench-draft: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench draft --page docs/benchmarks/index.md
+
+# Where to draft (docs/benchmarks/capacity.md, placement.md, uplink.md): edge drafting against cloud-sd on one
+# pinned replica with the fleet simulator fitted to it; --placement edge/cloud/auto by RTT and under load; what
+# sampled sd's frames carry up with --draft-dists full and on-rejection. Each takes 10-20 minutes here.
+bench-capacity: $(VENV)/.models-qwen $(STUBS)
+	$(VENV)/bin/sprinter bench capacity --target $(TARGET) --draft $(DRAFT) --modes target,cloud-sd,sd-block,sprinter-exact \
+	    --edges 1,2,3,4,6,8 --rtts 0 --max-new-tokens 32 --out results/bench-capacity --page docs/benchmarks/capacity.md
+
+bench-placement: $(VENV)/.models-qwen $(STUBS)
+	$(VENV)/bin/sprinter bench placement --target $(TARGET) --draft $(DRAFT) --rtt-ms 0,50,200 --load-rtt-ms 50 \
+	    --prompts 3 --max-new-tokens 32 --out results/bench-placement --page docs/benchmarks/placement.md
+
+bench-uplink: $(VENV)/.models-qwen $(STUBS)
+	$(VENV)/bin/sprinter bench uplink --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 20,100 \
+	    --out results/bench-uplink --page docs/benchmarks/uplink.md
 
 setup: $(VENV)/.project $(STUBS)
 
