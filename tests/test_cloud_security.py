@@ -294,7 +294,7 @@ def test_reflection_lists_and_describes_the_services(plain_channel):
     assert methods["Generate"].output_type.full_name == "sprinter.v1.GenerateChunk"
     assert methods["GetInfo"].output_type.full_name == "sprinter.v1.ServiceInfo"
     edge_frame = pool.FindMessageTypeByName("sprinter.v1.EdgeFrame")
-    assert [f.name for f in edge_frame.oneofs_by_name["frame"].fields] == ["open", "verify", "close"]
+    assert [f.name for f in edge_frame.oneofs_by_name["frame"].fields] == ["open", "verify", "close", "residual_answer"]
     health = pool.FindServiceByName("grpc.health.v1.Health")
     assert {"Check", "Watch"} <= {m.name for m in health.methods}
 

@@ -124,7 +124,7 @@ def test_on_rejection_is_refused_where_the_rule_reads_every_distribution() -> No
 @pytest.mark.smollm2
 def test_smollm2_uplink_falls_under_3_kb_per_token(smollm2, smollm2_4_layers) -> None:
     prompts = [encode_prompt(smollm2.tokenizer, text, chat=True)
-               for text in ("Write a short poem about the sea.", "Explain what a compiler does.")]
+               for text in ("Write a short poem about the sea.",)]
     sampling = SamplingParams(temperature=1.0, seed=3)
 
     async def work(node: EdgeNode):
