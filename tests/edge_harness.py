@@ -183,3 +183,12 @@ class ScriptedCloud:
 
 def scripted(draft: LoadedModel, **kw: Any) -> Script:
     return Script(tokenizer_fingerprint=vocab_fingerprint(draft.tokenizer), **kw)
+
+
+async def on_edge(address: str, draft: LoadedModel, work: Callable[[EdgeNode], Any], runtime: str = "torch") -> Any:
+    """`work(node)` on an EdgeNode drafting with `draft` in float32 (the baseline verifier) against the cloud at
+    `address`: the statistical and identity tests' edge."""
+    settings = EdgeNodeSettings(draft=draft.spec, cloud=address, draft_runtime=runtime, dtype="float32",
+                                verifier="confidence:0.3")
+    async with EdgeNode(settings, draft) as node:
+        return await work(node)

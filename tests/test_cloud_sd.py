@@ -20,20 +20,14 @@ from cloud_harness import ServerThread
 from common import wire
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, placed_mode
-from common.models import LoadedModel
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from common.sampling_params import GrammarSpec
 from edge.decoding.decoder import EdgeSettings
-from edge.node import EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode
+from edge_harness import on_edge
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
-
-
-async def _on_edge(cloud: ServerThread, draft: LoadedModel, work):
-    settings = EdgeNodeSettings(draft=draft.spec, cloud=cloud.address, dtype="float32", verifier="confidence:0.3")
-    async with EdgeNode(settings, draft) as node:
-        return await work(node)
 
 
 def test_placement_moves_the_lossless_edge_modes_to_the_cloud() -> None:
@@ -55,7 +49,7 @@ def test_cloud_sd_greedy_equals_the_target(smollm2, smollm2_4_layers) -> None:
             return await asyncio.gather(*(node.decoder.generate(prompt, EdgeSettings(
                 DecodeSettings(mode="cloud-sd", max_new_tokens=24, k=k))) for k in (1, 5)))
 
-        results = asyncio.run(_on_edge(cloud, smollm2_4_layers, work))
+        results = asyncio.run(on_edge(cloud.address, smollm2_4_layers, work))
     for result in results:
         assert not result.degraded and result.error is None
         assert result.token_ids == reference.token_ids
@@ -74,7 +68,7 @@ def test_cloud_sd_sampled_output_follows_the_target(tiny_target) -> None:
         def settings_for(seed: int) -> EdgeSettings:
             return EdgeSettings(DecodeSettings(mode="cloud-sd", max_new_tokens=3, k=2, sampling=replace(sampling, seed=seed)))
 
-        results = asyncio.run(_on_edge(cloud, tiny_target, lambda node: seeded_generations(
+        results = asyncio.run(on_edge(cloud.address, tiny_target, lambda node: seeded_generations(
             node, prompt, n, settings_for, at_once=16)))
     assert not any(r.degraded or r.error for r in results)
     seen = Counter(tuple(r.token_ids) for r in results)
@@ -127,7 +121,7 @@ def test_cloud_sd_keeps_the_requests_logits_processing_and_logprobs(tiny_target)
             return {name: await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
                 mode="cloud-sd", max_new_tokens=24, k=3, sampling=sampling))) for name, sampling in requests.items()}
 
-        results = asyncio.run(_on_edge(cloud, tiny_target, work))
+        results = asyncio.run(on_edge(cloud.address, tiny_target, work))
     for name, result in results.items():
         assert result.token_ids == references[name].token_ids, name
         with torch.inference_mode():

@@ -24,7 +24,8 @@ from common.models import LoadedModel
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
-from edge.node import EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode
+from edge_harness import on_edge
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
@@ -73,12 +74,6 @@ def tiny_cloud(tiny_target):
         yield server
 
 
-async def _on_edge(cloud: ServerThread, draft: LoadedModel, work, runtime: str = "torch"):
-    settings = EdgeNodeSettings(draft=draft.spec, cloud=cloud.address, draft_runtime=runtime, dtype="float32",
-                                verifier="confidence:0.3")
-    async with EdgeNode(settings, draft) as node:
-        return await work(node)
-
 
 def _greedy_identity(cloud: ServerThread, target: LoadedModel, draft: LoadedModel, prompt: list[int],
                      sampling: SamplingParams, new_tokens: int, runtime: str = "torch") -> None:
@@ -91,7 +86,7 @@ def _greedy_identity(cloud: ServerThread, target: LoadedModel, draft: LoadedMode
         return {mode: await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
             mode=mode, max_new_tokens=new_tokens, k=3, sampling=sampling))) for mode in ("target", *LOSSLESS)}
 
-    for mode, result in asyncio.run(_on_edge(cloud, draft, work, runtime)).items():
+    for mode, result in asyncio.run(on_edge(cloud.address, draft, work, runtime)).items():
         assert not result.degraded, mode
         assert result.token_ids == reference.token_ids, mode
 
@@ -139,7 +134,7 @@ def test_sampled_output_follows_the_penalized_target(tiny_cloud, tiny_target, mo
     async def work(node: EdgeNode):
         return await seeded_generations(node, prompt, n, settings_for, at_once=16)
 
-    results = asyncio.run(_on_edge(tiny_cloud, near_draft(tiny_target), work))
+    results = asyncio.run(on_edge(tiny_cloud.address, near_draft(tiny_target), work))
     assert not any(r.degraded for r in results)
     seen = Counter(tuple(r.token_ids) for r in results)
     cells = sorted(set(exact) | set(unpenalized))

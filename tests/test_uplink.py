@@ -26,7 +26,8 @@ from common.models import LoadedModel
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
-from edge.node import EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode
+from edge_harness import on_edge
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -39,12 +40,6 @@ def tiny_cloud(tiny_target):
     with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as server:
         yield server
 
-
-async def _on_edge(cloud: ServerThread, draft: LoadedModel, work, runtime: str = "torch"):
-    settings = EdgeNodeSettings(draft=draft.spec, cloud=cloud.address, draft_runtime=runtime, dtype="float32",
-                                verifier="confidence:0.3")
-    async with EdgeNode(settings, draft) as node:
-        return await work(node)
 
 
 def _queries(cloud: ServerThread, kind: str) -> float:
@@ -61,7 +56,7 @@ def _sampled_runs(cloud: ServerThread, target: LoadedModel, n: int) -> list:
     async def work(node: EdgeNode):
         return await seeded_generations(node, prompt, n, settings_for, at_once=16)
 
-    results = asyncio.run(_on_edge(cloud, near_draft(target), work))
+    results = asyncio.run(on_edge(cloud.address, near_draft(target), work))
     assert not any(r.degraded or r.error for r in results)
     return results
 
@@ -104,7 +99,7 @@ def test_greedy_is_unchanged(tiny_cloud, tiny_target, tiny_draft) -> None:
                                                                  draft_dists=dists))
                 for dists in ("full", "on-rejection")]
 
-    full, on_rejection = asyncio.run(_on_edge(tiny_cloud, tiny_draft, work))
+    full, on_rejection = asyncio.run(on_edge(tiny_cloud.address, tiny_draft, work))
     assert full.token_ids == on_rejection.token_ids == reference.token_ids
     assert full.stats.uplink_bytes == on_rejection.stats.uplink_bytes
     assert on_rejection.stats.residual_queries == 0
@@ -133,7 +128,7 @@ def test_smollm2_uplink_falls_under_3_kb_per_token(smollm2, smollm2_4_layers) ->
             for dists in ("full", "on-rejection")}
 
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
-        runs = asyncio.run(_on_edge(cloud, smollm2_4_layers, work, runtime="onnx"))
+        runs = asyncio.run(on_edge(cloud.address, smollm2_4_layers, work, runtime="onnx"))
     per_token = {dists: sum(r.stats.uplink_bytes for r in results) / sum(len(r.token_ids) for r in results)
                  for dists, results in runs.items()}
     assert not any(r.degraded or r.error for results in runs.values() for r in results)
