@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -25,7 +25,7 @@ demo: $(VENV)/.models-qwen $(STUBS)
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
-test: $(VENV)/.models-smollm2 $(STUBS) mosquitto
+test: $(VENV)/.models-smollm2 $(STUBS) mosquitto gpu-bundle
 	$(PY) -m pytest -q --durations=15
 
 # The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
@@ -76,6 +76,33 @@ bench-placement: $(VENV)/.models-qwen $(STUBS)
 bench-uplink: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench uplink --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 20,100 \
 	    --out results/bench-uplink --page docs/benchmarks/uplink.md
+
+# The GPU figures on a brief, offline GPU host (docs/gpu-engine.md#the-gpu-check): the host's python3 and torch, no
+# venv, no network. `make gpu-bundle` (here, PyPI reachable; `make test` builds it too) writes .gpu-bundle/: the
+# wheels the check imports beyond torch, for the host's Python (GPU_PYTHON_VERSION), the gRPC stubs and this
+# project's entry points; about 38 MiB, sent with the tree (the device tool's carry: .gpu-bundle). There,
+# `make gpu-check OUT=DIR` unpacks it (standard library only) and runs `sprinter gpu check` from the tree.
+# Steps, their sizes and their budgets (each stops at its budget and keeps what it measured; 5 minutes in all):
+#   1 env      versions, GPU, every import, one 1.5B forward; fails the run in <= 30 s, saying what is missing
+#   2 owed     1.5B, 8 edges x 6 tokens, context 128/1k/4k, both layouts, unbatched at 1k: 8 rows, <= 60 s
+#   3 table    1.5B and 7B x both layouts x 128/1k/4k x 1/8/32/64 edges x batching on/off: 96 rows, <= 150 s
+#   4 graphs   the paged 8-edge verify forward captured as a CUDA graph, replay against eager: <= 25 s
+#   5 pytest   tests/test_cuda.py: <= 25 s
+#   6 profile  top 15 kernels of one 8-edge forward: <= 10 s
+# What comes back: OUT/ summary.json env.json owed.json table.json graphs.json pytest.txt profile.txt gpu-check.log.
+# Then, here: sprinter gpu page --results DIR --page docs/benchmarks/gpu.md. GPU_CHECK_ARGS=--device cpu: the dry run.
+GPU_BUNDLE ?= .gpu-bundle
+GPU_PYTHON ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_CHECK_ARGS ?=
+OUT ?= results/gpu-check
+gpu-check:
+	$(GPU_PYTHON) -m sim.gpu_check.unpack $(GPU_BUNDLE) >/dev/null
+	PYTHONPATH=$(CURDIR):$(abspath $(GPU_BUNDLE))/site $(GPU_PYTHON) -m common.cli gpu check --out $(OUT) $(GPU_CHECK_ARGS)
+
+gpu-bundle: $(GPU_BUNDLE)/manifest.json
+$(GPU_BUNDLE)/manifest.json: pyproject.toml $(STUBS) $(VENV)/.project
+	$(VENV)/bin/sprinter gpu bundle --out $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
 
 setup: $(VENV)/.project $(STUBS)
 

@@ -119,6 +119,26 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     one pool (cloud/paged_attention.py). `install(model)` must have run.
     """
     _check(caches, new_tokens, n_logits)
+    inputs = pack(model, caches, new_tokens, n_logits)
+    logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens)
+    for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
+        cache.length += len(tokens)
+    return _read_rows(logits, n_logits, full_logits or [True] * len(caches))
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """Every integer one forward needs, as one host tensor: ids [N], positions [N], kept rows [K], then the plan's."""
+
+    host: torch.Tensor
+    n: int  # N: new tokens in the packed row
+    k: int  # K: rows whose logits are kept
+    plan: PagedPlan | None  # the page tables, for caches of a pool
+
+
+def pack(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
+         n_logits: list[int]) -> PackedInputs:
+    """Reserve each cache's new entries and lay out the forward's inputs (the lengths do not move yet)."""
     for cache, tokens in zip(caches, new_tokens):
         cache.reserve(cache.length + len(tokens))
     ids = [t for tokens in new_tokens for t in tokens]
@@ -126,16 +146,22 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     ends = list(accumulate(len(tokens) for tokens in new_tokens))
     kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
     plan = PagedPlan.of(caches, new_tokens, fused(model.device.type)) if isinstance(caches[0], PagedKV) else None
-    n, k = len(ids), len(kept_rows)
     host = torch.tensor(ids + positions + kept_rows)
-    packed = (torch.cat([host, plan.host]) if plan else host).to(model.device)
+    return PackedInputs(torch.cat([host, plan.host]) if plan else host, len(ids), len(kept_rows), plan)
+
+
+def run_packed(model: PreTrainedModel, inputs: PackedInputs, packed: torch.Tensor,
+               caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]]) -> torch.Tensor:
+    """The model over `packed` (`inputs.host` on the device): the kept rows' logits [K, V], KV written in place.
+
+    Paged, every tensor the forward reads is a slice of `packed`, so the forward can be captured as a CUDA graph
+    and replayed over new contents of the same buffer (sim/gpu_check/graphs.py)."""
+    n, k, plan = inputs.n, inputs.k, inputs.plan
     attention = ({"paged_batch": plan.on_device(packed[2 * n + k:], packed[n:2 * n])} if plan else
                  {"resident_segments": _segments(caches, new_tokens, model.device)})
     out = model(input_ids=packed[None, :n], position_ids=packed[None, n:2 * n], use_cache=False,
                 logits_to_keep=packed[2 * n:2 * n + k], **attention)
-    for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
-        cache.length += len(tokens)
-    return _read_rows(out.logits[0], n_logits, full_logits or [True] * len(caches))
+    return out.logits[0]
 
 
 def _segments(caches: list[ResidentKV], new_tokens: list[list[int]], device: torch.device) -> list[Segment]:

@@ -46,6 +46,8 @@ class Measurement:
     command: str
     plots: tuple[Path, ...] = ()
     when: datetime.date = field(default_factory=datetime.date.today)
+    machine: str | None = None  # where it was measured, when not this machine (a GPU host's results, published here)
+    commit: str | None = None  # the commit it measured, when not this tree's HEAD
 
 
 def publish_if_asked(args: argparse.Namespace, table: str, plots: tuple[Path, ...] = ()) -> None:
@@ -79,7 +81,8 @@ def publish(page: Path, section: str, measurement: Measurement) -> None:
 
 def _body(page: Path, section: str, measurement: Measurement) -> str:
     when = measurement.when.isoformat()
-    lines = [f"Measured {when} on {machine()}, commit {commit()}:", "", "```bash", measurement.command, "```", "",
+    where, what = measurement.machine or machine(), measurement.commit or commit()
+    lines = [f"Measured {when} on {where}, commit {what}:", "", "```bash", measurement.command, "```", "",
              measurement.table]
     images = page.parent / "img"
     for plot in measurement.plots:

@@ -60,7 +60,8 @@ def _mean(values: list[int]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank q-quantile (q in 0..1); None for no values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -127,8 +128,8 @@ class StatsRecorder:
             drafted_tokens=sum(self.block_lengths),
             draft_forwards=self.draft_forwards,
             ttft_ms=(self.emitted_at[0] - self.started) * 1e3 if self.emitted_at else None,
-            itl_ms_p50=_percentile(gaps, 0.5),
-            itl_ms_p99=_percentile(gaps, 0.99),
+            itl_ms_p50=percentile(gaps, 0.5),
+            itl_ms_p99=percentile(gaps, 0.99),
             block_lengths=list(self.block_lengths),
             accepted_lengths=list(self.accepted_lengths),
             token_times_ms=[round((t - self.started) * 1e3, 3) for t in self.emitted_at],

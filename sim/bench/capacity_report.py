@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.plots import pyplot
+from common.stats import percentile
 
 
 @dataclass
@@ -57,14 +58,6 @@ def itl_samples(trace: GenerationTrace) -> tuple[list[float], list[float]]:
         gaps.append(gap)
         per_token += [gap / n] * n
     return per_token, gaps
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The nearest-rank q-quantile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _mean(values: list[float]) -> float | None:

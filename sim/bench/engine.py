@@ -42,8 +42,8 @@ from cloud.resident_kv import KVLayout, ResidentKV
 from common.devices import resolve_device
 from common.models import DTYPES
 from common.plots import pyplot
+from common.stats import percentile
 from common.verification import greedy_verdict
-from sim.bench.load import percentile
 from sim.bench.random_weights import random_model
 from sim.bench.settings import EngineBenchSettings
 
@@ -72,7 +72,7 @@ class BenchSession:
     pending: int  # the last verdict's token: fed first in the next verify
 
 
-def _open_sessions(model: torch.nn.Module, kv: KVLayout | KVPool, n: int, context: int,
+def open_sessions(model: torch.nn.Module, kv: KVLayout | KVPool, n: int, context: int,
                    rng: random.Random) -> list[BenchSession]:
     vocab = model.config.vocab_size
     sessions = []
@@ -121,7 +121,15 @@ def _round(model: torch.nn.Module, sessions: list[BenchSession], settings: Engin
 def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, context: int, n_edges: int,
                 batching: bool, settings: EngineBenchSettings) -> EngineRow:
     rng = random.Random(context * 1000 + n_edges)
-    sessions = _open_sessions(model, kv, n_edges, context, rng)
+    sessions = open_sessions(model, kv, n_edges, context, rng)
+    row = measure_sessions(model, sessions, target, context, batching, settings, rng)
+    release(sessions)
+    return row
+
+
+def measure_sessions(model: torch.nn.Module, sessions: list[BenchSession], target: str, context: int, batching: bool,
+                     settings: EngineBenchSettings, rng: random.Random) -> EngineRow:
+    """Warmup and timed rounds of verifies over open `sessions` (their contexts grow as the verdicts say)."""
     start_length = sessions[0].cache.length
     forwards, latencies, seconds = [], [], 0.0
     for i in range(settings.warmup + settings.rounds):
@@ -132,14 +140,17 @@ def measure_row(model: torch.nn.Module, kv: KVLayout | KVPool, target: str, cont
             seconds += round_s
     rounds = settings.warmup + settings.rounds
     growth = (sessions[0].cache.length - start_length) / rounds
+    cache = sessions[0].cache
+    return EngineRow(target, str(cache.layout.device), "paged" if isinstance(cache, PagedKV) else "per-session", context,
+                     len(sessions), batching,
+                     statistics.median(forwards) * 1e3, percentile(forwards, 0.99) * 1e3,
+                     statistics.median(latencies) * 1e3, percentile(latencies, 0.99) * 1e3,
+                     len(sessions) * settings.k * settings.rounds / seconds, growth)
+
+
+def release(sessions: list[BenchSession]) -> None:
     for session in sessions:
         session.cache.release()
-    layout = kv.layout if isinstance(kv, KVPool) else kv
-    return EngineRow(target, str(layout.device), "paged" if isinstance(kv, KVPool) else "per-session", context,
-                     n_edges, batching,
-                     statistics.median(forwards) * 1e3, percentile(forwards, 99) * 1e3,
-                     statistics.median(latencies) * 1e3, percentile(latencies, 99) * 1e3,
-                     n_edges * settings.k * settings.rounds / seconds, growth)
 
 
 def format_table(rows: list[EngineRow]) -> str:
@@ -187,7 +198,7 @@ def bench_engine(settings: EngineBenchSettings) -> str:
         model = random_model(target, DTYPES[settings.dtype], device)
         install(model)
         for attention in settings.attention:
-            kv = _kv_store(model, attention, settings)
+            kv = kv_store(model, attention, settings)
             cases = [(c, e, b) for c in settings.contexts for e in settings.edges for b in settings.batching]
             for context, n_edges, batching in tqdm(cases, desc=f"{target} {attention} on {device}"):
                 rows.append(measure_row(model, kv, target, context, n_edges, batching, settings))
@@ -205,7 +216,7 @@ def bench_engine(settings: EngineBenchSettings) -> str:
     return table
 
 
-def _kv_store(model: torch.nn.Module, attention: str, settings: EngineBenchSettings) -> KVLayout | KVPool:
+def kv_store(model: torch.nn.Module, attention: str, settings: EngineBenchSettings) -> KVLayout | KVPool:
     """Per-session buffers, or a pool that holds every edge's longest context (as --kv-budget-mb would)."""
     longest = max(settings.contexts) + (settings.warmup + settings.rounds) * (settings.k + 1) + 64
     if attention == "per-session":

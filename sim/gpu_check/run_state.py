@@ -1,0 +1,95 @@
+"""What the steps of one `sprinter gpu check` share: the device, the sizes, the output folder and the model on it."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloud.kv_pool import KVPool
+from cloud.packed_forward import install
+from cloud.resident_kv import KVLayout
+from cloud.settings import CloudSettings
+from common.models import DTYPES
+from sim.bench.engine import BenchSession, EngineRow, kv_store, open_sessions
+from sim.bench.random_weights import random_model
+from sim.bench.settings import EngineBenchSettings
+from sim.gpu_check.sizes import Sizes
+
+
+@dataclass
+class CheckRun:
+    device: torch.device
+    sizes: Sizes
+    out: Path
+    dtype: str = "bfloat16"
+    _model: tuple[str, torch.nn.Module] | None = field(default=None, repr=False)  # one model on the device at a time
+
+    @property
+    def default_layout(self) -> str:
+        """The resident engine's layout for `--attention auto` on this device (what the goals are read on)."""
+        return "paged" if CloudSettings().paged(self.device.type) else "per-session"
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        other = "per-session" if self.default_layout == "paged" else "paged"
+        return self.default_layout, other
+
+    def model(self, name: str) -> torch.nn.Module:
+        """Architecture `name` with random weights on the device, installed for packed forwards (kept until another)."""
+        if self._model is not None and self._model[0] == name:
+            return self._model[1]
+        self._model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = random_model(name, DTYPES[self.dtype], self.device)
+        install(model)
+        self._model = (name, model)
+        return model
+
+    def bench_settings(self, rounds: int | None = None) -> EngineBenchSettings:
+        return EngineBenchSettings(device=str(self.device), dtype=self.dtype, k=self.sizes.k,
+                                   rounds=rounds or self.sizes.rounds, warmup=self.sizes.warmup,
+                                   edges=self.sizes.edges, contexts=self.sizes.contexts, out=self.out)
+
+    def sessions(self, model: torch.nn.Module, layout: str, n: int, context: int,
+                 settings: EngineBenchSettings) -> tuple[KVLayout | KVPool, list[BenchSession]]:
+        kv = kv_store(model, layout, settings)
+        return kv, open_sessions(model, kv, n, context, random.Random(context * 1000 + n))
+
+    def write(self, name: str, payload: Any) -> Path:
+        """OUT/name: a step's results, rewritten as they grow (a run cut off keeps what it measured)."""
+        path = self.out / name
+        if isinstance(payload, str):
+            path.write_text(payload)
+        else:
+            path.write_text(json.dumps(payload, indent=1, default=_plain))
+        return path
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, EngineRow):
+        return asdict(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+class Deadline:
+    """A step's share of the run: rows are measured while it lasts; the ones left are named as not reached."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.perf_counter() + seconds
+
+    def passed(self) -> bool:
+        return time.perf_counter() >= self.end
