@@ -106,6 +106,8 @@ def _brief(name: str, result: Any) -> str:
     if name == "pytest":
         lines = [line for line in result.splitlines() if line.strip()]
         return "   " + (lines[-2] if len(lines) > 1 else "(no output)")
+    if name == "env" and result["device"].startswith("cuda") and not result["c_compiler"]:
+        return "   " + json.dumps(result) + "\n   no C compiler (cc, gcc): Triton cannot build the paged kernel's launcher"
     if name == "profile":
         return "\n".join("   " + line for line in result.splitlines()[:8])
     return "   " + json.dumps(result)

@@ -40,7 +40,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from sim.gpu_check.check import GpuCheckSettings, run_check
+    try:
+        from sim.gpu_check.check import GpuCheckSettings, run_check
+    except ImportError as err:  # the host lacks a module: one line that says which, within seconds
+        print(f"gpu-check: FAILED before step 1: cannot import {err.name or err} ({err}); is the bundle unpacked "
+              "(python3 -m sim.gpu_check.unpack .gpu-bundle) and .gpu-bundle/site on PYTHONPATH?", flush=True)
+        return 1
 
     return run_check(GpuCheckSettings(out=args.out, device=args.device, dtype=args.dtype, steps=tuple(args.steps)))
 

@@ -6,9 +6,9 @@ The bundle is one folder, sent along with the working tree (the device tool's `c
     wheels/      one wheel per distribution in `HOST_WHEELS`, at the version installed here (the versions the
                  tests ran against), for the host's Python (`pip download --no-deps --only-binary=:all:`)
     stubs/       the generated gRPC stubs (sprinter/v1/*_pb2*.py): they are never committed
-    dist-info/   this project's `sprinter-*.dist-info`, so `sprinter`'s entry points (its subcommands) are found
-                 with the working tree on PYTHONPATH, as an editable install would find them; no build backend
-                 is needed on the host
+    dist-info/   this project's `sprinter-*.dist-info` (name, version, entry points), so `sprinter`'s subcommands
+                 are found with the working tree on PYTHONPATH, as an editable install would find them; no build
+                 backend is needed, here or on the host
     manifest.json
 torch is never in it: the host's own build is the one that knows its GPU. numpy and torch's other
 requirements come with torch.
@@ -21,8 +21,7 @@ import logging
 import shutil
 import subprocess
 import sys
-import tempfile
-import zipfile
+import tomllib
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -33,16 +32,18 @@ from sim.gpu_check.unpack import MANIFEST
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "proto" / "sprinter" / "v1"
-# What the check imports beyond torch (the engine bench, the cloud service tests/test_cuda.py starts, pytest):
+# What the check imports beyond torch (the engine bench, the cloud service tests/test_cuda.py starts, pytest; httpx
+# for `sprinter bench`, whose other benchmarks can then run there too):
 # `BUNDLE_ROOTS` and everything they require, less what torch brings. tests/test_gpu_check.py checks that the
 # list is that closure, and runs the dry run with these alone.
-BUNDLE_ROOTS = ("transformers", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "prometheus_client",
+BUNDLE_ROOTS = ("transformers", "httpx", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "prometheus_client",
                 "llguidance", "aiomqtt", "gguf", "accelerate", "psutil", "platformdirs", "tqdm", "pytest")
 HOST_WHEELS = (
     # the model code: transformers at the project's pin (the host's own is older) and what it requires
     "transformers", "huggingface_hub", "tokenizers", "safetensors", "regex", "pyyaml", "packaging", "tqdm",
     "httpx2", "httpcore2", "h11", "anyio", "truststore", "hf-xet", "idna", "click", "typer", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
     "annotated-doc", "shellingham", "rich", "markdown-it-py", "mdurl", "pygments",
+    "httpx", "httpcore",
     # the cloud service: gRPC, metrics, structured output, the fleet plane, GGUF presets
     "grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "prometheus_client", "llguidance",
     "aiomqtt", "paho-mqtt", "psutil", "gguf", "requests", "urllib3", "certifi", "charset-normalizer",
@@ -104,11 +105,13 @@ def _copy_stubs(stubs: Path) -> None:
 
 
 def _write_dist_info(target: Path) -> None:
-    """This project's dist-info alone, taken from a wheel of it built here (its entry points are the subcommands)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", scratch, str(ROOT))
-        (wheel,) = Path(scratch).glob("sprinter-*.whl")
-        with zipfile.ZipFile(wheel) as archive:
-            for name in archive.namelist():
-                if name.split("/")[0].endswith(".dist-info"):
-                    archive.extract(name, target)
+    """This project's dist-info as an install would write it, from pyproject.toml: its name, version and entry points
+    (the `sprinter` script and every subcommand group), which is all `importlib.metadata` reads to find them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dist_info = target / f"{project['name']}-{project['version']}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    groups = {"console_scripts": project.get("scripts", {})} | project.get("entry-points", {})
+    (dist_info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items()) + "\n"
+        for group, entries in groups.items()))
