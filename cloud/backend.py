@@ -20,6 +20,7 @@ from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine,
 from cloud.errors import CloudError, invalid
 from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
 from cloud.metrics import CloudMetrics
+from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
 from cloud.speculation import SpeculatedRound
@@ -94,8 +95,12 @@ class TargetBackend:
                 session.prompt_logprobs = await self._scored_prefill(session, prompt_ids, sampling.prompt_logprobs,
                                                                      abandoned)
             elif len(prompt_ids) > 1:  # the last prompt token is fed with the first block
-                await self.engine.prefill(session, prompt_ids[:-1], abandoned)
-                session.cached_tokens = len(prompt_ids) - 1
+                async with reusing(self.store.prefix_cache, session.cache, self._prefix_scope(owner),
+                                   prompt_ids[:-1]) as reuse:
+                    session.cached_tokens = session.reused_tokens = reuse.tokens
+                    await self.engine.prefill(session, prompt_ids[reuse.tokens:-1], abandoned)
+                    session.cached_tokens = len(prompt_ids) - 1
+                self._count_reuse(reuse.tokens, reuse.copied_bytes)
                 self.store.check_kv("forward")
         except BaseException:
             self.close(session)
@@ -106,6 +111,21 @@ class TargetBackend:
         self.store.enforce_budget(protect=session)
         self.update_gauges()
         return session, False
+
+    def _prefix_scope(self, owner: str) -> str | None:
+        """Whose cached prefixes `owner`'s work may start from; None: this engine keeps no prefix cache."""
+        cache = self.store.prefix_cache
+        return cache.scope(owner) if cache is not None else None
+
+    def _count_reuse(self, tokens: int, copied_bytes: int = 0) -> None:
+        """One prompt looked up in the prefix cache: a hit when it gave `tokens` > 0."""
+        if self.store.prefix_cache is None:
+            return
+        self.metrics.prefix_cache_queries.inc()
+        if tokens:
+            self.metrics.prefix_cache_hits.inc()
+            self.metrics.prefix_cache_tokens.inc(tokens)
+            self.metrics.prefix_cache_copied_bytes.inc(copied_bytes)
 
     async def _scored_prefill(self, session: Session, prompt_ids: list[int], top_n: int,
                               abandoned: Abandoned | None) -> list[TokenLogprob]:
@@ -267,22 +287,29 @@ class TargetBackend:
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
+        scope = self._prefix_scope(owner)
         if block is None:
-            steps = self.engine.generate(context, max_new, sampling, processor)
+            steps = self.engine.generate(context, max_new, sampling, processor, scope)
         else:  # the draft shapes its logits with a processor of its own: each follows its own model's rows
             steps = self.engine.speculate(context, max_new, sampling,
-                                          (processor, self._processor(sampling, context[:output_start])), block)
+                                          (processor, self._processor(sampling, context[:output_start])), block,
+                                          scope)
         with self.store.generation(owner, self._whole_pages(len(context) + max_new + (block or 0))):
             self.update_gauges()
             # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
             try:
                 async with contextlib.aclosing(steps):
+                    first = True
                     async for step in steps:
                         self.store.check_kv("forward")
                         self._count_step(step)
+                        if first:
+                            self._count_reuse(step.cached_tokens)
                         stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
                         yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
-                                                  drafted=step.drafted, draft_ms=step.draft_ms)
+                                                  drafted=step.drafted, draft_ms=step.draft_ms,
+                                                  cached_tokens=step.cached_tokens if first else 0)
+                        first = False
                         if stop:
                             return
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
@@ -329,6 +356,7 @@ class TargetBackend:
     def update_gauges(self) -> None:
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
+        self.metrics.prefix_cache_bytes.set(self.store.cached_tokens * self.store.kv_bytes_per_token)
         page = self.engine.kv_bytes_per_page
         if page:  # an engine that keeps its own KV (vllm) reports its cache in its own metrics
             used = -(-self.store.kv_bytes // page)

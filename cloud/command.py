@@ -55,6 +55,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="prompt tokens per forward; a chunk rides along with the waiting verifies")
     p.add_argument("--max-forward-tokens", type=int, default=DEFAULTS.max_forward_tokens,
                    help="tokens per packed forward (verifies plus at most one prefill chunk)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="resident engine: reuse no KV across sessions (by default a prompt starts from the longest "
+                        "prefix of whole KV pages an earlier session of the same edge identity computed)")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="let every edge identity reuse every other's cached prefixes (by default reuse stays within "
+                        "one --auth-tokens identity; without --auth-tokens all edges are one identity)")
     p.add_argument("--edge-max-sessions", type=int, help="sessions per edge (default: --max-sessions)")
     p.add_argument("--edge-kv-budget-mb", type=int, help="KV cache per edge (default: --kv-budget-mb); "
                                                          "eviction takes from the edge using most of its quota first")

@@ -21,13 +21,16 @@ the session in `check_sampling`, before anything is computed; it never approxima
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import torch
 
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from cloud.prefix_cache import PrefixCache
 
 Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the work is skipped
 PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo): [chunk, V] logits at a time
@@ -58,6 +61,7 @@ class ExternalKV:
 
     capacity: int = 0
     granted: int = 0
+    shared_tokens: int = 0  # none of it is the resident prefix cache's (cloud/prefix_cache.py)
     cache_salt: str | None = None  # vllm: keeps the session's prefix-cache blocks its own
 
     def release(self) -> None:
@@ -134,6 +138,7 @@ class GeneratedToken:
     step_ms: float  # the prefill is counted in the first step
     logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when the sampling asked for them (echo)
+    cached_tokens: int = 0  # the first step's: prompt tokens whose KV came from the prefix cache
     drafted = 0  # as a cloud-sd round (cloud/speculation.py) reads: no draft proposed this token
     draft_ms = 0.0
 
@@ -156,6 +161,7 @@ class TargetEngine(Protocol):
     # allocates in; both 0 for an engine that sizes and evicts its own KV cache (vllm).
     kv_bytes_per_token: int
     kv_bytes_per_page: int
+    prefix_cache: PrefixCache | None  # KV reusable across sessions by prefix (resident); None: none of ours
 
     @property
     def queue_depth(self) -> int:
@@ -182,8 +188,9 @@ class TargetEngine(Protocol):
         """Keep the KV of the first `keep` context tokens only."""
 
     def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                 processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
-        """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token)."""
+                 processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
+        """Target-alone decoding of up to `max_new` tokens after `context` (stops after an end-of-sequence token);
+        `prefix_scope`: whose cached prefixes its KV may start from (cloud/prefix_cache.py; None: none)."""
 
     @property
     def draft_spec(self) -> str | None:
@@ -191,6 +198,6 @@ class TargetEngine(Protocol):
 
     def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                   processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                  block: int) -> AsyncIterator[Any]:
+                  block: int, prefix_scope: str | None = None) -> AsyncIterator[Any]:
         """cloud-sd (cloud/speculation.py): rounds of `block` tokens drafted by the cloud's draft and block-verified
         by the target (SpeculatedRound); `processors`: the request's, one for the target's logits, one for the draft's."""

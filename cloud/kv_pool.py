@@ -12,6 +12,11 @@ tables, in one kernel, instead of one call per session per layer; a session grow
 never by copying its past. The pool holds the KV budget plus one forward of slack: the session store
 grants every page before the forward that writes it (cloud/sessions.py), so it does not run out; a
 session that asks for more than is free fails its forward with `KVPoolExhausted`, nothing written.
+
+Pages carry reference counts: a page taken has one (its session's); the prefix cache (cloud/prefix_cache.py)
+holds one on each page it keeps, and every session whose page table starts from a cached prefix holds one on
+each of those pages. A page goes back to the free list when its last holder lets go (`unref`). Sessions only
+ever write past their cached prefix, so a shared page is read-only while shared.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class KVPool:
         self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
         self.values = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
         self._free = list(range(pages - 1, -1, -1))  # a stack: the lowest page first
+        self._refs = [0] * pages  # holders of each page (sessions, the prefix cache); 0: free
         self._lock = threading.Lock()
         log.info("KV pool: %d pages of %d tokens (%.0f MiB) on %s", pages, layout.page_tokens,
                  2 * self.keys.numel() * self.keys.element_size() / (1 << 20), layout.device)
@@ -63,11 +69,31 @@ class KVPool:
             if n > len(self._free):
                 raise KVPoolExhausted(f"the KV pool has {len(self._free)} free pages of {self.pages}; "
                                       f"a session needs {n} more")
-            return [self._free.pop() for _ in range(n)]
+            taken = [self._free.pop() for _ in range(n)]
+            for page in taken:
+                self._refs[page] = 1
+            return taken
 
-    def give_back(self, pages: list[int]) -> None:
+    def ref(self, pages: list[int]) -> None:
+        """One more holder of each of `pages` (all taken)."""
         with self._lock:
-            self._free.extend(reversed(pages))
+            for page in pages:
+                if self._refs[page] < 1:
+                    raise ValueError(f"page {page} is free: only a taken page can be shared")
+                self._refs[page] += 1
+
+    def unref(self, pages: list[int]) -> None:
+        """One holder fewer of each of `pages`; a page nobody holds is free again."""
+        with self._lock:
+            for page in reversed(pages):
+                if self._refs[page] < 1:
+                    raise ValueError(f"page {page} is free already")
+                self._refs[page] -= 1
+                if not self._refs[page]:
+                    self._free.append(page)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
 
 class PagedKV:
@@ -79,6 +105,7 @@ class PagedKV:
         self.pool = pool
         self.layout = pool.layout
         self.pages: list[int] = []  # the page table: entry i lives at slot pages[i // T] * T + i % T
+        self.shared_pages = 0  # of these, pages the prefix cache also holds (charged to it, not to the session)
         self.length = 0
         self.granted = 0  # as ResidentKV.granted: charged to the budget before the forward that takes it
         self.released = False
@@ -118,12 +145,27 @@ class PagedKV:
         page_tokens = self.layout.page_tokens
         return [self.pages[i // page_tokens] * page_tokens + i % page_tokens for i in range(start, stop)]
 
+    def start_from(self, pages: list[int]) -> None:
+        """Begin an empty session with `pages`, a cached prefix of whole pages held with the prefix cache; as many
+        pages it had taken already go back."""
+        if self.length or self.shared_pages:
+            raise ValueError("a cached prefix can only start an empty session")
+        self.pool.ref(pages)
+        replaced, self.pages = self.pages[:len(pages)], list(pages) + self.pages[len(pages):]
+        self.pool.unref(replaced)
+        self.length, self.shared_pages = len(pages) * self.layout.page_tokens, len(pages)
+
+    @property
+    def shared_tokens(self) -> int:
+        return self.shared_pages * self.layout.page_tokens
+
     def release(self) -> None:
-        """Give every page back to the pool, once (the session is gone), or when the forward using them ends."""
+        """Let go of every page, once (the session is gone), or when the forward using them ends; a page the
+        prefix cache or another session holds stays taken."""
         self.released = True
         if not self.in_forward and not self._pages_returned:
             self._pages_returned = True
-            self.pool.give_back(self.pages)
+            self.pool.unref(self.pages)
 
     def end_forward(self) -> None:
         self.in_forward = False

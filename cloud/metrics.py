@@ -62,6 +62,21 @@ class CloudMetrics:
                                                 registry=r)
         self.engine_cache_bypasses = Counter("sprinter_cloud_engine_cache_bypasses",
                                              "Verifies re-run with the prefix cache skipped", registry=r)
+        # The resident engine's prefix cache (cloud/prefix_cache.py): prompts looked up (session opens, Generates),
+        # those that found a cached prefix, the prompt tokens it gave (not prefilled), blocks evicted for room, the
+        # bytes it holds (charged to the KV budget once each), and bytes copied into sessions (per-session layout).
+        self.prefix_cache_queries = Counter("sprinter_cloud_prefix_cache_queries", "Prompts looked up in the prefix "
+                                            "cache (session opens and Generate calls)", registry=r)
+        self.prefix_cache_hits = Counter("sprinter_cloud_prefix_cache_hits", "Prompts that started from a cached "
+                                         "prefix", registry=r)
+        self.prefix_cache_tokens = Counter("sprinter_cloud_prefix_cache_cached_tokens", "Prompt tokens whose KV came "
+                                           "from the prefix cache (not prefilled)", registry=r)
+        self.prefix_cache_evictions = Counter("sprinter_cloud_prefix_cache_evicted_blocks", "Cached KV blocks no "
+                                              "session held, evicted for room (least recently used first)", registry=r)
+        self.prefix_cache_bytes = Gauge("sprinter_cloud_prefix_cache_bytes", "KV held by the prefix cache (within "
+                                        "the KV budget)", registry=r)
+        self.prefix_cache_copied_bytes = Counter("sprinter_cloud_prefix_cache_copied_bytes", "Cached KV bytes copied "
+                                                 "into new sessions (per-session attention)", registry=r)
         self.residual_queries = Counter("sprinter_cloud_residual_queries", "Residual queries sent (candidates, full) "
                                         "and verifies abandoned while one was out (abandoned)", ["kind"], registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)

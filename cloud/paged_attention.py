@@ -7,8 +7,9 @@ Shapes (N new tokens in the packed row; S = P * T slots, P the pages up to the h
 
 The block mask is the sessions' page tables: query rows go in blocks of Q_BLOCK, and each block lists
 the pages of the sessions its rows belong to (a kv block is a page). Within those, `mask_mod` keeps
-slot s for query q when s's page is q's session's and s's position there is at most q's position: a
-session sees its own past and the causal part of its block, nothing of any other session's. No
+slot s for query q when s's page is in q's session's page table and s's position there is at most q's
+position: a session sees its own past (pages it shares with others included) and the causal part of its
+block, nothing else of any other session's. No
 past entry is copied and no page outside a block's sessions is read. On CUDA flex_attention is
 compiled into one fused kernel; on the CPU it runs unfused (per-session attention, the CPU default,
 is faster there: cloud/packed_forward.py).
@@ -68,14 +69,20 @@ class PagedPlan:
     pool: KVPool
     n_tokens: int
     span: int  # P: pages 0 .. P-1 hold every page this forward reads (pages are taken lowest first)
+    sessions: int  # R: sessions in the forward
     q_blocks: int
     width: int  # kv blocks listed per query block (the most any block has)
-    host: torch.Tensor  # int64, on the host: slots [N], q_session [N], page_owner [P], page_index [P],
-    #                     kv_num_blocks [B], kv_indices [B, W]
+    host: torch.Tensor  # int64, on the host: slots [N], q_session [N], page_index [R, P], kv_num_blocks [B],
+    #                     kv_indices [B, W]
 
     @classmethod
     def of(cls, caches: list[PagedKV], new_tokens: list[list[int]], fused: bool) -> PagedPlan:
         """After every cache reserved its new entries (their pages are taken), before their lengths move.
+
+        `page_index[r, p]` is page p's index in session r's page table, or -1: a page is read through each
+        session's own table, so two sessions that share a page (a cached prefix, cloud/prefix_cache.py) in one
+        forward each see it at its place in their own past. A query block lists a page shared by its sessions
+        once (a page listed twice would be attended twice).
 
         `fused`: the mask spans the whole pool and lists up to every page per block, so the compiled kernel
         sees the same key length and mask width in every forward; the fused kernel reads only the listed
@@ -86,36 +93,38 @@ class PagedPlan:
         slots = [slot for cache, tokens in zip(caches, new_tokens)
                  for slot in cache.slots(cache.length, cache.length + len(tokens))]
         q_session = [i for i, tokens in enumerate(new_tokens) for _ in tokens]
-        block_pages = [[page for s in dict.fromkeys(q_session[start:start + Q_BLOCK]) for page in read[s]]
+        block_pages = [list(dict.fromkeys(page for s in dict.fromkeys(q_session[start:start + Q_BLOCK])
+                                          for page in read[s]))
                        for start in range(0, len(q_session), Q_BLOCK)]
         width = span if fused else max(len(pages) for pages in block_pages)
         # Tensors, not lists, where the size is the pool's: a fused plan's cost grows with the pages read only.
-        tables = torch.zeros(2 * span + len(block_pages) * (1 + width), dtype=torch.long)
-        page_owner, page_index = tables[:span], tables[span:2 * span]
-        kv_num_blocks = tables[2 * span:2 * span + len(block_pages)]
-        kv_indices = tables[2 * span + len(block_pages):].view(len(block_pages), width)
-        page_owner.fill_(-1)
-        read_pages = torch.tensor([page for pages in read for page in pages])
-        page_owner[read_pages] = torch.tensor([i for i, pages in enumerate(read) for _ in pages])
-        page_index[read_pages] = torch.tensor([j for pages in read for j in range(len(pages))])
+        sessions = len(caches)
+        tables = torch.zeros(sessions * span + len(block_pages) * (1 + width), dtype=torch.long)
+        page_index = tables[:sessions * span]
+        kv_num_blocks = tables[sessions * span:sessions * span + len(block_pages)]
+        kv_indices = tables[sessions * span + len(block_pages):].view(len(block_pages), width)
+        page_index.fill_(-1)
+        entries = torch.tensor([r * span + page for r, pages in enumerate(read) for page in pages])
+        page_index[entries] = torch.tensor([j for pages in read for j in range(len(pages))])
         for b, pages in enumerate(block_pages):
             kv_num_blocks[b] = len(pages)
             kv_indices[b, :len(pages)] = torch.tensor(pages)
         host = torch.cat([torch.tensor(slots + q_session), tables])
-        return cls(pool, len(slots), span, len(block_pages), width, host)
+        return cls(pool, len(slots), span, sessions, len(block_pages), width, host)
 
     def on_device(self, packed: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
         """`packed`: this plan's ints on the device; `positions` [N]: each new token's position in its session."""
         n, pages, blocks, page_tokens = self.n_tokens, self.span, self.q_blocks, self.pool.layout.page_tokens
         slots, q_session = packed[:n], packed[n:2 * n]
-        page_owner, page_index = packed[2 * n:2 * n + pages], packed[2 * n + pages:2 * n + 2 * pages]
-        rest = packed[2 * n + 2 * pages:]
+        table_end = 2 * n + self.sessions * pages
+        page_index = packed[2 * n:table_end]
+        rest = packed[table_end:]
         kv_num_blocks = rest[:blocks].to(torch.int32).view(1, 1, blocks)
         kv_indices = rest[blocks:].to(torch.int32).view(1, 1, blocks, self.width)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            page = kv // page_tokens
-            return (page_owner[page] == q_session[q]) & (page_index[page] * page_tokens + kv % page_tokens <= positions[q])
+            index = page_index[q_session[q] * pages + kv // page_tokens]  # -1: not a page of q's session
+            return (index >= 0) & (index * page_tokens + kv % page_tokens <= positions[q])
 
         block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, page_tokens),
                                               mask_mod=mask_mod, seq_lengths=(n, pages * page_tokens),

@@ -7,6 +7,10 @@ one packed, unpadded forward with continuous batching and prefill chunks (cloud/
 session store charges every page to the KV budget (cloud/sessions.py). With a draft (`--draft`) it
 also speculates by itself, for mode cloud-sd (cloud/speculation.py): the draft's steps go through a
 batcher of their own; its per-generation KV is the draft's, apart from the target's budget.
+
+With a prefix cache (cloud/prefix_cache.py) a Generate's target KV starts from the longest cached prefix of its
+prompt and its whole pages are cached when it ends; the cloud's draft prefills the whole prompt (its KV is per
+generation).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from cloud.batcher import Batcher
 from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo, TargetRows, scored_prefill
 from cloud.kv_pool import KVPool, PagedKV
+from cloud.prefix_cache import PrefixCache, Reuse, reusing
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.speculation import CloudSpeculation, DraftEngine, SpeculatedRound
@@ -44,6 +49,7 @@ class ResidentEngine:
     kv_layout: KVLayout
     kv_pool: KVPool | None = None  # paged: every session's pages; None: each session's own buffers
     draft: DraftEngine | None = None  # the cloud's own draft (`--draft`): cloud-sd
+    prefix_cache: PrefixCache | None = None  # KV reusable across sessions by prefix; the session store charges it
     name: str = "resident"
 
     def __post_init__(self) -> None:
@@ -69,7 +75,8 @@ class ResidentEngine:
         Generate's, one a forward under way still holds)."""
         if self.kv_pool is not None:
             return (self.kv_pool.pages - self.kv_pool.free_pages) * self.kv_layout.bytes_per_page
-        return sum(cache.keys.nbytes + cache.values.nbytes for cache in list(self._caches))
+        cached = self.prefix_cache.nbytes() if self.prefix_cache is not None else 0
+        return cached + sum(cache.keys.nbytes + cache.values.nbytes for cache in list(self._caches))
 
     def warm_up(self) -> None:
         """Run the forward's shapes once before serving (on CUDA this compiles paged attention); refuses to start,
@@ -87,19 +94,27 @@ class ResidentEngine:
             for cache in caches:
                 cache.release()
 
-    async def _prefill(self, cache: ResidentKV | PagedKV, context: list[int],
-                       top_n: int | None) -> tuple[TokenLogprob, ...]:
-        """The prompt but its last token into `cache`, apart from verify batches, like a session's; with `top_n`
-        (echo) chunk by chunk, each chunk's rows scoring the next prompt tokens."""
+    async def _prefill(self, cache: ResidentKV | PagedKV, context: list[int], top_n: int | None,
+                       scope: str | None) -> tuple[tuple[TokenLogprob, ...], Reuse]:
+        """The prompt but its last token into `cache`, apart from verify batches, like a session's, from its longest
+        cached prefix in `scope`; with `top_n` (echo) chunk by chunk, each chunk's rows scoring the next prompt
+        tokens (every row is read: nothing is reused)."""
         if len(context) < 2:
-            return ()
+            return (), Reuse()
         if top_n is None:
-            await self.batcher.prefill(cache, context[:-1])
-            return ()
+            async with reusing(self.prefix_cache, cache, scope, context[:-1]) as reuse:
+                await self.batcher.prefill(cache, context[reuse.tokens:-1])
+            return (), reuse
+
         async def forward(chunk: list[int]) -> TargetRows:
             return (await self.batcher.forward(cache, chunk, n_logits=len(chunk))).rows
 
-        return tuple(await scored_prefill(forward, context, top_n))
+        return tuple(await scored_prefill(forward, context, top_n)), Reuse()
+
+    def _remember(self, cache: ResidentKV | PagedKV, scope: str | None, context: list[int]) -> None:
+        """A generation's whole pages into the prefix cache as it ends (prompt and output: a conversation's next turn)."""
+        if self.prefix_cache is not None and scope is not None:
+            self.prefix_cache.remember(cache, scope, context)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: the forward returns full-vocabulary logits."""
@@ -116,16 +131,16 @@ class ResidentEngine:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
+                       processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py);
-        `processor`: the request's grammar, bias and penalties."""
+        `processor`: the request's grammar, bias and penalties; `prefix_scope`: whose cached prefixes it may reuse."""
         generator = torch.Generator().manual_seed(sampling.seed)
         context = list(context)  # grows by each token: the penalties count it
         cache = self.new_session_kv()
         try:
             cache.reserve(len(context) + max_new)
             started = time.perf_counter()
-            prompt_logprobs = await self._prefill(cache, context, sampling.prompt_logprobs)
+            prompt_logprobs, reuse = await self._prefill(cache, context, sampling.prompt_logprobs, prefix_scope)
             prefill_ms = (time.perf_counter() - started) * 1e3
             new_tokens = context[-1:]
             for _ in range(max_new):
@@ -133,11 +148,13 @@ class ResidentEngine:
                 token = result.rows.shaped(processor, context, []).next_token(sampling, generator)
                 logprob = next(iter(result.rows.logprobs(sampling, [token])), None)
                 context.append(token)
-                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob, prompt_logprobs)
+                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob, prompt_logprobs,
+                                     reuse.tokens)
                 if token in self.info.eos_token_ids:
                     return
-                new_tokens, prefill_ms, prompt_logprobs = [token], 0.0, ()
+                new_tokens, prefill_ms, prompt_logprobs, reuse = [token], 0.0, (), Reuse()
         finally:
+            self._remember(cache, prefix_scope, context)
             cache.release()
 
     @property
@@ -146,7 +163,7 @@ class ResidentEngine:
 
     async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                         processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                        block: int) -> AsyncIterator[SpeculatedRound]:
+                        block: int, prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
         """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
         counting the prefills and bringing the prompt's logprobs when asked (echo)."""
         if self.draft is None:
@@ -156,7 +173,7 @@ class ResidentEngine:
         try:
             target_cache.reserve(room)
             started = time.perf_counter()
-            prompt_logprobs = await self._prefill(target_cache, context, sampling.prompt_logprobs)
+            prompt_logprobs, reuse = await self._prefill(target_cache, context, sampling.prompt_logprobs, prefix_scope)
             if len(context) > 1:
                 await self.draft.batcher.prefill(draft_cache, context[:-1])
             prefill_ms = (time.perf_counter() - started) * 1e3
@@ -169,8 +186,11 @@ class ResidentEngine:
 
             async with contextlib.aclosing(speculation.rounds(context, max_new, block, target_forward)) as rounds:
                 async for speculated in rounds:
-                    yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs)
-                    prefill_ms, prompt_logprobs = 0.0, ()
+                    yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs,
+                                  cached_tokens=reuse.tokens)
+                    prefill_ms, prompt_logprobs, reuse = 0.0, (), Reuse()
+                    context = context + speculated.tokens
         finally:
+            self._remember(target_cache, prefix_scope, context)
             target_cache.release()
             draft_cache.release()

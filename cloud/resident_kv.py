@@ -65,6 +65,8 @@ class KVLayout:
 class ResidentKV:
     """One session's KV: written in place by the packed forward, rolled back by moving `length`."""
 
+    shared_tokens = 0  # its buffers are its own: a cached prefix is copied in (`start_from`), never shared
+
     def __init__(self, layout: KVLayout, reserve_tokens: int = 0) -> None:
         self.layout = layout
         self.length = 0
@@ -114,6 +116,24 @@ class ResidentKV:
         copied = self.length * self.layout.bytes_per_token
         self.copied_bytes += copied
         return copied
+
+    def start_from(self, pages: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Begin an empty session with a cached prefix: copies each page's (keys, values) [layers, kv_heads, T,
+        head_dim] into the buffers, within the granted capacity; returns the bytes copied."""
+        if self.length:
+            raise ValueError("a cached prefix can only start an empty session")
+        page_tokens = self.layout.page_tokens
+        self.reserve(len(pages) * page_tokens)
+        for i, (keys, values) in enumerate(pages):
+            self.keys[:, :, i * page_tokens:(i + 1) * page_tokens] = keys
+            self.values[:, :, i * page_tokens:(i + 1) * page_tokens] = values
+        self.length = len(pages) * page_tokens
+        return self.length * self.layout.bytes_per_token
+
+    def page(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of page `index` of the entries (keys, values), for the prefix cache."""
+        span = slice(index * self.layout.page_tokens, (index + 1) * self.layout.page_tokens)
+        return self.keys[:, :, span].clone(), self.values[:, :, span].clone()
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` entries (a rejected block's positions are simply overwritten later)."""

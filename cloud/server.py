@@ -32,6 +32,7 @@ from cloud.service import TargetServicer
 from cloud.sessions import KVInvariant, SessionLimits, SessionStore
 from cloud.resident_engine import ResidentEngine
 from cloud.kv_pool import KVPool
+from cloud.prefix_cache import PrefixCache
 from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout
 from cloud.speculation import DraftEngine
@@ -149,7 +150,7 @@ class CloudServer:
                 SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas,
                               settings.evict_grace_s),
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
-                invariant=invariant,
+                invariant=invariant, prefix_cache=engine.prefix_cache,
             )
             backend = TargetBackend(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries))
@@ -199,7 +200,10 @@ class CloudServer:
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher, \
                 self._draft_engine(target, batcher) as draft:
-            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft)
+            prefix_cache = (PrefixCache(kv_layout, kv_pool, settings.share_prefix_cache,
+                                        on_evict=self.metrics.prefix_cache_evictions.inc)
+                            if settings.prefix_cache else None)
+            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft, prefix_cache)
             log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
                 await asyncio.to_thread(engine.warm_up)

@@ -105,7 +105,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             first, first_logprob = await asyncio.shield(backend.first_token(session, abandoned))
                         prompt_logprobs, session.prompt_logprobs = ([] if resumed else session.prompt_logprobs), []
                         yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
-                                                first, first_logprob, prompt_logprobs)
+                                                first, first_logprob, prompt_logprobs,
+                                                0 if resumed else session.reused_tokens)
                     elif kind == "verify":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")

@@ -8,10 +8,12 @@ retry hint and waits its turn, rather than sessions evicting each other on every
 eviction a prefill). An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
 with its full context, so eviction costs a prefill, never correctness.
 
-KV is counted in the pages a session holds or has been granted (at least its context), and a
-Generate's prompt plus its new tokens; an open is charged for its whole prompt before its prefill
+KV is counted in the pages a session holds or has been granted (at least its context) beside the
+prefix cache's, the cache's blocks once each however many sessions read them (cloud/prefix_cache.py),
+and a Generate's prompt plus its new tokens; an open is charged for its whole prompt before its prefill
 runs, and every forward's growth is granted before it runs (`grant_kv`), so the budget is never
-exceeded while forwards are in flight.
+exceeded while forwards are in flight. Room is made from the prefix cache's idle blocks first, least
+recently used, and only then by evicting sessions.
 
 That is checked, not assumed: `check_kv` compares the KV the engine measures (the bytes of its live
 KV tensors, or the pool's pages taken; not this ledger) with the budget after every grant, forward
@@ -36,6 +38,7 @@ import torch
 from cloud.errors import CloudError, exhausted
 from cloud.engine import ExternalKV
 from cloud.kv_pool import PagedKV
+from cloud.prefix_cache import PrefixCache
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.errors import SprinterError
@@ -58,6 +61,7 @@ class Session:
     sampling: SamplingParams
     generator: torch.Generator
     cached_tokens: int = 0
+    reused_tokens: int = 0  # of the prompt, tokens whose KV came from the prefix cache (usage.cached_tokens)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a prefill or verify is in flight: never evicted under it
     # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow
@@ -72,9 +76,14 @@ class Session:
         return len(self.tokens)
 
     @property
-    def kv_tokens(self) -> int:
-        """KV entries charged to the budget: its allocated or granted pages, or its context if larger."""
+    def held_tokens(self) -> int:
+        """KV entries it holds: its allocated or granted pages, or its context if larger."""
         return max(self.length, self.cache.capacity, self.cache.granted)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV entries charged to it: those it holds but the prefix cache's pages (charged to the cache)."""
+        return self.held_tokens - self.cache.shared_tokens
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -108,8 +117,12 @@ class KVInvariant:
 
 class SessionStore:
     def __init__(self, limits: SessionLimits, kv_bytes_per_token: int,
-                 on_evict: Callable[[Session], None] | None = None, invariant: KVInvariant | None = None) -> None:
+                 on_evict: Callable[[Session], None] | None = None, invariant: KVInvariant | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.limits = limits
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.room = self._cache_room
         self.edge = limits.edge
         self.kv_bytes_per_token = kv_bytes_per_token
         self.on_evict = on_evict
@@ -124,7 +137,20 @@ class SessionStore:
     @property
     def kv_bytes(self) -> int:
         tokens = sum(s.kv_tokens for s in self._sessions.values()) + sum(n for _, n in self._generations.values())
-        return tokens * self.kv_bytes_per_token
+        return (tokens + self.cached_tokens) * self.kv_bytes_per_token
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prefix cache's blocks, each once."""
+        return self.prefix_cache.tokens if self.prefix_cache is not None else 0
+
+    def _cache_room(self, tokens: int) -> bool:
+        """Room in the budget for `tokens` more cached tokens, made from idle cached blocks only."""
+        needed = tokens * self.kv_bytes_per_token
+        while self.kv_bytes + needed > self.limits.kv_budget_bytes:
+            if not self.prefix_cache.evict_one():
+                return False
+        return True
 
     def owner_kv_bytes(self, owner: str) -> int:
         tokens = (sum(s.kv_tokens for s in self._sessions.values() if s.owner == owner)
@@ -175,10 +201,16 @@ class SessionStore:
     def contains(self, session_id: str) -> bool:
         return session_id in self._sessions
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, remember: bool = True) -> None:
+        """Forget the session; with `remember` its whole pages go to the prefix cache first (a conversation's next
+        turn starts from them), as far as the budget has room for a copy (per-session layout)."""
         session = self._sessions.pop(session_id, None)
-        if session is not None:
-            session.cache.release()
+        if session is None:
+            return
+        if remember and self.prefix_cache is not None and isinstance(session.cache, (ResidentKV, PagedKV)):
+            self.prefix_cache.remember(session.cache, self.prefix_cache.scope(session.owner),
+                                       session.tokens[:session.cached_tokens])
+        session.cache.release()
 
     def grant_kv(self, session: Session, tokens: int, headroom_pages: int = 0) -> None:
         """Charge `session` for `tokens` KV entries before the forward that writes them runs, so the budget
@@ -192,15 +224,17 @@ class SessionStore:
         page = cache.layout.page_tokens
         needed = cache.layout.pages(tokens) * page
         roomy = cache.capacity_for(tokens, headroom_pages * page)
-        charged = session.kv_tokens
+        charged = session.held_tokens  # the cache's pages among them are charged to it: room for them is there
         self._make_kv_room((needed - charged) * self.kv_bytes_per_token)
         free_tokens = (self.limits.kv_budget_bytes - self.kv_bytes) // self.kv_bytes_per_token
         cache.granted = max(needed, min(roomy, (charged + free_tokens) // page * page))
         self.check_kv("grant")
 
     def enforce_budget(self, protect: Session | None = None) -> None:
-        """Evict idle sessions, fair share first, until the KV fits the budget; `protect` is never evicted."""
-        while self.kv_bytes > self.limits.kv_budget_bytes and self._evict(self._kv_share, "KV budget", protect):
+        """Evict idle cached blocks, then idle sessions (fair share first), until the KV fits the budget; `protect` is
+        never evicted."""
+        while self.kv_bytes > self.limits.kv_budget_bytes and (self._evict_cached() or
+                                                               self._evict(self._kv_share, "KV budget", protect)):
             pass
         self.check_kv("eviction")
 
@@ -243,10 +277,14 @@ class SessionStore:
 
     def _make_kv_room(self, needed: int) -> None:
         while self.kv_bytes + needed > self.limits.kv_budget_bytes:
-            if not self._evict(self._kv_share, "KV budget", admitting=True):
+            if not self._evict_cached() and not self._evict(self._kv_share, "KV budget", admitting=True):
                 raise exhausted(f"the KV cache budget is held by sessions that are busy right now "
                                 f"({self.kv_bytes >> 10} of {self.limits.kv_budget_bytes >> 10} KiB, "
                                 f"{needed >> 10} KiB needed); retry shortly", BUSY_RETRY_MS)
+
+    def _evict_cached(self) -> bool:
+        """Drop the least recently used cached block no session holds: before any session is touched."""
+        return self.prefix_cache is not None and self.prefix_cache.evict_one()
 
     def _kv_share(self, owner: str) -> float:
         return self.owner_kv_bytes(owner) / self.edge.kv_budget_bytes
@@ -264,7 +302,7 @@ class SessionStore:
         if victim is None:
             return False
         log.info("evicting session %s of edge %s (%s)", victim.session_id, victim.owner, reason)
-        self.close(victim.session_id)
+        self.close(victim.session_id, remember=False)  # evicted for room: caching it would take the room back
         if self.on_evict:
             self.on_evict(victim)
         return True

@@ -53,6 +53,9 @@ class CloudSettings:
     max_batch: int = 8
     max_prefill_chunk: int = 256  # prompt tokens per forward; a chunk rides along with the waiting verifies
     max_forward_tokens: int = 1024  # tokens per packed forward (verifies plus at most one prefill chunk)
+    # cloud/prefix_cache.py: KV reused across sessions by prompt prefix, within one edge identity unless shared
+    prefix_cache: bool = True
+    share_prefix_cache: bool = False
     # Per-edge quotas (an edge is an authenticated identity). None: the global limit. Whatever they are,
     # eviction takes from the edge using the largest share first, so one edge cannot evict the others.
     edge_max_sessions: int | None = None
@@ -142,6 +145,7 @@ class CloudSettings:
                 "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
                 "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
                 "attention": "--attention (vLLM has its own attention backends)",
+                "share_prefix_cache": "--share-prefix-cache (vLLM keeps each session's cache blocks its own)",
             }
         else:
             resident_only = {

@@ -52,6 +52,7 @@ class SpeculatedRound:
     draft_ms: float  # of which drafting
     logprobs: tuple[TokenLogprob, ...] = ()  # the target's, of `tokens`, when the sampling asks
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first round's, when the sampling asks (echo)
+    cached_tokens: int = 0  # the first round's: prompt tokens whose target KV came from the prefix cache
 
 
 @dataclass

@@ -119,6 +119,7 @@ class VllmEngine:
     """`TargetEngine` over an `AsyncLLM`: `VllmEngine.start` loads the target, `shutdown` ends vLLM's processes."""
 
     name = "vllm"
+    prefix_cache = None  # vLLM caches prefixes by itself (per session: cache_salt)
     kv_bytes_per_token = 0  # vLLM sizes and evicts its own cache (--kv-budget-mb sets its size)
     kv_bytes_per_page = 0
 
@@ -160,7 +161,7 @@ class VllmEngine:
 
     async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                         processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                        block: int) -> AsyncIterator[GeneratedToken]:
+                        block: int, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """cloud-sd on vLLM: its own draft-model speculative decoding (configured at start: `--draft`,
         `--draft-block`), so the tokens come as vLLM's Generate gives them."""
         if block != self.options.draft_block:
@@ -244,8 +245,9 @@ class VllmEngine:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       processor: LogitsProcessor | None) -> AsyncIterator[GeneratedToken]:
-        """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's)."""
+                       processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
+        """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's);
+        `prefix_scope` is the resident engine's (vLLM caches by its own per-request salt)."""
         from vllm.sampling_params import RequestOutputKind
 
         if sampling.grammar is not None:

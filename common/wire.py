@@ -240,12 +240,24 @@ def logprobs_from_proto(entries: Sequence[pb.TokenLogprobs], tokens: Sequence[in
 
 def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
                  first_token: int | None = None, first_token_logprob: TokenLogprob | None = None,
-                 prompt_logprobs: Sequence[TokenLogprob] = ()) -> pb.CloudFrame:
+                 prompt_logprobs: Sequence[TokenLogprob] = (), cached_tokens: int = 0) -> pb.CloudFrame:
+    """`cached_tokens`: prompt tokens whose KV came from the cloud's prefix cache."""
     logprobs = logprobs_to_proto([first_token_logprob])[0] if first_token_logprob is not None else None
     return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
                                                  limits=limits, resumed=resumed, first_token=first_token,
                                                  first_token_logprobs=logprobs,
-                                                 prompt_logprobs=logprobs_to_proto(prompt_logprobs)))
+                                                 prompt_logprobs=logprobs_to_proto(prompt_logprobs),
+                                                 cached_tokens=cached_tokens))
+
+
+def opened_cached_tokens(opened: pb.SessionOpened) -> int:
+    """Prompt tokens the cloud served from its prefix cache (0 from a cloud that keeps none)."""
+    return opened.cached_tokens
+
+
+def chunk_cached_tokens(chunk: pb.GenerateChunk) -> int:
+    """A Generate's prompt tokens served from the cloud's prefix cache (its first chunk says; 0 on the others)."""
+    return chunk.cached_tokens
 
 
 def opened_limits(opened: pb.SessionOpened) -> CloudLimits | None:
@@ -337,9 +349,11 @@ def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_ne
 
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
                    logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = (),
-                   drafted: int = 0, draft_ms: float = 0.0) -> pb.GenerateChunk:
+                   drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0) -> pb.GenerateChunk:
     """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk.
-    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took."""
+    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took;
+    `cached_tokens` (first chunk): prompt tokens whose KV came from the cloud's prefix cache."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
                             finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
-                            prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms)
+                            prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms,
+                            cached_tokens=cached_tokens)
