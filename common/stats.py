@@ -38,6 +38,7 @@ class DecodeStats:
     uplink_bytes: int = 0  # verify frames and candidates the edge wrote
     downlink_bytes: int = 0  # session frames the edge read (opens, verdicts: logprobs make them longer)
     residual_queries: int = 0  # the cloud's residual queries answered (draft_dists on-rejection): extra round trips
+    cached_tokens: int = 0  # prompt tokens the cloud took from its prefix cache instead of prefilling them
 
     @property
     def ahead_hit_rate(self) -> float | None:
@@ -89,6 +90,7 @@ class StatsRecorder:
     uplink_bytes: int = 0
     downlink_bytes: int = 0
     residual_queries: int = 0
+    cached_tokens: int = 0
 
     def emitted(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -137,6 +139,7 @@ class StatsRecorder:
             ahead_off_rounds=self.ahead_off_rounds,
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
             downlink_bytes=self.downlink_bytes, residual_queries=self.residual_queries,
+            cached_tokens=self.cached_tokens,
         )
 
 

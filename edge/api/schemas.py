@@ -233,7 +233,7 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     extension = {"mode": s.mode, "policy": s.policy, "pipeline": s.pipeline, "target_calls": s.target_calls,
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
                  "degraded": result.degraded, "degraded_reason": result.degraded_reason, "verifier": result.verifier, "token_ids": result.token_ids,
-                 "stats": s.to_dict()}
+                 "cached_tokens": s.cached_tokens, "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction
@@ -243,11 +243,15 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     return extension
 
 
-def usage(prompt_tokens: int, results: list[EdgeResult]) -> dict[str, int]:
-    """OpenAI's usage of a request: its prompt once, the completion tokens of all its choices."""
+def usage(prompt_tokens: int, results: list[EdgeResult]) -> dict[str, Any]:
+    """OpenAI's usage of a request: its prompt once, the completion tokens of all its choices, and the prompt
+    tokens the cloud had cached before the request (the fewest any choice found: the first of `n` choices may
+    compute what the others then reuse; each choice's own count is in its `sprinter.stats.cached_tokens`)."""
     completion_tokens = sum(len(result.token_ids) for result in results)
+    cached_tokens = min((result.stats.cached_tokens for result in results), default=0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion(request_id: str, created: int, model: str, chat: bool, results: list[EdgeResult],

@@ -119,6 +119,11 @@ class CloudVerifier:
         return self.session.stream.downlink_bytes
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the cloud served from its prefix cache when the session first opened."""
+        return self.session.cached_tokens
+
+    @property
     def prompt_logprobs(self) -> list[TokenLogprob] | None:
         """The target's logprobs of prompt tokens 2..n from the session's first open, when the sampling asked."""
         return self.session.prompt_logprobs

@@ -93,6 +93,7 @@ class CloudSession:
         self.abandoned: tuple[CloudClient, str] | None = None  # a session left behind on a broken stream
         self.avoid: set[str] = set()  # replicas this session should not go back to if it has a choice
         self.opens = 0
+        self.cached_tokens = 0  # prompt tokens the cloud served from its prefix cache at the first open
 
     def open_ahead(self, prompt_ids: list[int], first_token: bool = False) -> None:
         """Open the session with the prompt now (edge/cloud_link/opening.py); with `first_token` the cloud also
@@ -140,6 +141,7 @@ class CloudSession:
         self.early.first_logprob = wire.opened_first_logprob(answer.opened)
         if self.opens == 0:
             self.prompt_logprobs = wire.logprobs_from_proto(answer.opened.prompt_logprobs, context[1:])
+            self.cached_tokens = wire.opened_cached_tokens(answer.opened)
         self.opens += 1
 
     @property

@@ -283,6 +283,7 @@ class EdgeDecoder:
                     generation.recorder.target_calls += len(chunk.token_ids)
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))
+                generation.recorder.cached_tokens += wire.chunk_cached_tokens(chunk)
                 if chunk.prompt_logprobs:
                     use.prompt_logprobs = wire.logprobs_from_proto(chunk.prompt_logprobs, generation.prompt_ids[1:])
                 finish = chunk.finish_reason or None  # empty from a cloud that predates the field
@@ -319,6 +320,7 @@ class EdgeDecoder:
                 generation.recorder.uplink_bytes = backend.uplink_bytes
                 generation.recorder.downlink_bytes = backend.downlink_bytes
                 generation.recorder.residual_queries = backend.residual_queries
+                generation.recorder.cached_tokens = backend.cached_tokens
                 use.prompt_logprobs = use.prompt_logprobs or backend.prompt_logprobs
                 await backend.close()
 
