@@ -3,7 +3,9 @@
 
 Random programs of open / verify (with rejections, so rollbacks) / first token / close / idle expiry /
 Generate run against the real backend, session store and resident engine (both layouts, tiny model) with a
-budget of a few pages, so admission refusals and evictions happen all the time. The store checks at every
+budget of a few pages, so admission refusals and evictions happen all the time. With the prefix cache, prompts
+share prefixes (of two edges), so cached blocks, the live sessions that share them, their eviction and
+Generates starting from them mix in every program. The store checks at every
 grant, forward and eviction in strict mode (it raises); the test also checks after every step.
 """
 
@@ -23,6 +25,7 @@ from cloud.errors import CloudError
 from cloud.frames import ServiceLimits
 from cloud.kv_pool import KVPool
 from cloud.metrics import CloudMetrics
+from cloud.prefix_cache import PrefixCache
 from cloud.resident_engine import ResidentEngine
 from cloud.resident_kv import KVLayout
 from cloud.sessions import KVBudgetExceeded, KVInvariant, SessionLimits, SessionStore
@@ -34,18 +37,19 @@ OPS = st.lists(st.tuples(st.sampled_from(["open", "verify", "verify", "verify", 
                          st.integers(0, 2 ** 16)), min_size=5, max_size=40)
 
 
-async def _program(target, paged: bool, ops: list[tuple[str, int]]) -> int:
+async def _program(target, paged: bool, cached: bool, ops: list[tuple[str, int]]) -> int:
     model = target.model
     layout = KVLayout.of(model, page_tokens=PAGE, max_tokens=BUDGET_PAGES * PAGE)
     budget = BUDGET_PAGES * layout.bytes_per_page
     pool = KVPool(layout, budget, slack_tokens=4 * PAGE) if paged else None
+    prefix_cache = PrefixCache(layout, pool) if cached else None
     async with Batcher(model, max_batch=4) as batcher:
-        engine = ResidentEngine(target, batcher, layout, pool)
+        engine = ResidentEngine(target, batcher, layout, pool, prefix_cache=prefix_cache)
         breaches = []
         store = SessionStore(SessionLimits(max_sessions=5, kv_budget_bytes=budget, idle_timeout_s=1000),
                              layout.bytes_per_token,
                              invariant=KVInvariant(engine.kv_bytes_in_use, lambda used, where: breaches.append(where),
-                                                   strict=True))
+                                                   strict=True), prefix_cache=prefix_cache)
         backend = TargetBackend(engine, ServiceLimits(max_block=6, max_context=BUDGET_PAGES * PAGE - 8), store,
                                 CloudMetrics())
         sessions, refusals = [], 0
@@ -60,17 +64,32 @@ async def _program(target, paged: bool, ops: list[tuple[str, int]]) -> int:
         assert not breaches
         for session in list(sessions):
             backend.close(session)
+        if prefix_cache is not None:
+            prefix_cache.clear()
+            assert not prefix_cache.blocks  # no session holds a cached block any more
         if pool is not None:  # every page came back
             assert pool.free_pages == pool.pages
         return refusals
 
 
+SHARED_PREFIXES = [[(7 * i + 3 * j) % 200 for j in range(4 * PAGE)] for i in range(2)]
+
+
+def _prompt(rng: random.Random, vocab: int, most: int) -> list[int]:
+    """Random tokens, or (most often) a cut of one of two shared prefixes with a random tail."""
+    tail = [rng.randrange(vocab) for _ in range(rng.randint(1, most))]
+    if rng.random() < 0.3:
+        return tail
+    return (rng.choice(SHARED_PREFIXES)[:rng.randint(0, 4 * PAGE)] + tail)[:most]
+
+
 async def _step(backend: TargetBackend, sessions: list, op: str, rng: random.Random, vocab: int) -> None:
     live = [s for s in sessions if backend.store.contains(s.session_id)]
     sessions[:] = live
+    owner = rng.choice(["edge", "edge", "other"])
     if op == "open" or not live and op in ("verify", "close", "expire"):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 5 * PAGE))]
-        session, _ = await backend.open("edge", pb.OpenSession(prompt_ids=prompt))
+        prompt = _prompt(rng, vocab, 5 * PAGE)
+        session, _ = await backend.open(owner, pb.OpenSession(prompt_ids=prompt))
         sessions.append(session)
         if rng.random() < 0.5:
             await backend.first_token(session)
@@ -86,17 +105,17 @@ async def _step(backend: TargetBackend, sessions: list, op: str, rng: random.Ran
         victim.last_used -= 10_000
         backend.store.expire_idle()
     else:
-        request = pb.GenerateRequest(prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 40))],
-                                     max_new_tokens=rng.randint(1, 30))
-        async for _ in backend.generate("edge", request):
+        request = pb.GenerateRequest(prompt_ids=_prompt(rng, vocab, 40), max_new_tokens=rng.randint(1, 30))
+        async for _ in backend.generate(owner, request):
             pass
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("paged", [False, True], ids=["per-session", "paged"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_kv_in_use_never_exceeds_the_budget(tiny_target, paged, ops):
-    asyncio.run(_program(tiny_target, paged, ops))
+def test_kv_in_use_never_exceeds_the_budget(tiny_target, paged, cached, ops):
+    asyncio.run(_program(tiny_target, paged, cached, ops))
 
 
 def test_a_breach_is_counted_and_raises_in_strict_mode():
