@@ -55,12 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="prompt tokens per forward; a chunk rides along with the waiting verifies")
     p.add_argument("--max-forward-tokens", type=int, default=DEFAULTS.max_forward_tokens,
                    help="tokens per packed forward (verifies plus at most one prefill chunk)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="resident engine: reuse no KV across sessions (by default a prompt starts from the longest "
-                        "prefix of whole KV pages an earlier session of the same edge identity computed)")
-    p.add_argument("--share-prefix-cache", action="store_true",
-                   help="let every edge identity reuse every other's cached prefixes (by default reuse stays within "
-                        "one --auth-tokens identity; without --auth-tokens all edges are one identity)")
+    _add_prefix_cache_arguments(p)
     p.add_argument("--edge-max-sessions", type=int, help="sessions per edge (default: --max-sessions)")
     p.add_argument("--edge-kv-budget-mb", type=int, help="KV cache per edge (default: --kv-budget-mb); "
                                                          "eviction takes from the edge using most of its quota first")
@@ -78,6 +73,16 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """cloud/prefix_cache.py: the resident engine's KV reused across sessions by prompt prefix."""
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="resident engine: reuse no KV across sessions (by default a prompt starts from the longest "
+                        "prefix of whole KV pages an earlier session of the same edge identity computed)")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="let every edge identity reuse every other's cached prefixes (by default reuse stays within "
+                        "one --auth-tokens identity; without --auth-tokens all edges are one identity)")
 
 
 def _add_operations_arguments(p: argparse.ArgumentParser) -> None:

@@ -62,9 +62,15 @@ class CloudMetrics:
                                                 registry=r)
         self.engine_cache_bypasses = Counter("sprinter_cloud_engine_cache_bypasses",
                                              "Verifies re-run with the prefix cache skipped", registry=r)
-        # The resident engine's prefix cache (cloud/prefix_cache.py): prompts looked up (session opens, Generates),
-        # those that found a cached prefix, the prompt tokens it gave (not prefilled), blocks evicted for room, the
-        # bytes it holds (charged to the KV budget once each), and bytes copied into sessions (per-session layout).
+        self._prefix_cache_metrics(r)
+        self.residual_queries = Counter("sprinter_cloud_residual_queries", "Residual queries sent (candidates, full) "
+                                        "and verifies abandoned while one was out (abandoned)", ["kind"], registry=r)
+        self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
+
+    def _prefix_cache_metrics(self, r: CollectorRegistry) -> None:
+        """The resident engine's prefix cache (cloud/prefix_cache.py): prompts looked up (session opens, Generates),
+        those that found a cached prefix, the prompt tokens it gave (not prefilled), blocks evicted for room, the
+        bytes it holds (charged to the KV budget once each), and bytes copied into sessions (per-session layout)."""
         self.prefix_cache_queries = Counter("sprinter_cloud_prefix_cache_queries", "Prompts looked up in the prefix "
                                             "cache (session opens and Generate calls)", registry=r)
         self.prefix_cache_hits = Counter("sprinter_cloud_prefix_cache_hits", "Prompts that started from a cached "
@@ -77,9 +83,6 @@ class CloudMetrics:
                                         "the KV budget)", registry=r)
         self.prefix_cache_copied_bytes = Counter("sprinter_cloud_prefix_cache_copied_bytes", "Cached KV bytes copied "
                                                  "into new sessions (per-session attention)", registry=r)
-        self.residual_queries = Counter("sprinter_cloud_residual_queries", "Residual queries sent (candidates, full) "
-                                        "and verifies abandoned while one was out (abandoned)", ["kind"], registry=r)
-        self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
 
     def observe_batch(self, forward: ForwardStats) -> None:
         self.cloud_batch_size.observe(forward.requests)
