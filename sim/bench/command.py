@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -8,6 +8,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
+    sprinter bench prefix --target qwen2.5-coder-1.5b --out results/bench-prefix
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench capacity --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-capacity
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
@@ -28,10 +29,10 @@ from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
-                            run_placement, run_policy, run_prefill, run_rollout, run_uplink)
+                            run_placement, run_policy, run_prefill, run_prefix, run_rollout, run_uplink)
 from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                RolloutSettings)
+                                PrefixBenchSettings, RolloutSettings)
 
 
 def _described(module: str) -> dict[str, object]:
@@ -50,6 +51,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_draft(benches)
     _register_policy(benches)
     _register_prefill(benches)
+    _register_prefix(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     _register_rollout(benches)
@@ -168,6 +170,20 @@ def _register_prefill(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--label", default="run", help="the row's name in the table")
     p.add_argument("--out", type=Path, default=defaults.out)
     p.set_defaults(run=run_prefill)
+
+
+def _register_prefix(benches: argparse._SubParsersAction) -> None:
+    defaults = PrefixBenchSettings()
+    p = benches.add_parser("prefix", help="what the cloud's prefix cache saves: conversations, shared prompts, n choices",
+                           **_described("sim.bench.prefix"))
+    p.add_argument("--target", default=defaults.target)
+    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)
+    for name in ("history_tokens", "answer_tokens", "new_tokens", "edges", "rounds", "system_tokens", "choices",
+                 "kv_budget_mb"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--cloud-cpus", type=ints, default=list(defaults.cloud_cpus), help="cores the cloud is pinned to")
+    p.add_argument("--out", type=Path, default=defaults.out)
+    p.set_defaults(run=run_prefix)
 
 
 def _register_rollout(benches: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                RolloutSettings)
+                                PrefixBenchSettings, RolloutSettings)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,16 @@ def run_prefill(args: argparse.Namespace) -> int:
     result = prefill.bench_prefill(settings, args.label)
     return _report(args, f"{prefill.TABLE_HEADER}\n{prefill.format_result(result)}", args.out,
                    ("results.jsonl (appended)",))
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    from sim.bench import prefix
+    settings = PrefixBenchSettings(target=args.target, dtype=args.dtype, history_tokens=args.history_tokens,
+                                   answer_tokens=args.answer_tokens, new_tokens=args.new_tokens, edges=args.edges,
+                                   rounds=args.rounds, system_tokens=args.system_tokens, choices=args.choices,
+                                   kv_budget_mb=args.kv_budget_mb, cloud_cpus=tuple(args.cloud_cpus), out=args.out)
+    result = prefix.bench_prefix(settings)
+    return _report(args, prefix.format_result(result, settings), args.out, ("results.jsonl (appended)",))
 
 
 def run_rollout(args: argparse.Namespace) -> int:

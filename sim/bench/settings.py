@@ -195,6 +195,28 @@ class PrefillBenchSettings:
 
 
 @dataclass(frozen=True)
+class PrefixBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    dtype: str = "bfloat16"
+    history_tokens: int = 1000  # a conversation's first turn
+    answer_tokens: int = 32  # each turn's answer (Generate, greedy)
+    new_tokens: int = 40  # the second turn's user message
+    edges: int = 8  # clients sharing the system prompts
+    rounds: int = 2  # requests per client
+    system_tokens: int = 500  # each of the 2 system prompts; also the n-choices prompt
+    choices: int = 4
+    kv_budget_mb: int = 512
+    cloud_cpus: tuple[int, ...] = (0,)
+    out: Path = Path("results/bench-prefix")
+
+    def __post_init__(self) -> None:
+        for name in ("history_tokens", "answer_tokens", "new_tokens", "edges", "rounds", "system_tokens", "choices",
+                     "kv_budget_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class RolloutSettings:
     real_edges: int = 3
     simulated_edges: int = 200
