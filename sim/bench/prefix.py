@@ -8,8 +8,8 @@ figures are the cloud's own, without an edge's drafting in the way:
 - conversation: turn 1 is a Generate of `--answer-tokens` after a history of `--history-tokens`; turn 2 sends
   the history, that answer and `--new-tokens` more. Its time to first token (the first chunk) and its decode
   tokens/s, against the same turn on a cloud started with `--no-prefix-cache`.
-- shared prompts: `--edges` clients (each a bearer-token-less edge: one identity) send `--rounds` Generates
-  each, concurrently, of one of 2 system prompts of `--system-tokens` and a question of their own. Of the prompt
+- shared prompts: `--edges` clients (edges without bearer tokens: one identity) open `--rounds` sessions
+  each (with the target's first token, as an edge's first open), concurrently, of one of 2 system prompts of `--system-tokens` and a question of their own. Of the prompt
   tokens a cached prefix covers (the whole pages of a system prompt already sent), the share not prefilled
   again; and whether the KV budget held (`sprinter_cloud_kv_over_budget_total` stays 0).
 - n choices: the time until `--choices` sessions of one fresh prompt are open (the cloud's first token
@@ -87,7 +87,7 @@ async def _shared_prompts(stub: pb_grpc.TargetServiceStub, vocab: int, s: Prefix
             prompt = systems[system] + _tokens(100 + index * 31 + round_, 40, vocab)
             cacheable = s.system_tokens // PAGE * PAGE if system in seen else 0
             seen.add(system)
-            *_, cached = await _generate(stub, prompt, 4)
+            cached = await _open(stub, prompt)
             counted["cacheable"] += cacheable
             counted["cached"] += min(cached, cacheable)
 
@@ -95,10 +95,12 @@ async def _shared_prompts(stub: pb_grpc.TargetServiceStub, vocab: int, s: Prefix
     return counted["cacheable"], counted["cached"]
 
 
-async def _open(stub: pb_grpc.TargetServiceStub, prompt: list[int]) -> None:
-    call = stub.Session(iter([wire.open_frame(prompt, first_token=True), wire.close_frame()]))
-    async for _ in call:
-        pass
+async def _open(stub: pb_grpc.TargetServiceStub, prompt: list[int]) -> int:
+    """A session opened with the target's first token, then closed, as an edge's would be: its cached tokens."""
+    cached = 0
+    async for frame in stub.Session(iter([wire.open_frame(prompt, first_token=True), wire.close_frame()])):
+        cached = wire.opened_cached_tokens(frame.opened) if frame.WhichOneof("frame") == "opened" else cached
+    return cached
 
 
 async def _choices(stub: pb_grpc.TargetServiceStub, vocab: int, s: PrefixBenchSettings) -> tuple[float, float]:
