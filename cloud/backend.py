@@ -299,17 +299,17 @@ class TargetBackend:
             # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
             try:
                 async with contextlib.aclosing(steps):
-                    first = True
+                    looked_up = False
                     async for step in steps:
                         self.store.check_kv("forward")
                         self._count_step(step)
-                        if first:
+                        if not looked_up:  # the first step says what the prompt found in the prefix cache
                             self._count_reuse(step.cached_tokens)
+                            looked_up = True
                         stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
                         yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
                                                   drafted=step.drafted, draft_ms=step.draft_ms,
-                                                  cached_tokens=step.cached_tokens if first else 0)
-                        first = False
+                                                  cached_tokens=step.cached_tokens)
                         if stop:
                             return
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit

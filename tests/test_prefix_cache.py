@@ -62,8 +62,10 @@ async def _next_logits(backend: TargetBackend, owner: str, prompt: list[int]) ->
     tokens the open took from the cache."""
     session, _ = await backend.open(owner, pb.OpenSession(prompt_ids=prompt))
     backend.store.grant_kv(session, session.length + 2)
-    result = await backend.engine.forward(session, session.tokens[session.cached_tokens:] + [7, 9], n_logits=3)
+    result = await backend.engine.batcher.forward(session.cache, session.tokens[session.cached_tokens:] + [7, 9],
+                                                  n_logits=3, full_logits=True)
     backend.engine.rollback(session, session.cached_tokens)
+    assert result.rows.logits is not None and result.rows.logits.shape[0] == 3
     reused = session.reused_tokens
     backend.close(session)
     return result.rows.logits, reused
