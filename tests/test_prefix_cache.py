@@ -28,6 +28,7 @@ from cloud.prefix_cache import PrefixCache
 from cloud.resident_engine import ResidentEngine
 from cloud.resident_kv import KVLayout
 from cloud.sessions import KVInvariant, SessionLimits, SessionStore
+from cloud.speculation import DraftEngine
 from sprinter.v1 import decoding_pb2 as pb
 
 PAGE = 8
@@ -37,15 +38,22 @@ LAYOUTS = pytest.mark.parametrize("paged", [False, True], ids=["per-session", "p
 
 @contextlib.asynccontextmanager
 async def _backend(target, paged: bool, budget_pages: int = 64, share: bool = False,
-                   forwards: list[ForwardStats] | None = None) -> AsyncIterator[TargetBackend]:
-    """A backend with a prefix cache, its budget checked in strict mode at every grant, forward and eviction."""
+                   forwards: list[ForwardStats] | None = None, draft=None) -> AsyncIterator[TargetBackend]:
+    """A backend with a prefix cache, its budget checked in strict mode at every grant, forward and eviction;
+    with `draft`, the cloud's own (cloud-sd)."""
     layout = KVLayout.of(target.model, page_tokens=PAGE, max_tokens=budget_pages * PAGE)
     budget = budget_pages * layout.bytes_per_page
     pool = KVPool(layout, budget, slack_tokens=4 * PAGE) if paged else None
     metrics = CloudMetrics()
     cache = PrefixCache(layout, pool, share, on_evict=metrics.prefix_cache_evictions.inc)
-    async with Batcher(target.model, max_batch=8, on_batch=forwards.append if forwards is not None else None) as batcher:
-        engine = ResidentEngine(target, batcher, layout, pool, prefix_cache=cache)
+    async with contextlib.AsyncExitStack() as stack:
+        batcher = await stack.enter_async_context(
+            Batcher(target.model, max_batch=8, on_batch=forwards.append if forwards is not None else None))
+        drafting = None
+        if draft is not None:
+            draft_batcher = await stack.enter_async_context(Batcher(draft.model, worker=batcher.worker))
+            drafting = DraftEngine(draft, draft_batcher, KVLayout.of(draft.model))
+        engine = ResidentEngine(target, batcher, layout, pool, drafting, prefix_cache=cache)
         store = SessionStore(SessionLimits(max_sessions=16, kv_budget_bytes=budget, idle_timeout_s=1000),
                              layout.bytes_per_token, invariant=KVInvariant(engine.kv_bytes_in_use, strict=True),
                              prefix_cache=cache)
@@ -176,13 +184,17 @@ def test_opens_of_one_prompt_arriving_together_prefill_it_once(tiny_target, page
 
 
 @LAYOUTS
-def test_a_generate_starts_from_a_session_s_cached_prefix_and_decodes_as_cold(tiny_target, paged):
+@pytest.mark.parametrize("speculation", [None, 3], ids=["target", "cloud-sd"])
+def test_a_generate_starts_from_a_session_s_cached_prefix_and_decodes_as_cold(tiny_target, tiny_draft, paged,
+                                                                              speculation):
     async def program() -> None:
         history = _prompt(12, 4 * PAGE)
-        request = pb.GenerateRequest(prompt_ids=history + _prompt(13, 6), max_new_tokens=8)
-        async with _backend(tiny_target, paged) as cold:
+        request = pb.GenerateRequest(prompt_ids=history + _prompt(13, 6), max_new_tokens=8,
+                                     speculation=pb.Speculation(block=speculation) if speculation else None)
+        draft = tiny_draft if speculation else None
+        async with _backend(tiny_target, paged, draft=draft) as cold:
             cold_tokens = [t for chunk in [c async for c in cold.generate("edge", request)] for t in chunk.token_ids]
-        async with _backend(tiny_target, paged) as warm:
+        async with _backend(tiny_target, paged, draft=draft) as warm:
             await _next_logits(warm, "edge", history)
             chunks = [c async for c in warm.generate("edge", request)]
             assert chunks[0].cached_tokens == 3 * PAGE  # history[:-1] holds three whole pages
