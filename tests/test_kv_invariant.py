@@ -61,6 +61,9 @@ async def _program(target, paged: bool, cached: bool, ops: list[tuple[str, int]]
                 assert err.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND), err
                 refusals += 1
             assert engine.kv_bytes_in_use() <= budget, (op, engine.kv_bytes_in_use(), budget)
+            if pool is not None:  # a page is free exactly when nobody holds it; every cached page is held
+                assert pool.free_pages == sum(1 for page in range(pool.pages) if not pool.refs(page))
+                assert all(pool.refs(b.storage) >= 1 for b in (prefix_cache.blocks.values() if cached else ()))
         assert not breaches
         for session in list(sessions):
             backend.close(session)

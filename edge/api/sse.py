@@ -103,7 +103,7 @@ class ChunkFormat:
             choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         return self._line([choice], **extra)
 
-    def usage(self, usage: dict[str, int]) -> str:
+    def usage(self, usage: dict[str, Any]) -> str:
         """The chunk `include_usage` asks for, after the last choice: no choices, the whole request's usage."""
         return self._line([], usage=usage)
 
