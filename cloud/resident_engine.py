@@ -112,7 +112,8 @@ class ResidentEngine:
         return tuple(await scored_prefill(forward, context, top_n)), Reuse()
 
     def _remember(self, cache: ResidentKV | PagedKV, scope: str | None, context: list[int]) -> None:
-        """A generation's whole pages into the prefix cache as it ends (prompt and output: a conversation's next turn)."""
+        """A generation's whole pages into the prefix cache as it ends (prompt and output: what a conversation's
+        next turn resends)."""
         if self.prefix_cache is not None and scope is not None:
             self.prefix_cache.remember(cache, scope, context)
 
@@ -131,7 +132,8 @@ class ResidentEngine:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
+                       processor: LogitsProcessor | None,
+                       prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py);
         `processor`: the request's grammar, bias and penalties; `prefix_scope`: whose cached prefixes it may reuse."""
         generator = torch.Generator().manual_seed(sampling.seed)

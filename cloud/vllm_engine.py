@@ -245,7 +245,8 @@ class VllmEngine:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                       processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
+                       processor: LogitsProcessor | None,
+                       prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's);
         `prefix_scope` is the resident engine's (vLLM caches by its own per-request salt)."""
         from vllm.sampling_params import RequestOutputKind

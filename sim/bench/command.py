@@ -174,7 +174,8 @@ def _register_prefill(benches: argparse._SubParsersAction) -> None:
 
 def _register_prefix(benches: argparse._SubParsersAction) -> None:
     defaults = PrefixBenchSettings()
-    p = benches.add_parser("prefix", help="what the cloud's prefix cache saves: conversations, shared prompts, n choices",
+    p = benches.add_parser("prefix", help="what the cloud's prefix cache saves: conversations, shared prompts, "
+                                          "n choices",
                            **_described("sim.bench.prefix"))
     p.add_argument("--target", default=defaults.target)
     p.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)

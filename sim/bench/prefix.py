@@ -9,9 +9,10 @@ figures are the cloud's own, without an edge's drafting in the way:
   the history, that answer and `--new-tokens` more. Its time to first token (the first chunk) and its decode
   tokens/s, against the same turn on a cloud started with `--no-prefix-cache`.
 - shared prompts: `--edges` clients (edges without bearer tokens: one identity) open `--rounds` sessions
-  each (with the target's first token, as an edge's first open), concurrently, of one of 2 system prompts of `--system-tokens` and a question of their own. Of the prompt
-  tokens a cached prefix covers (the whole pages of a system prompt already sent), the share not prefilled
-  again; and whether the KV budget held (`sprinter_cloud_kv_over_budget_total` stays 0).
+  each (with the target's first token, as an edge's first open), concurrently, of one of 2 system prompts
+  of `--system-tokens` and a question of their own. Of the prompt tokens a cached prefix covers (the
+  whole pages of a system prompt already sent), the share not prefilled again; and whether the KV budget
+  held (`sprinter_cloud_kv_over_budget_total` stays 0).
 - n choices: the time until `--choices` sessions of one fresh prompt are open (the cloud's first token
   each), over the time one takes.
 
@@ -56,7 +57,8 @@ def _tokens(seed: int, n: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % min(vocab - 10, 50000) + 3 for i in range(n)]  # clear of special ids
 
 
-async def _generate(stub: pb_grpc.TargetServiceStub, prompt: list[int], max_new: int) -> tuple[list[int], float, float, int]:
+async def _generate(stub: pb_grpc.TargetServiceStub, prompt: list[int],
+                    max_new: int) -> tuple[list[int], float, float, int]:
     """(tokens, ms to the first chunk, decode tokens/s after it, cached prompt tokens)."""
     started = time.perf_counter()
     tokens, first_at, cached = [], None, 0
@@ -68,7 +70,8 @@ async def _generate(stub: pb_grpc.TargetServiceStub, prompt: list[int], max_new:
     return tokens, (first_at - started) * 1e3, (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0, cached
 
 
-async def _conversation(stub: pb_grpc.TargetServiceStub, vocab: int, s: PrefixBenchSettings) -> tuple[float, float, int, int]:
+async def _conversation(stub: pb_grpc.TargetServiceStub, vocab: int,
+                        s: PrefixBenchSettings) -> tuple[float, float, int, int]:
     history = _tokens(1, s.history_tokens, vocab)
     answer, *_ = await _generate(stub, history, s.answer_tokens)
     turn2 = history + answer + _tokens(2, s.new_tokens, vocab)
