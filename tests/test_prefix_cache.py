@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import pytest
 import torch
 
+import cloud.packed_forward
 from cloud.backend import TargetBackend
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
@@ -96,8 +97,13 @@ def test_a_cached_prefix_gives_the_logits_of_a_cold_prefill(tiny_target, paged):
     asyncio.run(program())
 
 
-def test_two_sessions_reading_one_shared_page_in_one_forward_each_see_their_own_prefix(tiny_target):
-    """The page tables' fix: with one owner per page, the second session's queries were masked out of it."""
+@pytest.mark.parametrize("whole_pool", [False, True], ids=["cpu-plan", "cuda-plan"])
+def test_two_sessions_reading_one_shared_page_in_one_forward_each_see_their_own_prefix(tiny_target, monkeypatch,
+                                                                                       whole_pool):
+    """The page tables' fix: with one owner per page, the second session's queries were masked out of it. The
+    CUDA plan (a mask over the whole pool, for the compiled kernel) runs unfused here too."""
+    if whole_pool:
+        monkeypatch.setattr(cloud.packed_forward, "fused", lambda device_type: True)
     model = tiny_target.model
     install(model)
     layout = KVLayout.of(model, page_tokens=PAGE)
