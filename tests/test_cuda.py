@@ -100,6 +100,33 @@ def test_cuda_greedy_rows_bring_back_the_argmax_alone():
     assert greedy_verdict([2, 3], rows[0].argmax.tolist())[0] in (0, 1, 2)
 
 
+def test_cuda_sessions_sharing_cached_pages_in_one_fused_forward_each_see_their_own_prefix():
+    """The prefix cache on the fused kernel: three sessions read two shared pages of the pool in one forward, and
+    each gets the logits of its own prompt alone (float32)."""
+    from cloud.prefix_cache import PrefixCache
+
+    model = _tiny_qwen2(torch.float32)
+    layout = KVLayout.of(model, page_tokens=128)
+    pool = KVPool(layout, 16 * layout.bytes_per_page)
+    cache = PrefixCache(layout, pool)
+    rng = random.Random(5)
+    prefix = [rng.randrange(300) for _ in range(2 * 128)]
+    first = pool.session()
+    forward_packed(model, [first], [prefix], [1])
+    assert cache.remember(first, "edge", prefix) == 2
+    sharing = [pool.session() for _ in range(2)]
+    for session in sharing:
+        assert cache.start(session, "edge", prefix).tokens == 2 * 128
+    tails = [[rng.randrange(300) for _ in range(n)] for n in (5, 131, 2)]
+    rows = forward_packed(model, [first] + sharing, tails, [len(t) for t in tails])
+    for tail, row in zip(tails, rows):
+        torch.testing.assert_close(row.logits, _plain(model, prefix + tail, len(tail)), atol=1e-4, rtol=0)
+    for session in [first] + sharing:
+        session.release()
+    cache.clear()
+    assert pool.free_pages == pool.pages
+
+
 def test_cuda_is_what_auto_picks():
     assert resolve_device("auto").type == "cuda"
 

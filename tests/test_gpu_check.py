@@ -76,7 +76,8 @@ def test_the_dry_run_runs_every_step_on_torch_and_the_bundle_alone(dry_run):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {s["step"]: s["status"] for s in summary["steps"]} == {
-        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "pytest": "done", "profile": "done"}
+        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "prefix": "done", "pytest": "done",
+        "profile": "done"}
     env = json.loads((out / "env.json").read_text())
     assert env["transformers"] == "5.23.0" and env["device"] == "cpu"
     print(f"dry run: {seconds:.0f} s")
@@ -84,16 +85,19 @@ def test_the_dry_run_runs_every_step_on_torch_and_the_bundle_alone(dry_run):
 
 def test_the_dry_run_writes_what_comes_back_and_the_page_reads_it(dry_run):
     out, _, _ = dry_run
-    assert sorted(p.name for p in out.iterdir()) == ["env.json", "gpu-check.log", "graphs.json", "owed.json",
+    assert sorted(p.name for p in out.iterdir()) == ["env.json", "features.json", "gpu-check.log", "owed.json",
                                                       "profile.txt", "pytest.txt", "summary.json", "table.json"]
     owed = json.loads((out / "owed.json").read_text())
     assert len(owed["rows"]) == 8 and all(g["value"] is not None for g in owed["goals"])
     table = json.loads((out / "table.json").read_text())
     assert len(table["rows"]) == 2 * 3 * 2 * 2 and not table["not_reached"]  # layouts x contexts x edges x batching
-    assert "need a CUDA device" in json.loads((out / "graphs.json").read_text())["reason"]
+    features = json.loads((out / "features.json").read_text())
+    assert "need a CUDA device" in features["graphs"]["reason"]
+    assert features["prefix"]["cached_tokens"] == 128 and features["prefix"]["trials"] == 3  # 2 whole pages of 64
     assert "skipped" in (out / "pytest.txt").read_text()
     text = section_text(out, out / "plot.png")
     assert "| verify p50 ms, 2 edges x 6 tokens, context 32 |" in text and "not captured" in text
+    assert "from 128 cached tokens" in text
     assert (out / "plot.png").stat().st_size > 0
 
 

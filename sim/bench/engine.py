@@ -77,13 +77,24 @@ def open_sessions(model: torch.nn.Module, kv: KVLayout | KVPool, n: int, context
     vocab = model.config.vocab_size
     sessions = []
     for _ in range(n):
-        cache = kv.session() if isinstance(kv, KVPool) else ResidentKV(kv)
-        cache.reserve(context + 64)
+        cache = new_cache(kv, context + 64)
         prompt = [rng.randrange(vocab) for _ in range(context)]
-        for start in range(0, context - 1, PREFILL_CHUNK):
-            forward_packed(model, [cache], [prompt[start:min(start + PREFILL_CHUNK, context - 1)]], [1], [False])
+        prefill(model, cache, prompt[:-1])
         sessions.append(BenchSession(cache, prompt[-1]))
     return sessions
+
+
+def new_cache(kv: KVLayout | KVPool, tokens: int) -> ResidentKV | PagedKV:
+    """An empty session cache of the store's layout, with room reserved for `tokens`."""
+    cache = kv.session() if isinstance(kv, KVPool) else ResidentKV(kv)
+    cache.reserve(tokens)
+    return cache
+
+
+def prefill(model: torch.nn.Module, cache: ResidentKV | PagedKV, tokens: list[int]) -> None:
+    """`tokens` into `cache`, PREFILL_CHUNK at a time, as the cloud prefills a prompt."""
+    for start in range(0, len(tokens), PREFILL_CHUNK):
+        forward_packed(model, [cache], [tokens[start:start + PREFILL_CHUNK]], [1], [False])
 
 
 def _verify(model: torch.nn.Module, sessions: list[BenchSession], k: int, accepted: int | None,

@@ -1,8 +1,8 @@
 """`sprinter gpu check`: the steps in order, each within its budget, each writing its results as it finishes.
 
-What comes back (at most 8 files in OUT): summary.json (each step's status, seconds and budget), env.json,
-owed.json, table.json, graphs.json, pytest.txt, profile.txt, and the run's log when `make gpu-check`
-tees it (gpu-check.log). The first step fails the run within its 30 s, with one line that says what is
+What comes back (8 files in OUT): summary.json (each step's status, seconds and budget), env.json, owed.json,
+table.json, features.json (a row per engine feature: CUDA graphs, the prefix cache; later GPU work adds
+its row there), pytest.txt, profile.txt and the run's log, gpu-check.log. The first step fails the run within its 30 s, with one line that says what is
 missing; a later step that fails is recorded and the rest still run.
 """
 
@@ -20,15 +20,17 @@ from typing import Any
 
 from common.devices import resolve_device
 from sim.gpu_check.graphs import graphs_step
+from sim.gpu_check.prefix import prefix_step
 from sim.gpu_check.run_state import CheckRun, Deadline
 from sim.gpu_check.sizes import STEP_BUDGET_S, sizes_for
 from sim.gpu_check.steps import env_step, owed_step, profile_step, pytest_step, table_step
 
 log = logging.getLogger(__name__)
 STEPS: tuple[tuple[str, Callable[[CheckRun, Deadline], Any]], ...] = (
-    ("env", env_step), ("owed", owed_step), ("table", table_step), ("graphs", graphs_step),
+    ("env", env_step), ("owed", owed_step), ("table", table_step), ("graphs", graphs_step), ("prefix", prefix_step),
     ("pytest", pytest_step), ("profile", profile_step))
-WRITTEN = {"env": "env.json", "graphs": "graphs.json"}  # the others write their own files as rows come
+FEATURES = ("graphs", "prefix")  # steps whose result is one row of features.json; env's is env.json, the others
+#                                  write their own files as rows come
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ def run_check(settings: GpuCheckSettings) -> int:
     run = CheckRun(device, sizes_for(device.type), settings.out, settings.dtype)
     summary: dict[str, Any] = {"date": datetime.date.today().isoformat(), "device": str(device),
                                "sizes": run.sizes.__dict__, "steps": []}
+    features: dict[str, Any] = {}
     with open(settings.out / "gpu-check.log", "w") as log_file:
         def say(line: str) -> None:
             print(line, flush=True)
@@ -56,6 +59,11 @@ def run_check(settings: GpuCheckSettings) -> int:
                 continue
             say(f"== step {number}/{len(STEPS)} {name} (budget {STEP_BUDGET_S[name]:.0f} s)")
             record, result = _run_step(run, name, step)
+            if name == "env" and result is not None:
+                run.write("env.json", result)
+            if name in FEATURES and result is not None:
+                features[name] = result
+                run.write("features.json", features)
             summary["steps"].append(record)
             run.write("summary.json", summary)
             say(f"   {name}: {record['status']} in {record['seconds']} s" + (f": {record['error']}" if "error" in record else ""))
@@ -80,8 +88,6 @@ def _run_step(run: CheckRun, name: str, step: Callable[[CheckRun, Deadline], Any
         return {"step": name, "status": "failed", "seconds": round(time.perf_counter() - started, 1),
                 "budget_s": deadline.seconds, "error": f"{type(err).__name__}: {err}",
                 "traceback": traceback.format_exc(limit=8)}, None
-    if name in WRITTEN:
-        run.write(WRITTEN[name], result)
     record = {"step": name, "status": _status(result), "seconds": round(time.perf_counter() - started, 1),
               "budget_s": deadline.seconds}
     return record, result

@@ -38,9 +38,11 @@ def section_text(results: Path, plot_path: Path | None = None) -> str:
     if owed:
         parts += ["**The owed figures** (default layout on this device):", _goals(owed["goals"]),
                   format_table([EngineRow(**row) for row in owed["rows"]])]
-    graphs = _read(results / "graphs.json")
-    if graphs:
-        parts.append("**CUDA graphs**: " + _graphs(graphs))
+    features = _read(results / "features.json") or {}
+    if "graphs" in features:
+        parts.append("**CUDA graphs**: " + _graphs(features["graphs"]))
+    if "prefix" in features:
+        parts.append("**The prefix cache**: " + _prefix(features["prefix"]))
     table = _read(results / "table.json")
     if table and table["rows"]:
         rows = [EngineRow(**row) for row in table["rows"]]
@@ -87,6 +89,14 @@ def _graphs(graphs: dict) -> str:
     return (f"{graphs['target']}, {graphs['edges']} edges x {graphs['tokens']} tokens, context {graphs['context']}: "
             f"eager p50 {graphs['eager_p50_ms']} ms, graph replay p50 {graphs['graph_p50_ms']} ms "
             f"({graphs['graph_speedup']}x)")
+
+
+def _prefix(row: dict) -> str:
+    if "cold_open_ms" not in row:
+        return "not reached within the step's budget"
+    return (f"{row['target']}, {row['attention']} (pages of {row['page_tokens']}), a {row['context']}-token prompt: "
+            f"opened cold in {row['cold_open_ms']} ms, from {row['cached_tokens']} cached tokens in "
+            f"{row['cached_open_ms']} ms ({row['cached_over_cold']}x; median of {row['trials']})")
 
 
 def _tail(path: Path, name: str) -> str:

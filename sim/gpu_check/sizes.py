@@ -12,7 +12,8 @@ from dataclasses import dataclass
 # Seconds each step may take (the whole run: at most 5 minutes); a step stops adding rows at its deadline
 # and says which it did not reach, so a slot that ends early still returns what was measured.
 # The owed step is the first to run the paged layout, so it also pays for compiling its flex_attention kernel.
-STEP_BUDGET_S = {"env": 30.0, "owed": 80.0, "table": 120.0, "graphs": 25.0, "pytest": 35.0, "profile": 10.0}
+STEP_BUDGET_S = {"env": 30.0, "owed": 80.0, "table": 110.0, "graphs": 25.0, "prefix": 10.0, "pytest": 35.0,
+                 "profile": 10.0}
 GOAL_VERIFY_P50_MS = 3.0  # 1.5B, 8 edges x 6 tokens, 1k context
 GOAL_BATCHING_GAIN = 6.0  # verified tokens/s, batching on over off, 8 edges, 1k context
 GOAL_CONTEXT_RATIO = 1.3  # verify p50 at 4k context over 128, 8 edges
@@ -28,6 +29,7 @@ class Sizes:
     owed_edges: int
     rounds: int  # timed rounds per row (the owed step doubles them)
     warmup: int
+    prefix_context: int  # the prefix cache's prompt: whole pages of either layout (64 or 128 tokens) and a part
     k: int = 5  # draft tokens per verify: each edge sends 1 + k tokens
 
     @property
@@ -36,9 +38,11 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(smoke="qwen2.5-1.5b", owed="qwen2.5-1.5b", table=("qwen2.5-1.5b", "qwen2.5-7b"),
-                  edges=(1, 8, 32, 64), contexts=(128, 1024, 4096), owed_edges=8, rounds=10, warmup=3)
+                  edges=(1, 8, 32, 64), contexts=(128, 1024, 4096), owed_edges=8, rounds=10, warmup=3,
+                  prefix_context=1024 + 64)
 DRY_RUN_SIZES = Sizes(smoke="tiny-qwen2", owed="tiny-qwen2", table=("tiny-qwen2",), edges=(1, 2),
-                      contexts=(16, 32, 64), owed_edges=2, rounds=2, warmup=1)
+                      contexts=(16, 32, 64), owed_edges=2, rounds=2, warmup=1,
+                      prefix_context=2 * 64 + 32)
 
 
 def sizes_for(device_type: str) -> Sizes:

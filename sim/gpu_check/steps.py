@@ -3,7 +3,8 @@
     env      versions, the GPU, every import the later steps need, and one smallest forward
     owed     the figures the project owes, on the owed architecture, both layouts, checked against the goals
     table    every architecture x layout x context x edges, batching on and off
-    graphs   whether a CUDA graph of the paged verify forward can be captured, and what its replay saves
+    graphs   whether a CUDA graph of the paged verify forward can be captured, and what its replay saves (graphs.py)
+    prefix   a session opened from a cached prefix against a cold one (prefix.py)
     pytest   tests/test_cuda.py on the device
     profile  the top kernels of one batched verify forward
 """
