@@ -71,6 +71,7 @@ class PrefixCache:
     on_evict: Callable[[int], None] = lambda blocks: None  # counts evicted blocks (the metric)
     blocks: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # least recently used first
     pending: dict[bytes, asyncio.Future] = field(default_factory=dict)  # blocks an open is computing now
+    copies_nbytes: int = 0  # bytes of the per-session layout's copies, kept as blocks come and go (read per grant)
 
     def scope(self, owner: str) -> str:
         return SHARED_SCOPE if self.share_across_identities else owner
@@ -81,9 +82,12 @@ class PrefixCache:
         return len(self.blocks) * self.layout.page_tokens
 
     def nbytes(self) -> int:
-        """Bytes of the per-session layout's copies, measured (paged blocks are pool pages, measured there)."""
-        return sum(b.storage[0].nbytes + b.storage[1].nbytes for b in self.blocks.values()
-                   if not isinstance(b.storage, int))
+        """Bytes of the per-session layout's copies (paged blocks are pool pages, measured there)."""
+        return self.copies_nbytes
+
+    @staticmethod
+    def _copy_nbytes(block: CachedBlock) -> int:
+        return 0 if isinstance(block.storage, int) else block.storage[0].nbytes + block.storage[1].nbytes
 
     def digests(self, scope: str, tokens: list[int]) -> list[bytes]:
         """The digest of each whole page of `tokens`."""
@@ -135,6 +139,7 @@ class PrefixCache:
                 self.blocks[digest] = CachedBlock(digest, cache.pages[i])
             elif self.room is None or self.room(self.layout.page_tokens):
                 self.blocks[digest] = CachedBlock(digest, cache.page(i))
+                self.copies_nbytes += self._copy_nbytes(self.blocks[digest])
             else:
                 break
             added += 1
@@ -151,6 +156,7 @@ class PrefixCache:
         if victim is None:
             return False
         del self.blocks[victim.digest]
+        self.copies_nbytes -= self._copy_nbytes(victim)
         if isinstance(victim.storage, int):
             self.pool.unref([victim.storage])
         self.on_evict(1)
