@@ -1,0 +1,169 @@
+"""Suffix drafting (`--proposer suffix`): propose from the text itself where it matches, the draft model elsewhere.
+
+Before each position the proposer looks the context's suffix up (common/decoding/suffix_match.py)
+in the request's own prompt and output so far, and in the edge's cache of earlier outputs. With a
+match it proposes what followed there, a run of point masses, as long as the match warrants; without
+one the draft model drafts the position. Either way the choice is made from the context alone, so
+the lossless rules stay exact (common/decoding/proposals.py says why).
+
+Blocks
+    A run ends its block: the model's tokens before it went by the call policy as ever, and a run's
+    length is the match's (RUN_PER_MATCH tokens per matched token, within the block's cap). Blocks
+    with runs are therefore longer than k: up to the mode's max_run_length and the cloud's max_block.
+    The draft's KV follows kept run tokens at its next forward, which feeds what it lacks in one go
+    (`ProposedToken.fed` counts it); a run costs no draft step.
+    A block that stands unverified (no target reached) keeps only the draft's own tokens, so `judged`
+    False drafts from the model alone.
+
+Scores (a_i, what the call policy and the cost model read)
+    a_i = rate(source, match length) x (the share of matched occurrences that continue with x_i, among
+    those that continued as far as x_{i-1}). `rate` is calibrated on data: the verdicts on earlier runs
+    at this edge, per source and match-length bucket, as P(target keeps x_i | it kept x_1..x_{i-1}),
+    with a Beta prior (PRIOR_RATE, PRIOR_WEIGHT) until it has seen enough.
+
+Mode sprinter (its passed tokens reach the client unchecked)
+    A token copied from another request's output is always flagged: its block ends there and the
+    target checks it. A token copied from this request's own text passes only when its a_i clears the
+    verifier's threshold, and never when the request asks for logprobs (a copied token has no draft
+    logprob) or shapes its logits (a grammar, penalties: a copy knows nothing of them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import torch
+
+from common.call_policy import CallPolicy, CostModel
+from common.decoding.drafting import ModelProposer
+from common.decoding.modes import DecodeSettings
+from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken, Proposer
+from common.decoding.suffix_match import Continuation, OutputCache, TokenIndex, continuation
+
+RUN_PER_MATCH = 2  # tokens a run may propose per matched token (a run of at least RUN_MIN)
+RUN_MIN = 4
+PRIOR_RATE, PRIOR_WEIGHT = 0.6, 8.0  # the rate before verdicts: a copy is kept about as often as a model token
+MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
+DEFAULT_CACHE_TOKENS = 1 << 16
+
+
+def match_bucket(match_length: int) -> int:
+    return next((b for b in reversed(MATCH_BUCKETS) if match_length >= b), MATCH_BUCKETS[0])
+
+
+@dataclass
+class SuffixCalibration:
+    """P(the target keeps a copied token | it kept the run's tokens before it), per (source, match bucket)."""
+
+    kept: dict[tuple[str, int], float] = field(default_factory=dict)
+    reached: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def rate(self, source: str, match_length: int) -> float:
+        key = (source, match_bucket(match_length))
+        return (self.kept.get(key, 0.0) + PRIOR_RATE * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
+
+    def observe(self, source: str, match_length: int, kept: bool) -> None:
+        key = (source, match_bucket(match_length))
+        self.reached[key] = self.reached.get(key, 0.0) + 1
+        self.kept[key] = self.kept.get(key, 0.0) + kept
+
+
+@dataclass
+class SuffixMemory:
+    """What suffix drafting keeps across an edge's requests: the cache of earlier outputs (None: `--suffix-cache
+    off`) and the calibration of its scores."""
+
+    cache: OutputCache | None = field(default_factory=lambda: OutputCache(DEFAULT_CACHE_TOKENS))
+    calibration: SuffixCalibration = field(default_factory=SuffixCalibration)
+    match_us: list[float] = field(default_factory=list)  # recent lookups' cost, microseconds (bounded)
+
+    def timed(self, started: float) -> None:
+        if len(self.match_us) >= 4096:
+            del self.match_us[:2048]
+        self.match_us.append((time.perf_counter() - started) * 1e6)
+
+
+@dataclass
+class SuffixProposer:
+    """One generation's suffix drafting over `model` (see the module docstring)."""
+
+    model: ModelProposer
+    memory: SuffixMemory
+    passes_unchecked: bool = False  # the mode releases passed tokens unchecked (sprinter)
+    may_pass: bool = True  # this request's copies may pass unchecked at all (no logprobs, no logits shaping)
+    index: TokenIndex = field(default_factory=TokenIndex)
+
+    async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
+                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+        if not judged:  # it stands as drafted: only the draft's own tokens may
+            async for proposed in self.model.propose(context, limit, policy, cost_model, judged, prefix):
+                yield proposed
+            return
+        self.index.extend_to(context)
+        block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
+        while len(block) < limit and not block.complete:
+            run = self.lookup(context + block.tokens, limit - len(block))
+            if run is None:
+                proposed = await self.model.step(context, block, limit, policy, cost_model, judged)
+                block.drafted.append(proposed)
+                yield proposed
+                continue
+            for proposed in self._run(run, block, limit, policy):
+                block.drafted.append(proposed)
+                yield proposed
+
+    def lookup(self, context: list[int], room: int) -> tuple[str, Continuation] | None:
+        """The longer of the request's own match and the cache's (the request's on a tie), within `room` tokens."""
+        started = time.perf_counter()
+        own = continuation(self.index, context, room)
+        cached = self.memory.cache.continuation(context, room) if self.memory.cache is not None else None
+        self.memory.timed(started)
+        if cached is not None and (own is None or cached.match_length > own.match_length):
+            return CACHE, cached
+        return (CONTEXT, own) if own is not None else None
+
+    def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+             policy: CallPolicy | None) -> list[ProposedToken]:
+        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag)."""
+        source, found = run
+        length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
+        rate = self.memory.calibration.rate(source, found.match_length)
+        proposals, before = [], 1.0
+        for i, token in enumerate(found.tokens[:length]):
+            accept_prob = rate * found.scores[i] / before
+            before = found.scores[i]
+            flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
+                                                 or policy.should_send([accept_prob], cap=limit))
+            ends = flagged or i == length - 1 or token in self.model.eos_token_ids
+            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob,
+                                           match_length=found.match_length))
+            if ends:
+                break
+        return proposals
+
+    async def next_logits(self, context: list[int]) -> torch.Tensor:
+        return await self.model.next_logits(context)
+
+    def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
+        """Calibrate: each copied token the target reached (all before it kept) counts, kept or not."""
+        for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
+            if not proposed.from_model:
+                self.memory.calibration.observe(proposed.source, proposed.match_length, kept=i < n_accepted)
+
+    def observe_output(self, output: list[int]) -> None:
+        if self.memory.cache is not None:
+            self.memory.cache.add(output)
+
+
+def proposer_for(settings: DecodeSettings, memory: SuffixMemory) -> Callable[[ModelProposer], Proposer] | None:
+    """What a generation's `settings.proposer` puts around the draft model (None: the model alone)."""
+    if settings.proposer == "model":
+        return None
+
+    def suffix(model: ModelProposer) -> Proposer:
+        shaped = model.processor is not None and model.processor.active
+        return SuffixProposer(model, memory, passes_unchecked=settings.traits.releases_passed,
+                              may_pass=settings.sampling.logprobs is None and not shaped)
+    return suffix
