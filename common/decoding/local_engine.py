@@ -45,7 +45,8 @@ class GenerationResult:
 class LocalEngine:
     def __init__(self, target: LoadedModel | None, draft: LoadedModel | None,
                  verifier: Verifier | None = None, make_draft_lm: Callable[[bool], DraftLM] | None = None,
-                 make_companion: Callable[[], Companion] | None = None) -> None:
+                 make_companion: Callable[[], Companion] | None = None,
+                 suffix_memory: SuffixMemory | None = None) -> None:
         """`make_draft_lm(with_hidden)` swaps the draft's runtime (e.g. the edge's ONNX export); torch by default.
 
         `make_companion`, when given, makes one companion (own KV cache) per generation: its signals feed the verifier.
@@ -61,7 +62,8 @@ class LocalEngine:
         self.eos_token_ids = (target or draft).eos_token_ids
         self.make_companion = make_companion
         self.make_draft_lm = make_draft_lm or (lambda with_hidden: CachedLM(self._model("draft").model, with_hidden))
-        self.suffix_memory = SuffixMemory()  # suffix drafting's cache of earlier outputs and its calibration
+        # suffix drafting's cache of earlier outputs (None in it: off) and its score calibration, across generations
+        self.suffix_memory = suffix_memory or SuffixMemory()
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings) -> GenerationResult:
         generation = Generation(list(prompt_ids), settings, self.eos_token_ids, StatsRecorder(settings.mode))

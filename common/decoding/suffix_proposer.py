@@ -85,6 +85,11 @@ class SuffixMemory:
         self.match_us.append((time.perf_counter() - started) * 1e6)
 
 
+def suffix_memory(cache: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> SuffixMemory:
+    """An edge's suffix memory; `cache` False (`--suffix-cache off`): each request copies from its own text alone."""
+    return SuffixMemory(cache=OutputCache(cache_tokens) if cache else None)
+
+
 @dataclass
 class SuffixProposer:
     """One generation's suffix drafting over `model` (see the module docstring)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from common import wire
@@ -52,6 +52,14 @@ class CloudUse:
             self.degraded_reason = reason
             if self.on_degraded is not None:
                 self.on_degraded(reason)
+
+
+def draft_sampling(sampling: SamplingParams, support: int) -> SamplingParams:
+    """The draft's sampling for a cloud that reads at most `support` entries of a distribution: on the wire a sampled
+    draft distribution travels sparse, and sampling from the capped support keeps it exact."""
+    if sampling.greedy:
+        return sampling
+    return replace(sampling, top_k=min(sampling.top_k or support, support))
 
 
 class CloudVerifier:
