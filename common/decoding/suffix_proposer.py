@@ -8,7 +8,8 @@ the lossless rules stay exact (common/decoding/proposals.py says why).
 
 Blocks
     A run ends its block: the model's tokens before it went by the call policy as ever, and a run's
-    length is the match's (RUN_PER_MATCH tokens per matched token, within the block's cap). Blocks
+    length follows the match (RUN_PER_MATCH tokens per matched token, within the block's cap), cut
+    where the product of its scores falls below MIN_SURVIVAL (long runs once copies are kept). Blocks
     with runs are therefore longer than k: up to the mode's max_run_length and the cloud's max_block.
     The draft's KV follows kept run tokens at its next forward, which feeds what it lacks in one go
     (`ProposedToken.fed` counts it); a run costs no draft step.
@@ -31,7 +32,7 @@ Mode sprinter (its passed tokens reach the client unchecked)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 import torch
@@ -44,6 +45,9 @@ from common.decoding.suffix_match import Continuation, OutputCache, TokenIndex, 
 
 RUN_PER_MATCH = 2  # tokens a run may propose per matched token (a run of at least RUN_MIN)
 RUN_MIN = 4
+# A run stops where the chance that the target keeps all of it (the product of its a_i) falls below this: every
+# token sent costs the target's forward (on a CPU, in proportion), so a run is as long as its scores warrant.
+MIN_SURVIVAL = 0.05
 PRIOR_RATE, PRIOR_WEIGHT = 0.6, 8.0  # the rate before verdicts: a copy is kept about as often as a model token
 MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
 DEFAULT_CACHE_TOKENS = 1 << 16
@@ -135,10 +139,13 @@ class SuffixProposer:
         source, found = run
         length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
         rate = self.memory.calibration.rate(source, found.match_length)
-        proposals, before = [], 1.0
+        proposals, before, survival = [], 1.0, 1.0
         for i, token in enumerate(found.tokens[:length]):
             accept_prob = rate * found.scores[i] / before
-            before = found.scores[i]
+            before, survival = found.scores[i], survival * accept_prob
+            if proposals and survival < MIN_SURVIVAL:
+                proposals[-1] = replace(proposals[-1], ends_block=True)
+                break
             flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
                                                  or policy.should_send([accept_prob], cap=limit))
             ends = flagged or i == length - 1 or token in self.model.eos_token_ids
