@@ -23,7 +23,7 @@ from common.decoding.modes import LOSSLESS_MODES, DecodeSettings
 from common.decoding.proposals import CACHE, CONTEXT, MODEL
 from common.decoding.speculative_round import run_inline
 from common.decoding.suffix_match import KEY_LENGTH, OutputCache, TokenIndex, continuation, follow
-from common.decoding.suffix_proposer import SuffixMemory, SuffixProposer, suffix_memory
+from common.decoding.suffix_proposer import PRIOR_RATE, SuffixCalibration, SuffixMemory, SuffixProposer, suffix_memory
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.api.app import ApiSettings, create_app
@@ -67,6 +67,27 @@ def test_matching_costs_microseconds(smollm2) -> None:
     median_us = statistics.median(memory.match_us)
     print(f"suffix lookup: median {median_us:.1f} us over {len(memory.match_us)} lookups")
     assert median_us < 500, "a lookup must cost far less than a draft step (milliseconds)"
+
+
+def test_the_copies_scores_are_calibrated_on_the_verdicts(tiny_draft) -> None:
+    calibration = SuffixCalibration()
+    assert calibration.rate(CONTEXT, 5) == pytest.approx(PRIOR_RATE)  # before any verdict: the prior
+    for i in range(200):  # long matches kept 9 times in 10, short ones once in 5
+        calibration.observe(CONTEXT, 20, kept=i % 10 != 0, predicted=0.9)
+        calibration.observe(CONTEXT, 3, kept=i % 5 == 0, predicted=0.3)
+    assert calibration.rate(CONTEXT, 17) == pytest.approx(0.9, abs=0.02)
+    assert calibration.rate(CONTEXT, 3) == pytest.approx(0.2, abs=0.03)
+    assert calibration.rate(CACHE, 20) == pytest.approx(PRIOR_RATE)  # another source learns apart
+    report = {r["match_length"]: r for r in calibration.report()}
+    assert report[16]["reached"] == 200 and report[16]["kept"] == pytest.approx(0.9)
+    assert report[3]["predicted"] == pytest.approx(0.3)
+    # through a proposer: a verdict teaches the copies the target reached, not those after a rejection
+    memory = SuffixMemory(cache=None)
+    proposer = _suffix(tiny_draft, memory)
+    block = _drafted(proposer, [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], 8)
+    assert [d.source for d in block.drafted] == [CONTEXT] * len(block) and len(block) >= 3
+    proposer.observe_verdict(block, 1)
+    assert sum(memory.calibration.reached.values()) == 2 and sum(memory.calibration.kept.values()) == 1
 
 
 # --- the cache --------------------------------------------------------------------------------

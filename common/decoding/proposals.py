@@ -43,7 +43,7 @@ class ProposedToken:
     accept_prob: float | None = None  # a_i, what the policy read (None in a block that stands as drafted)
     step: DraftStep | None = None  # token, raw logits, hidden state: the draft's, when the draft produced the token
     fed: int = 0  # tokens the draft's forward fed for it: 1, more when it caught up on kept suffix tokens
-    match_length: int = 0  # a copied token's: how long the match was that proposed it
+    match_length: int = 0  # a copied token's: how many tokens before it agree with where it was copied from
 
     @property
     def probability(self) -> float:

@@ -17,8 +17,9 @@ Blocks
     False drafts from the model alone.
 
 Scores (a_i, what the call policy and the cost model read)
-    a_i = rate(source, match length) x (the share of matched occurrences that continue with x_i, among
-    those that continued as far as x_{i-1}). `rate` is calibrated on data: the verdicts on earlier runs
+    a_i = rate(source, m + i - 1) x (the share of matched occurrences that continue with x_i, among
+    those that continued as far as x_{i-1}), for a run after a match of m tokens: x_i follows m + i - 1
+    agreeing tokens if the ones before it are kept, which is what a_i is conditioned on. `rate` is calibrated on data: the verdicts on earlier runs
     at this edge, per source and match-length bucket, as P(target keeps x_i | it kept x_1..x_{i-1}),
     with a Beta prior (PRIOR_RATE, PRIOR_WEIGHT) until it has seen enough.
 
@@ -63,15 +64,24 @@ class SuffixCalibration:
 
     kept: dict[tuple[str, int], float] = field(default_factory=dict)
     reached: dict[tuple[str, int], float] = field(default_factory=dict)
+    predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # the sum of a_i the reached tokens carried
 
     def rate(self, source: str, match_length: int) -> float:
         key = (source, match_bucket(match_length))
         return (self.kept.get(key, 0.0) + PRIOR_RATE * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
 
-    def observe(self, source: str, match_length: int, kept: bool) -> None:
+    def observe(self, source: str, match_length: int, kept: bool, predicted: float | None = None) -> None:
         key = (source, match_bucket(match_length))
         self.reached[key] = self.reached.get(key, 0.0) + 1
         self.kept[key] = self.kept.get(key, 0.0) + kept
+        self.predicted[key] = self.predicted.get(key, 0.0) + (predicted or 0.0)
+
+    def report(self) -> list[dict[str, float | int | str]]:
+        """Per (source, match bucket): copies the target reached, the share it kept, and the mean a_i they carried
+        (calibrated: the two agree)."""
+        return [{"source": source, "match_length": bucket, "reached": int(n), "kept": self.kept[(source, bucket)] / n,
+                 "predicted": self.predicted.get((source, bucket), 0.0) / n}
+                for (source, bucket), n in sorted(self.reached.items())]
 
 
 @dataclass
@@ -138,10 +148,11 @@ class SuffixProposer:
         """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag)."""
         source, found = run
         length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
-        rate = self.memory.calibration.rate(source, found.match_length)
         proposals, before, survival = [], 1.0, 1.0
         for i, token in enumerate(found.tokens[:length]):
-            accept_prob = rate * found.scores[i] / before
+            # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
+            reach = found.match_length + i
+            accept_prob = self.memory.calibration.rate(source, reach) * found.scores[i] / before
             before, survival = found.scores[i], survival * accept_prob
             if proposals and survival < MIN_SURVIVAL:
                 proposals[-1] = replace(proposals[-1], ends_block=True)
@@ -149,8 +160,7 @@ class SuffixProposer:
             flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
                                                  or policy.should_send([accept_prob], cap=limit))
             ends = flagged or i == length - 1 or token in self.model.eos_token_ids
-            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob,
-                                           match_length=found.match_length))
+            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
             if ends:
                 break
         return proposals
@@ -162,7 +172,8 @@ class SuffixProposer:
         """Calibrate: each copied token the target reached (all before it kept) counts, kept or not."""
         for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
             if not proposed.from_model:
-                self.memory.calibration.observe(proposed.source, proposed.match_length, kept=i < n_accepted)
+                self.memory.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
+                                                proposed.accept_prob)
 
     def observe_output(self, output: list[int]) -> None:
         if self.memory.cache is not None:

@@ -10,7 +10,8 @@ of the suite (sim/data/proposer_prompts.jsonl, written for this bench: code edit
 question answering over a given passage, multi-turn chat with its history, math word problems,
 translation, plain code completion) is generated greedily with each `--proposer`, in `--repeats`
 interleaved passes (the proposers' order alternates pass by pass). Suffix drafting's cache of earlier
-outputs starts empty in each pass, so a prompt never copies its own earlier answer.
+outputs starts empty in each pass, so a prompt never copies its own earlier answer; the calibration of
+its scores is the edge's own and learns across passes, as a serving edge's does across requests.
 
 Prints, per mode, category and proposer, the medians over passes of: tokens per call (tokens kept per
 target call, its own included), calls per token, tokens/s (wall, TTFT included) and the suffix share
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 
 from common.decoding.modes import PROPOSERS, DecodeSettings
-from common.decoding.suffix_proposer import suffix_memory
+from common.decoding.suffix_match import OutputCache
+from common.decoding.suffix_proposer import DEFAULT_CACHE_TOKENS
 from common.models import DTYPES, load_model
 from common.plots import pyplot
 from common.prompt_sets import PromptRecord, load_prompts
@@ -82,16 +84,16 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
                            log_path=settings.out / "cloud.log", cpus=cloud_cpus,
                            env={"OMP_NUM_THREADS": str(len(cloud_cpus))}) as address:
             host, _, port = address.rpartition(":")
-            rows, lookups_us = asyncio.run(_measure(settings, draft, prompts, (host, int(port))))
+            rows, lookups_us, calibration = asyncio.run(_measure(settings, draft, prompts, (host, int(port))))
     finally:
         os.sched_setaffinity(0, mine)
     summary = summarize(rows)
     report = {"settings": {**asdict(settings), "out": str(settings.out), "prompts": str(settings.prompts)},
               "lookup_us_median": statistics.median(lookups_us) if lookups_us else None,
-              "lookups": len(lookups_us), "rows": rows, "summary": summary}
+              "lookups": len(lookups_us), "calibration": calibration, "rows": rows, "summary": summary}
     (settings.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     report["cores"] = {"cloud": sorted(cloud_cpus), "edge": sorted(edge_cpus)}
-    text = table(settings, summary, report["lookup_us_median"], report["cores"])
+    text = table(settings, summary, report["lookup_us_median"], report["cores"]) + calibration_table(calibration)
     (settings.out / "table.md").write_text(text + "\n")
     plot(summary, settings.out / "proposers.png")
     return text
@@ -124,7 +126,7 @@ def chosen_prompts(records: list[PromptRecord], categories: tuple[str, ...],
 
 
 async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[PromptRecord, list[int]]],
-                   upstream: tuple[str, int]) -> tuple[list[dict], list[float]]:
+                   upstream: tuple[str, int]) -> tuple[list[dict], list[float], list[dict]]:
     link = LinkSettings(delay_ms=settings.rtt_ms / 2)
     rows: list[dict] = []
     lookups_us: list[float] = []
@@ -137,12 +139,14 @@ async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[P
             for run in range(settings.repeats):
                 order = settings.proposers if run % 2 == 0 else tuple(reversed(settings.proposers))
                 for proposer in order:
-                    node.decoder.suffix_memory = suffix_memory(settings.suffix_cache)  # no copies of a past pass
+                    # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
+                    node.decoder.suffix_memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache else None
+                    node.decoder.suffix_memory.match_us.clear()
                     for mode in settings.modes:
                         for record, ids in prompts:
                             rows.append(await _request(node, settings, run, proposer, mode, record, ids))
                     lookups_us += node.decoder.suffix_memory.match_us
-    return rows, lookups_us
+            return rows, lookups_us, node.decoder.suffix_memory.calibration.report()
 
 
 def _edge_settings(settings: ProposerBenchSettings, mode: str, proposer: str, max_tokens: int) -> EdgeSettings:
@@ -214,6 +218,23 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
         lines.append(f"| {r['mode']} | {r['category']} | {r['proposer']} | {r['tokens_per_call']:.2f} | "
                      f"{r['calls_per_token']:.3f} | {r['tokens_per_s']:.2f} | {r['suffix_share']:.2f} | "
                      f"{r['suffix_kept_share']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def calibration_table(calibration: list[dict]) -> str:
+    """How well the copies' scores (a_i) predicted the target keeping them, over every pass, per source and match."""
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for c in calibration:
+        tally = pooled.setdefault((c["source"], c["match_length"]), [0, 0.0, 0.0])
+        tally[0] += c["reached"]
+        tally[1] += c["kept"] * c["reached"]
+        tally[2] += c["predicted"] * c["reached"]
+    if not pooled:
+        return ""
+    lines = ["", "", "The copies' scores against the verdicts (tokens the target reached):", "",
+             "| source | match length >= | reached | kept | mean a_i |", "| --- | --- | --- | --- | --- |"]
+    for (source, bucket), (n, kept, predicted) in sorted(pooled.items()):
+        lines.append(f"| {source} | {bucket} | {n} | {kept / n:.2f} | {predicted / n:.2f} |")
     return "\n".join(lines)
 
 
