@@ -38,30 +38,43 @@ class Continuation:
 
 def match_length(text: Sequence[int], end: int, context: Sequence[int], limit: int = MAX_MATCH) -> int:
     """How many tokens text[:end] and `context` agree on, counted back from their ends (at most `limit`)."""
-    n = 0
-    top = min(limit, end, len(context))
-    while n < top and text[end - 1 - n] == context[len(context) - 1 - n]:
-        n += 1
-    return n
+    # Agreement over n tokens implies it over fewer: a binary search of slice comparisons (which run in C).
+    low, high = 0, min(limit, end, len(context))
+    while low < high:
+        n = (low + high + 1) // 2
+        if text[end - n:end] == context[len(context) - n:]:
+            low = n
+        else:
+            high = n - 1
+    return low
 
 
 def follow(paths: list[Sequence[int]], length: int) -> tuple[list[int], list[float]]:
     """The most followed path through `paths` (continuations after equally long matches), up to `length`
     tokens: at each depth the token most surviving paths take (ties: the earlier path, the most recent
     occurrence), with the share of all paths that took the whole path so far."""
+    weights = Counter(tuple(p[:length]) for p in paths if p)  # equal paths (a repeated passage) counted once
+    total = sum(weights.values())
+    alive = list(weights.items())
     tokens: list[int] = []
     scores: list[float] = []
-    alive = [p for p in paths if p]
-    total = len(alive)
     for depth in range(length):
-        counts = Counter(p[depth] for p in alive if len(p) > depth)
+        if len(alive) == 1:  # one path left: the rest of it, at the share it has
+            path, n = alive[0]
+            tokens += path[depth:]
+            scores += [n / total] * (len(path) - depth)
+            break
+        counts: dict[int, int] = {}
+        for path, n in alive:
+            if len(path) > depth:
+                counts[path[depth]] = counts.get(path[depth], 0) + n
         if not counts:
             break
         best = max(counts.values())
-        token = next(p[depth] for p in alive if len(p) > depth and counts[p[depth]] == best)
-        alive = [p for p in alive if len(p) > depth and p[depth] == token]
+        token = next(path[depth] for path, _ in alive if len(path) > depth and counts[path[depth]] == best)
+        alive = [(path, n) for path, n in alive if len(path) > depth and path[depth] == token]
         tokens.append(token)
-        scores.append(len(alive) / total)
+        scores.append(best / total)
     return tokens, scores
 
 

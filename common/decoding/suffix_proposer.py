@@ -19,9 +19,13 @@ Blocks
 Scores (a_i, what the call policy and the cost model read)
     a_i = rate(source, m + i - 1) x (the share of matched occurrences that continue with x_i, among
     those that continued as far as x_{i-1}), for a run after a match of m tokens: x_i follows m + i - 1
-    agreeing tokens if the ones before it are kept, which is what a_i is conditioned on. `rate` is calibrated on data: the verdicts on earlier runs
-    at this edge, per source and match-length bucket, as P(target keeps x_i | it kept x_1..x_{i-1}),
-    with a Beta prior (PRIOR_RATE, PRIOR_WEIGHT) until it has seen enough.
+    agreeing tokens if the ones before it are kept, which is what a_i is conditioned on. `rate` is
+    calibrated on data: P(the target keeps x_i | it kept x_1..x_{i-1}) per source and match-length
+    bucket, from the verdicts on this edge's earlier copies, starting from a prior measured on the Qwen
+    pair (PRIOR_RATES, worth PRIOR_WEIGHT verdicts); a request's own record scales it (a request whose
+    copies keep failing, a math problem quoting its numbers, soon copies no more). A run is proposed
+    only where a_1 >= COPY_MIN, else the draft model drafts that position. These choices read the
+    context and what the edge learned before the round, never the round's own draws: still exact.
 
 Mode sprinter (its passed tokens reach the client unchecked)
     A token copied from another request's output is always flagged: its block ends there and the
@@ -48,9 +52,16 @@ RUN_PER_MATCH = 2  # tokens a run may propose per matched token (a run of at lea
 RUN_MIN = 4
 # A run stops where the chance that the target keeps all of it (the product of its a_i) falls below this: every
 # token sent costs the target's forward (on a CPU, in proportion), so a run is as long as its scores warrant.
-MIN_SURVIVAL = 0.05
-PRIOR_RATE, PRIOR_WEIGHT = 0.6, 8.0  # the rate before verdicts: a copy is kept about as often as a model token
+MIN_SURVIVAL = 0.15
+COPY_MIN = 0.5  # copy only where the first copied token's a_i is at least this; else the draft model drafts there
 MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
+# The rate before verdicts, per match bucket: what the target kept of copies from the request's own text on the Qwen
+# pair (qwen2.5-coder 1.5B <- 0.5B, greedy, prompts 2-3 of each category of sim/data/proposer_prompts.jsonl, 548
+# copies reached), rounded down; copies from other requests' outputs (too few there to measure) start lower.
+PRIOR_RATES = {CONTEXT: dict(zip(MATCH_BUCKETS, (0.75, 0.75, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9))),
+               CACHE: dict.fromkeys(MATCH_BUCKETS, 0.6)}
+PRIOR_WEIGHT = 8.0  # verdicts the prior counts as
+REQUEST_WEIGHT = 4.0  # how many copies' worth of evidence a request needs before its own record moves its rates
 DEFAULT_CACHE_TOKENS = 1 << 16
 
 
@@ -68,7 +79,8 @@ class SuffixCalibration:
 
     def rate(self, source: str, match_length: int) -> float:
         key = (source, match_bucket(match_length))
-        return (self.kept.get(key, 0.0) + PRIOR_RATE * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
+        prior = PRIOR_RATES[source][key[1]]
+        return (self.kept.get(key, 0.0) + prior * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
 
     def observe(self, source: str, match_length: int, kept: bool, predicted: float | None = None) -> None:
         key = (source, match_bucket(match_length))
@@ -113,6 +125,8 @@ class SuffixProposer:
     passes_unchecked: bool = False  # the mode releases passed tokens unchecked (sprinter)
     may_pass: bool = True  # this request's copies may pass unchecked at all (no logprobs, no logits shaping)
     index: TokenIndex = field(default_factory=TokenIndex)
+    kept_here: float = 0.0  # this request's copies the target reached and kept ...
+    predicted_here: float = 0.0  # ... and the a_i they carried: how this request's copies do against the edge's rates
 
     async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
                       judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
@@ -124,12 +138,13 @@ class SuffixProposer:
         block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
         while len(block) < limit and not block.complete:
             run = self.lookup(context + block.tokens, limit - len(block))
-            if run is None:
+            copies = self._run(run, block, limit, policy) if run is not None else []
+            if not copies:
                 proposed = await self.model.step(context, block, limit, policy, cost_model, judged)
                 block.drafted.append(proposed)
                 yield proposed
                 continue
-            for proposed in self._run(run, block, limit, policy):
+            for proposed in copies:
                 block.drafted.append(proposed)
                 yield proposed
 
@@ -145,14 +160,17 @@ class SuffixProposer:
 
     def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
              policy: CallPolicy | None) -> list[ProposedToken]:
-        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag)."""
+        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when its
+        first token is not worth it (a_1 < COPY_MIN): the draft model drafts there instead."""
         source, found = run
         length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
         proposals, before, survival = [], 1.0, 1.0
         for i, token in enumerate(found.tokens[:length]):
             # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
             reach = found.match_length + i
-            accept_prob = self.memory.calibration.rate(source, reach) * found.scores[i] / before
+            accept_prob = self.rate(source, reach) * found.scores[i] / before
+            if i == 0 and accept_prob < COPY_MIN:
+                return []
             before, survival = found.scores[i], survival * accept_prob
             if proposals and survival < MIN_SURVIVAL:
                 proposals[-1] = replace(proposals[-1], ends_block=True)
@@ -165,6 +183,11 @@ class SuffixProposer:
                 break
         return proposals
 
+    def rate(self, source: str, match_length: int) -> float:
+        """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
+        factor = (self.kept_here + REQUEST_WEIGHT) / (self.predicted_here + REQUEST_WEIGHT)
+        return min(1.0, self.memory.calibration.rate(source, match_length) * factor)
+
     async def next_logits(self, context: list[int]) -> torch.Tensor:
         return await self.model.next_logits(context)
 
@@ -174,6 +197,8 @@ class SuffixProposer:
             if not proposed.from_model:
                 self.memory.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
                                                 proposed.accept_prob)
+                self.kept_here += i < n_accepted
+                self.predicted_here += proposed.accept_prob or 0.0
 
     def observe_output(self, output: list[int]) -> None:
         if self.memory.cache is not None:
