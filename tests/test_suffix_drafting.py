@@ -16,7 +16,7 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
-from common.call_policy import FlagPolicy
+from common.call_policy import Ewma, FlagPolicy
 from common.decoding.drafting import Drafter, LocalDraft, ModelProposer
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import LOSSLESS_MODES, DecodeSettings
@@ -129,9 +129,24 @@ def test_the_cache_off_switch(tiny_draft) -> None:
             assert block.tokens[:3] == [154, 155, 156]
 
 
-def _suffix(draft, memory: SuffixMemory, passes_unchecked: bool = False) -> SuffixProposer:
+def _suffix(draft, memory: SuffixMemory, passes_unchecked: bool = False, model_kept: float = 0.0) -> SuffixProposer:
+    """Suffix drafting over `draft`; `model_kept`: what a run must beat (0: any run worth its first token)."""
+    memory.model_kept = Ewma(model_kept, 0.1)
     model = ModelProposer(LocalDraft(CachedLM(draft.model)), SamplingParams(), torch.Generator(), draft.eos_token_ids)
     return SuffixProposer(model, memory, passes_unchecked=passes_unchecked)
+
+
+def test_a_run_must_promise_more_kept_tokens_than_the_drafts_own_blocks(tiny_draft) -> None:
+    context = [9, 10, 11, 12, 13, 14, 15, 16, 17, 9, 10, 11]  # a 3-token match: a run of a few likely tokens
+    assert {d.source for d in _drafted(_suffix(tiny_draft, SuffixMemory(cache=None), model_kept=1.0), context, 6)
+            .drafted} == {CONTEXT}
+    assert {d.source for d in _drafted(_suffix(tiny_draft, SuffixMemory(cache=None), model_kept=4.0), context, 6)
+            .drafted} == {MODEL}
+    memory = SuffixMemory(cache=None)
+    proposer = _suffix(tiny_draft, memory, model_kept=2.0)
+    model_block = _drafted(proposer, [3, 4, 5, 6], 4)  # no match: the draft's own block
+    proposer.observe_verdict(model_block, 4)
+    assert memory.model_kept.value == 4.0  # learned from the verdict on it
 
 
 def _drafted(proposer, context: list[int], limit: int, policy=None, on_passed=None):
@@ -235,7 +250,7 @@ def test_sampled_suffix_drafting_follows_the_target(tiny_target, mode) -> None:
     n = 600
     results = []
     for seed in range(n):  # each from the prior: copies keep being proposed, whatever the last ones' verdicts
-        engine.suffix_memory = SuffixMemory(cache=None)
+        engine.suffix_memory = SuffixMemory(cache=None, model_kept=Ewma(0.0, 0.1))
         results.append(engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=3, k=2, proposer="suffix",
                                                               sampling=replace(sampling, seed=seed))))
     seen = Counter(tuple(r.token_ids) for r in results)

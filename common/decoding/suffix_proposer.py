@@ -24,8 +24,10 @@ Scores (a_i, what the call policy and the cost model read)
     bucket, from the verdicts on this edge's earlier copies, starting from a prior measured on the Qwen
     pair (PRIOR_RATES, worth PRIOR_WEIGHT verdicts); a request's own record scales it (a request whose
     copies keep failing, a math problem quoting its numbers, soon copies no more). A run is proposed
-    only where a_1 >= COPY_MIN, else the draft model drafts that position. These choices read the
-    context and what the edge learned before the round, never the round's own draws: still exact.
+    only where a_1 >= COPY_MIN and the target is expected to keep as many of its tokens as of a block
+    of the draft's own (`model_kept`, learned from verdicts); else the draft drafts that position.
+    These choices read the context and what the edge learned before the round, never the round's own
+    draws: the rules stay exact.
 
 Mode sprinter (its passed tokens reach the client unchecked)
     A token copied from another request's output is always flagged: its block ends there and the
@@ -42,7 +44,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from common.call_policy import CallPolicy, CostModel
+from common.call_policy import CallPolicy, CostModel, Ewma
 from common.decoding.drafting import ModelProposer
 from common.decoding.modes import DecodeSettings
 from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken, Proposer
@@ -61,6 +63,7 @@ MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
 PRIOR_RATES = {CONTEXT: dict(zip(MATCH_BUCKETS, (0.75, 0.75, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9))),
                CACHE: dict.fromkeys(MATCH_BUCKETS, 0.6)}
 PRIOR_WEIGHT = 8.0  # verdicts the prior counts as
+MODEL_KEPT_PRIOR = 2.0  # draft tokens kept per model block, before this edge has seen a verdict
 REQUEST_WEIGHT = 4.0  # how many copies' worth of evidence a request needs before its own record moves its rates
 DEFAULT_CACHE_TOKENS = 1 << 16
 
@@ -103,6 +106,8 @@ class SuffixMemory:
 
     cache: OutputCache | None = field(default_factory=lambda: OutputCache(DEFAULT_CACHE_TOKENS))
     calibration: SuffixCalibration = field(default_factory=SuffixCalibration)
+    # draft tokens the target keeps of a block the draft model proposed alone: what a run at a block's start must beat
+    model_kept: Ewma = field(default_factory=lambda: Ewma(MODEL_KEPT_PRIOR, 0.1))
     match_us: list[float] = field(default_factory=list)  # recent lookups' cost, microseconds (bounded)
 
     def timed(self, started: float) -> None:
@@ -160,11 +165,12 @@ class SuffixProposer:
 
     def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
              policy: CallPolicy | None) -> list[ProposedToken]:
-        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when its
-        first token is not worth it (a_1 < COPY_MIN): the draft model drafts there instead."""
+        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when it
+        is not worth it: its first token scores under COPY_MIN, or the target would keep fewer of it (the sum of its
+        tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
         source, found = run
         length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
-        proposals, before, survival = [], 1.0, 1.0
+        proposals, before, survival, expected = [], 1.0, 1.0, 0.0
         for i, token in enumerate(found.tokens[:length]):
             # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
             reach = found.match_length + i
@@ -179,9 +185,10 @@ class SuffixProposer:
                                                  or policy.should_send([accept_prob], cap=limit))
             ends = flagged or i == length - 1 or token in self.model.eos_token_ids
             proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
+            expected += survival
             if ends:
                 break
-        return proposals
+        return proposals if expected >= self.memory.model_kept.value else []
 
     def rate(self, source: str, match_length: int) -> float:
         """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
@@ -192,7 +199,10 @@ class SuffixProposer:
         return await self.model.next_logits(context)
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
-        """Calibrate: each copied token the target reached (all before it kept) counts, kept or not."""
+        """Calibrate: each copied token the target reached (all before it kept) counts, kept or not; a block of the
+        draft's alone tells what a run must beat."""
+        if block.drafted and block.model_tokens == len(block):
+            self.memory.model_kept.update(n_accepted)
         for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
             if not proposed.from_model:
                 self.memory.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
