@@ -196,6 +196,8 @@ def test_greedy_suffix_drafting_equals_the_target_locally(pair, request) -> None
                 assert result.token_ids == reference, (name, mode)
                 copied += result.stats.suffix_tokens
                 assert result.stats.draft_forwards + result.stats.suffix_tokens >= result.stats.drafted_tokens
+        lossy = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=16, proposer="suffix"))
+        assert lossy.stats.new_tokens == 16 or lossy.token_ids[-1] in target.eos_token_ids  # sprinter runs with it
     assert copied > 0
 
 

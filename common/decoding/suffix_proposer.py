@@ -8,8 +8,8 @@ the lossless rules stay exact (common/decoding/proposals.py says why).
 
 Blocks
     A run ends its block: the model's tokens before it went by the call policy as ever, and a run's
-    length follows the match (RUN_PER_MATCH tokens per matched token, within the block's cap), cut
-    where the product of its scores falls below MIN_SURVIVAL (long runs once copies are kept). Blocks
+    length follows the match: it goes on, within the block's cap, while the product of its scores (which
+    grow with the length of the match each token follows) stays above MIN_SURVIVAL. Blocks
     with runs are therefore longer than k: up to the mode's max_run_length and the cloud's max_block.
     The draft's KV follows kept run tokens at its next forward, which feeds what it lacks in one go
     (`ProposedToken.fed` counts it); a run costs no draft step.
@@ -50,8 +50,6 @@ from common.decoding.modes import DecodeSettings
 from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken, Proposer
 from common.decoding.suffix_match import Continuation, OutputCache, TokenIndex, continuation
 
-RUN_PER_MATCH = 2  # tokens a run may propose per matched token (a run of at least RUN_MIN)
-RUN_MIN = 4
 # A run stops where the chance that the target keeps all of it (the product of its a_i) falls below this: every
 # token sent costs the target's forward (on a CPU, in proportion), so a run is as long as its scores warrant.
 MIN_SURVIVAL = 0.15
@@ -169,7 +167,7 @@ class SuffixProposer:
         is not worth it: its first token scores under COPY_MIN, or the target would keep fewer of it (the sum of its
         tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
         source, found = run
-        length = min(len(found.tokens), limit - len(block), max(RUN_MIN, RUN_PER_MATCH * found.match_length))
+        length = min(len(found.tokens), limit - len(block))
         proposals, before, survival, expected = [], 1.0, 1.0, 0.0
         for i, token in enumerate(found.tokens[:length]):
             # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
