@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -104,6 +104,11 @@ gpu-check:
 gpu-bundle: $(GPU_BUNDLE)/manifest.json
 $(GPU_BUNDLE)/manifest.json: pyproject.toml $(STUBS) $(VENV)/.project
 	$(VENV)/bin/sprinter gpu bundle --out $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
+# Suffix drafting against the draft model alone (docs/benchmarks/proposers.md): every prompt of the suite, per
+# category, 3 interleaved passes at 50 ms RTT, cloud and edge pinned a core each. About an hour here.
+bench-proposer: $(VENV)/.models-qwen $(STUBS)
+	$(VENV)/bin/sprinter bench proposer --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 50 --repeats 3 \
+	    --out results/bench-proposer --page docs/benchmarks/proposers.md
 
 setup: $(VENV)/.project $(STUBS)
 

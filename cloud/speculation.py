@@ -17,8 +17,8 @@ Per round, with c = len(context):
     draft KV    holds a prefix of the context; step i feeds what it lacks, then x_{i-1}: rows [1, V]
     verdict     keep x_1..x_n and the target's token after them; both caches roll back to c + n
 
-The edge's round (common/decoding/speculative_round.py) drafts through a model of its own one step
-at a time; here every step is an await on the shared draft batcher, so the loop is written for it.
+Drafting goes through the one proposer seam (common/decoding/proposals.py): the draft model's
+`ModelProposer`, whose forward here (`BatchedDraft`) is an await on the shared draft batcher.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ import torch
 from cloud.batcher import Batcher
 from cloud.engine import ForwardResult, TargetRows
 from cloud.resident_kv import KVLayout, ResidentKV
+from common.decoding.drafting import DraftRow, ModelProposer
+from common.decoding.proposals import PendingBlock
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.models import LoadedModel
-from common.sampling import SamplingParams, logits_to_probs, sample
+from common.sampling import SamplingParams, logits_to_probs
 from common.verification import greedy_verdict
 from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, verify_rule
 
@@ -79,6 +81,24 @@ def to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @dataclass
+class BatchedDraft:
+    """The draft's forward for the proposer seam: one step of the shared draft batcher over a generation's cache,
+    which holds a prefix of the context it is asked for (the round truncates it to what the verdict kept)."""
+
+    draft: DraftEngine
+    cache: ResidentKV
+    vocab_size: int  # the target's
+    full: bool  # bring back the logits (sampling, processors, a vocabulary to map); else the argmax is all it reads
+
+    async def __call__(self, context: list[int]) -> DraftRow:
+        result = await self.draft.batcher.forward(self.cache, context[self.cache.length:], n_logits=1,
+                                                  full_logits=self.full)
+        if not self.full:
+            return DraftRow(None, argmax=int(result.rows.argmax[-1]))
+        return DraftRow(to_vocab(result.rows.logits, self.vocab_size)[-1])
+
+
+@dataclass
 class CloudSpeculation:
     """One generation's rounds: its context, its two caches, its seeded generator and the request's processors."""
 
@@ -94,6 +114,9 @@ class CloudSpeculation:
     def __post_init__(self) -> None:
         # one seeded stream for drafting and the rule, as the local engine has (common/decoding/local_engine.py)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size
+        self.proposer = ModelProposer(BatchedDraft(self.draft, self.draft_cache, self.vocab_size, full), self.sampling,
+                                      self.generator, self.eos_token_ids, processor=self.draft_processor)
 
     async def rounds(self, context: list[int], max_new: int, block: int,
                      target_forward: TargetForward) -> AsyncIterator[SpeculatedRound]:
@@ -119,24 +142,12 @@ class CloudSpeculation:
                 return
 
     async def _draft(self, context: list[int], g: int) -> tuple[list[int], list[torch.Tensor]]:
-        """x_1..x_g drafted after `context`, one batched draft step each, and (sampling) the distributions q_i [V]."""
-        drafted: list[int] = []
-        p_draft: list[torch.Tensor] = []
-        full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size
-        for _ in range(g):
-            feed = (context + drafted)[self.draft_cache.length:]
-            result = await self.draft.batcher.forward(self.draft_cache, feed, n_logits=1, full_logits=full)
-            rows = result.rows
-            if full:
-                logits = to_vocab(rows.logits, self.vocab_size)
-                rows = TargetRows(logits.argmax(dim=-1), logits).shaped(self.draft_processor, context + drafted, [])
-            if self.sampling.greedy:
-                drafted.append(int(rows.argmax[-1]))
-                continue
-            probs = logits_to_probs(rows.logits[-1], self.sampling)  # [V]
-            drafted.append(sample(probs, self.generator))
-            p_draft.append(probs)
-        return drafted, p_draft
+        """x_1..x_g proposed after `context` (one batched draft step each; fewer after an end-of-sequence token) and,
+        under sampling, the distributions q_i [V] they were drawn from."""
+        block = PendingBlock()
+        async for proposed in self.proposer.propose(context, g, None, None, judged=False):
+            block.drafted.append(proposed)
+        return block.tokens, [d.p_draft for d in block.drafted if d.p_draft is not None]
 
     def _verdict(self, drafted: list[int], p_draft: list[torch.Tensor], rows: TargetRows) -> tuple[int, int]:
         """sd-block's rule on the round's block: (n_accepted, next_token)."""

@@ -39,6 +39,17 @@ class DecodeStats:
     downlink_bytes: int = 0  # session frames the edge read (opens, verdicts: logprobs make them longer)
     residual_queries: int = 0  # the cloud's residual queries answered (draft_dists on-rejection): extra round trips
     cached_tokens: int = 0  # prompt tokens the cloud took from its prefix cache instead of prefilling them
+    # Suffix drafting (common/decoding/suffix_proposer.py): tokens proposed by copying text, and how many the target
+    # kept; what the draft's forwards fed (one a step, more where its KV caught up on kept copied tokens).
+    suffix_tokens: int = 0
+    suffix_kept: int = 0
+    draft_fed_tokens: int = 0
+
+    @property
+    def suffix_share(self) -> float | None:
+        """The share of proposed tokens that were copied from text rather than drafted."""
+        proposed = self.suffix_tokens + self.draft_forwards
+        return self.suffix_tokens / proposed if proposed else None
 
     @property
     def ahead_hit_rate(self) -> float | None:
@@ -53,7 +64,7 @@ class DecodeStats:
         return self.downlink_bytes / self.new_tokens if self.new_tokens and self.downlink_bytes else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ahead_hit_rate": self.ahead_hit_rate, "uplink_bytes_per_token": self.uplink_bytes_per_token,
+        return {**asdict(self), "suffix_share": self.suffix_share, "ahead_hit_rate": self.ahead_hit_rate, "uplink_bytes_per_token": self.uplink_bytes_per_token,
                 "downlink_bytes_per_token": self.downlink_bytes_per_token}
 
 
@@ -91,6 +102,18 @@ class StatsRecorder:
     downlink_bytes: int = 0
     residual_queries: int = 0
     cached_tokens: int = 0
+    suffix_tokens: int = 0
+    suffix_kept: int = 0
+    draft_fed_tokens: int = 0
+
+    def proposed(self, tokens: list) -> None:
+        """New proposals (common/decoding/proposals.py ProposedToken): a draft step for each of the draft's own."""
+        for token in tokens:
+            if token.from_model:
+                self.draft_forwards += 1
+                self.draft_fed_tokens += token.fed
+            else:
+                self.suffix_tokens += 1
 
     def emitted(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -140,6 +163,7 @@ class StatsRecorder:
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
             downlink_bytes=self.downlink_bytes, residual_queries=self.residual_queries,
             cached_tokens=self.cached_tokens,
+            suffix_tokens=self.suffix_tokens, suffix_kept=self.suffix_kept, draft_fed_tokens=self.draft_fed_tokens,
         )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, host_port_list
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.modes import DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, DecodeSettings
+from common.decoding.modes import DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings
 from common.devices import DeviceError, add_device_argument, resolve_device
 from common.sampling_params import SamplingParams
 from common.stats import DecodeStats
@@ -57,6 +57,16 @@ def add_policy_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
                    help=f"call policy{scope} of modes {', '.join(POLICY_MODES)}: when to send the pending block "
                         f"({' | '.join(POLICY_FORMS)}; 'flag' alone uses the verifier's threshold). "
                         "Default: fixed:K for sd modes, goodput for sprinter-exact")
+
+
+def add_proposer_arguments(p: argparse.ArgumentParser, scope: str = "") -> None:
+    p.add_argument("--proposer", default="model", choices=PROPOSERS,
+                   help=f"what proposes the tokens a block sends{scope}: the draft model, or suffix: text the "
+                        "request (its prompt, its output so far) or this edge's earlier outputs hold where the "
+                        "context matches it, the draft model elsewhere. Lossless modes stay exact either way")
+    p.add_argument("--suffix-cache", default="on", choices=["on", "off"],
+                   help="with --proposer suffix: also copy from this edge's earlier outputs (a bounded, least "
+                        "recently used cache), or only from each request's own text")
 
 
 def _positive_seconds(text: str) -> float:
@@ -121,6 +131,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, mode and stats")
     add_decoding_arguments(p)
+    add_proposer_arguments(p)
     add_companion_argument(p)
     add_policy_argument(p)
     add_cloud_arguments(p)
@@ -129,7 +140,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 def decode_settings(args: argparse.Namespace) -> DecodeSettings:
     return DecodeSettings(mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
-                          max_run_length=args.max_run_length, policy=args.policy,
+                          max_run_length=args.max_run_length, policy=args.policy, proposer=args.proposer,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
 
 
@@ -151,6 +162,7 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
 def run(args: argparse.Namespace) -> int:
     from common.companion import companion_for
     from common.decoding.local_engine import LocalEngine
+    from common.decoding.suffix_proposer import suffix_memory
     from common.models import DTYPES, load_model
     from common.prompting import encode_prompt
     from edge.runtime.verifier import load_verifier
@@ -186,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     make_companion = None
     if draft is not None and target is not None:  # the verifier runs in speculative modes only
         make_companion = companion_for(verifier, args.companion, draft, dtype, (target, draft))
-    engine = LocalEngine(target, draft, verifier, make_companion=make_companion)
+    engine = LocalEngine(target, draft, verifier, make_companion=make_companion,
+                         suffix_memory=suffix_memory(args.suffix_cache == "on"))
     result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
     print_result(args, result.text, result.token_ids, result.stats)
     return 0

@@ -17,6 +17,7 @@ from common.errors import PairMismatch
 from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from common.verifier import Verifier
 from edge.cloud_link.client import CloudEndpoint
+from common.decoding.suffix_proposer import suffix_memory
 from edge.decoding.decoder import EdgeDecoder
 from edge.decoding.placing import Placer
 from edge.runtime.draft import draft_lm_factory
@@ -46,6 +47,7 @@ class EdgeNodeSettings:
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
     uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placing.py); 0: unlimited
     companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
+    suffix_cache: bool = True  # suffix drafting may copy from this edge's earlier outputs (--suffix-cache)
 
     def __post_init__(self) -> None:
         if self.uplink_mbps < 0:
@@ -62,7 +64,8 @@ class EdgeNodeSettings:
                    draft_runtime=args.draft_runtime, draft_weights=args.draft_weights, threads=args.threads,
                    dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
                    max_model_len=getattr(args, "max_model_len", None), uplink_mbps=getattr(args, "uplink_mbps", 0.0),
-                   discover_clouds=bool(getattr(args, "mqtt", None)) and not args.cloud)
+                   discover_clouds=bool(getattr(args, "mqtt", None)) and not args.cloud,
+                   suffix_cache=getattr(args, "suffix_cache", "on") == "on")
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ class EdgeNode:
             raise
         self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
                                    make_companion=setup.make_companion, max_context=self.settings.max_model_len,
-                                   placer=Placer(uplink_mbps=self.settings.uplink_mbps))
+                                   placer=Placer(uplink_mbps=self.settings.uplink_mbps),
+                                   suffix_memory=suffix_memory(self.settings.suffix_cache))
         self.decoder.verifier_identity = setup.identity
         return self
 

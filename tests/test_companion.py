@@ -16,7 +16,8 @@ from common.cached_lm import CachedLM
 from common.cli import main
 from prompt_files import short_prompt_file
 from common.companion import Companion, companion_factory, companion_features, load_companion
-from common.decoding.drafting import draft_tokens
+from common.decoding.drafting import LocalDraft, ModelProposer
+from common.decoding.speculative_round import run_inline
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
@@ -26,6 +27,16 @@ from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge.verifier_training.collect import load_dataset
 from edge.runtime.verifier import LearnedVerifier, load_verifier
+
+
+def draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids, verifier=None, policy=None,
+                 cost_model=None, companion=None) -> list:
+    """The draft model's proposals after `context`, through the proposer seam, driven inline."""
+    proposer = ModelProposer(LocalDraft(draft_lm), sampling, generator, eos_token_ids, verifier, companion)
+
+    async def collect() -> list:
+        return [t async for t in proposer.propose(context, limit, policy, cost_model)]
+    return run_inline(collect())
 
 # The only other tiny model with the draft's tokenizer is the target itself: as a companion it makes the
 # signals unrealistically good, which does not matter for plumbing tests.
@@ -58,9 +69,9 @@ def test_features_by_hand_and_the_ratio_caps_at_one():
 
 def test_drafting_records_the_companion_at_each_tokens_position(tiny_draft, tiny_target):
     ids = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
-    drafted = list(draft_tokens(CachedLM(tiny_draft.model), ids, 6, SamplingParams(temperature=0.0), torch.Generator(),
+    drafted = (draft_tokens(CachedLM(tiny_draft.model), ids, 6, SamplingParams(temperature=0.0), torch.Generator(),
                                 frozenset(), companion=Companion(CachedLM(tiny_target.model))))
-    plain = list(draft_tokens(CachedLM(tiny_draft.model), ids, 6, SamplingParams(temperature=0.0), torch.Generator(),
+    plain = (draft_tokens(CachedLM(tiny_draft.model), ids, 6, SamplingParams(temperature=0.0), torch.Generator(),
                               frozenset()))
     assert [d.token for d in drafted] == [d.token for d in plain]  # the companion only observes
     assert all(d.step.companion is None for d in plain)

@@ -164,15 +164,15 @@ def test_an_adapting_pipeline_whose_guesses_miss_runs_as_off_and_stays_exact(tin
 
 
 def test_likely_outcomes_rank_full_acceptance_and_rejections(tiny_draft):
-    from common.decoding.drafting import DraftedToken, PendingBlock
+    from common.decoding.proposals import MODEL, PendingBlock, ProposedToken
     from common.verifier import DraftStep
 
     vocab = 8
 
-    def drafted(token: int, runner_up: int, a: float) -> DraftedToken:
+    def drafted(token: int, runner_up: int, a: float) -> ProposedToken:
         logits = torch.full((vocab,), -10.0)
         logits[token], logits[runner_up] = 5.0, 4.0
-        return DraftedToken(DraftStep(token, logits, None), torch.softmax(logits, -1), False, False, a)
+        return ProposedToken(token, MODEL, torch.softmax(logits, -1), False, False, a, DraftStep(token, logits, None))
 
     block = PendingBlock([drafted(1, 2, 0.9), drafted(3, 4, 0.2)])
     bonus = torch.full((vocab,), -10.0)

@@ -13,13 +13,24 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
 from common.call_policy import CostModel, FixedPolicy
-from common.decoding.drafting import draft_tokens
+from common.decoding.drafting import LocalDraft, ModelProposer
+from common.decoding.speculative_round import run_inline
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, call_policy
 from common.sampling import SamplingParams
 from common.verifier import DraftStep
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
+
+
+def draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids, verifier=None, policy=None,
+                 cost_model=None, companion=None) -> list:
+    """The draft model's proposals after `context`, through the proposer seam, driven inline."""
+    proposer = ModelProposer(LocalDraft(draft_lm), sampling, generator, eos_token_ids, verifier, companion)
+
+    async def collect() -> list:
+        return [t async for t in proposer.propose(context, limit, policy, cost_model)]
+    return run_inline(collect())
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
 POLICIES = ("fixed:3", "heuristic", "flag", "goodput")
@@ -121,7 +132,7 @@ class SendAt:
 def test_draft_tokens_asks_the_policy_with_verifier_scores(tiny_draft):
     ids = tiny_draft.tokenizer(PROMPTS[1])["input_ids"]
     policy, cost_model = SendAt(4), CostModel()
-    drafted = list(draft_tokens(CachedLM(tiny_draft.model), ids, 10, SamplingParams(temperature=0.0),
+    drafted = (draft_tokens(CachedLM(tiny_draft.model), ids, 10, SamplingParams(temperature=0.0),
                                 torch.Generator(), frozenset(), VERIFIER, policy, cost_model))
     assert len(drafted) == 4 and [d.ends_block for d in drafted] == [False, False, False, True]
     scores = [VERIFIER.score(d.step) for d in drafted]
@@ -129,7 +140,7 @@ def test_draft_tokens_asks_the_policy_with_verifier_scores(tiny_draft):
     assert [d.flagged for d in drafted] == [s < VERIFIER.threshold for s in scores]  # flags stay the verifier's
     assert cost_model.snapshot()["draft_steps_observed"] == 4
     # the cap wins over a policy that would draft on; without a verifier a_i is the draft's own T=1 probability
-    capped = list(draft_tokens(CachedLM(tiny_draft.model), ids, 2, SamplingParams(temperature=0.0),
+    capped = (draft_tokens(CachedLM(tiny_draft.model), ids, 2, SamplingParams(temperature=0.0),
                                torch.Generator(), frozenset(), None, FixedPolicy(9)))
     assert len(capped) == 2 and capped[-1].ends_block and not any(d.flagged for d in capped)
 

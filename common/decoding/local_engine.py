@@ -20,10 +20,11 @@ import torch
 from common.cached_lm import CachedLM, DraftLM
 from common.call_policy import CostModel
 from common.companion import Companion
-from common.decoding.drafting import Drafter, next_token
+from common.decoding.drafting import model_drafter, next_token
 from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
+from common.decoding.suffix_proposer import SuffixMemory, proposer_for
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import logprobs_of
 from common.sampling_params import SamplingParams
@@ -44,7 +45,8 @@ class GenerationResult:
 class LocalEngine:
     def __init__(self, target: LoadedModel | None, draft: LoadedModel | None,
                  verifier: Verifier | None = None, make_draft_lm: Callable[[bool], DraftLM] | None = None,
-                 make_companion: Callable[[], Companion] | None = None) -> None:
+                 make_companion: Callable[[], Companion] | None = None,
+                 suffix_memory: SuffixMemory | None = None) -> None:
         """`make_draft_lm(with_hidden)` swaps the draft's runtime (e.g. the edge's ONNX export); torch by default.
 
         `make_companion`, when given, makes one companion (own KV cache) per generation: its signals feed the verifier.
@@ -60,6 +62,8 @@ class LocalEngine:
         self.eos_token_ids = (target or draft).eos_token_ids
         self.make_companion = make_companion
         self.make_draft_lm = make_draft_lm or (lambda with_hidden: CachedLM(self._model("draft").model, with_hidden))
+        # suffix drafting's cache of earlier outputs (None in it: off) and its score calibration, across generations
+        self.suffix_memory = suffix_memory or SuffixMemory()
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings) -> GenerationResult:
         generation = Generation(list(prompt_ids), settings, self.eos_token_ids, StatsRecorder(settings.mode))
@@ -108,8 +112,9 @@ class LocalEngine:
         companion = self.make_companion() if self.make_companion is not None else None
         verifier = verifier_for(self.verifier, settings.sampling.temperature)
         processor = self._processor(settings.sampling, generation.prompt_ids, "draft")
-        drafter = Drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
-                          self.eos_token_ids, verifier, companion, processor=processor)
+        drafter = model_drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
+                                self.eos_token_ids, verifier, companion, processor=processor,
+                                wrap=proposer_for(settings, self.suffix_memory))
         target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule(),
                              self._processor(settings.sampling, generation.prompt_ids, "target"))
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
@@ -117,3 +122,4 @@ class LocalEngine:
         generation.recorder.policy = policy.describe()
         while not generation.done:
             await speculative_round(generation, drafter, target, policy, cost_model)
+        drafter.proposer.observe_output(generation.new_tokens)

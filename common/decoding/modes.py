@@ -108,6 +108,8 @@ PIPELINES = ("off", "ahead", "send-ahead")
 # What a sampled verify frame carries of the draft's distributions: all of them, or (modes whose rule
 # `dists_on_rejection`) none, the cloud asking for what it needs at a rejection (cloud/residual.py).
 DRAFT_DISTS = ("full", "on-rejection")
+# What proposes a block's tokens (common/decoding/proposals.py; kept here so that `sprinter --help` needs no torch).
+PROPOSERS = ("model", "suffix")
 # Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
 PLACEMENTS = ("edge", "cloud", "auto")
 CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)
@@ -162,9 +164,12 @@ class DecodeSettings:
     max_run_length: int = 20  # cap on a pending block (sprinter modes, and any explicit policy)
     policy: str | None = None  # call policy spec (common/call_policy.py); None: the mode's default
     max_block: int | None = None  # the verifying backend's own cap on a block (the cloud's limits.max_block)
+    proposer: str = "model"  # what proposes the tokens (common/decoding/proposals.py PROPOSERS)
 
     def __post_init__(self) -> None:
         mode_of(self.mode)  # an unknown mode fails here
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
         if self.max_new_tokens < 1 or self.k < 1 or self.max_run_length < 1 or (self.max_block or 1) < 1:
             raise ValueError("max_new_tokens, k, max_run_length and max_block must be >= 1")
         if self.policy is not None:
@@ -178,6 +183,15 @@ class DecodeSettings:
         """Longest pending block: k under sd's default fixed:k (as before policies), else the run-length cap;
         never more than the backend verifies in one frame."""
         cap = self.k if self.traits.fixed_block and self.policy is None else self.max_run_length
+        return min(cap, self.max_block) if self.max_block is not None else cap
+
+    @property
+    def round_cap(self) -> int:
+        """Longest block a round may send: `block_cap`, or with suffix drafting, whose copied runs follow their
+        match rather than k, the run-length cap (the policy still places the draft's own tokens)."""
+        if self.proposer == "model":
+            return self.block_cap
+        cap = max(self.block_cap, self.max_run_length)
         return min(cap, self.max_block) if self.max_block is not None else cap
 
     @property

@@ -2,7 +2,8 @@
 
 Glossary
     context        the prompt and every committed token; a block is drafted after it
-    pending block  x_1..x_g: drafted tokens no target has checked yet (drafting.py)
+    pending block  x_1..x_g: proposed tokens no target has checked yet (proposals.py: the draft model's, or text
+                   copied from where the context matched, behind one seam)
     a_i            the verifier's estimate that the target accepts x_i; the call policy reads a_1..a_g
                    after each token and decides when the block goes to the target
     backend        where a block is verified (`BlockVerifier`): `LocalTarget` below, in this process,
@@ -36,7 +37,8 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
-from common.decoding.drafting import DraftedToken, Drafter, PendingBlock
+from common.decoding.drafting import Drafter
+from common.decoding.proposals import PendingBlock, ProposedToken
 from common.decoding.generation import Generation
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
@@ -98,7 +100,8 @@ class LocalTarget:
         target_logits = self.target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits  # [g + 1, V]
         shaped = self.processor.rows(target_logits, context, block.tokens) if self.processor else target_logits
         p_target = logits_to_probs(shaped, self.sampling)  # [g + 1, V]
-        n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft, p_target, self.generator)
+        n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft(p_target.shape[-1]), p_target,
+                                           self.generator)
         verify_ms = (time.perf_counter() - started) * 1e3
         kept = block.tokens[:n_accepted] + [next_token]
         logprobs = logprobs_of(target_logits, kept, self.sampling.logprobs) if self.sampling.logprobs is not None \
@@ -112,7 +115,7 @@ def block_limit(generation: Generation, verifying: bool) -> int:
     and the target's token after it; without a target, the draft-only chunk within the length budget."""
     if not verifying:
         return min(DRAFT_ONLY_BLOCK, generation.budget)
-    return min(generation.settings.block_cap, generation.block_room)
+    return min(generation.settings.round_cap, generation.block_room)
 
 
 async def draft_block(generation: Generation, drafter: Drafter, context: list[int], limit: int,
@@ -122,14 +125,14 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
     drafted ahead: edge/decoding/pipeline.py), under the call policy. `cost_model` learns the drafting steps
     (pass None in the first round, whose drafting overlaps the prompt's prefill)."""
     # sprinter never checks a token its verifier passed: the client may have it at once.
-    def on_passed(drafted: DraftedToken) -> None:  # the draft's logprob: no target judges a passed token
+    def on_passed(drafted: ProposedToken) -> None:  # the draft's logprob: no target judges a passed token
         logprobs = PendingBlock([drafted]).draft_logprobs(generation.top_logprobs)
         generation.append_final(drafted.token, logprobs[0] if logprobs else None)
 
     on_passed = on_passed if generation.settings.traits.releases_passed else None
     prefix = PendingBlock(prefix.drafted[:limit]) if prefix is not None else None  # drafted for the room there was
     block = await drafter.draft(context, limit, policy, cost_model, verifying, on_passed, prefix)
-    generation.recorder.draft_forwards += len(block) - (len(prefix) if prefix is not None else 0)
+    generation.recorder.proposed(block.drafted[len(prefix) if prefix is not None else 0:])
     return block
 
 
@@ -139,10 +142,12 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
     drafted when no target was reached; the policy and the cost model learn from it. The first round's round
     trip also paid the prompt's prefill: the cost model does not learn it as a round trip."""
     start = len(context) - len(generation.prompt_ids)
-    if verdict is None:
+    if verdict is None:  # only the draft's own tokens stand unverified
+        block = block.unverified_prefix(released=max(0, generation.released - start))
         generation.commit(start, block.tokens, block.draft_logprobs(generation.top_logprobs))
         return
     generation.recorder.verified(len(block), verdict.n_accepted)
+    generation.recorder.suffix_kept += sum(not d.from_model for d in block.drafted[:verdict.n_accepted])
     if policy is not None:
         policy.observe_verdict(len(block), verdict.n_accepted)
     if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
@@ -170,6 +175,8 @@ async def speculative_round(generation: Generation, drafter: Drafter, backend: B
         return Round(block, None)
     verdict = await backend.verify(context, block) if verifying else None
     apply_verdict(generation, context, block, verdict, policy, cost_model, first_round)
+    if verdict is not None:
+        drafter.proposer.observe_verdict(block, verdict.n_accepted)
     return Round(block, verdict)
 
 

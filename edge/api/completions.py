@@ -20,7 +20,7 @@ from typing import Callable
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from common.decoding.modes import MODES, PLACEMENTS, POLICY_MODES, DecodeSettings, mode_of
+from common.decoding.modes import MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, mode_of
 from common.sampling import SamplingParams
 from common.sampling_params import GrammarError
 from common.tool_calls import ToolsUnsupported
@@ -47,6 +47,7 @@ class ApiSettings:
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
     default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
+    default_proposer: str = "model"  # what proposes a block's tokens (common/decoding/proposals.py); likewise
     default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placing.py)
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
@@ -89,6 +90,9 @@ class Completions:
             return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if not mode_of(mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft alone
             return openai_error(400, f"mode {mode!r} needs a cloud, and this daemon has none (--cloud)", "mode")
+        proposer = body.proposer or self.api.default_proposer
+        if proposer not in PROPOSERS:
+            return openai_error(400, f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}", "proposer")
         placement = body.placement or self.api.default_placement
         if problem := self._placement_problem(placement):
             return openai_error(400, problem, "placement")
@@ -106,7 +110,7 @@ class Completions:
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
-                                    policy=policy)
+                                    policy=policy, proposer=proposer)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
         pipeline = body.pipeline or self.api.default_pipeline
@@ -241,6 +245,7 @@ class Completions:
                 "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
                 "default_mode": self.api.default_mode,
                 "default_policy": self.api.default_policy, "default_pipeline": self.api.default_pipeline,
+                "default_proposer": self.api.default_proposer,
                 "default_placement": self.api.default_placement, "placement": node.decoder.placer.snapshot(),
                 "in_flight": self.slots.in_flight,
                 "context_limit": node.decoder.context_limit(self.api.default_mode),

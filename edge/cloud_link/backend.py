@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from common import wire
-from common.decoding.drafting import PendingBlock
+from common.decoding.proposals import PendingBlock
 from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
 from common.logprobs import TokenLogprob
@@ -54,6 +54,14 @@ class CloudUse:
                 self.on_degraded(reason)
 
 
+def draft_sampling(sampling: SamplingParams, support: int) -> SamplingParams:
+    """The draft's sampling for a cloud that reads at most `support` entries of a distribution: on the wire a sampled
+    draft distribution travels sparse, and sampling from the capped support keeps it exact."""
+    if sampling.greedy:
+        return sampling
+    return replace(sampling, top_k=min(sampling.top_k or support, support))
+
+
 class CloudVerifier:
     """The speculative round's backend over one generation's cloud session; None when out of reach."""
 
@@ -78,7 +86,7 @@ class CloudVerifier:
 
     def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
         """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`)."""
-        probs = [float(d.p_draft[d.token]) for d in block.drafted]
+        probs = [d.probability for d in block.drafted]
         if self.dists_on_rejection:
             return wire.verify_block(start_position, block.tokens, self.method, probs, None, after,
                                      dists_on_rejection=True)
@@ -90,10 +98,12 @@ class CloudVerifier:
         answered with nothing, which the cloud refuses by name."""
         if query.position >= len(block):
             return wire.residual_answer_frame(query)
-        p_draft = block.drafted[query.position].p_draft
+        proposed = block.drafted[query.position]
         if query.full_distribution:
-            return wire.residual_answer_frame(query, draft_dist=SparseDistribution.from_dense(p_draft))
-        return wire.residual_answer_frame(query, p_draft[list(query.candidate_ids)].tolist())
+            return wire.residual_answer_frame(query, draft_dist=proposed.sparse())
+        if proposed.p_draft is None:  # a point mass: only its own token has mass
+            return wire.residual_answer_frame(query, [float(c == proposed.token) for c in query.candidate_ids])
+        return wire.residual_answer_frame(query, proposed.p_draft[list(query.candidate_ids)].tolist())
 
     @property
     def residual_queries(self) -> int:
@@ -180,7 +190,7 @@ class CloudVerifier:
         if self.sampling.greedy:
             return None
         rows = block.drafted[-1:] if reads_last_draft_only(self.method) else block.drafted
-        return [SparseDistribution.from_dense(d.p_draft, self.max_sparse_support) for d in rows]
+        return [d.sparse(self.max_sparse_support) for d in rows]
 
     async def close(self) -> None:
         await self.session.close()

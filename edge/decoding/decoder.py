@@ -8,10 +8,11 @@ when a token is flagged; `sprinter-exact` releases tokens only once the cloud bl
 and sends when its policy says so (goodput by default). The costs goodput weighs are learned by one
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
-Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with
-the cloud session as its backend (edge/cloud_link/backend.py: a pending block becomes a verify frame,
-the cloud's answer a `Verdict`); with a pipeline on (edge/decoding/pipeline.py) the edge drafts ahead while a
-block is in flight, and with send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
+Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with the cloud
+session as its backend (edge/cloud_link/backend.py: a block becomes a verify frame, the answer a `Verdict`),
+its blocks proposed by the request's proposer (common/decoding/proposals.py: the draft model, or suffix drafting);
+with a pipeline on (edge/decoding/pipeline.py) the edge drafts ahead while a block is in flight, and with
+send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
 cloud is a set of replicas (edge/cloud_link/replicas.py): a session that loses its replica reopens on
 another with the full context. If no replica is reachable the round keeps going from the draft
 alone, marks the result degraded (and tells a streaming caller at once, with the reason), and tries
@@ -36,7 +37,9 @@ from common import wire
 from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
-from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.drafting import Drafter, model_drafter
+from common.decoding.proposals import PendingBlock
+from common.decoding.suffix_proposer import SuffixMemory, proposer_for
 from common.decoding.generation import Generation, Released, StopSequences
 from common.logprobs import TokenLogprob, logprobs_of
 from common.decoding.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of
@@ -48,7 +51,7 @@ from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
-from edge.cloud_link.backend import CloudUse, CloudVerifier
+from edge.cloud_link.backend import CloudUse, CloudVerifier, draft_sampling
 from edge.decoding.pipeline import PipelinedRounds
 from edge.decoding.placing import Placed, Placer, check_placement
 from edge.cloud_link.replicas import ReplicaSet
@@ -124,7 +127,7 @@ class EdgeDecoder:
     def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
                  cloud: ReplicaSet | None, cost_model: CostModel | None = None,
                  make_companion: Callable[[], Companion] | None = None, max_context: int | None = None,
-                 placer: Placer | None = None) -> None:
+                 placer: Placer | None = None, suffix_memory: SuffixMemory | None = None) -> None:
         self.draft = draft
         self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
         self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
@@ -137,6 +140,7 @@ class EdgeDecoder:
         self.placer = placer or Placer()  # where auto places a request: learned across requests, like the cost model
         # Whether drafting ahead pays, per (pipeline, mode): like the cost model, a property of this edge and its link.
         self.ahead_records: dict[tuple[str, str], AheadRecord] = {}
+        self.suffix_memory = suffix_memory or SuffixMemory()  # suffix drafting's cache of outputs and its calibration
         self.vocab_fingerprint = vocab_fingerprint(draft.tokenizer)
         self.eos_token_ids = draft.eos_token_ids
         # the draft's own window (and the operator's --max-model-len): drafting past it is undefined
@@ -254,7 +258,7 @@ class EdgeDecoder:
                 log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
                 use.mark_degraded(err.reason)
                 retry_at = time.monotonic() + settings.cloud_retry_s
-            drafter = drafter or self._drafter(settings.decode.sampling, generation.prompt_ids)
+            drafter = drafter or self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids)
             # past the request's deadline (retry_at None) the draft goes on to the end
             while not generation.done and (retry_at is None or time.monotonic() < retry_at):
                 await speculative_round(generation, drafter, None, None, None)
@@ -291,11 +295,12 @@ class EdgeDecoder:
                     return None  # our own limit or stop: our own reason
         return finish
 
-    def _drafter(self, sampling: SamplingParams, prompt_ids: list[int]) -> Drafter:
-        return Drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
-                       self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
-                       self.make_companion() if self.make_companion is not None else None, offload=True,
-                       processor=processor_for(sampling, prompt_ids, self.draft.grammars if sampling.grammar else None))
+    def _drafter(self, decode: DecodeSettings, prompt_ids: list[int]) -> Drafter:
+        sampling, grammars = decode.sampling, self.draft.grammars if decode.sampling.grammar else None
+        return model_drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
+                             self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
+                             self.make_companion() if self.make_companion else None, True,
+                             processor_for(sampling, prompt_ids, grammars), proposer_for(decode, self.suffix_memory))
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                          deadline_at: float | None) -> None:
@@ -306,15 +311,18 @@ class EdgeDecoder:
             use.mark_degraded("no_cloud")
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
-        drafter = self._drafter(self._draft_sampling(settings.decode.sampling, support), generation.prompt_ids)
+        decode = replace(settings.decode, sampling=draft_sampling(settings.decode.sampling, support))
+        drafter = self._drafter(decode, generation.prompt_ids)
         policy = None
         if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
-            policy = call_policy(generation.settings, drafter.verifier, self.cost_model)
+            policy = call_policy(generation.settings, verifier_for(self.verifier, decode.sampling.temperature), self.cost_model)
             generation.recorder.policy = policy.describe()
         backend = None if not traits.uses_cloud or self.cloud is None else self._cloud_backend(generation, settings, use, support,
                                                                                     deadline_at)
         try:
             await self._rounds(generation, settings, drafter, backend, policy)
+            if backend is not None and not use.degraded_reason:  # verified output: what later requests may copy
+                drafter.proposer.observe_output(generation.new_tokens)
         finally:
             if backend is not None:
                 generation.recorder.uplink_bytes = backend.uplink_bytes
@@ -387,10 +395,3 @@ class EdgeDecoder:
         if max_block != generation.settings.max_block:
             generation.settings = replace(generation.settings, max_block=max_block)
         generation.context_limit = self.context_limit(generation.settings.mode)
-
-    @staticmethod
-    def _draft_sampling(sampling: SamplingParams, support: int) -> SamplingParams:
-        """On the wire a sampled draft distribution travels sparse; sampling from the capped support keeps it exact."""
-        if sampling.greedy:
-            return sampling
-        return replace(sampling, top_k=min(sampling.top_k or support, support))

@@ -55,7 +55,8 @@ from typing import Callable
 import torch
 
 from common.call_policy import CallPolicy, CostModel
-from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.drafting import Drafter
+from common.decoding.proposals import PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import Verdict, apply_verdict, block_limit, draft_block, speculative_round
 from edge.decoding.ahead_gauge import AheadGauge
@@ -103,7 +104,7 @@ def likely_outcomes(block: PendingBlock, bonus_logits: torch.Tensor, eos_token_i
     outcomes, survive = [], 1.0
     for n, drafted in enumerate(block.drafted):
         a = drafted.accept_prob if drafted.accept_prob is not None else 1.0
-        if rejections:
+        if rejections and drafted.step is not None:  # a copied token has no draft distribution to guess from
             q = torch.softmax(logits_at(drafted.step.logits, n).float(), dim=-1)
             rest = 1.0 - float(q[drafted.token])
             q[drafted.token] = 0.0
@@ -206,6 +207,7 @@ class PipelinedRounds:
                       first_round=not generation.new_tokens)
         if verdict is None:  # out of reach: the block stood as drafted
             return None, None
+        self.drafter.proposer.observe_verdict(block, verdict.n_accepted)
         hit = picked(candidates, verdict)
         recorder.pipelined(drafted_ahead=bool(candidates), hit=hit is not None,
                            sent=sum(c.sent_at_epoch is not None for c in candidates))
@@ -223,7 +225,7 @@ class PipelinedRounds:
         send = self.pipeline == "send-ahead"
         if not send and any(t in self.drafter.eos_token_ids for t in block.tokens):
             return []  # all kept would end the generation: nothing to draft for
-        bonus_logits = (await asyncio.to_thread(self.drafter.draft_lm.advance_to, context + block.tokens)).logits[-1]
+        bonus_logits = await self.drafter.proposer.next_logits(context + block.tokens)
         generation.recorder.draft_forwards += 1
         processor = self.drafter.processor
         outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids, BONUS_GUESSES if send else 1,
@@ -231,7 +233,7 @@ class PipelinedRounds:
                                    context=context)
         candidates: list[Candidate] = []
         for outcome in outcomes[: self.max_candidates if send else 1]:
-            room = min(generation.settings.block_cap, generation.block_room - outcome.n_accepted - 1)
+            room = min(generation.settings.round_cap, generation.block_room - outcome.n_accepted - 1)
             if in_flight.done():
                 break
             if room < 1:  # that verdict leaves no room for another block
@@ -247,13 +249,17 @@ class PipelinedRounds:
     async def _draft_candidate(self, candidate: Candidate, room: int, in_flight: asyncio.Task) -> None:
         """Draft `candidate`'s block as the policy would, stopping early if the verdict comes first."""
         started = time.perf_counter()
-        steps = self.drafter.steps(candidate.context, room, self.policy, None)  # hidden behind the round trip: no cost
-        while not in_flight.done() and not candidate.block.complete:
-            drafted = await self.drafter.next_step(steps)
-            if drafted is None:
-                break
-            candidate.block.drafted.append(drafted)
-            self.generation.recorder.draft_forwards += 1
+        # hidden behind the round trip: no cost taught
+        proposals = self.drafter.proposer.propose(candidate.context, room, self.policy, None)
+        try:
+            while not in_flight.done():
+                proposed = await anext(proposals, None)
+                if proposed is None:
+                    break
+                candidate.block.drafted.append(proposed)
+                self.generation.recorder.proposed([proposed])
+        finally:
+            await proposals.aclose()
         candidate.drafting_ms = (time.perf_counter() - started) * 1e3
 
     async def _send_ready(self, context: list[int], candidates: list[Candidate], epoch: int,

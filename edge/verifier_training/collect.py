@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from common.cached_lm import CachedLM, DraftLM
 from common.companion import Companion
-from common.decoding.drafting import Drafter, PendingBlock
+from common.decoding.drafting import model_drafter
+from common.decoding.proposals import PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings
 from common.decoding.speculative_round import LocalTarget, Verdict, run_inline, speculative_round
@@ -93,7 +94,7 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
     decode = DecodeSettings(mode="sd", max_new_tokens=settings.max_new_tokens, sampling=sampling,
                             k=settings.segment or settings.max_new_tokens)
     generation = Generation(list(prompt_ids), decode, eos_token_ids, StatsRecorder("sd"))
-    drafter = Drafter(draft_lm, sampling, generator, eos_token_ids, companion=companion)
+    drafter = model_drafter(draft_lm, sampling, generator, eos_token_ids, companion=companion)
     # segment 0 follows the target's greedy path whatever the sampling: its labels judge the whole draft.
     target = LocalTarget(target_lm, sampling, generator, decode.rule() if settings.segment else greedy_verify)
     records: list[TokenRecord] = []
@@ -111,7 +112,7 @@ def _token_records(block: PendingBlock, verdict: Verdict, position: int) -> list
     greedy_match = (verdict.target_logits[: len(block)].argmax(dim=-1) == torch.tensor(block.tokens)).tolist()
     return [TokenRecord(hidden=drafted.step.hidden.float().numpy().astype(np.float16),
                         confidence=draft_confidence_features(drafted.step),
-                        p_draft=float(drafted.p_draft[drafted.token]), p_target=float(p_target[i, drafted.token]),
+                        p_draft=drafted.probability, p_target=float(p_target[i, drafted.token]),
                         runner_up_prob=runner_up_prob(drafted.step.logits),
                         target_argmax_match=greedy_match[i], on_path=i <= verdict.n_accepted,
                         position=position + i, companion=drafted.step.companion)

@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -14,6 +14,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
     sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
     sprinter bench placement --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-placement
+    sprinter bench proposer --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-proposer
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from common.results_page import add_page_arguments
 from sim.bench import chaos, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
-                            run_placement, run_policy, run_prefill, run_prefix, run_rollout, run_uplink)
+                            run_placement, run_policy, run_prefill, run_prefix, run_proposer, run_rollout, run_uplink)
 from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
                                 PrefixBenchSettings, RolloutSettings)
@@ -61,6 +62,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_features(benches)
     _register_uplink(benches)
     _register_placement(benches)
+    _register_proposer(benches)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 
@@ -316,3 +318,24 @@ def _register_placement(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--mqtt", default=d.mqtt, help="fleet plane: auto (Mosquitto here), off, or a broker URL")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_placement)
+
+
+def _register_proposer(benches: argparse._SubParsersAction) -> None:
+    p = benches.add_parser("proposer", help="tokens per round trip: the draft model against suffix drafting, per category",
+                           **_described("sim.bench.proposer"))
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    p.add_argument("--draft-runtime", default="torch", choices=["torch", "onnx"], help="the edge's draft runtime")
+    p.add_argument("--rtt-ms", type=float, default=50.0)
+    p.add_argument("--modes", type=names, default=("sd-block",), help="comma list")
+    p.add_argument("--proposers", type=names, default=("model", "suffix"), help="comma list")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts (medians reported)")
+    p.add_argument("--per-category", type=int, help="the first N prompts of each category (default all)")
+    p.add_argument("--categories", type=names, default=(), help="comma list (default every category of the suite)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=5, help="sd's block length")
+    p.add_argument("--suffix-cache", default="on", choices=["on", "off"])
+    p.add_argument("--prompts", type=Path, help="a prompt file (default sim/data/proposer_prompts.jsonl)")
+    p.add_argument("--out", type=Path, default=Path("results/bench-proposer"))
+    p.set_defaults(run=run_proposer)

@@ -176,6 +176,18 @@ def run_placement(args: argparse.Namespace) -> int:
     return _report(args, placement.bench_placement(settings), args.out, ("results.json", "table.md", "tokens_per_s.png"))
 
 
+def run_proposer(args: argparse.Namespace) -> int:
+    from sim.bench import proposer
+    extra = {"prompts": args.prompts} if args.prompts else {}
+    settings = proposer.ProposerBenchSettings(
+        target=args.target, draft=args.draft, dtype=args.dtype, draft_runtime=args.draft_runtime, rtt_ms=args.rtt_ms,
+        modes=args.modes, proposers=args.proposers, repeats=args.repeats, per_category=args.per_category,
+        categories=args.categories, max_tokens=args.max_tokens, k=args.k, suffix_cache=args.suffix_cache == "on",
+        out=args.out, **extra)
+    quiet_http_clients()
+    return _report(args, proposer.bench_proposer(settings), args.out, ("results.json", "table.md", "proposers.png"))
+
+
 def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
     """A bench's ending: its table, the files it wrote into `out`, and with --page the table and its plots in the
     page's section (common/results_page.py)."""

@@ -94,6 +94,7 @@ class SweepSystem:
             edge_args = ["--draft", s.draft, "--verifier", s.verifier, "--cloud", f"127.0.0.1:{self.port}",
                          "--mode", "sprinter-exact", "--dtype", s.dtype, "--model-name", f"{s.draft}+{s.target}"]
             edge_args += ["--policy", s.policy] if s.policy else []
+            edge_args += ["--proposer", s.proposer]
             edge_args += ["--threads", str(threads_edge)] if threads_edge else []
             edge_args += edge_fleet_args(self.mqtt_url)
             # The edge asks the cloud (through the link, in this loop) while it starts: wait without blocking.

@@ -30,9 +30,10 @@ def run_label(method: str, pipeline: str = "off") -> str:
 # rtt_ms, modes, pipeline and limit may change between runs: new combinations are added, done ones kept.
 # mqtt is not here: the fleet plane only watches the sweep (telemetry.jsonl), it changes no result.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
-                   "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed", "device")
+                   "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed", "device",
+                   "proposer")
 # Settings added to RESULT_IDENTITY later: an OUT from before ran with these values.
-IDENTITY_BEFORE = {"device": "auto"}
+IDENTITY_BEFORE = {"device": "auto", "proposer": "model"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SimulateSettings:
     limit: int = 8
     max_new_tokens: int = 64
     policy: str | None = None  # the edge's default call policy (None: each mode's own default)
+    proposer: str = "model"  # the edge's --proposer (common/decoding/proposals.py)
     dtype: str = "bfloat16"
     device: str = "auto"  # the cloud's --device (common/devices.py)
     threads: int | None = None  # intra-op threads of each process (None: the cores it may use)

@@ -1,0 +1,225 @@
+"""Suffix drafting (`--proposer suffix`): propose from the text itself where it matches, the draft model elsewhere.
+
+Before each position the proposer looks the context's suffix up (common/decoding/suffix_match.py)
+in the request's own prompt and output so far, and in the edge's cache of earlier outputs. With a
+match it proposes what followed there, a run of point masses, as long as the match warrants; without
+one the draft model drafts the position. Either way the choice is made from the context alone, so
+the lossless rules stay exact (common/decoding/proposals.py says why).
+
+Blocks
+    A run ends its block: the model's tokens before it went by the call policy as ever, and a run's
+    length follows the match: it goes on, within the block's cap, while the product of its scores (which
+    grow with the length of the match each token follows) stays above MIN_SURVIVAL. Blocks
+    with runs are therefore longer than k: up to the mode's max_run_length and the cloud's max_block.
+    The draft's KV follows kept run tokens at its next forward, which feeds what it lacks in one go
+    (`ProposedToken.fed` counts it); a run costs no draft step.
+    A block that stands unverified (no target reached) keeps only the draft's own tokens, so `judged`
+    False drafts from the model alone.
+
+Scores (a_i, what the call policy and the cost model read)
+    a_i = rate(source, m + i - 1) x (the share of matched occurrences that continue with x_i, among
+    those that continued as far as x_{i-1}), for a run after a match of m tokens: x_i follows m + i - 1
+    agreeing tokens if the ones before it are kept, which is what a_i is conditioned on. `rate` is
+    calibrated on data: P(the target keeps x_i | it kept x_1..x_{i-1}) per source and match-length
+    bucket, from the verdicts on this edge's earlier copies, starting from a prior measured on the Qwen
+    pair (PRIOR_RATES, worth PRIOR_WEIGHT verdicts); a request's own record scales it (a request whose
+    copies keep failing, a math problem quoting its numbers, soon copies no more). A run is proposed
+    only where a_1 >= COPY_MIN and the target is expected to keep as many of its tokens as of a block
+    of the draft's own (`model_kept`, learned from verdicts); else the draft drafts that position.
+    These choices read the context and what the edge learned before the round, never the round's own
+    draws: the rules stay exact.
+
+Mode sprinter (its passed tokens reach the client unchecked)
+    A token copied from another request's output is always flagged: its block ends there and the
+    target checks it. A token copied from this request's own text passes only when its a_i clears the
+    verifier's threshold, and never when the request asks for logprobs (a copied token has no draft
+    logprob) or shapes its logits (a grammar, penalties: a copy knows nothing of them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable
+
+import torch
+
+from common.call_policy import CallPolicy, CostModel, Ewma
+from common.decoding.drafting import ModelProposer
+from common.decoding.modes import DecodeSettings
+from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken, Proposer
+from common.decoding.suffix_match import Continuation, OutputCache, TokenIndex, continuation
+
+# A run stops where the chance that the target keeps all of it (the product of its a_i) falls below this: every
+# token sent costs the target's forward (on a CPU, in proportion), so a run is as long as its scores warrant.
+MIN_SURVIVAL = 0.15
+COPY_MIN = 0.5  # copy only where the first copied token's a_i is at least this; else the draft model drafts there
+MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
+# The rate before verdicts, per match bucket: what the target kept of copies from the request's own text on the Qwen
+# pair (qwen2.5-coder 1.5B <- 0.5B, greedy, prompts 2-3 of each category of sim/data/proposer_prompts.jsonl, 548
+# copies reached), rounded down; copies from other requests' outputs (too few there to measure) start lower.
+PRIOR_RATES = {CONTEXT: dict(zip(MATCH_BUCKETS, (0.75, 0.75, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9))),
+               CACHE: dict.fromkeys(MATCH_BUCKETS, 0.6)}
+PRIOR_WEIGHT = 8.0  # verdicts the prior counts as
+MODEL_KEPT_PRIOR = 2.0  # draft tokens kept per model block, before this edge has seen a verdict
+REQUEST_WEIGHT = 4.0  # how many copies' worth of evidence a request needs before its own record moves its rates
+DEFAULT_CACHE_TOKENS = 1 << 16
+
+
+def match_bucket(match_length: int) -> int:
+    return next((b for b in reversed(MATCH_BUCKETS) if match_length >= b), MATCH_BUCKETS[0])
+
+
+@dataclass
+class SuffixCalibration:
+    """P(the target keeps a copied token | it kept the run's tokens before it), per (source, match bucket)."""
+
+    kept: dict[tuple[str, int], float] = field(default_factory=dict)
+    reached: dict[tuple[str, int], float] = field(default_factory=dict)
+    predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # the sum of a_i the reached tokens carried
+
+    def rate(self, source: str, match_length: int) -> float:
+        key = (source, match_bucket(match_length))
+        prior = PRIOR_RATES[source][key[1]]
+        return (self.kept.get(key, 0.0) + prior * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
+
+    def observe(self, source: str, match_length: int, kept: bool, predicted: float | None = None) -> None:
+        key = (source, match_bucket(match_length))
+        self.reached[key] = self.reached.get(key, 0.0) + 1
+        self.kept[key] = self.kept.get(key, 0.0) + kept
+        self.predicted[key] = self.predicted.get(key, 0.0) + (predicted or 0.0)
+
+    def report(self) -> list[dict[str, float | int | str]]:
+        """Per (source, match bucket): copies the target reached, the share it kept, and the mean a_i they carried
+        (calibrated: the two agree)."""
+        return [{"source": source, "match_length": bucket, "reached": int(n), "kept": self.kept[(source, bucket)] / n,
+                 "predicted": self.predicted.get((source, bucket), 0.0) / n}
+                for (source, bucket), n in sorted(self.reached.items())]
+
+
+@dataclass
+class SuffixMemory:
+    """What suffix drafting keeps across an edge's requests: the cache of earlier outputs (None: `--suffix-cache
+    off`) and the calibration of its scores."""
+
+    cache: OutputCache | None = field(default_factory=lambda: OutputCache(DEFAULT_CACHE_TOKENS))
+    calibration: SuffixCalibration = field(default_factory=SuffixCalibration)
+    # draft tokens the target keeps of a block the draft model proposed alone: what a run at a block's start must beat
+    model_kept: Ewma = field(default_factory=lambda: Ewma(MODEL_KEPT_PRIOR, 0.1))
+    match_us: list[float] = field(default_factory=list)  # recent lookups' cost, microseconds (bounded)
+
+    def timed(self, started: float) -> None:
+        if len(self.match_us) >= 4096:
+            del self.match_us[:2048]
+        self.match_us.append((time.perf_counter() - started) * 1e6)
+
+
+def suffix_memory(cache: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> SuffixMemory:
+    """An edge's suffix memory; `cache` False (`--suffix-cache off`): each request copies from its own text alone."""
+    return SuffixMemory(cache=OutputCache(cache_tokens) if cache else None)
+
+
+@dataclass
+class SuffixProposer:
+    """One generation's suffix drafting over `model` (see the module docstring)."""
+
+    model: ModelProposer
+    memory: SuffixMemory
+    passes_unchecked: bool = False  # the mode releases passed tokens unchecked (sprinter)
+    may_pass: bool = True  # this request's copies may pass unchecked at all (no logprobs, no logits shaping)
+    index: TokenIndex = field(default_factory=TokenIndex)
+    kept_here: float = 0.0  # this request's copies the target reached and kept ...
+    predicted_here: float = 0.0  # ... and the a_i they carried: how this request's copies do against the edge's rates
+
+    async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
+                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+        if not judged:  # it stands as drafted: only the draft's own tokens may
+            async for proposed in self.model.propose(context, limit, policy, cost_model, judged, prefix):
+                yield proposed
+            return
+        self.index.extend_to(context)
+        block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
+        while len(block) < limit and not block.complete:
+            run = self.lookup(context + block.tokens, limit - len(block))
+            copies = self._run(run, block, limit, policy) if run is not None else []
+            if not copies:
+                proposed = await self.model.step(context, block, limit, policy, cost_model, judged)
+                block.drafted.append(proposed)
+                yield proposed
+                continue
+            for proposed in copies:
+                block.drafted.append(proposed)
+                yield proposed
+
+    def lookup(self, context: list[int], room: int) -> tuple[str, Continuation] | None:
+        """The longer of the request's own match and the cache's (the request's on a tie), within `room` tokens."""
+        started = time.perf_counter()
+        own = continuation(self.index, context, room)
+        cached = self.memory.cache.continuation(context, room) if self.memory.cache is not None else None
+        self.memory.timed(started)
+        if cached is not None and (own is None or cached.match_length > own.match_length):
+            return CACHE, cached
+        return (CONTEXT, own) if own is not None else None
+
+    def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+             policy: CallPolicy | None) -> list[ProposedToken]:
+        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when it
+        is not worth it: its first token scores under COPY_MIN, or the target would keep fewer of it (the sum of its
+        tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
+        source, found = run
+        length = min(len(found.tokens), limit - len(block))
+        proposals, before, survival, expected = [], 1.0, 1.0, 0.0
+        for i, token in enumerate(found.tokens[:length]):
+            # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
+            reach = found.match_length + i
+            accept_prob = self.rate(source, reach) * found.scores[i] / before
+            if i == 0 and accept_prob < COPY_MIN:
+                return []
+            before, survival = found.scores[i], survival * accept_prob
+            if proposals and survival < MIN_SURVIVAL:
+                proposals[-1] = replace(proposals[-1], ends_block=True)
+                break
+            flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
+                                                 or policy.should_send([accept_prob], cap=limit))
+            ends = flagged or i == length - 1 or token in self.model.eos_token_ids
+            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
+            expected += survival
+            if ends:
+                break
+        return proposals if expected >= self.memory.model_kept.value else []
+
+    def rate(self, source: str, match_length: int) -> float:
+        """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
+        factor = (self.kept_here + REQUEST_WEIGHT) / (self.predicted_here + REQUEST_WEIGHT)
+        return min(1.0, self.memory.calibration.rate(source, match_length) * factor)
+
+    async def next_logits(self, context: list[int]) -> torch.Tensor:
+        return await self.model.next_logits(context)
+
+    def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
+        """Calibrate: each copied token the target reached (all before it kept) counts, kept or not; a block of the
+        draft's alone tells what a run must beat."""
+        if block.drafted and block.model_tokens == len(block):
+            self.memory.model_kept.update(n_accepted)
+        for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
+            if not proposed.from_model:
+                self.memory.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
+                                                proposed.accept_prob)
+                self.kept_here += i < n_accepted
+                self.predicted_here += proposed.accept_prob or 0.0
+
+    def observe_output(self, output: list[int]) -> None:
+        if self.memory.cache is not None:
+            self.memory.cache.add(output)
+
+
+def proposer_for(settings: DecodeSettings, memory: SuffixMemory) -> Callable[[ModelProposer], Proposer] | None:
+    """What a generation's `settings.proposer` puts around the draft model (None: the model alone)."""
+    if settings.proposer == "model":
+        return None
+
+    def suffix(model: ModelProposer) -> Proposer:
+        shaped = model.processor is not None and model.processor.active
+        return SuffixProposer(model, memory, passes_unchecked=settings.traits.releases_passed,
+                              may_pass=settings.sampling.logprobs is None and not shaped)
+    return suffix

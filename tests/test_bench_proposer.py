@@ -1,0 +1,43 @@
+"""`sprinter bench proposer`: its prompt suite and its summary (the measurement itself: docs/benchmarks/proposers.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from common.cli import build_parser
+from common.prompt_sets import load_prompts
+from sim.bench.proposer import SUITE, chosen_prompts, summarize, table, ProposerBenchSettings
+
+CATEGORIES = {"code-edit", "summarize", "passage-qa", "chat-history", "math", "translation", "code-complete"}
+
+
+def test_the_suite_has_a_few_prompts_in_every_category() -> None:
+    records = load_prompts(SUITE)  # the shipped format, checked line by line
+    counts = Counter(r.category for r in records)
+    assert set(counts) == CATEGORIES and min(counts.values()) >= 3
+    assert [r.category for r in chosen_prompts(records, ("math", "summarize"), 1)] == ["summarize", "math"]
+
+
+def test_the_summary_takes_medians_of_passes_and_suffix_over_model() -> None:
+    def row(run: int, proposer: str, tokens: int, calls: int, wall_s: float, copied: int) -> dict:
+        return {"run": run, "proposer": proposer, "mode": "sd-block", "category": "summarize", "prompt_id": "s",
+                "tokens": tokens, "wall_s": wall_s, "target_calls": calls, "draft_forwards": tokens - copied,
+                "draft_fed_tokens": tokens, "suffix_tokens": copied, "suffix_kept": copied // 2}
+
+    rows = [row(r, "model", 60, 20, 10.0 + r, 0) for r in range(3)] + \
+           [row(r, "suffix", 60, 10 - r, 5.0, 30) for r in range(3)]
+    summary = {(s["category"], s["proposer"]): s for s in summarize(rows)}
+    suffix = summary[("summarize", "suffix")]
+    assert summary[("summarize", "model")]["tokens_per_call"] == pytest.approx(3.0)
+    assert suffix["tokens_per_call"] == pytest.approx(60 / 9) and suffix["passes"] == 3
+    assert suffix["tokens_per_call_x"] == pytest.approx(60 / 9 / 3) and suffix["tokens_per_s_x"] == pytest.approx(11 / 5)
+    assert suffix["suffix_share"] == pytest.approx(0.5) and summary[("all", "suffix")]["tokens_per_call"] == suffix["tokens_per_call"]
+    assert "| sd-block | summarize | suffix | 6.67 |" in table(ProposerBenchSettings(), summarize(rows), 12.0)
+
+
+def test_the_command_parses() -> None:
+    args = build_parser().parse_args(["bench", "proposer", "--categories", "math,code-edit", "--per-category", "1",
+                                      "--suffix-cache", "off", "--page", "docs/benchmarks/proposers.md"])
+    assert args.categories == ("math", "code-edit") and args.proposers == ("model", "suffix") and args.rtt_ms == 50
