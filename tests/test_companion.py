@@ -16,8 +16,6 @@ from common.cached_lm import CachedLM
 from common.cli import main
 from prompt_files import short_prompt_file
 from common.companion import Companion, companion_factory, companion_features, load_companion
-from common.decoding.drafting import LocalDraft, ModelProposer
-from common.decoding.speculative_round import run_inline
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel
@@ -25,18 +23,10 @@ from common.presets import build_tiny_tokenizer
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
+from proposing import draft_tokens
 from edge.verifier_training.collect import load_dataset
 from edge.runtime.verifier import LearnedVerifier, load_verifier
 
-
-def draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids, verifier=None, policy=None,
-                 cost_model=None, companion=None) -> list:
-    """The draft model's proposals after `context`, through the proposer seam, driven inline."""
-    proposer = ModelProposer(LocalDraft(draft_lm), sampling, generator, eos_token_ids, verifier, companion)
-
-    async def collect() -> list:
-        return [t async for t in proposer.propose(context, limit, policy, cost_model)]
-    return run_inline(collect())
 
 # The only other tiny model with the draft's tokenizer is the target itself: as a companion it makes the
 # signals unrealistically good, which does not matter for plumbing tests.

@@ -13,24 +13,14 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
 from common.call_policy import CostModel, FixedPolicy
-from common.decoding.drafting import LocalDraft, ModelProposer
-from common.decoding.speculative_round import run_inline
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, call_policy
 from common.sampling import SamplingParams
 from common.verifier import DraftStep
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
+from proposing import draft_tokens
 
-
-def draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids, verifier=None, policy=None,
-                 cost_model=None, companion=None) -> list:
-    """The draft model's proposals after `context`, through the proposer seam, driven inline."""
-    proposer = ModelProposer(LocalDraft(draft_lm), sampling, generator, eos_token_ids, verifier, companion)
-
-    async def collect() -> list:
-        return [t async for t in proposer.propose(context, limit, policy, cost_model)]
-    return run_inline(collect())
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
 POLICIES = ("fixed:3", "heuristic", "flag", "goodput")
