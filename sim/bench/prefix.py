@@ -26,7 +26,6 @@ import json
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import grpc
 
