@@ -16,8 +16,9 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
-from common.call_policy import Ewma, FlagPolicy
+from common.call_policy import Ewma, FixedPolicy, FlagPolicy
 from common.decoding.drafting import Drafter, LocalDraft, ModelProposer
+from common.decoding.hybrid_proposer import HybridProposer
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import LOSSLESS_MODES, DecodeSettings
 from common.decoding.proposals import CACHE, CONTEXT, MODEL
@@ -170,6 +171,21 @@ def test_in_sprinter_a_copy_of_another_requests_output_is_always_sent_never_pass
     assert [p.token for p in passed] == block.tokens[:-1]  # its copies may pass, as the draft's tokens do
 
 
+def test_hybrid_copies_where_a_copy_beats_the_draft_and_chains_the_drafts_tokens_after_a_run(tiny_draft) -> None:
+    # two earlier occurrences agree on 12, 13 and then part (40 or 41): the third copy scores half, under the bar
+    context = [9, 10, 11, 12, 13, 40, 9, 10, 11, 12, 13, 41, 9, 10, 11]
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(),
+                          tiny_draft.eos_token_ids)
+    memory = SuffixMemory(cache=None, model_estimate=Ewma(0.6, 0.1))
+    block = _drafted(HybridProposer(model, memory), context, 6, FixedPolicy(5))
+    assert block.tokens[:2] == [12, 13] and [d.source for d in block.drafted[:2]] == [CONTEXT, CONTEXT]
+    assert block.drafted[2].source == MODEL and len(block) == 5  # chained: the policy's k, not the run, ends it
+    assert block.drafted[2].fed == len(context) + 2  # one forward fed the context and both copies
+    confident = SuffixMemory(cache=None, model_estimate=Ewma(0.99, 0.1))  # a draft the target keeps 99% of
+    block = _drafted(HybridProposer(model, confident), context, 6, FixedPolicy(5))
+    assert {d.source for d in block.drafted} == {MODEL}  # no copy beats it: the draft drafts every position
+
+
 # --- lossless: greedy identity ----------------------------------------------------------------
 
 
@@ -180,8 +196,9 @@ def _prompts(tokenizer) -> dict[str, list[int]]:
             "miss": encode_prompt(tokenizer, "Name three colours.", chat=True)}
 
 
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 @pytest.mark.parametrize("pair", ["tiny", pytest.param("smollm2", marks=pytest.mark.smollm2)])
-def test_greedy_suffix_drafting_equals_the_target_locally(pair, request) -> None:
+def test_greedy_suffix_drafting_equals_the_target_locally(pair, proposer, request) -> None:
     if pair == "tiny":
         target, draft = request.getfixturevalue("tiny_target"), request.getfixturevalue("tiny_draft")
     else:
@@ -192,16 +209,17 @@ def test_greedy_suffix_drafting_equals_the_target_locally(pair, request) -> None
         reference = engine.generate(prompt, DecodeSettings(mode="target", max_new_tokens=32)).token_ids
         for mode in EDGE_MODES:
             for _ in range(2):  # the second run may also copy from the first's output (the cache)
-                result = engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=32, proposer="suffix"))
+                result = engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=32, proposer=proposer))
                 assert result.token_ids == reference, (name, mode)
                 copied += result.stats.suffix_tokens
                 assert result.stats.draft_forwards + result.stats.suffix_tokens >= result.stats.drafted_tokens
-        lossy = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=16, proposer="suffix"))
+        lossy = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=16, proposer=proposer))
         assert lossy.stats.new_tokens == 16 or lossy.token_ids[-1] in target.eos_token_ids  # sprinter runs with it
     assert copied > 0
 
 
-def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny_draft) -> None:
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny_draft, proposer) -> None:
     prompts = _prompts(tiny_target.tokenizer)
     references = {name: LocalEngine(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=24))
                   .token_ids for name, p in prompts.items()}
@@ -212,7 +230,7 @@ def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny
             results = []
             for name, mode, pipeline in runs:  # in turn: later runs copy from earlier outputs too
                 results.append(await node.decoder.generate(prompts[name], EdgeSettings(
-                    DecodeSettings(mode=mode, max_new_tokens=24, proposer="suffix"), pipeline=pipeline)))
+                    DecodeSettings(mode=mode, max_new_tokens=24, proposer=proposer), pipeline=pipeline)))
             return list(zip(runs, results))
 
         results = asyncio.run(on_edge(cloud.address, tiny_draft, work))
@@ -223,13 +241,14 @@ def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny
 
 
 @pytest.mark.smollm2
-def test_greedy_suffix_drafting_equals_the_target_over_a_cloud_smollm2(smollm2, smollm2_4_layers) -> None:
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_greedy_suffix_drafting_equals_the_target_over_a_cloud_smollm2(smollm2, smollm2_4_layers, proposer) -> None:
     prompt = _prompts(smollm2.tokenizer)["hit"]
     reference = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=32))
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
         async def work(node: EdgeNode):
             return [await node.decoder.generate(prompt, EdgeSettings(
-                DecodeSettings(mode=mode, max_new_tokens=32, proposer="suffix"))) for mode in EDGE_MODES]
+                DecodeSettings(mode=mode, max_new_tokens=32, proposer=proposer))) for mode in EDGE_MODES]
 
         results = asyncio.run(on_edge(cloud.address, smollm2_4_layers, work))
     for result in results:
@@ -241,8 +260,9 @@ def test_greedy_suffix_drafting_equals_the_target_over_a_cloud_smollm2(smollm2, 
 # --- lossless: the target's law at T=1 ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", EDGE_MODES)
-def test_sampled_suffix_drafting_follows_the_target(tiny_target, mode) -> None:
+@pytest.mark.parametrize("proposer, mode", [("suffix", m) for m in EDGE_MODES]
+                         + [("hybrid", "sd-block"), ("hybrid", "sprinter-exact")])
+def test_sampled_suffix_drafting_follows_the_target(tiny_target, proposer, mode) -> None:
     """A prompt that repeats itself, so that the copies are proposed at the first positions and often kept."""
     sampling = SamplingParams(temperature=1.0, top_k=4)
     base = tiny_target.tokenizer("Once upon a time there")["input_ids"]
@@ -252,14 +272,15 @@ def test_sampled_suffix_drafting_follows_the_target(tiny_target, mode) -> None:
     n = 600
     results = []
     for seed in range(n):  # each from the prior: copies keep being proposed, whatever the last ones' verdicts
-        engine.suffix_memory = SuffixMemory(cache=None, model_kept=Ewma(0.0, 0.1))
-        results.append(engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=3, k=2, proposer="suffix",
+        # from the prior, and a draft expected to keep nothing: copies are proposed wherever they match
+        engine.suffix_memory = SuffixMemory(cache=None, model_kept=Ewma(0.0, 0.1), model_estimate=Ewma(0.0, 0.1))
+        results.append(engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=3, k=2, proposer=proposer,
                                                               sampling=replace(sampling, seed=seed))))
     seen = Counter(tuple(r.token_ids) for r in results)
     assert set(seen) <= set(exact)
     p = chi_square_pvalue(seen, exact)
     kept = sum(r.stats.suffix_kept for r in results)
-    print(f"{mode}: p = {p:.3g}, copies proposed {sum(r.stats.suffix_tokens for r in results)}, kept {kept}")
+    print(f"{proposer} {mode}: p = {p:.3g}, copies proposed {sum(r.stats.suffix_tokens for r in results)}, kept {kept}")
     assert p > 1e-3
     assert kept > n / 10  # the copies were proposed and often kept: the check covers them
 

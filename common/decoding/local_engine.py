@@ -24,7 +24,8 @@ from common.decoding.drafting import model_drafter, next_token
 from common.decoding.generation import Generation
 from common.decoding.modes import DecodeSettings, call_policy
 from common.decoding.speculative_round import LocalTarget, run_inline, speculative_round
-from common.decoding.suffix_proposer import SuffixMemory, proposer_for
+from common.decoding.proposer_choice import proposer_for
+from common.decoding.suffix_proposer import SuffixMemory
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import logprobs_of
 from common.sampling_params import SamplingParams

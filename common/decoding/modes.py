@@ -109,7 +109,7 @@ PIPELINES = ("off", "ahead", "send-ahead")
 # `dists_on_rejection`) none, the cloud asking for what it needs at a rejection (cloud/residual.py).
 DRAFT_DISTS = ("full", "on-rejection")
 # What proposes a block's tokens (common/decoding/proposals.py; kept here so that `sprinter --help` needs no torch).
-PROPOSERS = ("model", "suffix")
+PROPOSERS = ("model", "suffix", "hybrid")
 # Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
 PLACEMENTS = ("edge", "cloud", "auto")
 CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)

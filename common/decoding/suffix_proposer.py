@@ -38,16 +38,17 @@ Mode sprinter (its passed tokens reach the client unchecked)
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable
+from pathlib import Path
+from typing import AsyncIterator
 
 import torch
 
 from common.call_policy import CallPolicy, CostModel, Ewma
 from common.decoding.drafting import ModelProposer
-from common.decoding.modes import DecodeSettings
-from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken, Proposer
+from common.decoding.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken
 from common.decoding.suffix_match import Continuation, OutputCache, TokenIndex, continuation
 
 # A run stops where the chance that the target keeps all of it (the product of its a_i) falls below this: every
@@ -60,8 +61,13 @@ MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
 # copies reached), rounded down; copies from other requests' outputs (too few there to measure) start lower.
 PRIOR_RATES = {CONTEXT: dict(zip(MATCH_BUCKETS, (0.75, 0.75, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9))),
                CACHE: dict.fromkeys(MATCH_BUCKETS, 0.6)}
+# Under sampling a copy x is kept with probability p_target(x) (a point mass against the target's distribution), so
+# copies keep less than under greedy: the prior starts lower until this pair's shipped calibration or verdicts say.
+SAMPLED_PRIOR_RATES = {source: {b: round(r * 0.8, 2) for b, r in rates.items()} for source, rates in PRIOR_RATES.items()}
+Priors = dict[str, dict[int, float]]  # source -> match bucket -> P(kept | reached)
 PRIOR_WEIGHT = 8.0  # verdicts the prior counts as
 MODEL_KEPT_PRIOR = 2.0  # draft tokens kept per model block, before this edge has seen a verdict
+MODEL_ESTIMATE_PRIOR = 0.7  # a draft token's a_i before this edge has scored one (Qwen pair, greedy: ~0.7-0.8)
 REQUEST_WEIGHT = 4.0  # how many copies' worth of evidence a request needs before its own record moves its rates
 DEFAULT_CACHE_TOKENS = 1 << 16
 
@@ -74,13 +80,14 @@ def match_bucket(match_length: int) -> int:
 class SuffixCalibration:
     """P(the target keeps a copied token | it kept the run's tokens before it), per (source, match bucket)."""
 
+    priors: Priors = field(default_factory=lambda: PRIOR_RATES)  # before verdicts (a shipped calibration, else ours)
     kept: dict[tuple[str, int], float] = field(default_factory=dict)
     reached: dict[tuple[str, int], float] = field(default_factory=dict)
     predicted: dict[tuple[str, int], float] = field(default_factory=dict)  # the sum of a_i the reached tokens carried
 
     def rate(self, source: str, match_length: int) -> float:
         key = (source, match_bucket(match_length))
-        prior = PRIOR_RATES[source][key[1]]
+        prior = self.priors[source][key[1]]
         return (self.kept.get(key, 0.0) + prior * PRIOR_WEIGHT) / (self.reached.get(key, 0.0) + PRIOR_WEIGHT)
 
     def observe(self, source: str, match_length: int, kept: bool, predicted: float | None = None) -> None:
@@ -103,10 +110,17 @@ class SuffixMemory:
     off`) and the calibration of its scores."""
 
     cache: OutputCache | None = field(default_factory=lambda: OutputCache(DEFAULT_CACHE_TOKENS))
-    calibration: SuffixCalibration = field(default_factory=SuffixCalibration)
+    calibration: SuffixCalibration = field(default_factory=SuffixCalibration)  # greedy requests'
+    sampled: SuffixCalibration = field(default_factory=lambda: SuffixCalibration(SAMPLED_PRIOR_RATES))  # T > 0
     # draft tokens the target keeps of a block the draft model proposed alone: what a run at a block's start must beat
     model_kept: Ewma = field(default_factory=lambda: Ewma(MODEL_KEPT_PRIOR, 0.1))
+    # hybrid: the verifier's a_i of the draft's own tokens, what a copy must beat to be proposed in their place
+    model_estimate: Ewma = field(default_factory=lambda: Ewma(MODEL_ESTIMATE_PRIOR, 0.05))
     match_us: list[float] = field(default_factory=list)  # recent lookups' cost, microseconds (bounded)
+
+    def calibration_for(self, greedy: bool) -> SuffixCalibration:
+        """Copies keep at different rates under greedy decoding and under sampling: each has its calibration."""
+        return self.calibration if greedy else self.sampled
 
     def timed(self, started: float) -> None:
         if len(self.match_us) >= 4096:
@@ -114,9 +128,28 @@ class SuffixMemory:
         self.match_us.append((time.perf_counter() - started) * 1e6)
 
 
-def suffix_memory(cache: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> SuffixMemory:
-    """An edge's suffix memory; `cache` False (`--suffix-cache off`): each request copies from its own text alone."""
-    return SuffixMemory(cache=OutputCache(cache_tokens) if cache else None)
+def suffix_memory(cache: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS,
+                  priors: dict[str, Priors] | None = None) -> SuffixMemory:
+    """An edge's suffix memory; `cache` False (`--suffix-cache off`): each request copies from its own text alone.
+    `priors` ({"greedy": ..., "sampled": ...}, either optional): a calibration shipped for the pair
+    (`load_priors`), in place of the built-in priors."""
+    priors = priors or {}
+    return SuffixMemory(cache=OutputCache(cache_tokens) if cache else None,
+                        calibration=SuffixCalibration(priors.get("greedy", PRIOR_RATES)),
+                        sampled=SuffixCalibration(priors.get("sampled", SAMPLED_PRIOR_RATES)))
+
+
+def load_priors(path: Path) -> Priors:
+    """A shipped calibration (`sprinter bench proposer --fit-calibration`): per source, P(kept | reached) per match
+    bucket. Buckets it lacks keep the built-in prior; a file that names an unknown source or bucket is refused."""
+    data = json.loads(path.read_text())["rates"]
+    priors = {source: dict(rates) for source, rates in PRIOR_RATES.items()}
+    for source, rates in data.items():
+        for bucket, rate in rates.items():
+            if source not in priors or int(bucket) not in MATCH_BUCKETS or not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{path}: no calibration for source {source!r}, bucket {bucket!r}, rate {rate!r}")
+            priors[source][int(bucket)] = float(rate)
+    return priors
 
 
 @dataclass
@@ -191,7 +224,11 @@ class SuffixProposer:
     def rate(self, source: str, match_length: int) -> float:
         """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
         factor = (self.kept_here + REQUEST_WEIGHT) / (self.predicted_here + REQUEST_WEIGHT)
-        return min(1.0, self.memory.calibration.rate(source, match_length) * factor)
+        return min(1.0, self.calibration.rate(source, match_length) * factor)
+
+    @property
+    def calibration(self) -> SuffixCalibration:
+        return self.memory.calibration_for(self.model.sampling.greedy)
 
     async def next_logits(self, context: list[int]) -> torch.Tensor:
         return await self.model.next_logits(context)
@@ -203,7 +240,7 @@ class SuffixProposer:
             self.memory.model_kept.update(n_accepted)
         for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
             if not proposed.from_model:
-                self.memory.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
+                self.calibration.observe(proposed.source, proposed.match_length, i < n_accepted,
                                                 proposed.accept_prob)
                 self.kept_here += i < n_accepted
                 self.predicted_here += proposed.accept_prob or 0.0
@@ -211,15 +248,3 @@ class SuffixProposer:
     def observe_output(self, output: list[int]) -> None:
         if self.memory.cache is not None:
             self.memory.cache.add(output)
-
-
-def proposer_for(settings: DecodeSettings, memory: SuffixMemory) -> Callable[[ModelProposer], Proposer] | None:
-    """What a generation's `settings.proposer` puts around the draft model (None: the model alone)."""
-    if settings.proposer == "model":
-        return None
-
-    def suffix(model: ModelProposer) -> Proposer:
-        shaped = model.processor is not None and model.processor.active
-        return SuffixProposer(model, memory, passes_unchecked=settings.traits.releases_passed,
-                              may_pass=settings.sampling.logprobs is None and not shaped)
-    return suffix

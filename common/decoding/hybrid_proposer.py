@@ -1,0 +1,82 @@
+"""Hybrid drafting (`--proposer hybrid`): each position from the source the target is likelier to keep, chained.
+
+Suffix drafting (common/decoding/suffix_proposer.py) copies a run where the text matches and ends its
+block there. Hybrid weighs the two sources token by token and chains them:
+
+    a position   is copied where the match's next token scores a_i >= the draft's expected a_i, else the
+                 draft model drafts it. The draft's expectation (`SuffixMemory.model_estimate`) is the mean
+                 of the verifier's recent scores of the draft's own tokens; both scores are calibrated on the
+                 target's verdicts (the verifier by `sprinter verifier train`, the copies' rates by the
+                 calibration shipped beside it, `suffix_calibration.json`, then by this edge's verdicts),
+                 so they are on one scale.
+    a run        goes on while each copy still beats the draft and the chance that the target keeps all of
+                 it stays above MIN_SURVIVAL. Where it stops, the call policy reads every a_i of the block,
+                 copies' and the draft's alike, and says whether to send it or let the draft go on from the
+                 run's end (its next forward feeds the run in one go: `ProposedToken.fed`).
+
+The call policy sees one estimate per token, as it does with the draft alone. The choice of source reads
+the context and what the edge learned before the round, never the round's own draws, so the lossless
+rules stay exact (common/decoding/proposals.py says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from common.call_policy import CallPolicy, CostModel
+from common.decoding.proposals import CACHE, PendingBlock, ProposedToken
+from common.decoding.suffix_match import Continuation
+from common.decoding.suffix_proposer import COPY_MIN, MIN_SURVIVAL, SuffixProposer
+
+
+@dataclass
+class HybridProposer(SuffixProposer):
+    """One generation's hybrid drafting over `model` (see the module docstring)."""
+
+    async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
+                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+        if not judged:  # it stands as drafted: only the draft's own tokens may
+            async for proposed in self.model.propose(context, limit, policy, cost_model, judged, prefix):
+                yield proposed
+            return
+        self.index.extend_to(context)
+        block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
+        while len(block) < limit and not block.complete:
+            run = self.lookup(context + block.tokens, limit - len(block))
+            proposals = self._copies(run, block, limit, policy) if run is not None else []
+            if not proposals:
+                drafted = await self.model.step(context, block, limit, policy, cost_model, judged)
+                if drafted.accept_prob is not None:
+                    self.memory.model_estimate.update(drafted.accept_prob)
+                proposals = [drafted]
+            for proposed in proposals:
+                block.drafted.append(proposed)
+                yield proposed
+
+    def _copies(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+                policy: CallPolicy | None) -> list[ProposedToken]:
+        """The run's tokens that beat the draft (none: the draft drafts this position). The last ends the block
+        where the cap, EOS or (sprinter) a flag says, else where the policy says at the run's end."""
+        source, found = run
+        bar = max(COPY_MIN, self.memory.model_estimate.value)
+        accept_probs = block.accept_probs
+        proposals: list[ProposedToken] = []
+        before, survival = 1.0, 1.0
+        for i, token in enumerate(found.tokens[:limit - len(block)]):
+            reach = found.match_length + i  # the run's i-th token follows this many agreeing tokens
+            accept_prob = self.rate(source, reach) * found.scores[i] / before
+            if accept_prob < bar or survival * accept_prob < MIN_SURVIVAL:
+                break
+            before, survival = found.scores[i], survival * accept_prob
+            accept_probs.append(accept_prob)
+            flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
+                                                 or policy.should_send([accept_prob], cap=limit))
+            ends = flagged or len(block) + i + 1 >= limit or token in self.model.eos_token_ids
+            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
+            if ends:
+                return proposals
+        if proposals:  # the run stopped short of the cap: send now, or chain the draft's tokens after it
+            ends = policy is None or policy.should_send(accept_probs, cap=limit)
+            proposals[-1] = replace(proposals[-1], ends_block=ends)
+        return proposals

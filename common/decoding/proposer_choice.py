@@ -1,0 +1,31 @@
+"""Which strategy proposes a generation's tokens (`--proposer`, the API's `proposer`): the names in PROPOSERS.
+
+    model    the draft model alone (common/decoding/drafting.py)
+    suffix   copied runs from the text where it matches, each ending its block (suffix_proposer.py)
+    hybrid   copies and the draft's tokens chained by their expected acceptance (hybrid_proposer.py)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from common.decoding.drafting import ModelProposer
+from common.decoding.hybrid_proposer import HybridProposer
+from common.decoding.modes import DecodeSettings
+from common.decoding.proposals import Proposer
+from common.decoding.suffix_proposer import SuffixMemory, SuffixProposer
+
+STRATEGIES: dict[str, type[SuffixProposer]] = {"suffix": SuffixProposer, "hybrid": HybridProposer}
+
+
+def proposer_for(settings: DecodeSettings, memory: SuffixMemory) -> Callable[[ModelProposer], Proposer] | None:
+    """What a generation's `settings.proposer` puts around the draft model (None: the model alone)."""
+    if settings.proposer == "model":
+        return None
+    strategy = STRATEGIES[settings.proposer]
+
+    def around(model: ModelProposer) -> Proposer:
+        shaped = model.processor is not None and model.processor.active
+        return strategy(model, memory, passes_unchecked=settings.traits.releases_passed,
+                        may_pass=settings.sampling.logprobs is None and not shaped)
+    return around
