@@ -61,11 +61,13 @@ def add_policy_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
 
 def add_proposer_arguments(p: argparse.ArgumentParser, scope: str = "") -> None:
     p.add_argument("--proposer", default="model", choices=PROPOSERS,
-                   help=f"what proposes the tokens a block sends{scope}: the draft model, or suffix: text the "
+                   help=f"what proposes the tokens a block sends{scope}: the draft model; suffix: text the "
                         "request (its prompt, its output so far) or this edge's earlier outputs hold where the "
-                        "context matches it, the draft model elsewhere. Lossless modes stay exact either way")
+                        "context matches it, each copied run ending its block, the draft model elsewhere; hybrid: "
+                        "copies and the draft's tokens chained in one block, each position from the source the "
+                        "target is likelier to keep. Lossless modes stay exact with each")
     p.add_argument("--suffix-cache", default="on", choices=["on", "off"],
-                   help="with --proposer suffix: also copy from this edge's earlier outputs (a bounded, least "
+                   help="with --proposer suffix or hybrid: also copy from this edge's earlier outputs (a bounded, least "
                         "recently used cache), or only from each request's own text")
 
 
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from common.decoding.suffix_proposer import suffix_memory
     from common.models import DTYPES, load_model
     from common.prompting import encode_prompt
-    from edge.runtime.verifier import load_verifier
+    from edge.runtime.verifier import load_verifier, shipped_suffix_priors
 
     try:
         settings = decode_settings(args)
@@ -199,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if draft is not None and target is not None:  # the verifier runs in speculative modes only
         make_companion = companion_for(verifier, args.companion, draft, dtype, (target, draft))
     engine = LocalEngine(target, draft, verifier, make_companion=make_companion,
-                         suffix_memory=suffix_memory(args.suffix_cache == "on"))
+                         suffix_memory=suffix_memory(args.suffix_cache == "on",
+                                                     priors=shipped_suffix_priors(args.draft, args.target)))
     result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
     print_result(args, result.text, result.token_ids, result.stats)
     return 0

@@ -22,7 +22,8 @@ from edge.decoding.decoder import EdgeDecoder
 from edge.decoding.placing import Placer
 from edge.runtime.draft import draft_lm_factory
 from edge.cloud_link.replicas import ReplicaSet
-from edge.runtime.verifier import LearnedVerifier, TemperatureMatched, load_verifier, verifier_identity
+from edge.runtime.verifier import (LearnedVerifier, TemperatureMatched, load_verifier, shipped_suffix_priors,
+                                   verifier_identity)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ class EdgeNode:
         self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
                                    make_companion=setup.make_companion, max_context=self.settings.max_model_len,
                                    placer=Placer(uplink_mbps=self.settings.uplink_mbps),
-                                   suffix_memory=suffix_memory(self.settings.suffix_cache))
+                                   suffix_memory=suffix_memory(self.settings.suffix_cache, priors=shipped_suffix_priors(
+                                       self.settings.draft, self.target_id)))
         self.decoder.verifier_identity = setup.identity
         return self
 

@@ -18,13 +18,16 @@ def test_the_suite_has_a_few_prompts_in_every_category() -> None:
     counts = Counter(r.category for r in records)
     assert set(counts) == CATEGORIES and min(counts.values()) >= 3
     assert [r.category for r in chosen_prompts(records, ("math", "summarize"), 1)] == ["summarize", "math"]
+    held_out = [r.id for r in chosen_prompts(records, ("math",), None, skip=1)]  # fitting leaves prompt 1 out
+    assert held_out == [r.id for r in records if r.category == "math"][1:]
 
 
 def test_the_summary_takes_medians_of_passes_and_suffix_over_model() -> None:
     def row(run: int, proposer: str, tokens: int, calls: int, wall_s: float, copied: int) -> dict:
         return {"run": run, "proposer": proposer, "mode": "sd-block", "category": "summarize", "prompt_id": "s",
                 "tokens": tokens, "wall_s": wall_s, "target_calls": calls, "draft_forwards": tokens - copied,
-                "draft_fed_tokens": tokens, "suffix_tokens": copied, "suffix_kept": copied // 2}
+                "draft_fed_tokens": tokens, "suffix_tokens": copied, "suffix_kept": copied // 2,
+                "block_lengths": [5] * calls, "accepted_lengths": [2] * calls}
 
     rows = [row(r, "model", 60, 20, 10.0 + r, 0) for r in range(3)] + \
            [row(r, "suffix", 60, 10 - r, 5.0, 30) for r in range(3)]
@@ -35,9 +38,23 @@ def test_the_summary_takes_medians_of_passes_and_suffix_over_model() -> None:
     assert suffix["tokens_per_call_x"] == pytest.approx(60 / 9 / 3) and suffix["tokens_per_s_x"] == pytest.approx(11 / 5)
     assert suffix["suffix_share"] == pytest.approx(0.5) and summary[("all", "suffix")]["tokens_per_call"] == suffix["tokens_per_call"]
     assert "| sd-block | summarize | suffix | 6.67 |" in table(ProposerBenchSettings(), summarize(rows), 12.0)
+    # the hindsight oracle on 2 of 5 kept per block: p = 2/3 survival, (1 - p^21) / (1 - p) tokens per call
+    assert summary[("summarize", "model")]["oracle_calls_per_token"] == pytest.approx(1 / 3, rel=1e-3)
+
+
+def test_a_fitted_calibration_loads_back_as_the_edges_priors(tmp_path) -> None:
+    from common.decoding.suffix_proposer import PRIOR_RATES, load_priors
+    from sim.bench.proposer_calibration import fit_calibration
+    measured = [{"source": "context", "match_length": 8, "reached": 92, "kept": 0.5, "predicted": 0.8}]
+    fitted = fit_calibration(measured, "greedy", "a test")
+    path = tmp_path / "suffix_calibration.json"
+    path.write_text(__import__("json").dumps(fitted))
+    priors = load_priors(path)
+    assert priors["context"][8] == pytest.approx((46 + 0.85 * 8) / 100, abs=1e-3)  # drawn toward the prior by 8
+    assert priors["context"][3] == PRIOR_RATES["context"][3] and priors["cache"] == PRIOR_RATES["cache"]
 
 
 def test_the_command_parses() -> None:
     args = build_parser().parse_args(["bench", "proposer", "--categories", "math,code-edit", "--per-category", "1",
                                       "--suffix-cache", "off", "--page", "docs/benchmarks/proposers.md"])
-    assert args.categories == ("math", "code-edit") and args.proposers == ("model", "suffix") and args.rtt_ms == 50
+    assert args.categories == ("math", "code-edit") and args.proposers == ("model", "suffix", "hybrid") and args.rtt_ms == 50

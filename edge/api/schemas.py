@@ -2,8 +2,8 @@
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
 spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipeline.py) and
-`placement` (edge, cloud or auto: where the draft runs, edge/decoding/placing.py), `proposer` (model or
-suffix: what proposes the tokens, common/decoding/proposals.py) and
+`placement` (edge, cloud or auto: where the draft runs, edge/decoding/placing.py), `proposer` (model,
+suffix or hybrid: what proposes the tokens, common/decoding/proposals.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
 from the draft, degraded with reason `deadline`). Each response carries the usual `usage` plus a
 `sprinter` object (mode, policy, target_calls, tokens_per_call, block_length_mean, degraded and
@@ -125,7 +125,7 @@ class SamplingFields(BaseModel):
     k: int | None = Field(default=None, ge=1, le=32)
     policy: str | None = Field(default=None, max_length=64)
     pipeline: Literal["off", "ahead", "send-ahead"] | None = None
-    proposer: str | None = Field(default=None, max_length=16, description="model or suffix: what proposes the tokens")
+    proposer: str | None = Field(default=None, max_length=16, description="model, suffix or hybrid: what proposes the tokens")
     placement: str | None = Field(default=None, max_length=16, description="edge, cloud or auto: where the draft runs")
     request_deadline_s: float | None = Field(default=None, gt=0, le=86400,
                                              description="how long this request may wait for the cloud in all")

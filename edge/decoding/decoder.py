@@ -39,7 +39,8 @@ from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.decoding.drafting import Drafter, model_drafter
 from common.decoding.proposals import PendingBlock
-from common.decoding.suffix_proposer import SuffixMemory, proposer_for
+from common.decoding.proposer_choice import proposer_for
+from common.decoding.suffix_proposer import SuffixMemory
 from common.decoding.generation import Generation, Released, StopSequences
 from common.logprobs import TokenLogprob, logprobs_of
 from common.decoding.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of

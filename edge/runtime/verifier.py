@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 from transformers import PreTrainedTokenizerBase
 
+from common.decoding.suffix_proposer import Priors, load_priors
 from common.errors import PairMismatch
 from common.fleet_plane.messages import verifier_digest
 from common.models import vocab_fingerprint
@@ -144,6 +145,7 @@ class LearnedVerifier:
 
 SHIPPED_DIR = Path(__file__).parent.parent / "verifiers"  # edge/verifiers: the verifiers the edge ships with
 AUTO_FALLBACK = "confidence:0.5"
+SUFFIX_CALIBRATION = "suffix_calibration.json"  # beside a shipped verifier: its pair's copies' rates (one regime)
 
 
 def shipped_verifiers(draft_spec: str | None, target_id: str | None) -> list[Path]:
@@ -158,6 +160,17 @@ def shipped_verifiers(draft_spec: str | None, target_id: str | None) -> list[Pat
     candidates = [p for p, pair in pairs.items() if pair["draft"] == draft_spec
                   and (target_id is None or pair["target"] == target_id)]
     return candidates if len({pairs[p]["target"] for p in candidates}) == 1 else []
+
+
+def shipped_suffix_priors(draft_spec: str | None, target_id: str | None) -> dict[str, Priors]:
+    """The copies' calibration shipped beside the pair's verifiers (`sprinter bench proposer --fit-calibration`),
+    per regime ("greedy", "sampled"): what suffix and hybrid drafting start from on this pair."""
+    priors = {}
+    for path in shipped_verifiers(draft_spec, target_id):
+        calibration = path.parent / SUFFIX_CALIBRATION
+        if calibration.exists():
+            priors[json.loads(calibration.read_text())["regime"]] = load_priors(calibration)
+    return priors
 
 
 @dataclass

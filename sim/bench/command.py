@@ -321,7 +321,7 @@ def _register_placement(benches: argparse._SubParsersAction) -> None:
 
 
 def _register_proposer(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("proposer", help="tokens per round trip: the draft model against suffix drafting, per category",
+    p = benches.add_parser("proposer", help="tokens per round trip: the draft model, suffix and hybrid drafting, per category",
                            **_described("sim.bench.proposer"))
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -329,7 +329,13 @@ def _register_proposer(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-runtime", default="torch", choices=["torch", "onnx"], help="the edge's draft runtime")
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--modes", type=names, default=("sd-block",), help="comma list")
-    p.add_argument("--proposers", type=names, default=("model", "suffix"), help="comma list")
+    p.add_argument("--proposers", type=names, default=("model", "suffix", "hybrid"), help="comma list")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, a seed per pass")
+    p.add_argument("--skip-per-category", type=int, default=0,
+                   help="leave out the first N prompts of each category (1: hold prompt 1 out of a calibration fit)")
+    p.add_argument("--fit-calibration", type=Path,
+                   help="write the copies' rates measured here to this JSON (shipped as "
+                        "edge/verifiers/PAIR[__sampling]/suffix_calibration.json)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts (medians reported)")
     p.add_argument("--per-category", type=int, help="the first N prompts of each category (default all)")
     p.add_argument("--categories", type=names, default=(), help="comma list (default every category of the suite)")

@@ -31,15 +31,18 @@ from pathlib import Path
 
 import torch
 
-from common.decoding.modes import PROPOSERS, DecodeSettings
+from common.decoding.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings
 from common.decoding.suffix_match import OutputCache
 from common.decoding.suffix_proposer import DEFAULT_CACHE_TOKENS
 from common.models import DTYPES, load_model
 from common.plots import pyplot
 from common.prompt_sets import PromptRecord, load_prompts
 from common.prompting import encode_prompt
+from common.sampling_params import SamplingParams
+from common.stats import oracle_calls_per_token
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
+from sim.bench.proposer_calibration import calibration_table, fit_calibration
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process
@@ -67,12 +70,20 @@ class ProposerBenchSettings:
     suffix_cache: bool = True
     prompts: Path = SUITE
     out: Path = Path("results/bench-proposer")
+    temperature: float = 0.0  # 0: greedy; else sampled, each pass with its own seed
+    skip_per_category: int = 0  # leave out the first N prompts of each category (prompt 1 is held out of fitting)
+    fit_calibration: Path | None = None  # write the copies' rates measured here, to ship beside the verifier
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 def bench_proposer(settings: ProposerBenchSettings) -> str:
     """Measure every (pass, proposer, mode, prompt) and write OUT; return the table."""
     settings.out.mkdir(parents=True, exist_ok=True)
-    records = chosen_prompts(load_prompts(settings.prompts), settings.categories, settings.per_category)
+    records = chosen_prompts(load_prompts(settings.prompts), settings.categories, settings.per_category,
+                             settings.skip_per_category)
     mine = os.sched_getaffinity(0)
     cloud_cpus, edge_cpus = pinning(mine)
     os.sched_setaffinity(0, edge_cpus)
@@ -80,14 +91,15 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     try:
         draft = load_model(settings.draft, DTYPES[settings.dtype])
         prompts = [(r, encode_prompt(draft.tokenizer, r.prompt, r.chat)) for r in records]
-        with cloud_process("--target", settings.target, "--dtype", settings.dtype,
+        cloud_draft = ("--draft", settings.draft) if CLOUD_DRAFTING in settings.modes else ()
+        with cloud_process("--target", settings.target, "--dtype", settings.dtype, *cloud_draft,
                            log_path=settings.out / "cloud.log", cpus=cloud_cpus,
                            env={"OMP_NUM_THREADS": str(len(cloud_cpus))}) as address:
             host, _, port = address.rpartition(":")
             rows, lookups_us, calibration = asyncio.run(_measure(settings, draft, prompts, (host, int(port))))
     finally:
         os.sched_setaffinity(0, mine)
-    summary = summarize(rows)
+    summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
     report = {"settings": {**asdict(settings), "out": str(settings.out), "prompts": str(settings.prompts)},
               "lookup_us_median": statistics.median(lookups_us) if lookups_us else None,
               "lookups": len(lookups_us), "calibration": calibration, "rows": rows, "summary": summary}
@@ -96,6 +108,12 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     text = table(settings, summary, report["lookup_us_median"], report["cores"]) + calibration_table(calibration)
     (settings.out / "table.md").write_text(text + "\n")
     plot(summary, settings.out / "proposers.png")
+    if settings.fit_calibration is not None:
+        fitted = fit_calibration(calibration, "greedy" if settings.greedy else "sampled",
+                                 f"{settings.draft} -> {settings.target}, {settings.dtype}, T={settings.temperature:g}, "
+                                 f"{len(records)} prompts x {settings.repeats} passes (sprinter bench proposer)")
+        settings.fit_calibration.write_text(json.dumps(fitted, indent=1) + "\n")
+        text += f"\n\nwrote the fitted calibration to {settings.fit_calibration}"
     return text
 
 
@@ -110,13 +128,17 @@ def pinning(cores: set[int]) -> tuple[set[int], set[int]]:
     return set(ordered[:half]), set(ordered[half:])
 
 
-def chosen_prompts(records: list[PromptRecord], categories: tuple[str, ...],
-                   per_category: int | None) -> list[PromptRecord]:
-    """The suite's prompts in `categories` (all when empty), the first `per_category` of each."""
+def chosen_prompts(records: list[PromptRecord], categories: tuple[str, ...], per_category: int | None,
+                   skip: int = 0) -> list[PromptRecord]:
+    """The suite's prompts in `categories` (all when empty): of each, `per_category` after the first `skip`."""
     taken: dict[str, int] = {}
+    seen: dict[str, int] = {}
     chosen = []
     for record in records:
         if categories and record.category not in categories:
+            continue
+        seen[record.category] = seen.get(record.category, 0) + 1
+        if seen[record.category] <= skip:
             continue
         if per_category is not None and taken.get(record.category, 0) >= per_category:
             continue
@@ -146,16 +168,20 @@ async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[P
                         for record, ids in prompts:
                             rows.append(await _request(node, settings, run, proposer, mode, record, ids))
                     lookups_us += node.decoder.suffix_memory.match_us
-            return rows, lookups_us, node.decoder.suffix_memory.calibration.report()
+            return rows, lookups_us, node.decoder.suffix_memory.calibration_for(settings.greedy).report()
 
 
-def _edge_settings(settings: ProposerBenchSettings, mode: str, proposer: str, max_tokens: int) -> EdgeSettings:
-    return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=max_tokens, k=settings.k, proposer=proposer))
+def _edge_settings(settings: ProposerBenchSettings, mode: str, proposer: str, max_tokens: int,
+                   seed: int = 0) -> EdgeSettings:
+    sampling = SamplingParams(temperature=settings.temperature, seed=seed)
+    return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=max_tokens, k=settings.k, proposer=proposer,
+                                       sampling=sampling))
 
 
 async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, proposer: str, mode: str,
                    record: PromptRecord, ids: list[int]) -> dict:
-    result = await node.decoder.generate(ids, _edge_settings(settings, mode, proposer, settings.max_tokens))
+    # a pass's seed is shared by its proposers: under sampling each pass draws its own answers, alike for all
+    result = await node.decoder.generate(ids, _edge_settings(settings, mode, proposer, settings.max_tokens, run))
     if result.degraded or result.error:
         raise RuntimeError(f"{proposer} {mode} on {record.id} lost the cloud: {result.degraded_reason or result.error}")
     s = result.stats
@@ -164,19 +190,30 @@ async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, pr
     return {"run": run, "proposer": proposer, "mode": mode, "category": record.category, "prompt_id": record.id,
             "tokens": s.new_tokens, "wall_s": s.wall_s, "target_calls": s.target_calls,
             "draft_forwards": s.draft_forwards, "draft_fed_tokens": s.draft_fed_tokens,
-            "suffix_tokens": s.suffix_tokens, "suffix_kept": s.suffix_kept}
+            "suffix_tokens": s.suffix_tokens, "suffix_kept": s.suffix_kept,
+            "block_lengths": list(s.block_lengths), "accepted_lengths": list(s.accepted_lengths)}
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per (mode, category, proposer): each pass's totals over its prompts, then the medians over passes."""
+def oracle_rate(totals: dict, cap: int) -> float:
+    """The hindsight oracle's calls per token on a pass's acceptance record (common.stats): a verifier that sends
+    each block at its first rejected token. The opens (a call each, in every proposer) count as they are."""
+    rate = oracle_calls_per_token(totals["block_lengths"], totals["accepted_lengths"], cap)
+    opens = max(0.0, totals["target_calls"] - len(totals["block_lengths"]))
+    return (opens + (rate or 0.0) * max(0.0, totals["tokens"] - opens)) / max(1.0, totals["tokens"])
+
+
+def summarize(rows: list[dict], cap: int = 20) -> list[dict]:
+    """Per (mode, category, proposer): each pass's totals over its prompts, then the medians over passes; `cap`:
+    the longest block the hindsight oracle may send (the run-length cap)."""
     groups: dict[tuple[str, str, str], dict[int, dict[str, float]]] = {}
     for r in rows:
         for category in (r["category"], "all"):
             per_run = groups.setdefault((r["mode"], category, r["proposer"]), {})
-            totals = per_run.setdefault(r["run"], dict.fromkeys(
-                ("tokens", "wall_s", "target_calls", "draft_forwards", "suffix_tokens", "suffix_kept"), 0.0))
+            totals = per_run.setdefault(r["run"], {**dict.fromkeys(
+                ("tokens", "wall_s", "target_calls", "draft_forwards", "suffix_tokens", "suffix_kept"), 0.0),
+                "block_lengths": [], "accepted_lengths": []})
             for name in totals:
-                totals[name] += r[name]
+                totals[name] += r.get(name, [] if name.endswith("lengths") else 0.0)
     summary = []
     for (mode, category, proposer), per_run in groups.items():
         passes = list(per_run.values())
@@ -189,7 +226,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "calls_per_token": median(lambda t: t["target_calls"] / max(1, t["tokens"])),
             "tokens_per_s": median(lambda t: t["tokens"] / t["wall_s"]),
             "suffix_share": median(lambda t: t["suffix_tokens"] / max(1, t["suffix_tokens"] + t["draft_forwards"])),
-            "suffix_kept_share": median(lambda t: t["suffix_kept"] / max(1, t["suffix_tokens"]))})
+            "suffix_kept_share": median(lambda t: t["suffix_kept"] / max(1, t["suffix_tokens"])),
+            "oracle_calls_per_token": median(lambda t: oracle_rate(t, cap))})
     for row in summary:  # suffix's ratios to model's, same mode and category
         base = next((b for b in summary if b["proposer"] == "model" and (b["mode"], b["category"])
                      == (row["mode"], row["category"])), None)
@@ -204,38 +242,27 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
     if cores is not None:
         pinned = ("; cloud and edge share core " + ",".join(map(str, cores["cloud"])) if cores["cloud"] == cores["edge"]
                   else f"; cloud on core(s) {','.join(map(str, cores['cloud']))}, edge on {','.join(map(str, cores['edge']))}")
-    lines = [f"greedy, {settings.target} <- {settings.draft} ({settings.dtype}), RTT {settings.rtt_ms:g} ms, k={settings.k}, "
+    regime = "greedy" if settings.greedy else f"T={settings.temperature:g}"
+    lines = [f"{regime}, {settings.target} <- {settings.draft} ({settings.dtype}), RTT {settings.rtt_ms:g} ms, k={settings.k}, "
              f"up to {settings.max_tokens} tokens, medians of {settings.repeats} interleaved passes; suffix cache "
              f"{'on' if settings.suffix_cache else 'off'}"
              + (f"; a suffix lookup costs {lookup_us:.0f} us (median)" if lookup_us is not None else "") + pinned,
              "",
-             "| mode | category | proposer | tokens/call | calls/token | tokens/s | suffix share | copies kept "
-             "| tokens/call x | tokens/s x |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | category | proposer | tokens/call | calls/token | calls/token x oracle | tokens/s | suffix share "
+             "| copies kept | tokens/call x | tokens/s x |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary:
         ratio = (f"{r['tokens_per_call_x']:.2f} | {r['tokens_per_s_x']:.2f}" if r["proposer"] != "model"
                  and r["tokens_per_call_x"] is not None else "- | -")
         lines.append(f"| {r['mode']} | {r['category']} | {r['proposer']} | {r['tokens_per_call']:.2f} | "
-                     f"{r['calls_per_token']:.3f} | {r['tokens_per_s']:.2f} | {r['suffix_share']:.2f} | "
+                     f"{r['calls_per_token']:.3f} | {_x(r['calls_per_token'], r.get('oracle_calls_per_token'))} | "
+                     f"{r['tokens_per_s']:.2f} | {r['suffix_share']:.2f} | "
                      f"{r['suffix_kept_share']:.2f} | {ratio} |")
     return "\n".join(lines)
 
 
-def calibration_table(calibration: list[dict]) -> str:
-    """How well the copies' scores (a_i) predicted the target keeping them, over every pass, per source and match."""
-    pooled: dict[tuple[str, int], list[float]] = {}
-    for c in calibration:
-        tally = pooled.setdefault((c["source"], c["match_length"]), [0, 0.0, 0.0])
-        tally[0] += c["reached"]
-        tally[1] += c["kept"] * c["reached"]
-        tally[2] += c["predicted"] * c["reached"]
-    if not pooled:
-        return ""
-    lines = ["", "", "The copies' scores against the verdicts (tokens the target reached):", "",
-             "| source | match length >= | reached | kept | mean a_i |", "| --- | --- | --- | --- | --- |"]
-    for (source, bucket), (n, kept, predicted) in sorted(pooled.items()):
-        lines.append(f"| {source} | {bucket} | {n} | {kept / n:.2f} | {predicted / n:.2f} |")
-    return "\n".join(lines)
+def _x(value: float, oracle: float | None) -> str:
+    return f"{value / oracle:.2f}" if oracle else "-"
 
 
 def plot(summary: list[dict], path: Path) -> None:

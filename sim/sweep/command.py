@@ -60,7 +60,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="prompts, categories interleaved (default 8)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default 64")
     p.add_argument("--policy", help="the edge's default call policy (default: each mode's own)")
-    p.add_argument("--proposer", choices=PROPOSERS, help="what proposes the edge's blocks: model (default) or suffix")
+    p.add_argument("--proposer", choices=PROPOSERS, help="what proposes the edge's blocks: model (default), suffix or hybrid")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="of both models (default bfloat16)")
     p.add_argument("--device", help=f"where the cloud's target runs: {DEVICE_HELP}")
     p.add_argument("--threads", type=int, help="intra-op threads per process (default: the cores it may use)")
