@@ -273,7 +273,7 @@ class EdgeDecoder:
         chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
                                      deadline_at, output_start=len(generation.prompt_ids),
                                      speculate_block=min(generation.settings.k, self.cloud.limits.max_block or generation.settings.k)
-                                     if speculates else None)
+                                     if speculates else None, proposer=generation.settings.proposer if speculates else None)
         started, first = time.perf_counter(), True
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
