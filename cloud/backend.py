@@ -314,7 +314,8 @@ class TargetBackend:
                         stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
                         yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
                                                   drafted=step.drafted, draft_ms=step.draft_ms,
-                                                  cached_tokens=step.cached_tokens)
+                                                  cached_tokens=step.cached_tokens, copied=step.copied,
+                                                  copied_kept=step.copied_kept)
                         if stop:
                             return
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit

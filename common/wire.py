@@ -356,11 +356,13 @@ def speculation_proposer(speculation: pb.Speculation) -> str | None:
 
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
                    logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = (),
-                   drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0) -> pb.GenerateChunk:
+                   drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0, copied: int = 0,
+                   copied_kept: int = 0) -> pb.GenerateChunk:
     """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk.
-    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took;
+    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took (`copied`,
+    `copied_kept`: of them, those its proposer copied from text, and those of them kept);
     `cached_tokens` (first chunk): prompt tokens whose KV came from the cloud's prefix cache."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
                             finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
                             prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms,
-                            cached_tokens=cached_tokens)
+                            cached_tokens=cached_tokens, copied=copied, copied_kept=copied_kept)

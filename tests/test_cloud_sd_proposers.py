@@ -85,6 +85,7 @@ def test_cloud_sd_greedy_equals_the_target_with_every_proposer(tiny_target, tiny
         assert not result.degraded and result.error is None
         assert result.token_ids == references[name], (name, proposer)
     assert (copied > 0) == (proposer != "model")  # the model proposes no copies; the others did here
+    assert sum(r.stats.suffix_tokens for _, r in results) == copied  # the chunks tell the edge of them
 
 
 def test_the_clouds_default_proposer_serves_a_request_that_names_none(tiny_target, tiny_draft) -> None:

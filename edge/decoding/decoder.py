@@ -278,7 +278,7 @@ class EdgeDecoder:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.drafted:  # a cloud-sd round: one target forward over the cloud's block
-                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1)
+                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1, chunk.copied, chunk.copied_kept)
                     if first:  # the round trip, paid once: what the first round took here less what it took there
                         self.cost_model.observe_rtt((time.perf_counter() - started) * 1e3 - chunk.step_ms)
                     self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
