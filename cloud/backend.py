@@ -18,12 +18,14 @@ import grpc
 
 from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill
 from cloud.errors import CloudError, invalid
-from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
+from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
+                          check_verify, decide)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
-from cloud.speculation import SpeculatedRound
+from cloud.speculation import SpeculatedRound, SpeculationRequest
+from cloud.suffix_memories import SuffixMemories
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
@@ -44,6 +46,8 @@ class TargetBackend:
     metrics: CloudMetrics
     grammars: GrammarCompiler | None = None  # made at the first request with a grammar (it converts the tokenizer)
     residual: ResidualSettings = field(default_factory=ResidualSettings)  # cloud/residual.py: dists_on_rejection
+    proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (`--proposer`)
+    suffix_memories: SuffixMemories = field(default_factory=SuffixMemories)  # per edge identity, never shared
 
     @property
     def vocab_size(self) -> int:
@@ -282,19 +286,20 @@ class TargetBackend:
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         output_start = check_output_start(request)
-        block = self._speculation_block(request)
+        speculation = self._speculation(owner, request)
         processor = self._processor(sampling, context[:output_start])
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
         max_new = min(request.max_new_tokens, self.limits.max_context - len(context))
         scope = self._prefix_scope(owner)
-        if block is None:
+        if speculation is None:
             steps = self.engine.generate(context, max_new, sampling, processor, scope)
         else:  # the draft shapes its logits with a processor of its own: each follows its own model's rows
             steps = self.engine.speculate(context, max_new, sampling,
-                                          (processor, self._processor(sampling, context[:output_start])), block,
+                                          (processor, self._processor(sampling, context[:output_start])), speculation,
                                           scope)
-        with self.store.generation(owner, self._whole_pages(len(context) + max_new + (block or 0))):
+        round_cap = speculation.cap if speculation is not None else 0  # a verify writes its block before the rollback
+        with self.store.generation(owner, self._whole_pages(len(context) + max_new + round_cap)):
             self.update_gauges()
             # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
             try:
@@ -309,32 +314,35 @@ class TargetBackend:
                         stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
                         yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
                                                   drafted=step.drafted, draft_ms=step.draft_ms,
-                                                  cached_tokens=step.cached_tokens)
+                                                  cached_tokens=step.cached_tokens, copied=step.copied,
+                                                  copied_kept=step.copied_kept)
                         if stop:
                             return
                 yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
             finally:
                 self.update_gauges()
 
-    def _speculation_block(self, request: pb.GenerateRequest) -> int | None:
-        """The draft tokens per round a Generate with a speculation asks for (cloud-sd); None: target alone."""
+    def _speculation(self, owner: str, request: pb.GenerateRequest) -> SpeculationRequest | None:
+        """What a Generate with a speculation asks for (cloud-sd), a copying proposer with `owner`'s suffix memory;
+        None: the target alone."""
         if not request.HasField("speculation"):
             return None
-        block = request.speculation.block
-        if not 1 <= block <= self.limits.max_block:
-            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"speculation.block must be in 1..{self.limits.max_block} (max_block), got {block}")
+        block, proposer = check_speculation(request.speculation, self.limits, self.proposer)
         if self.engine.draft_spec is None:
             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
                              "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
                              "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
-        return block
+        memory = self.suffix_memories.of(owner) if proposer != "model" else None
+        return SpeculationRequest(block, proposer, memory, self.limits.max_block)
 
     def _count_step(self, step: GeneratedToken | SpeculatedRound) -> None:
         self.metrics.tokens_generated.inc(len(step.tokens))
         if step.drafted:
             self.metrics.cloud_drafted.inc(step.drafted)
             self.metrics.cloud_draft_accepted.inc(len(step.tokens) - 1)
+        if step.copied:  # a copying proposer's (cloud-sd): draft tokens copied from text, and those kept
+            self.metrics.cloud_draft_copied.inc(step.copied)
+            self.metrics.cloud_draft_copied_accepted.inc(step.copied_kept)
 
     def _processor(self, sampling: SamplingParams, prompt_ids: list[int]) -> LogitsProcessor | None:
         """The request's grammar, bias and penalties over the target's logits; a grammar that does not compile

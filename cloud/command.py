@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from cloud.settings import ATTENTIONS, ENGINES, CloudSettings
+from common.decoding.modes import PROPOSERS
 from common.arguments import DTYPE_NAMES, host_port, port
 from common.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
@@ -64,15 +65,26 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
                    help="concurrent Session and Generate calls; beyond: RESOURCE_EXHAUSTED with a retry hint")
     _add_operations_arguments(p)
-    p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
-                   "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
-                   "cloud-sd, --placement cloud)")
+    _add_drafting_arguments(p)
     _add_vllm_arguments(p)
     _add_residual_arguments(p)
     add_broker_arguments(p)
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:
+    """Mode cloud-sd (cloud/speculation.py): the cloud's own draft, and what proposes around it."""
+    p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
+                   "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
+                   "cloud-sd, --placement cloud)")
+    p.add_argument("--proposer", default=DEFAULTS.proposer, choices=PROPOSERS,
+                   help="with --draft: what proposes cloud-sd's tokens for a request that names none (its "
+                        "speculation.proposer overrides it): the draft model, or suffix: text the request (its prompt, "
+                        "its output so far) or the same edge identity's earlier outputs on this replica hold where "
+                        "the context matches it, the draft model elsewhere; exact either way. --engine vllm: model "
+                        "only")
 
 
 def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:

@@ -141,6 +141,8 @@ class GeneratedToken:
     cached_tokens: int = 0  # the first step's: prompt tokens whose KV came from the prefix cache
     drafted = 0  # as a cloud-sd round (cloud/speculation.py) reads: no draft proposed this token
     draft_ms = 0.0
+    copied = 0  # nor copied any
+    copied_kept = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -198,6 +200,7 @@ class TargetEngine(Protocol):
 
     def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                   processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                  block: int, prefix_scope: str | None = None) -> AsyncIterator[Any]:
-        """cloud-sd (cloud/speculation.py): rounds of `block` tokens drafted by the cloud's draft and block-verified
-        by the target (SpeculatedRound); `processors`: the request's, one for the target's logits, one for the draft's."""
+                  speculation: Any, prefix_scope: str | None = None) -> AsyncIterator[Any]:
+        """cloud-sd (cloud/speculation.py): rounds of `speculation.block` tokens (SpeculationRequest) proposed by its
+        proposer over the cloud's draft and block-verified by the target (SpeculatedRound); `processors`: the
+        request's, one for the target's logits, one for the draft's."""

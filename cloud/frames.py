@@ -16,7 +16,7 @@ import torch
 from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from common import wire
-from common.decoding.modes import reads_draft_dist_at_rejection_only, reads_last_draft_only, verify_rule
+from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only, verify_rule
 from common.verification import greedy_verdict
 from common.sampling import SamplingParams, logits_to_probs
 from sprinter.v1 import decoding_pb2 as pb
@@ -75,6 +75,18 @@ def check_output_start(request: pb.OpenSession | pb.GenerateRequest) -> int:
         raise invalid(f"output_start is {start}: the generated tokens begin after at least one prompt token and "
                       f"at most after all {len(request.prompt_ids)}")
     return start
+
+
+def check_speculation(speculation: pb.Speculation, limits: ServiceLimits, default_proposer: str) -> tuple[int, str]:
+    """A cloud-sd Generate's (block, proposer); a proposer it does not name is the cloud's default (`--proposer`)."""
+    block = speculation.block
+    if not 1 <= block <= limits.max_block:
+        raise invalid(f"speculation.block must be in 1..{limits.max_block} (max_block), got {block}")
+    proposer = wire.speculation_proposer(speculation) or default_proposer
+    if proposer not in PROPOSERS:
+        raise invalid(f"speculation.proposer {proposer!r} is unknown; choose one of {', '.join(PROPOSERS)} "
+                      "(empty: this cloud's default)")
+    return block, proposer
 
 
 def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingParams, vocab_size: int,

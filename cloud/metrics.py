@@ -31,6 +31,11 @@ class CloudMetrics:
                                      registry=r)
         self.cloud_draft_accepted = Counter("sprinter_cloud_draft_tokens_accepted",
                                             "Tokens of the cloud's draft the target accepted (cloud-sd)", registry=r)
+        # of those, tokens a copying proposer (--proposer suffix, ...) took from text rather than the draft's forward
+        self.cloud_draft_copied = Counter("sprinter_cloud_draft_copied_tokens", "Tokens the cloud's proposer copied "
+                                          "from text (cloud-sd; within sprinter_cloud_draft_tokens)", registry=r)
+        self.cloud_draft_copied_accepted = Counter("sprinter_cloud_draft_copied_tokens_accepted",
+                                                   "Copied tokens the target accepted (cloud-sd)", registry=r)
         self.draft_forward_seconds = Histogram("sprinter_cloud_draft_forward_seconds", "Draft forward latency "
                                                "(cloud-sd)", registry=r,
                                                buckets=(.002, .005, .01, .025, .05, .1, .2, .4, .8))

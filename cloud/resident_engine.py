@@ -29,7 +29,7 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.prefix_cache import PrefixCache, Reuse, reusing
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
-from cloud.speculation import CloudSpeculation, DraftEngine, SpeculatedRound
+from cloud.speculation import CloudSpeculation, DraftEngine, SpeculatedRound, SpeculationRequest
 from common.models import LoadedModel, vocab_fingerprint
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
@@ -165,12 +165,13 @@ class ResidentEngine:
 
     async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                         processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                        block: int, prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
+                        speculation: SpeculationRequest,
+                        prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
         """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
         counting the prefills and bringing the prompt's logprobs when asked (echo)."""
         if self.draft is None:
             raise ValueError("this engine has no draft model (start the cloud with --draft)")
-        room = len(context) + max_new + block  # a verify writes its whole block before the rollback
+        room = len(context) + max_new + speculation.cap  # a verify writes its whole block before the rollback
         target_cache, draft_cache = self.new_session_kv(), self.draft.new_cache(room)
         try:
             target_cache.reserve(room)
@@ -179,14 +180,14 @@ class ResidentEngine:
             if len(context) > 1:
                 await self.draft.batcher.prefill(draft_cache, context[:-1])
             prefill_ms = (time.perf_counter() - started) * 1e3
-            speculation = CloudSpeculation(self.draft, target_cache, draft_cache, sampling, self.info.vocab_size,
-                                           self.info.eos_token_ids, *processors)
+            rounds_of = CloudSpeculation(self.draft, target_cache, draft_cache, sampling, self.info.vocab_size,
+                                         self.info.eos_token_ids, *processors, speculation)
 
             async def target_forward(new_tokens: list[int], n_logits: int) -> ForwardResult:
                 return await self.batcher.forward(target_cache, new_tokens, n_logits,
                                                   full_logits=sampling.reads_logits)
 
-            async with contextlib.aclosing(speculation.rounds(context, max_new, block, target_forward)) as rounds:
+            async with contextlib.aclosing(rounds_of.rounds(context, max_new, target_forward)) as rounds:
                 async for speculated in rounds:
                     yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs,
                                   cached_tokens=reuse.tokens)

@@ -153,7 +153,8 @@ class CloudServer:
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )
             backend = TargetBackend(engine, self.limits, store, self.metrics,
-                                    residual=ResidualSettings(settings.residual_candidates, settings.residual_queries))
+                                    residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
+                                    proposer=settings.proposer)
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)

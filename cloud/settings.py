@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.addresses import is_loopback
+from common.decoding.modes import PROPOSERS
 from common.devices import DeviceError, resolve_device
 
 
@@ -21,6 +22,7 @@ ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout
 class CloudSettings:
     target: str = "tiny-random"
     draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/speculation.py); None: the cloud drafts nothing
+    proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (Speculation.proposer overrides it)
     dtype: str = "bfloat16"
     device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
@@ -125,6 +127,12 @@ class CloudSettings:
              f"--draft-block must be in 1..--max-block ({self.max_block}), got {self.draft_block}"),
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
+            (self.proposer in PROPOSERS, f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}"),
+            (self.proposer == "model" or self.draft is not None,
+             f"--proposer {self.proposer} proposes around the cloud's draft model: it needs --draft"),
+            (self.proposer == "model" or self.engine != "vllm",
+             f"--proposer {self.proposer} does not apply to --engine vllm: its cloud-sd is vLLM's own draft-model "
+             "speculation, which proposes from the draft model alone"),
         ]
         return [message for ok, message in checks if not ok] + self._engine_problems() + self._device_problems()
 

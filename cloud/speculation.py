@@ -18,7 +18,14 @@ Per round, with c = len(context):
     verdict     keep x_1..x_n and the target's token after them; both caches roll back to c + n
 
 Drafting goes through the one proposer seam (common/decoding/proposals.py): the draft model's
-`ModelProposer`, whose forward here (`BatchedDraft`) is an await on the shared draft batcher.
+`ModelProposer`, whose forward here (`BatchedDraft`) is an await on the shared draft batcher, alone
+(`speculation.proposer` model) or wrapped by the strategy the request names (`proposer_for`: suffix, ...).
+
+A wrapping proposer drafts as on the edge: its blocks are judged, a fixed policy of the round's `block`
+places the draft's own tokens, and a copied run may go past `block`, as its match warrants, up to the
+edge's rule for a round's cap (DecodeSettings.round_cap, within Limits.max_block). The rule reads each
+token's q row (`PendingBlock.p_draft`: a copied token is a point mass), so it stays exact. Its memory
+(earlier outputs, calibration) is the edge identity's own (cloud/suffix_memories.py).
 """
 
 from __future__ import annotations
@@ -32,16 +39,41 @@ import torch
 from cloud.batcher import Batcher
 from cloud.engine import ForwardResult, TargetRows
 from cloud.resident_kv import KVLayout, ResidentKV
+from common.call_policy import CallPolicy, parse_policy
 from common.decoding.drafting import DraftRow, ModelProposer
-from common.decoding.proposals import PendingBlock
+from common.decoding.proposals import PendingBlock, Proposer
+from common.decoding.proposer_choice import proposer_for
+from common.decoding.suffix_proposer import SuffixMemory, suffix_memory
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.models import LoadedModel
 from common.sampling import SamplingParams, logits_to_probs
 from common.verification import greedy_verdict
-from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, verify_rule
+from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, DecodeSettings, verify_rule
 
 TargetForward = Callable[[list[int], int], Awaitable[ForwardResult]]  # (new tokens, n_logits): the target's rows
+
+
+@dataclass(frozen=True)
+class SpeculationRequest:
+    """What a cloud-sd Generate asks for (its `Speculation`, checked): draft tokens per round and what proposes them."""
+
+    block: int  # the draft's own tokens per round
+    proposer: str = "model"  # common/decoding/modes.py PROPOSERS
+    memory: SuffixMemory | None = None  # the edge identity's; None: a copying proposer copies the request's own text
+    max_block: int | None = None  # the cloud's cap on a block (Limits.max_block)
+
+    def settings(self, sampling: SamplingParams) -> DecodeSettings:
+        """The generation's settings as the proposer seam reads them (`proposer_for`, `round_cap`)."""
+        return DecodeSettings(mode=CLOUD_DRAFTING, sampling=sampling, k=self.block, max_block=self.max_block,
+                              proposer=self.proposer)
+
+    @property
+    def cap(self) -> int:
+        """The longest block a round may send: `block` for the model alone, longer for a copied run (the edge's
+        rule); what a verify may write into the KV before its rollback."""
+        return DecodeSettings(mode=CLOUD_DRAFTING, k=self.block, max_block=self.max_block,
+                              proposer=self.proposer).round_cap
 
 
 @dataclass(frozen=True)
@@ -55,6 +87,8 @@ class SpeculatedRound:
     logprobs: tuple[TokenLogprob, ...] = ()  # the target's, of `tokens`, when the sampling asks
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first round's, when the sampling asks (echo)
     cached_tokens: int = 0  # the first round's: prompt tokens whose target KV came from the prefix cache
+    copied: int = 0  # of `drafted`, tokens copied from text (not the draft's own) ...
+    copied_kept: int = 0  # ... and those of them the target kept
 
 
 @dataclass
@@ -100,7 +134,8 @@ class BatchedDraft:
 
 @dataclass
 class CloudSpeculation:
-    """One generation's rounds: its context, its two caches, its seeded generator and the request's processors."""
+    """One generation's rounds: its context, its two caches, its seeded generator, the request's processors and
+    its proposer."""
 
     draft: DraftEngine
     target_cache: ResidentKV  # holds context[:-1] before each round
@@ -110,25 +145,39 @@ class CloudSpeculation:
     eos_token_ids: frozenset[int]
     target_processor: LogitsProcessor | None  # the request's grammar, bias and penalties, on each model's logits
     draft_processor: LogitsProcessor | None
+    speculation: SpeculationRequest
 
     def __post_init__(self) -> None:
         # one seeded stream for drafting and the rule, as the local engine has (common/decoding/local_engine.py)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
-        full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size
-        self.proposer = ModelProposer(BatchedDraft(self.draft, self.draft_cache, self.vocab_size, full), self.sampling,
-                                      self.generator, self.eos_token_ids, processor=self.draft_processor)
+        spec = self.speculation
+        memory = spec.memory if spec.memory is not None else suffix_memory(cache=False)
+        wrap = proposer_for(spec.settings(self.sampling), memory)
+        # a wrapping proposer's policy scores the draft's tokens from its logits: a greedy draft must bring them too
+        full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size or wrap is not None
+        model = ModelProposer(BatchedDraft(self.draft, self.draft_cache, self.vocab_size, full), self.sampling,
+                              self.generator, self.eos_token_ids, processor=self.draft_processor)
+        self.proposer: Proposer = wrap(model) if wrap is not None else model
+        # the model alone drafts `block` tokens, unjudged, as ever; a wrapper's model tokens go by cloud-sd's own
+        # fixed:k, its copied runs up to `cap`
+        self.policy: CallPolicy | None = None
+        if wrap is not None:
+            self.policy = parse_policy(MODE_RECORDS[CLOUD_DRAFTING].default_policy.format(k=spec.block))
+        self.cap = spec.cap if wrap is not None else spec.block
 
-    async def rounds(self, context: list[int], max_new: int, block: int,
+    async def rounds(self, context: list[int], max_new: int,
                      target_forward: TargetForward) -> AsyncIterator[SpeculatedRound]:
-        """Rounds until `max_new` tokens or an end-of-sequence token; each block leaves room for the target's token."""
-        context, produced = list(context), 0
+        """Rounds until `max_new` tokens or an end-of-sequence token; each block leaves room for the target's token.
+        A generation that ends so gives its output to the proposer (what later requests of this edge may copy)."""
+        context, produced, prompt_length = list(context), 0, len(context)
         while produced < max_new:
             started = time.perf_counter()
-            drafted, p_draft = await self._draft(context, min(block, max_new - produced - 1))
+            block = await self._draft(context, min(self.cap, max_new - produced - 1))
+            drafted = block.tokens
             draft_ms = (time.perf_counter() - started) * 1e3
             result = await target_forward(context[self.target_cache.length:] + drafted, len(drafted) + 1)
-            n_accepted, next_token = self._verdict(drafted, p_draft, result.rows.shaped(
-                self.target_processor, context, drafted))
+            n_accepted, next_token = self._verdict(block, result.rows.shaped(self.target_processor, context, drafted))
+            self.proposer.observe_verdict(block, n_accepted)
             kept = drafted[:n_accepted] + [next_token]
             self.target_cache.truncate(len(context) + n_accepted)
             self.draft_cache.truncate(min(self.draft_cache.length, len(context) + n_accepted))
@@ -136,24 +185,28 @@ class CloudSpeculation:
             kept = kept if ended is None else kept[:ended + 1]
             context += kept
             produced += len(kept)
+            copied = [not d.from_model for d in block.drafted]
             yield SpeculatedRound(kept, len(drafted), (time.perf_counter() - started) * 1e3, draft_ms,
-                                  result.rows.logprobs(self.sampling, kept))
+                                  result.rows.logprobs(self.sampling, kept), copied=sum(copied),
+                                  copied_kept=sum(copied[:min(n_accepted, len(kept))]))
             if ended is not None:
-                return
+                break
+        self.proposer.observe_output(context[prompt_length:])
 
-    async def _draft(self, context: list[int], g: int) -> tuple[list[int], list[torch.Tensor]]:
-        """x_1..x_g proposed after `context` (one batched draft step each; fewer after an end-of-sequence token) and,
-        under sampling, the distributions q_i [V] they were drawn from."""
+    async def _draft(self, context: list[int], g: int) -> PendingBlock:
+        """x_1..x_g proposed after `context` (fewer after an end-of-sequence token, or where the policy sends; more
+        than the round's `block` only for a copied run, within `g`)."""
         block = PendingBlock()
-        async for proposed in self.proposer.propose(context, g, None, None, judged=False):
+        async for proposed in self.proposer.propose(context, g, self.policy, None, judged=self.policy is not None):
             block.drafted.append(proposed)
-        return block.tokens, [d.p_draft for d in block.drafted if d.p_draft is not None]
+        return block
 
-    def _verdict(self, drafted: list[int], p_draft: list[torch.Tensor], rows: TargetRows) -> tuple[int, int]:
+    def _verdict(self, block: PendingBlock, rows: TargetRows) -> tuple[int, int]:
         """sd-block's rule on the round's block: (n_accepted, next_token)."""
+        drafted = block.tokens
         if self.sampling.greedy:  # one-hot distributions: the rule reads the target's argmax alone
             return greedy_verdict(drafted, rows.argmax.tolist())
         p_target = logits_to_probs(rows.logits, self.sampling)  # [g + 1, V]
-        q = torch.stack(p_draft) if p_draft else p_target.new_zeros((0, p_target.shape[-1]))  # [g, V]
+        q = block.p_draft(p_target.shape[-1]).to(p_target.dtype)  # [g, V]: row i is x_i's, a point mass for a copy
         rule = verify_rule(MODE_RECORDS[CLOUD_DRAFTING].verify_method, self.sampling)
         return rule(torch.tensor(drafted, dtype=torch.long), q, p_target, self.generator)

@@ -53,12 +53,27 @@ from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, Gen
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
+from cloud.speculation import SpeculationRequest
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.models import eos_token_ids, model_dir, vocab_fingerprint
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def check_vllm_speculation(speculation: SpeculationRequest, draft_block: int) -> None:
+    """A cloud-sd request vLLM's own speculation (draft model, `draft_block` tokens, both fixed at start) serves
+    as asked; anything else is refused, naming the field, never approximated."""
+    if speculation.proposer != "model":
+        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"speculation.proposer {speculation.proposer!r}: this cloud's vllm engine speculates with "
+                         "vLLM's own draft-model speculation, which proposes from the draft model alone; ask for "
+                         "proposer model, draft on the edge (--placement edge) or use a cloud with --engine resident")
+    if speculation.block != draft_block:
+        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"speculation.block {speculation.block}: this cloud's vllm engine speculates {draft_block} "
+                         "tokens a round, fixed when it started (--draft-block); ask for that block (k)")
 
 
 @dataclass(frozen=True)
@@ -161,13 +176,11 @@ class VllmEngine:
 
     async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                         processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                        block: int, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
+                        speculation: SpeculationRequest,
+                        prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """cloud-sd on vLLM: its own draft-model speculative decoding (configured at start: `--draft`,
         `--draft-block`), so the tokens come as vLLM's Generate gives them."""
-        if block != self.options.draft_block:
-            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"speculation.block {block}: this cloud's vllm engine speculates {self.options.draft_block} "
-                             "tokens a round, fixed when it started (--draft-block); ask for that block (k)")
+        check_vllm_speculation(speculation, self.options.draft_block)
         if sampling.logit_bias:  # vLLM's own warning: "min_p and logit_bias parameters won't work with speculative decoding"
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
                              "this cloud's vllm engine cannot speculate with logit_bias (vLLM's speculative decoding "

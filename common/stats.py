@@ -119,8 +119,12 @@ class StatsRecorder:
         now = time.perf_counter()
         self.emitted_at.extend([now] * n_tokens)
 
-    def verified(self, block_length: int, n_accepted: int) -> None:
+    def verified(self, block_length: int, n_accepted: int, copied: int = 0, copied_kept: int = 0) -> None:
+        """A verdict; `copied`, `copied_kept`: a cloud-sd round's copied tokens, and those kept (an edge's own
+        proposals count as they are proposed and judged: `proposed`, speculative_round)."""
         self.target_calls += 1
+        self.suffix_tokens += copied
+        self.suffix_kept += copied_kept
         self.block_lengths.append(block_length)
         self.accepted_lengths.append(n_accepted)
 

@@ -338,22 +338,31 @@ def error_status(error: pb.Error) -> grpc.StatusCode:
 
 def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
                      vocab_fingerprint: str = "", output_start: int | None = None,
-                     speculate_block: int | None = None) -> pb.GenerateRequest:
-    """A Generate; with `speculate_block`, cloud-sd: the cloud drafts that many tokens a round and verifies them."""
+                     speculate_block: int | None = None, proposer: str | None = None) -> pb.GenerateRequest:
+    """A Generate; with `speculate_block`, cloud-sd: the cloud drafts that many tokens a round and verifies them,
+    proposed by `proposer` (None: the cloud's default)."""
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
-    speculation = pb.Speculation(block=speculate_block) if speculate_block is not None else None
+    speculation = (pb.Speculation(block=speculate_block, proposer=proposer or "")
+                   if speculate_block is not None else None)
     return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling), output_start=start,
                               max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint,
                               speculation=speculation)
 
 
+def speculation_proposer(speculation: pb.Speculation) -> str | None:
+    """The proposer a cloud-sd Generate names; None: it names none (the cloud's default)."""
+    return speculation.proposer or None
+
+
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
                    logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = (),
-                   drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0) -> pb.GenerateChunk:
+                   drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0, copied: int = 0,
+                   copied_kept: int = 0) -> pb.GenerateChunk:
     """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk.
-    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took;
+    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took (`copied`,
+    `copied_kept`: of them, those its proposer copied from text, and those of them kept);
     `cached_tokens` (first chunk): prompt tokens whose KV came from the cloud's prefix cache."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
                             finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
                             prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms,
-                            cached_tokens=cached_tokens)
+                            cached_tokens=cached_tokens, copied=copied, copied_kept=copied_kept)

@@ -147,17 +147,19 @@ class CloudClient:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "", deadline_at: float | None = None,
-                       output_start: int | None = None, speculate_block: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
+                       output_start: int | None = None, speculate_block: int | None = None,
+                       proposer: str | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode `target`: the cloud generates alone; chunks arrive as tokens are made (`output_start`: where
         tokens generated before this call begin in `prompt_ids`, which the penalties count). With
-        `speculate_block`, mode cloud-sd: the cloud drafts and verifies by itself, a chunk per round.
+        `speculate_block`, mode cloud-sd: the cloud drafts and verifies by itself, a chunk per round, its tokens
+        proposed by `proposer` (None: the cloud's default).
 
         No whole-call deadline unless the request set one (`deadline_at`, time.monotonic(): DeadlinePassed),
         but each chunk must come within `deadline_s`: a Generate that hangs ends as CloudUnavailable
         instead of holding the request forever.
         """
         request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint, output_start,
-                                        speculate_block)
+                                        speculate_block, proposer)
         call = self.stub.Generate(request, metadata=self.metadata)
         limit, request_bound = self.endpoint.deadline_s, False
         try:

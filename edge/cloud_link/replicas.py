@@ -338,8 +338,9 @@ class ReplicaSet:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "", deadline_at: float | None = None,
-                       output_start: int | None = None, speculate_block: int | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        """Mode target (cloud-sd with `speculate_block`) on one replica; CloudUnavailable (the replica rests) when it
+                       output_start: int | None = None, speculate_block: int | None = None,
+                       proposer: str | None = None) -> AsyncIterator[pb.GenerateChunk]:
+        """Mode target (cloud-sd with `speculate_block`, proposed by `proposer`) on one replica; CloudUnavailable (the replica rests) when it
         fails or none is usable."""
         drafting = speculate_block is not None  # cloud-sd: only a replica with a draft of its own
         client = self.choose(uuid.uuid4().hex, drafting=drafting)
@@ -353,7 +354,7 @@ class ReplicaSet:
             # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
             async with self._replica(client).slots():
                 async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint,
-                                                   deadline_at, output_start, speculate_block):
+                                                   deadline_at, output_start, speculate_block, proposer):
                     yield chunk
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica

@@ -274,12 +274,12 @@ class EdgeDecoder:
         chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
                                      deadline_at, output_start=len(generation.prompt_ids),
                                      speculate_block=min(generation.settings.k, self.cloud.limits.max_block or generation.settings.k)
-                                     if speculates else None)
+                                     if speculates else None, proposer=generation.settings.proposer if speculates else None)
         started, first = time.perf_counter(), True
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.drafted:  # a cloud-sd round: one target forward over the cloud's block
-                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1)
+                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1, chunk.copied, chunk.copied_kept)
                     if first:  # the round trip, paid once: what the first round took here less what it took there
                         self.cost_model.observe_rtt((time.perf_counter() - started) * 1e3 - chunk.step_ms)
                     self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
