@@ -124,7 +124,8 @@ def test_cloud_sd_sampled_output_with_suffix_follows_the_target(tiny_target) -> 
     settings = CloudSettings(target="tiny-random", draft="tiny-random", batch_window_ms=1, edge_max_generate=16)
     with ServerThread(settings, tiny_target, draft=near_draft(tiny_target)) as cloud:
         always_copy(cloud, ANONYMOUS)
-        cloud.server.servicer.backend.suffix_memories.of(ANONYMOUS).calibration = PriorRates()
+        memory = cloud.server.servicer.backend.suffix_memories.of(ANONYMOUS)
+        memory.calibration = memory.sampled = PriorRates()  # greedy's higher prior: copies at every first position
 
         def settings_for(seed: int) -> EdgeSettings:
             return EdgeSettings(DecodeSettings(mode="cloud-sd", max_new_tokens=3, k=2, proposer="suffix",
