@@ -10,7 +10,9 @@ import copy
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ from common.cached_lm import CachedLM
 from common.models import LoadedModel
 from edge.onnx_export import export as onnx_export
 from edge.runtime.draft import exported_draft, load_draft_runtime
-from edge.runtime.onnx_draft import OnnxCachedLM
+from edge.runtime.kv_slice import KvSlicer
+from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
 from edge.onnx_export.export import DraftExportError, export_draft, model_fingerprint, read_export_info, verify_export
 
 GREEDY_STEPS = 32
@@ -225,3 +228,55 @@ def test_smollm2_greedy_logits_and_hidden_match_torch(smollm2: LoadedModel, smol
 def test_smollm2_rollback_matches_torch(smollm2: LoadedModel, smollm2_onnx: Path) -> None:
     base = smollm2.tokenizer("The quick brown fox jumps over the lazy dog, and then it runs away.")["input_ids"]
     rollback_compare(smollm2, OnnxCachedLM(smollm2_onnx, with_hidden=True), base, tolerance=1e-3)
+
+
+# --- rollback: the slice graph (CUDA's path, run here on CPU) and exactness -----------------------
+
+
+def test_kv_slicer_cuts_ortvalues_exactly() -> None:
+    past = [np.random.default_rng(i).standard_normal((1, 2, 9, 16), dtype=np.float32) for i in range(4)]
+    slicer = KvSlicer(4, 2, 16, ["CPUExecutionProvider"], "cpu")
+    values = [ort.OrtValue.ortvalue_from_numpy(p, "cpu") for p in past]
+    for length in (0, 1, 5, 9):
+        kept = slicer.bound(values, length)
+        assert all(isinstance(k, ort.OrtValue) and k.device_name() == "cpu" for k in kept)
+        assert all(np.array_equal(k.numpy(), p[:, :, :length]) for k, p in zip(kept, past))
+
+
+def rejected_then_accepted(lm: OnnxCachedLM, prompt: list[int], drafted: list[int], kept: int) -> torch.Tensor:
+    """A round of speculative decoding: draft one token a forward, keep `kept` of them plus a correction."""
+    lm.advance_to(prompt)
+    for i in range(1, len(drafted)):
+        lm.advance_to(prompt + drafted[:i])
+    return lm.advance_to(prompt + drafted[:kept] + [250]).logits
+
+
+@pytest.mark.parametrize("io_binding", [False, True], ids=["numpy", "io-binding"])
+def test_rolled_back_cache_gives_a_fresh_caches_logits(tiny_onnx: Path, io_binding: bool) -> None:
+    """Rollback then advance must equal, bit for bit, a cache that never saw the rejected tokens."""
+    model = OnnxDraftModel(tiny_onnx, threads=1, io_binding=io_binding)
+    prompt, drafted = list(range(40, 70)), [7, 8, 9, 10, 11, 12]
+    for kept in (0, 2, 5):
+        rolled = model.new_lm()
+        got = rejected_then_accepted(rolled, prompt, drafted, kept)
+        assert rolled.forward_calls == len(drafted) + 1 and rolled.tokens == prompt + drafted[:kept] + [250]
+        fresh = model.new_lm()
+        fresh.advance_to(prompt)
+        for i in range(1, kept + 1):  # the same forwards, less the rejected ones: same arithmetic, same bits
+            fresh.advance_to(prompt + drafted[:i])
+        assert torch.equal(got, fresh.advance_to(prompt + drafted[:kept] + [250]).logits)
+        cold = model.new_lm().advance_to(prompt + drafted[:kept] + [250]).logits
+        assert relative_error(cold, got) < 1e-5  # one forward over everything: another summation order
+
+
+def test_io_binding_rolls_back_through_the_slice_graph(tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With binding, the cache stays in OrtValues and never passes through numpy (what keeps CUDA's on the device)."""
+    model = OnnxDraftModel(tiny_onnx, threads=1, io_binding=True)
+    bound, plain = model.new_lm(), OnnxDraftModel(tiny_onnx, threads=1).new_lm()
+    assert bound._slicer is model.slicer is not None and plain._slicer is None  # CPU default: numpy, no slicer
+    prompt, drafted = list(range(10, 40)), [3, 4, 5, 6, 7]
+    plain_logits = rejected_then_accepted(plain, prompt, drafted, 1)
+    monkeypatch.setattr(np, "ascontiguousarray", lambda *_: pytest.fail("the bound cache went through numpy"))
+    bound_logits = rejected_then_accepted(bound, prompt, drafted, 1)
+    assert all(isinstance(p, ort.OrtValue) for p in bound._past)
+    assert torch.equal(bound_logits, plain_logits)
