@@ -61,9 +61,11 @@ MATCH_BUCKETS = (3, 4, 6, 8, 12, 16, 24, 32)  # match lengths calibrated apart
 # copies reached), rounded down; copies from other requests' outputs (too few there to measure) start lower.
 PRIOR_RATES = {CONTEXT: dict(zip(MATCH_BUCKETS, (0.75, 0.75, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9))),
                CACHE: dict.fromkeys(MATCH_BUCKETS, 0.6)}
-# Under sampling a copy x is kept with probability p_target(x) (a point mass against the target's distribution), so
-# copies keep less than under greedy: the prior starts lower until this pair's shipped calibration or verdicts say.
-SAMPLED_PRIOR_RATES = {source: {b: round(r * 0.8, 2) for b, r in rates.items()} for source, rates in PRIOR_RATES.items()}
+# Under sampling a copy x is kept with probability p_target(x) (a point mass against the target's distribution), not
+# always when it is the argmax: its rates are learned apart. They start at greedy's, optimistic on purpose: a copy the
+# edge never proposes is never calibrated, so a low start would stay unproven (the pair's shipped calibration, or
+# this edge's verdicts, bring them down).
+SAMPLED_PRIOR_RATES = PRIOR_RATES
 Priors = dict[str, dict[int, float]]  # source -> match bucket -> P(kept | reached)
 PRIOR_WEIGHT = 8.0  # verdicts the prior counts as
 MODEL_KEPT_PRIOR = 2.0  # draft tokens kept per model block, before this edge has seen a verdict

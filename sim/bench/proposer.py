@@ -103,7 +103,7 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     report = {"settings": {**asdict(settings), "out": str(settings.out), "prompts": str(settings.prompts)},
               "lookup_us_median": statistics.median(lookups_us) if lookups_us else None,
               "lookups": len(lookups_us), "calibration": calibration, "rows": rows, "summary": summary}
-    (settings.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (settings.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     report["cores"] = {"cloud": sorted(cloud_cpus), "edge": sorted(edge_cpus)}
     text = table(settings, summary, report["lookup_us_median"], report["cores"]) + calibration_table(calibration)
     (settings.out / "table.md").write_text(text + "\n")
