@@ -85,6 +85,9 @@ def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:
                         "its output so far) or the same edge identity's earlier outputs on this replica hold where "
                         "the context matches it, the draft model elsewhere; exact either way. --engine vllm: model "
                         "only")
+    p.add_argument("--suffix-cache", default=DEFAULTS.suffix_cache, choices=["on", "off"],
+                   help="cloud-sd's copying proposers also copy from the same edge identity's earlier outputs on this "
+                        "replica (off: each request from its own text alone)")
 
 
 def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:

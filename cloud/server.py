@@ -29,6 +29,7 @@ from cloud.metrics import CloudMetrics, serve_metrics
 from cloud.quotas import EdgeQuotas
 from cloud.residual import ResidualSettings
 from cloud.service import TargetServicer
+from cloud.suffix_memories import SuffixMemories
 from cloud.sessions import KVInvariant, SessionLimits, SessionStore
 from cloud.resident_engine import ResidentEngine
 from cloud.kv_pool import KVPool
@@ -154,7 +155,8 @@ class CloudServer:
             )
             backend = TargetBackend(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
-                                    proposer=settings.proposer)
+                                    proposer=settings.proposer,
+                                    suffix_memories=SuffixMemories(cache=settings.suffix_cache == "on"))
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)

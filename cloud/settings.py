@@ -23,6 +23,7 @@ class CloudSettings:
     target: str = "tiny-random"
     draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/speculation.py); None: the cloud drafts nothing
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (Speculation.proposer overrides it)
+    suffix_cache: str = "on"  # cloud-sd's copying proposers also copy an edge identity's earlier outputs ("off": not)
     dtype: str = "bfloat16"
     device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
@@ -128,6 +129,7 @@ class CloudSettings:
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
             (self.proposer in PROPOSERS, f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}"),
+            (self.suffix_cache in ("on", "off"), f"--suffix-cache must be on or off, got {self.suffix_cache!r}"),
             (self.proposer == "model" or self.draft is not None,
              f"--proposer {self.proposer} proposes around the cloud's draft model: it needs --draft"),
             (self.proposer == "model" or self.engine != "vllm",

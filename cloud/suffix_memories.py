@@ -26,6 +26,7 @@ class SuffixMemories:
     """Edge identity -> its suffix memory, least recently used first."""
 
     max_identities: int = DEFAULT_MAX_IDENTITIES
+    cache: bool = True  # `--suffix-cache off`: no identity's earlier outputs are kept to copy from
     _memories: OrderedDict[str, SuffixMemory] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
@@ -36,7 +37,7 @@ class SuffixMemories:
         """`identity`'s memory (made on first use), now the most recently used."""
         memory = self._memories.get(identity)
         if memory is None:
-            memory = self._memories[identity] = suffix_memory()
+            memory = self._memories[identity] = suffix_memory(cache=self.cache)
             if len(self._memories) > self.max_identities:
                 dropped, _ = self._memories.popitem(last=False)
                 log.info("suffix memory of edge %r dropped: more than %d identities", dropped, self.max_identities)

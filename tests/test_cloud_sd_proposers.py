@@ -175,6 +175,7 @@ def test_suffix_memories_keep_the_most_recently_used_identities() -> None:
     assert "b" not in memories and "a" in memories and "c" in memories and len(memories) == 2
     with pytest.raises(ValueError):
         SuffixMemories(max_identities=0)
+    assert SuffixMemories().of("a").cache is not None and SuffixMemories(cache=False).of("a").cache is None  # off
 
 
 def test_an_unknown_proposer_is_refused_naming_the_field(tiny_target, tiny_draft) -> None:

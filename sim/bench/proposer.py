@@ -91,7 +91,10 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     try:
         draft = load_model(settings.draft, DTYPES[settings.dtype])
         prompts = [(r, encode_prompt(draft.tokenizer, r.prompt, r.chat)) for r in records]
-        cloud_draft = ("--draft", settings.draft) if CLOUD_DRAFTING in settings.modes else ()
+        # cloud-sd: the cloud drafts; its copies come from each request's own text alone, since one identity's
+        # cache there would let a proposer copy the same prompt's answer from another proposer's pass
+        cloud_draft = (("--draft", settings.draft, "--suffix-cache", "off") if CLOUD_DRAFTING in settings.modes
+                       else ())
         with cloud_process("--target", settings.target, "--dtype", settings.dtype, *cloud_draft,
                            log_path=settings.out / "cloud.log", cpus=cloud_cpus,
                            env={"OMP_NUM_THREADS": str(len(cloud_cpus))}) as address:
