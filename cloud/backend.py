@@ -16,9 +16,11 @@ from typing import AsyncIterator
 
 import grpc
 
+from cloud.admission_queue import AdmissionQueue, Admitted, Tell, in_line
 from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill
 from cloud.errors import CloudError, invalid
-from cloud.frames import ServiceLimits, admit_sampling, check_output_start, check_prompt, check_verify, decide
+from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
+                          check_verify, decide)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
@@ -44,6 +46,7 @@ class TargetBackend:
     metrics: CloudMetrics
     grammars: GrammarCompiler | None = None  # made at the first request with a grammar (it converts the tokenizer)
     residual: ResidualSettings = field(default_factory=ResidualSettings)  # cloud/residual.py: dists_on_rejection
+    queue: AdmissionQueue = field(default_factory=AdmissionQueue)  # cloud/admission_queue.py: work waiting for room
 
     @property
     def vocab_size(self) -> int:
@@ -70,8 +73,9 @@ class TargetBackend:
         self.update_gauges()
 
     async def open(self, owner: str, request: pb.OpenSession, previous: Session | None = None,
-                   abandoned: Abandoned | None = None) -> tuple[Session, bool]:
-        """Open (or resume) a session; `previous`, the stream's current session, is closed: a stream holds one."""
+                   abandoned: Abandoned | None = None, tell: Tell | None = None) -> tuple[Session, bool]:
+        """Open (or resume) a session; `previous`, the stream's current session, is closed: a stream holds one.
+        A cloud without room puts a new session in line (cloud/admission_queue.py), telling `tell` its place."""
         self._check_fingerprint(request.vocab_fingerprint)
         if request.resume_session_id:
             session = self.store.get(request.resume_session_id, owner)
@@ -85,8 +89,11 @@ class TargetBackend:
         processor = self._processor(sampling, prompt_ids[:check_output_start(request)])
         if previous is not None:
             self.close(previous)
-        session = self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv())
-        session.processor = processor
+        admission = wire.admission_of(request)
+        session, session.queued_s = await self.queue.admit(
+            owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv()),
+            tell, abandoned)
+        session.processor, session.admission = processor, admission
         session.busy = True
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
@@ -160,10 +167,11 @@ class TargetBackend:
         self.update_gauges()
         return token, logprob
 
-    async def verify(self, session: Session, frame: pb.VerifyBlock,
-                     abandoned: Abandoned | None = None) -> pb.Verdict | pb.ResidualQuery:
+    async def verify(self, session: Session, frame: pb.VerifyBlock, abandoned: Abandoned | None = None,
+                     tell: Tell | None = None) -> pb.Verdict | pb.ResidualQuery:
         """The verdict on `frame`, or (a frame with dists_on_rejection that the rule rejects in) the residual
-        query the edge must answer first (`answer_residual`); the session stays busy until then."""
+        query the edge must answer first (`answer_residual`); the session stays busy until then. KV the budget
+        cannot grant now is waited for in line, ahead of new work (cloud/admission_queue.py)."""
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
             raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
@@ -171,7 +179,10 @@ class TargetBackend:
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
-            self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
+            _, queued_s = await self.queue.admit(session.owner, session.admission,
+                                                 lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
+                                                 tell if session.admission.waits_in_line else None, abandoned,
+                                                 running=True)
             result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
                                                abandoned=abandoned)
             self.store.check_kv("forward")
@@ -191,10 +202,25 @@ class TargetBackend:
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise
-            return self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
-                                (time.perf_counter() - started) * 1e3)
+            verdict = self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
+                                   (time.perf_counter() - started) * 1e3)
+            wire.set_queued_ms(verdict, queued_s * 1e3)
+            return verdict
         finally:
             session.busy = session.pending_residual is not None
+
+    def _grant_live(self, session: Session, tokens: int) -> None:
+        """Grant a verify's KV to a session still open; while it waits in line it is idle (evictable), so that
+        sessions all waiting for KV cannot hold the whole budget between them."""
+        if not self.store.contains(session.session_id):
+            raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session.session_id!r} was evicted while its verify "
+                             "waited for KV; reopen it with the full context")
+        session.busy = True
+        try:
+            self.store.grant_kv(session, tokens)
+        except CloudError:
+            session.busy = False
+            raise
 
     def _scalar_decision(self, frame: pb.VerifyBlock, rows: TargetRows, session: Session, result: ForwardResult,
                          new_tokens: int, started: float) -> tuple[int, int] | PendingResidual:
@@ -274,15 +300,17 @@ class TargetBackend:
             self.metrics.candidates.labels("dropped").inc()
         return matches
 
-    async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+    async def generate(self, owner: str, request: pb.GenerateRequest,
+                       abandoned: Abandoned | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/speculation.py), its KV held inside
-        the budget; a chunk per token (per round), the last says why it finished."""
+        the budget; a chunk per token (per round), the last says why it finished. Without room it waits in the
+        line sessions wait in (queue-ticket chunks to an edge that reads them)."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = admit_sampling(request.sampling, self.vocab_size)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         output_start = check_output_start(request)
-        block = self._speculation_block(request)
+        block = check_speculation(request, self.limits, self.engine.draft_spec)
         processor = self._processor(sampling, context[:output_start])
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
@@ -294,41 +322,47 @@ class TargetBackend:
             steps = self.engine.speculate(context, max_new, sampling,
                                           (processor, self._processor(sampling, context[:output_start])), block,
                                           scope)
-        with self.store.generation(owner, self._whole_pages(len(context) + max_new + (block or 0))):
-            self.update_gauges()
-            # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
-            try:
-                async with contextlib.aclosing(steps):
-                    looked_up = False
-                    async for step in steps:
-                        self.store.check_kv("forward")
-                        self._count_step(step)
-                        if not looked_up:  # the first step says what the prompt found in the prefix cache
-                            self._count_reuse(step.cached_tokens)
-                            looked_up = True
-                        stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
-                        yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
-                                                  drafted=step.drafted, draft_ms=step.draft_ms,
-                                                  cached_tokens=step.cached_tokens)
-                        if stop:
-                            return
-                yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
-            finally:
-                self.update_gauges()
+        kv_tokens, admission = self._whole_pages(len(context) + max_new + (block or 0)), wire.admission_of(request)
+        held: tuple[int, float] | None = None
+        async for step in in_line(lambda tell: self.queue.admit(owner, admission,
+                                                                lambda: self.store.start_generation(owner, kv_tokens),
+                                                                tell, abandoned),
+                                  admission.waits_in_line, undo=lambda taken: self._end_generation(taken[0])):
+            if isinstance(step, Admitted):
+                held = step.value
+            else:
+                yield wire.queued(step, generate=True)
+        try:
+            async for chunk in self._generated(steps, held[1]):
+                yield chunk
+        finally:
+            self._end_generation(held[0])
 
-    def _speculation_block(self, request: pb.GenerateRequest) -> int | None:
-        """The draft tokens per round a Generate with a speculation asks for (cloud-sd); None: target alone."""
-        if not request.HasField("speculation"):
-            return None
-        block = request.speculation.block
-        if not 1 <= block <= self.limits.max_block:
-            raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"speculation.block must be in 1..{self.limits.max_block} (max_block), got {block}")
-        if self.engine.draft_spec is None:
-            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
-                             "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
-        return block
+    def _end_generation(self, key: int) -> None:
+        self.store.end_generation(key)
+        self.update_gauges()
+
+    async def _generated(self, steps: AsyncIterator[GeneratedToken | SpeculatedRound],
+                         queued_s: float) -> AsyncIterator[pb.GenerateChunk]:
+        self.update_gauges()
+        # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
+        async with contextlib.aclosing(steps):
+            looked_up = False
+            async for step in steps:
+                self.store.check_kv("forward")
+                self._count_step(step)
+                stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
+                chunk = wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
+                                            drafted=step.drafted, draft_ms=step.draft_ms,
+                                            cached_tokens=step.cached_tokens)
+                if not looked_up:  # the first step says what the prompt found in the prefix cache
+                    self._count_reuse(step.cached_tokens)
+                    wire.set_queued_ms(chunk, queued_s * 1e3)
+                    looked_up = True
+                yield chunk
+                if stop:
+                    return
+        yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
 
     def _count_step(self, step: GeneratedToken | SpeculatedRound) -> None:
         self.metrics.tokens_generated.inc(len(step.tokens))
@@ -354,6 +388,7 @@ class TargetBackend:
         return -(-tokens // page) * page
 
     def update_gauges(self) -> None:
+        self.queue.kick()  # every change of what is held may make room for the head of the line
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
         self.metrics.prefix_cache_bytes.set(self.store.cached_tokens * self.store.kv_bytes_per_token)

@@ -172,3 +172,18 @@ def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
     p_target = logits_to_probs(target.logits, sampling)
     rule = verify_rule(method, sampling)
     return rule(torch.tensor(list(frame.draft_tokens)), p_draft, p_target, generator)
+
+
+def check_speculation(request: pb.GenerateRequest, limits: ServiceLimits, draft_spec: str | None) -> int | None:
+    """The draft tokens per round a Generate with a speculation asks for (cloud-sd); None: target alone."""
+    if not request.HasField("speculation"):
+        return None
+    block = request.speculation.block
+    if not 1 <= block <= limits.max_block:
+        raise CloudError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"speculation.block must be in 1..{limits.max_block} (max_block), got {block}")
+    if draft_spec is None:
+        raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
+                         "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
+    return block

@@ -66,6 +66,12 @@ class CloudMetrics:
         self.residual_queries = Counter("sprinter_cloud_residual_queries", "Residual queries sent (candidates, full) "
                                         "and verifies abandoned while one was out (abandoned)", ["kind"], registry=r)
         self.errors = Counter("sprinter_cloud_errors", "Refused frames and calls", ["code"], registry=r)
+        # cloud/admission_queue.py: work waiting for room, per edge identity
+        self.queue_length = Gauge("sprinter_cloud_queue_length", "Requests waiting in the admission queue",
+                                  ["identity"], registry=r)
+        self.queue_wait_seconds = Histogram("sprinter_cloud_queue_wait_seconds", "Time admitted requests waited in "
+                                            "the admission queue", ["identity"], registry=r,
+                                            buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
 
     def _prefix_cache_metrics(self, r: CollectorRegistry) -> None:
         """The resident engine's prefix cache (cloud/prefix_cache.py): prompts looked up (session opens, Generates),

@@ -28,6 +28,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from cloud.admission_queue import Admitted, in_line
 from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
 from cloud.errors import CloudError, exhausted
@@ -82,42 +83,23 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def Session(self, request_iterator: AsyncIterator[pb.EdgeFrame],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CloudFrame]:
         owner, backend = await self._admit(context, stream=True)
-        session: Session | None = None
-        left = False
-
-        def abandoned() -> bool:
-            return left or context.cancelled()
-
+        stream = _Stream(owner, backend, context)
         self.open_streams += 1
         try:
             async for frame in request_iterator:
                 kind = frame.WhichOneof("frame")
+                session = stream.session
                 if kind != "residual_answer" and session is not None:
                     backend.abandon_residual(session)  # anything but the answer gives up a verify waiting on one
                 try:
                     if kind == "open":
                         if self.draining:
                             raise CloudError(grpc.StatusCode.UNAVAILABLE, "this cloud is shutting down; open the session elsewhere")
-                        # shield: a client that cancels mid-prefill must not leave a half-built session
-                        session, resumed = await asyncio.shield(backend.open(owner, frame.open, session, abandoned))
-                        first, first_logprob = None, None
-                        if frame.open.first_token and not resumed:
-                            first, first_logprob = await asyncio.shield(backend.first_token(session, abandoned))
-                        prompt_logprobs, session.prompt_logprobs = ([] if resumed else session.prompt_logprobs), []
-                        yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
-                                                first, first_logprob, prompt_logprobs,
-                                                0 if resumed else session.reused_tokens)
+                        async for answer in stream.open(frame.open):
+                            yield answer
                     elif kind == "verify":
-                        if session is None:
-                            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
-                        session = backend.store.get(session.session_id, owner)  # gone: NOT_FOUND, candidates too
-                        if wire.candidate_after(frame.verify) is not None:
-                            if not backend.candidate_matches(session, frame.verify):
-                                continue
-                            backend.metrics.candidates.labels("verified").inc()
-                        # shield: the cache and the token list must move together even if the edge goes away
-                        answer = await asyncio.shield(backend.verify(session, frame.verify, abandoned))
-                        yield wire.cloud_frame(answer)  # the verdict, or a residual query to be answered first
+                        async for answer in stream.verify(frame.verify):
+                            yield answer
                     elif kind == "residual_answer":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "residual_answer before open")
@@ -129,24 +111,73 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     else:
                         raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "empty frame: set one of open, verify, residual_answer or close")
                 except CloudError as err:
+                    session = stream.session
                     yield self._error_frame(err, session if session and backend.store.contains(session.session_id) else None)
                 except Exception as err:  # a bug of ours: say so on this frame, keep the stream and the server up
                     log.exception("internal error on a %s frame", kind)
                     yield self._error_frame(CloudError(grpc.StatusCode.INTERNAL, f"internal error: {err}"), None)
         finally:
-            left = True
+            stream.left = True
             self.open_streams -= 1
-            if session is not None:
-                backend.abandon_residual(session)  # the edge went away mid-query: roll that verify back
+            if stream.session is not None:
+                backend.abandon_residual(stream.session)  # the edge went away mid-query: roll that verify back
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         owner, backend = await self._admit(context, stream=True)
         self.open_streams += 1
         try:
-            async for chunk in backend.generate(owner, request):
+            async for chunk in backend.generate(owner, request, context.cancelled):
                 yield chunk
         except CloudError as err:
             await self._refuse(context, err)
         finally:
             self.open_streams -= 1
+
+
+class _Stream:
+    """One Session stream's session (a stream holds one at a time) and its open and verify frames' answers: queue
+    tickets while the work waits in the cloud's line (to an edge that reads them), then the answer."""
+
+    def __init__(self, owner: str, backend: TargetBackend, context: grpc.aio.ServicerContext) -> None:
+        self.owner, self.backend, self.context = owner, backend, context
+        self.session: Session | None = None
+        self.left = False
+
+    def abandoned(self) -> bool:
+        return self.left or self.context.cancelled()
+
+    async def open(self, request: pb.OpenSession) -> AsyncIterator[pb.CloudFrame]:
+        backend, previous = self.backend, self.session
+        # to its end even if the edge leaves: a client that cancels mid-prefill must not leave a half-built session
+        async for step in in_line(lambda tell: backend.open(self.owner, request, previous, self.abandoned, tell),
+                                  wire.admission_of(request).waits_in_line, undo=lambda taken: backend.close(taken[0])):
+            if isinstance(step, Admitted):
+                self.session, resumed = step.value
+            else:
+                yield wire.queued(step)
+        session = self.session
+        first, first_logprob = None, None
+        if request.first_token and not resumed:
+            first, first_logprob = await asyncio.shield(backend.first_token(session, self.abandoned))
+        prompt_logprobs, session.prompt_logprobs = ([] if resumed else session.prompt_logprobs), []
+        yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
+                                first, first_logprob, prompt_logprobs, 0 if resumed else session.reused_tokens,
+                                0.0 if resumed else session.queued_s * 1e3)
+
+    async def verify(self, block: pb.VerifyBlock) -> AsyncIterator[pb.CloudFrame]:
+        backend = self.backend
+        if self.session is None:
+            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
+        session = self.session = backend.store.get(self.session.session_id, self.owner)  # gone: NOT_FOUND, candidates too
+        if wire.candidate_after(block) is not None:
+            if not backend.candidate_matches(session, block):
+                return
+            backend.metrics.candidates.labels("verified").inc()
+        # to its end even if the edge leaves: the cache and the token list must move together
+        async for step in in_line(lambda tell: backend.verify(session, block, self.abandoned, tell),
+                                  session.admission.waits_in_line):
+            if isinstance(step, Admitted):
+                yield wire.cloud_frame(step.value)  # the verdict, or a residual query to be answered first
+            else:
+                yield wire.queued(step)

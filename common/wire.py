@@ -30,6 +30,8 @@ Glossary (who sends what)
                    candidates, or the whole distribution there (`residual_query`, framed by `cloud_frame`); the verdict follows.
         error      a refused frame: gRPC status, message, the cloud's session length, a retry hint
                    (`error_frame`); the stream and the session stay usable.
+        queued     the open or verify waits in the cloud's line (`queued`, read by `place_of`); the answer
+                   follows. Only to an edge whose open's `Admission` (common/admission.py) says it waits in line.
     Generate       mode target. edge -> cloud: `GenerateRequest` (`generate_request`). cloud -> edge:
                    `GenerateChunk`s (`generate_chunk`), the last one finished, with its reason.
 
@@ -46,6 +48,7 @@ from typing import Sequence
 import grpc
 import torch
 
+from common.admission import Admission, QueuePlace
 from common.decoding.modes import VERIFY_METHODS
 from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
 from common.logprobs import TokenLogprob
@@ -152,13 +155,50 @@ def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits:
 
 
 def open_frame(prompt_ids: Sequence[int], sampling: SamplingParams | None = None, vocab_fingerprint: str = "",
-               first_token: bool = False, output_start: int | None = None) -> pb.EdgeFrame:
+               first_token: bool = False, output_start: int | None = None,
+               admission: Admission | None = None) -> pb.EdgeFrame:
     """Open a session on `prompt_ids`; without `sampling` the field stays unset, which the cloud reads as greedy.
     `output_start`: where the generated tokens begin in `prompt_ids` (a reopen's context); None: after them all."""
     settings = None if sampling is None else sampling_to_proto(sampling)
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
     return pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt_ids, sampling=settings, output_start=start,
-                                            vocab_fingerprint=vocab_fingerprint, first_token=first_token))
+                                            vocab_fingerprint=vocab_fingerprint, first_token=first_token,
+                                            admission=admission_to_proto(admission)))
+
+
+# -- the cloud's line (cloud/admission_queue.py) ------------------------------------------------------------------
+
+
+def admission_to_proto(admission: Admission | None) -> pb.Admission | None:
+    return None if admission is None else pb.Admission(priority=admission.priority, ticket_id=admission.ticket_id,
+                                                       waits_in_line=admission.waits_in_line)
+
+
+def admission_of(request: pb.OpenSession | pb.GenerateRequest) -> Admission:
+    """An open's or a Generate's admission; an older edge sets none: priority 0, refused with a hint when busy."""
+    return Admission(request.admission.priority, request.admission.waits_in_line, request.admission.ticket_id)
+
+
+def queued(place: QueuePlace, generate: bool = False) -> pb.CloudFrame | pb.GenerateChunk:
+    """Still in line: a Session stream's frame (its answer follows), or a Generate's chunk (its tokens follow)."""
+    ticket = pb.QueueTicket(ticket_id=place.ticket_id, position=place.position,
+                            estimated_wait_ms=place.estimated_wait_ms, queue_length=place.queue_length)
+    return pb.GenerateChunk(queued=ticket) if generate else pb.CloudFrame(queued=ticket)
+
+
+def place_of(message: pb.CloudFrame | pb.GenerateChunk) -> QueuePlace | None:
+    """The queue ticket a frame or chunk carries; None for every other answer."""
+    ticket = message.queued
+    return QueuePlace(ticket.ticket_id, ticket.position, ticket.estimated_wait_ms,
+                      ticket.queue_length) if message.HasField("queued") else None
+
+
+def set_queued_ms(answer: pb.SessionOpened | pb.Verdict | pb.GenerateChunk, queued_ms: float) -> None:
+    answer.queued_ms = queued_ms  # the time in line the answered request spent (0 from a cloud without a line)
+
+
+def queued_ms_of(answer: pb.SessionOpened | pb.Verdict | pb.GenerateChunk) -> float:
+    return answer.queued_ms
 
 
 def output_start_of(request: pb.OpenSession | pb.GenerateRequest) -> int:
@@ -240,14 +280,15 @@ def logprobs_from_proto(entries: Sequence[pb.TokenLogprobs], tokens: Sequence[in
 
 def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
                  first_token: int | None = None, first_token_logprob: TokenLogprob | None = None,
-                 prompt_logprobs: Sequence[TokenLogprob] = (), cached_tokens: int = 0) -> pb.CloudFrame:
-    """`cached_tokens`: prompt tokens whose KV came from the cloud's prefix cache."""
+                 prompt_logprobs: Sequence[TokenLogprob] = (), cached_tokens: int = 0,
+                 queued_ms: float = 0.0) -> pb.CloudFrame:
+    """`cached_tokens`: prompt tokens whose KV came from the cloud's prefix cache; `queued_ms`: the open's time in line."""
     logprobs = logprobs_to_proto([first_token_logprob])[0] if first_token_logprob is not None else None
     return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
                                                  limits=limits, resumed=resumed, first_token=first_token,
                                                  first_token_logprobs=logprobs,
                                                  prompt_logprobs=logprobs_to_proto(prompt_logprobs),
-                                                 cached_tokens=cached_tokens))
+                                                 cached_tokens=cached_tokens, queued_ms=queued_ms))
 
 
 def opened_cached_tokens(opened: pb.SessionOpened) -> int:
@@ -338,13 +379,13 @@ def error_status(error: pb.Error) -> grpc.StatusCode:
 
 def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
                      vocab_fingerprint: str = "", output_start: int | None = None,
-                     speculate_block: int | None = None) -> pb.GenerateRequest:
+                     speculate_block: int | None = None, admission: Admission | None = None) -> pb.GenerateRequest:
     """A Generate; with `speculate_block`, cloud-sd: the cloud drafts that many tokens a round and verifies them."""
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
     speculation = pb.Speculation(block=speculate_block) if speculate_block is not None else None
     return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling), output_start=start,
                               max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint,
-                              speculation=speculation)
+                              speculation=speculation, admission=admission_to_proto(admission))
 
 
 def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_reason: str | None = None,
