@@ -23,7 +23,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
+from typing import Callable, TypeVar
 
 import grpc
 
@@ -72,6 +72,10 @@ class AdmissionQueue:
         self.settings = settings or QueueSettings()
         self.observer = observer or QueueObserver()
         self._places: list[Place] = []
+        # Plain counts (no call needed) for the uncontended path, which tries at once: everyone in line, and
+        # the running work (verifies) among them.
+        self.waiting = 0
+        self.running_waiting = 0
         self._turns: list[str] = []  # identities in the order they first queued: round-robin goes round them
         self._last_served: str | None = None
         self._orphans: dict[str, tuple[Place, float]] = {}  # ticket id -> (the place, kept until)
@@ -92,11 +96,13 @@ class AdmissionQueue:
             self._head().wake.set()
 
     async def admit(self, identity: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
-                    abandoned: Callable[[], bool] | None = None, running: bool = False) -> tuple[T, float]:
+                    abandoned: Callable[[], bool] | None = None, running: bool = False,
+                    tried: bool = False) -> tuple[T, float]:
         """`attempt()` (synchronous: it admits or raises, nothing in between) once it is this request's turn:
         its result and the seconds spent in line. `tell` hears each queue ticket; None: an edge that reads none,
-        refused with a retry hint where it would wait. `abandoned`: the edge left (its place is kept a while)."""
-        if not self._ahead_of(running):
+        refused with a retry hint where it would wait. `abandoned`: the edge left (its place is kept a while).
+        `tried`: the caller's own attempt, with nobody ahead, was just refused as busy: straight into line."""
+        if not tried and not self._ahead_of(running):
             try:
                 return attempt(), 0.0
             except CloudError as err:
@@ -114,7 +120,7 @@ class AdmissionQueue:
 
     def _ahead_of(self, running: bool) -> bool:
         """Someone in line would be served before a newcomer of this kind."""
-        return any(p.running for p in self._places) if running else bool(self._places)
+        return bool(self.running_waiting if running else self.waiting)
 
     def _join(self, identity: str, admission: Admission, running: bool) -> Place:
         if len(self._places) >= self.settings.max_length:
@@ -131,11 +137,13 @@ class AdmissionQueue:
         if identity not in self._turns:
             self._turns.append(identity)
         self._places.append(place)
+        self.waiting, self.running_waiting = self.waiting + 1, self.running_waiting + running
         self._changed(identity)
         return place
 
     def _leave(self, place: Place, admitted: bool, keep: bool = False) -> None:
         self._places.remove(place)
+        self.waiting, self.running_waiting = self.waiting - 1, self.running_waiting - place.running
         self._changed(place.identity)
         if admitted:
             now = time.monotonic()
@@ -214,40 +222,3 @@ class AdmissionQueue:
                 await asyncio.wait_for(place.wake.wait(), settings.retry_s)
             except asyncio.TimeoutError:
                 pass
-
-
-@dataclass(frozen=True)
-class Admitted(Generic[T]):
-    value: T
-
-
-async def in_line(work: Callable[[Callable[[QueuePlace], None] | None], Awaitable[T]], reads_tickets: bool,
-                  undo: Callable[[T], None] = lambda value: None) -> AsyncIterator[QueuePlace | Admitted[T]]:
-    """Run `work` (handed a `tell` when the edge reads queue tickets) to its end even if the caller leaves (a session
-    must not be left half-built), yielding each ticket it tells while it waits in line, then `Admitted(result)`.
-    A result nobody took (the caller left first) is given back with `undo`."""
-    if not reads_tickets:
-        yield Admitted(await asyncio.shield(work(None)))
-        return
-    tickets: asyncio.Queue[QueuePlace] = asyncio.Queue()
-    task = asyncio.ensure_future(work(tickets.put_nowait))
-    handed, getter = False, None
-
-    def settle(done: asyncio.Future) -> None:
-        if not done.cancelled() and done.exception() is None and not handed:
-            undo(done.result())
-
-    try:
-        while not task.done():
-            getter = asyncio.ensure_future(tickets.get())
-            await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-            else:
-                getter.cancel()
-        handed = task.exception() is None
-        yield Admitted(task.result())
-    finally:
-        if getter is not None:
-            getter.cancel()
-        task.add_done_callback(settle)  # also reads the exception of a task whose caller left

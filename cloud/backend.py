@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
-from cloud.admission_queue import AdmissionQueue, Admitted, Tell, in_line
-from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill
+from cloud.admission_queue import AdmissionQueue, Tell, busy
+from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill,
+                          whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
                           check_verify, decide)
@@ -33,7 +34,10 @@ from common.logprobs import TokenLogprob
 from common.sampling import logits_to_probs, sample
 from common.sampling_params import GrammarError, SamplingParams
 from common.verification import token_acceptances
+from common.admission import Admission
 from sprinter.v1 import decoding_pb2 as pb
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,7 +94,7 @@ class TargetBackend:
         if previous is not None:
             self.close(previous)
         admission = wire.admission_of(request)
-        session, session.queued_s = await self.queue.admit(
+        session, session.queued_s = await self._admit(
             owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv()),
             tell, abandoned)
         session.processor, session.admission = processor, admission
@@ -179,10 +183,9 @@ class TargetBackend:
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
-            _, queued_s = await self.queue.admit(session.owner, session.admission,
-                                                 lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
-                                                 tell if session.admission.waits_in_line else None, abandoned,
-                                                 running=True)
+            _, queued_s = await self._admit(session.owner, session.admission,
+                                            lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
+                                            tell if session.admission.waits_in_line else None, abandoned, running=True)
             result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
                                                abandoned=abandoned)
             self.store.check_kv("forward")
@@ -209,9 +212,21 @@ class TargetBackend:
         finally:
             session.busy = session.pending_residual is not None
 
+    async def _admit(self, owner: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
+                     abandoned: Abandoned | None, running: bool = False) -> tuple[T, float]:
+        """`attempt()` at once while nobody waits ahead (no cost but the attempt), else in line (or refused as busy)."""
+        if not (self.queue.running_waiting if running else self.queue.waiting):
+            try:
+                return attempt(), 0.0
+            except CloudError as err:
+                if tell is None or not busy(err):
+                    raise
+            return await self.queue.admit(owner, admission, attempt, tell, abandoned, running, tried=True)
+        return await self.queue.admit(owner, admission, attempt, tell, abandoned, running)
+
     def _grant_live(self, session: Session, tokens: int) -> None:
-        """Grant a verify's KV to a session still open; while it waits in line it is idle (evictable), so that
-        sessions all waiting for KV cannot hold the whole budget between them."""
+        """Grant a verify's KV to a session still open: idle (evictable) while in line, so that sessions all
+        waiting for KV cannot hold the whole budget between them."""
         if not self.store.contains(session.session_id):
             raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session.session_id!r} was evicted while its verify "
                              "waited for KV; reopen it with the full context")
@@ -300,11 +315,11 @@ class TargetBackend:
             self.metrics.candidates.labels("dropped").inc()
         return matches
 
-    async def generate(self, owner: str, request: pb.GenerateRequest,
-                       abandoned: Abandoned | None = None) -> AsyncIterator[pb.GenerateChunk]:
+    async def generate(self, owner: str, request: pb.GenerateRequest, abandoned: Abandoned | None = None,
+                       tell: Tell | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/speculation.py), its KV held inside
         the budget; a chunk per token (per round), the last says why it finished. Without room it waits in the
-        line sessions wait in (queue-ticket chunks to an edge that reads them)."""
+        line sessions wait in, telling `tell` its place (an edge that reads queue tickets)."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = admit_sampling(request.sampling, self.vocab_size)
         context = list(request.prompt_ids)
@@ -322,25 +337,15 @@ class TargetBackend:
             steps = self.engine.speculate(context, max_new, sampling,
                                           (processor, self._processor(sampling, context[:output_start])), block,
                                           scope)
-        kv_tokens, admission = self._whole_pages(len(context) + max_new + (block or 0)), wire.admission_of(request)
-        held: tuple[int, float] | None = None
-        async for step in in_line(lambda tell: self.queue.admit(owner, admission,
-                                                                lambda: self.store.start_generation(owner, kv_tokens),
-                                                                tell, abandoned),
-                                  admission.waits_in_line, undo=lambda taken: self._end_generation(taken[0])):
-            if isinstance(step, Admitted):
-                held = step.value
-            else:
-                yield wire.queued(step, generate=True)
+        kv_tokens, admission = whole_pages(self.engine, len(context) + max_new + (block or 0)), wire.admission_of(request)
+        key, queued_s = await self._admit(owner, admission, lambda: self.store.start_generation(owner, kv_tokens),
+                                          tell if admission.waits_in_line else None, abandoned)
         try:
-            async for chunk in self._generated(steps, held[1]):
+            async for chunk in self._generated(steps, queued_s):
                 yield chunk
         finally:
-            self._end_generation(held[0])
-
-    def _end_generation(self, key: int) -> None:
-        self.store.end_generation(key)
-        self.update_gauges()
+            self.store.end_generation(key)
+            self.update_gauges()
 
     async def _generated(self, steps: AsyncIterator[GeneratedToken | SpeculatedRound],
                          queued_s: float) -> AsyncIterator[pb.GenerateChunk]:
@@ -380,15 +385,9 @@ class TargetBackend:
         except GrammarError as err:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.grammar: {err}") from None
 
-    def _whole_pages(self, tokens: int) -> int:
-        """`tokens` rounded up to the engine's pages: what a Generate's cache allocates, so what it is charged."""
-        if not self.engine.kv_bytes_per_page:
-            return tokens
-        page = self.engine.kv_bytes_per_page // self.engine.kv_bytes_per_token
-        return -(-tokens // page) * page
-
     def update_gauges(self) -> None:
-        self.queue.kick()  # every change of what is held may make room for the head of the line
+        if self.queue.waiting:  # every change of what is held may make room for the head of the line
+            self.queue.kick()
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
         self.metrics.prefix_cache_bytes.set(self.store.cached_tokens * self.store.kv_bytes_per_token)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
 import grpc
 
-from cloud.admission_queue import Admitted, in_line
+from cloud.admission_queue import Tell
 from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
 from cloud.errors import CloudError, exhausted
@@ -36,10 +37,12 @@ from cloud.metrics import CloudMetrics
 from cloud.quotas import STREAMS_RETRY_MS
 from cloud.sessions import Session
 from common import wire
+from common.admission import QueuePlace
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
@@ -127,7 +130,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         owner, backend = await self._admit(context, stream=True)
         self.open_streams += 1
         try:
-            async for chunk in backend.generate(owner, request, context.cancelled):
+            async for chunk in relayed(lambda tell: backend.generate(owner, request, context.cancelled, tell),
+                                       wire.admission_of(request).waits_in_line):
                 yield chunk
         except CloudError as err:
             await self._refuse(context, err)
@@ -181,3 +185,65 @@ class _Stream:
                 yield wire.cloud_frame(step.value)  # the verdict, or a residual query to be answered first
             else:
                 yield wire.queued(step)
+
+
+@dataclass(frozen=True)
+class Admitted(Generic[T]):
+    value: T
+
+
+async def in_line(work: Callable[[Tell | None], Awaitable[T]], reads_tickets: bool,
+                  undo: Callable[[T], None] = lambda value: None) -> AsyncIterator[QueuePlace | Admitted[T]]:
+    """Run `work` (handed a `tell` when the edge reads queue tickets) to its end even if the caller leaves (a session
+    must not be left half-built), yielding each ticket it tells while it waits in line, then `Admitted(result)`.
+    A result nobody took (the caller left first) is given back with `undo`."""
+    if not reads_tickets:
+        yield Admitted(await asyncio.shield(work(None)))
+        return
+    tickets: asyncio.Queue[QueuePlace] = asyncio.Queue()
+    task = asyncio.ensure_future(work(tickets.put_nowait))
+    handed, getter = False, None
+
+    def settle(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None and not handed:
+            undo(done.result())
+
+    try:
+        while not task.done():
+            getter = asyncio.ensure_future(tickets.get())
+            await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+        handed = task.exception() is None
+        yield Admitted(task.result())
+    finally:
+        if getter is not None:
+            getter.cancel()
+        task.add_done_callback(settle)  # also reads the exception of a task whose caller left
+
+
+async def relayed(generate: Callable[[Tell | None], AsyncIterator[pb.GenerateChunk]],
+                  reads_tickets: bool) -> AsyncIterator[pb.GenerateChunk]:
+    """A Generate's chunks, with a queue-ticket chunk for each ticket told while it waits in line (to an edge that
+    reads them); the generation runs in a task of its own so that tickets can pass while it waits."""
+    if not reads_tickets:
+        async for chunk in generate(None):
+            yield chunk
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        async for chunk in generate(lambda place: out.put_nowait(wire.queued(place, generate=True))):
+            out.put_nowait(chunk)
+
+    task = asyncio.ensure_future(pump())
+    task.add_done_callback(lambda _: out.put_nowait(end))
+    try:
+        while (item := await out.get()) is not end:
+            yield item
+        task.result()  # its refusal, if it ended with one
+    finally:
+        task.cancel()  # the edge left: the generation stops, its KV and slot given back
