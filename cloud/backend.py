@@ -179,7 +179,8 @@ class TargetBackend:
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
             raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
-        session.busy = True
+        # Not busy until its KV is granted (`_grant_live`): a session busy while it waits in line could never be
+        # evicted, and sessions all waiting for KV would hold the budget between them for good.
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
