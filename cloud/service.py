@@ -15,6 +15,10 @@ a reply (the edge knows the verdict, so it knows which candidate, if any, it wil
 candidate for a session that is gone (evicted, expired) is answered NOT_FOUND like any verify: the
 edge then reopens on a fresh stream, leaving any further such answers behind with the old one.
 
+Work the cloud cannot admit now (an open, a verify's KV, a Generate) waits in the admission queue
+(cloud/admission_queue.py); to an edge whose open (or Generate) says it reads them, the stream meanwhile
+carries queue tickets (`in_line`, `relayed`), then the answer. Other edges are refused with a retry hint.
+
 A verify sent with dists_on_rejection may be answered with a residual query (cloud/residual.py) instead
 of its verdict; the edge's next frame must be the residual answer. Any other frame, or the stream's
 end, abandons that verify first (its forward rolled back), then is served as usual.
