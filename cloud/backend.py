@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
-from cloud.engine import Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill
+from cloud.admission_queue import AdmissionQueue, Tell, busy
+from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine, TargetRows, scored_prefill,
+                          whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
                           check_verify, decide)
@@ -33,7 +35,10 @@ from common.logprobs import TokenLogprob
 from common.sampling import logits_to_probs, sample
 from common.sampling_params import GrammarError, SamplingParams
 from common.verification import token_acceptances
+from common.admission import Admission
 from sprinter.v1 import decoding_pb2 as pb
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,6 +53,7 @@ class TargetBackend:
     residual: ResidualSettings = field(default_factory=ResidualSettings)  # cloud/residual.py: dists_on_rejection
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (`--proposer`)
     suffix_memories: SuffixMemories = field(default_factory=SuffixMemories)  # per edge identity, never shared
+    queue: AdmissionQueue = field(default_factory=AdmissionQueue)  # cloud/admission_queue.py: work waiting for room
 
     @property
     def vocab_size(self) -> int:
@@ -74,8 +80,9 @@ class TargetBackend:
         self.update_gauges()
 
     async def open(self, owner: str, request: pb.OpenSession, previous: Session | None = None,
-                   abandoned: Abandoned | None = None) -> tuple[Session, bool]:
-        """Open (or resume) a session; `previous`, the stream's current session, is closed: a stream holds one."""
+                   abandoned: Abandoned | None = None, tell: Tell | None = None) -> tuple[Session, bool]:
+        """Open (or resume) a session; `previous`, the stream's current session, is closed: a stream holds one.
+        A cloud without room puts a new session in line (cloud/admission_queue.py), telling `tell` its place."""
         self._check_fingerprint(request.vocab_fingerprint)
         if request.resume_session_id:
             session = self.store.get(request.resume_session_id, owner)
@@ -89,8 +96,11 @@ class TargetBackend:
         processor = self._processor(sampling, prompt_ids[:check_output_start(request)])
         if previous is not None:
             self.close(previous)
-        session = self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv())
-        session.processor = processor
+        admission = wire.admission_of(request)
+        session, session.queued_s = await self._admit(
+            owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv()),
+            tell, abandoned)
+        session.processor, session.admission = processor, admission
         session.busy = True
         try:
             # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
@@ -164,18 +174,22 @@ class TargetBackend:
         self.update_gauges()
         return token, logprob
 
-    async def verify(self, session: Session, frame: pb.VerifyBlock,
-                     abandoned: Abandoned | None = None) -> pb.Verdict | pb.ResidualQuery:
+    async def verify(self, session: Session, frame: pb.VerifyBlock, abandoned: Abandoned | None = None,
+                     tell: Tell | None = None) -> pb.Verdict | pb.ResidualQuery:
         """The verdict on `frame`, or (a frame with dists_on_rejection that the rule rejects in) the residual
-        query the edge must answer first (`answer_residual`); the session stays busy until then."""
+        query the edge must answer first (`answer_residual`); the session stays busy until then. KV the budget
+        cannot grant now is waited for in line, ahead of new work (cloud/admission_queue.py)."""
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
             raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
-        session.busy = True
+        # Not busy until its KV is granted (`_grant_live`): a session busy while it waits in line could never be
+        # evicted, and sessions all waiting for KV would hold the budget between them for good.
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
-            self.store.grant_kv(session, session.cached_tokens + len(new_tokens))
+            _, queued_s = await self._admit(session.owner, session.admission,
+                                            lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
+                                            tell if session.admission.waits_in_line else None, abandoned, running=True)
             result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
                                                abandoned=abandoned)
             self.store.check_kv("forward")
@@ -195,10 +209,37 @@ class TargetBackend:
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise
-            return self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
-                                (time.perf_counter() - started) * 1e3)
+            verdict = self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
+                                   (time.perf_counter() - started) * 1e3)
+            wire.set_queued_ms(verdict, queued_s * 1e3)
+            return verdict
         finally:
             session.busy = session.pending_residual is not None
+
+    async def _admit(self, owner: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
+                     abandoned: Abandoned | None, running: bool = False) -> tuple[T, float]:
+        """`attempt()` at once while nobody waits ahead (no cost but the attempt), else in line (or refused as busy)."""
+        if not (self.queue.running_waiting if running else self.queue.waiting):
+            try:
+                return attempt(), 0.0
+            except CloudError as err:
+                if tell is None or not busy(err):
+                    raise
+            return await self.queue.admit(owner, admission, attempt, tell, abandoned, running, tried=True)
+        return await self.queue.admit(owner, admission, attempt, tell, abandoned, running)
+
+    def _grant_live(self, session: Session, tokens: int) -> None:
+        """Grant a verify's KV to a session still open: idle (evictable) while in line, so that sessions all
+        waiting for KV cannot hold the whole budget between them."""
+        if not self.store.contains(session.session_id):
+            raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session.session_id!r} was evicted while its verify "
+                             "waited for KV; reopen it with the full context")
+        session.busy = True
+        try:
+            self.store.grant_kv(session, tokens)
+        except CloudError:
+            session.busy = False
+            raise
 
     def _scalar_decision(self, frame: pb.VerifyBlock, rows: TargetRows, session: Session, result: ForwardResult,
                          new_tokens: int, started: float) -> tuple[int, int] | PendingResidual:
@@ -278,15 +319,19 @@ class TargetBackend:
             self.metrics.candidates.labels("dropped").inc()
         return matches
 
-    async def generate(self, owner: str, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+    async def generate(self, owner: str, request: pb.GenerateRequest, abandoned: Abandoned | None = None,
+                       tell: Tell | None = None) -> AsyncIterator[pb.GenerateChunk]:
         """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/speculation.py), its KV held inside
-        the budget; a chunk per token (per round), the last says why it finished."""
+        the budget; a chunk per token (per round), the last says why it finished. Without room it waits in the
+        line sessions wait in, telling `tell` its place (an edge that reads queue tickets)."""
         self._check_fingerprint(request.vocab_fingerprint)
         sampling = admit_sampling(request.sampling, self.vocab_size)
         context = list(request.prompt_ids)
         check_prompt(context, self.vocab_size, self.limits)
         output_start = check_output_start(request)
-        speculation = self._speculation(owner, request)
+        asked = check_speculation(request, self.limits, self.proposer, self.engine.draft_spec)  # (block, proposer)
+        speculation = None if asked is None else SpeculationRequest(
+            *asked, self.suffix_memories.of(owner) if asked[1] != "model" else None, self.limits.max_block)
         processor = self._processor(sampling, context[:output_start])
         if request.max_new_tokens < 1:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1")
@@ -299,50 +344,38 @@ class TargetBackend:
                                           (processor, self._processor(sampling, context[:output_start])), speculation,
                                           scope)
         round_cap = speculation.cap if speculation is not None else 0  # a verify writes its block before the rollback
-        with self.store.generation(owner, self._whole_pages(len(context) + max_new + round_cap)):
+        kv_tokens, admission = whole_pages(self.engine, len(context) + max_new + round_cap), wire.admission_of(request)
+        key, queued_s = await self._admit(owner, admission, lambda: self.store.start_generation(owner, kv_tokens),
+                                          tell if admission.waits_in_line else None, abandoned)
+        try:
+            async for chunk in self._generated(steps, queued_s):
+                yield chunk
+        finally:
+            self.store.end_generation(key)
             self.update_gauges()
-            # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
-            try:
-                async with contextlib.aclosing(steps):
-                    looked_up = False
-                    async for step in steps:
-                        self.store.check_kv("forward")
-                        self._count_step(step)
-                        if not looked_up:  # the first step says what the prompt found in the prefix cache
-                            self._count_reuse(step.cached_tokens)
-                            looked_up = True
-                        stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
-                        yield wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
-                                                  drafted=step.drafted, draft_ms=step.draft_ms,
-                                                  cached_tokens=step.cached_tokens, copied=step.copied,
-                                                  copied_kept=step.copied_kept)
-                        if stop:
-                            return
-                yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
-            finally:
-                self.update_gauges()
 
-    def _speculation(self, owner: str, request: pb.GenerateRequest) -> SpeculationRequest | None:
-        """What a Generate with a speculation asks for (cloud-sd), a copying proposer with `owner`'s suffix memory;
-        None: the target alone."""
-        if not request.HasField("speculation"):
-            return None
-        block, proposer = check_speculation(request.speculation, self.limits, self.proposer)
-        if self.engine.draft_spec is None:
-            raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
-                             "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
-        memory = self.suffix_memories.of(owner) if proposer != "model" else None
-        return SpeculationRequest(block, proposer, memory, self.limits.max_block)
-
-    def _count_step(self, step: GeneratedToken | SpeculatedRound) -> None:
-        self.metrics.tokens_generated.inc(len(step.tokens))
-        if step.drafted:
-            self.metrics.cloud_drafted.inc(step.drafted)
-            self.metrics.cloud_draft_accepted.inc(len(step.tokens) - 1)
-        if step.copied:  # a copying proposer's (cloud-sd): draft tokens copied from text, and those kept
-            self.metrics.cloud_draft_copied.inc(step.copied)
-            self.metrics.cloud_draft_copied_accepted.inc(step.copied_kept)
+    async def _generated(self, steps: AsyncIterator[GeneratedToken | SpeculatedRound],
+                         queued_s: float) -> AsyncIterator[pb.GenerateChunk]:
+        self.update_gauges()
+        # aclosing: a generation that ends at EOS releases its cache now, not when the generator is collected
+        async with contextlib.aclosing(steps):
+            looked_up = False
+            async for step in steps:
+                self.store.check_kv("forward")
+                self.metrics.count_step(step)
+                stop = "stop" if step.tokens[-1] in self.engine.info.eos_token_ids else None
+                chunk = wire.generate_chunk(step.tokens, step.step_ms, stop, step.logprobs, step.prompt_logprobs,
+                                            drafted=step.drafted, draft_ms=step.draft_ms,
+                                            cached_tokens=step.cached_tokens, copied=step.copied,
+                                            copied_kept=step.copied_kept)
+                if not looked_up:  # the first step says what the prompt found in the prefix cache
+                    self._count_reuse(step.cached_tokens)
+                    wire.set_queued_ms(chunk, queued_s * 1e3)
+                    looked_up = True
+                yield chunk
+                if stop:
+                    return
+        yield wire.generate_chunk(finish_reason="length")  # max_new_tokens, or the context limit
 
     def _processor(self, sampling: SamplingParams, prompt_ids: list[int]) -> LogitsProcessor | None:
         """The request's grammar, bias and penalties over the target's logits; a grammar that does not compile
@@ -354,14 +387,9 @@ class TargetBackend:
         except GrammarError as err:
             raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.grammar: {err}") from None
 
-    def _whole_pages(self, tokens: int) -> int:
-        """`tokens` rounded up to the engine's pages: what a Generate's cache allocates, so what it is charged."""
-        if not self.engine.kv_bytes_per_page:
-            return tokens
-        page = self.engine.kv_bytes_per_page // self.engine.kv_bytes_per_token
-        return -(-tokens // page) * page
-
     def update_gauges(self) -> None:
+        if self.queue.waiting:  # every change of what is held may make room for the head of the line
+            self.queue.kick()
         self.metrics.sessions_open.set(len(self.store))
         self.metrics.kv_cache_bytes.set(self.store.kv_bytes)
         self.metrics.prefix_cache_bytes.set(self.store.cached_tokens * self.store.kv_bytes_per_token)

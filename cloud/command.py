@@ -47,7 +47,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
     p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
                    help="a session used within this many seconds is not evicted to admit another; the newcomer "
-                        "waits (RESOURCE_EXHAUSTED with a retry hint) instead of thrashing (0: evict any idle one)")
+                        "waits in line instead of thrashing (0: evict any idle one)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
                    help="hold a forward this long for more verifies (default 0: continuous batching, a forward "
                         "starts as soon as the engine is free and takes everything waiting)")
@@ -57,6 +57,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-forward-tokens", type=int, default=DEFAULTS.max_forward_tokens,
                    help="tokens per packed forward (verifies plus at most one prefill chunk)")
     _add_prefix_cache_arguments(p)
+    _add_queue_arguments(p)
     p.add_argument("--edge-max-sessions", type=int, help="sessions per edge (default: --max-sessions)")
     p.add_argument("--edge-kv-budget-mb", type=int, help="KV cache per edge (default: --kv-budget-mb); "
                                                          "eviction takes from the edge using most of its quota first")
@@ -98,6 +99,16 @@ def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="let every edge identity reuse every other's cached prefixes (by default reuse stays within "
                         "one --auth-tokens identity; without --auth-tokens all edges are one identity)")
+
+
+def _add_queue_arguments(p: argparse.ArgumentParser) -> None:
+    """cloud/admission_queue.py: the one fair line for work the cloud cannot take at once."""
+    p.add_argument("--queue-max", type=int, default=DEFAULTS.queue_max,
+                   help="places in the admission queue, every edge's; past it a request is refused "
+                        "(RESOURCE_EXHAUSTED naming the queue's length)")
+    p.add_argument("--queue-grace-s", type=float, default=DEFAULTS.queue_grace_s,
+                   help="how long a queued request's place is kept after its edge's stream broke (a reconnect "
+                        "with its ticket takes it back)")
 
 
 def _add_operations_arguments(p: argparse.ArgumentParser) -> None:

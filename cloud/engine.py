@@ -204,3 +204,11 @@ class TargetEngine(Protocol):
         """cloud-sd (cloud/speculation.py): rounds of `speculation.block` tokens (SpeculationRequest) proposed by its
         proposer over the cloud's draft and block-verified by the target (SpeculatedRound); `processors`: the
         request's, one for the target's logits, one for the draft's."""
+
+
+def whole_pages(engine: TargetEngine, tokens: int) -> int:
+    """`tokens` rounded up to the engine's pages: what a Generate's cache allocates, so what it is charged."""
+    if not engine.kv_bytes_per_page:
+        return tokens
+    page = engine.kv_bytes_per_page // engine.kv_bytes_per_token
+    return -(-tokens // page) * page

@@ -77,12 +77,20 @@ def check_output_start(request: pb.OpenSession | pb.GenerateRequest) -> int:
     return start
 
 
-def check_speculation(speculation: pb.Speculation, limits: ServiceLimits, default_proposer: str) -> tuple[int, str]:
-    """A cloud-sd Generate's (block, proposer); a proposer it does not name is the cloud's default (`--proposer`)."""
-    block = speculation.block
+def check_speculation(request: pb.GenerateRequest, limits: ServiceLimits, default_proposer: str,
+                      draft_spec: str | None) -> tuple[int, str] | None:
+    """A cloud-sd Generate's (block, proposer); a proposer it does not name is the cloud's default (`--proposer`).
+    None: no speculation (the target alone)."""
+    if not request.HasField("speculation"):
+        return None
+    block = request.speculation.block
     if not 1 <= block <= limits.max_block:
         raise invalid(f"speculation.block must be in 1..{limits.max_block} (max_block), got {block}")
-    proposer = wire.speculation_proposer(speculation) or default_proposer
+    if draft_spec is None:
+        raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "this cloud has no draft model to speculate with (mode cloud-sd): start it with "
+                         "`sprinter cloud serve --draft SPEC`, or draft on the edge (--placement edge)")
+    proposer = wire.speculation_proposer(request.speculation) or default_proposer
     if proposer not in PROPOSERS:
         raise invalid(f"speculation.proposer {proposer!r} is unknown; choose one of {', '.join(PROPOSERS)} "
                       "(empty: this cloud's default)")
@@ -184,3 +192,4 @@ def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
     p_target = logits_to_probs(target.logits, sampling)
     rule = verify_rule(method, sampling)
     return rule(torch.tensor(list(frame.draft_tokens)), p_draft, p_target, generator)
+

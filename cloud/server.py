@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
 from cloud.backend import TargetBackend
 from cloud.batcher import Batcher
@@ -156,7 +157,8 @@ class CloudServer:
             backend = TargetBackend(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
                                     proposer=settings.proposer,
-                                    suffix_memories=SuffixMemories(cache=settings.suffix_cache == "on"))
+                                    suffix_memories=SuffixMemories(cache=settings.suffix_cache == "on"),
+                                    queue=self._queue())
             self.servicer.backend = backend
             async with self._fleet_presence(backend) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -168,6 +170,12 @@ class CloudServer:
                     await announcer.draining()
                 await self._drain()
                 sweeper.cancel()
+
+    def _queue(self) -> AdmissionQueue:
+        metrics = self.metrics
+        observer = QueueObserver(lambda identity, n: metrics.queue_length.labels(identity).set(n),
+                                 lambda identity, s: metrics.queue_wait_seconds.labels(identity).observe(s))
+        return AdmissionQueue(QueueSettings(self.settings.queue_max, self.settings.queue_grace_s), observer)
 
     @asynccontextmanager
     async def _engine(self) -> AsyncIterator[TargetEngine]:

@@ -41,6 +41,7 @@ from cloud.kv_pool import PagedKV
 from cloud.prefix_cache import PrefixCache
 from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
+from common.admission import Admission
 from common.errors import SprinterError
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
@@ -70,6 +71,8 @@ class Session:
     # the request's logit_bias and penalties, counting from the open's output_start; None: none asked for
     processor: LogitsProcessor | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the open's answer when it asked (echo)
+    admission: Admission = field(default_factory=Admission)  # its open's: priority and queue tickets, for its verifies
+    queued_s: float = 0.0  # the open's time in the cloud's line
 
     @property
     def length(self) -> int:
@@ -172,9 +175,9 @@ class SessionStore:
         self._sessions[session.session_id] = session
         return session
 
-    @contextmanager
-    def generation(self, owner: str, kv_tokens: int) -> Iterator[None]:
-        """Hold `kv_tokens` of KV (a Generate's prompt plus new tokens) for one of the edge's Generate slots."""
+    def start_generation(self, owner: str, kv_tokens: int) -> int:
+        """Hold `kv_tokens` of KV (a Generate's prompt plus new tokens) for one of the edge's Generate slots, or refuse
+        (RESOURCE_EXHAUSTED: with a retry hint while the slots or the budget are busy). Its key, for `end_generation`."""
         running = sum(1 for o, _ in self._generations.values() if o == owner)
         if running >= self.edge.max_generate:
             raise exhausted(f"this edge already runs {running} concurrent Generate calls (the limit, "
@@ -183,10 +186,19 @@ class SessionStore:
         self._make_kv_room(kv_tokens * self.kv_bytes_per_token)
         key = next(self._generation_ids)
         self._generations[key] = (owner, kv_tokens)
+        return key
+
+    def end_generation(self, key: int) -> None:
+        self._generations.pop(key, None)
+
+    @contextmanager
+    def generation(self, owner: str, kv_tokens: int) -> Iterator[None]:
+        """`start_generation` .. `end_generation` around a block."""
+        key = self.start_generation(owner, kv_tokens)
         try:
             yield
         finally:
-            del self._generations[key]
+            self.end_generation(key)
 
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)

@@ -52,6 +52,9 @@ class CloudSettings:
     # A session used within this many seconds is not evicted to admit another: the newcomer waits its turn
     # (RESOURCE_EXHAUSTED with a retry hint) instead of the two evicting each other, each eviction a prefill.
     evict_grace_s: float = 2.0
+    # cloud/admission_queue.py: work that cannot be admitted now waits in one fair line, at most this many places
+    queue_max: int = 1024
+    queue_grace_s: float = 10.0  # a place outlives its edge's broken stream this long (a reconnect takes it back)
     batch_window_ms: float = 0.0  # continuous batching: a forward starts as soon as the engine is free
     max_batch: int = 8
     max_prefill_chunk: int = 256  # prompt tokens per forward; a chunk rides along with the waiting verifies
@@ -99,6 +102,8 @@ class CloudSettings:
             (self.batch_window_ms >= 0, f"--batch-window-ms must be >= 0, got {self.batch_window_ms}"),
             (self.idle_timeout_s > 0, f"--idle-timeout-s must be > 0, got {self.idle_timeout_s}"),
             (self.evict_grace_s >= 0, f"--evict-grace-s must be >= 0, got {self.evict_grace_s}"),
+            (self.queue_max >= 1, f"--queue-max must be >= 1, got {self.queue_max}"),
+            (self.queue_grace_s >= 0, f"--queue-grace-s must be >= 0, got {self.queue_grace_s}"),
             (self.max_prefill_chunk >= 1, f"--max-prefill-chunk must be >= 1, got {self.max_prefill_chunk}"),
             (self.max_forward_tokens >= self.max_block + 1,
              f"--max-forward-tokens must hold one verify of --max-block {self.max_block} (at least "

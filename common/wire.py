@@ -30,8 +30,10 @@ Glossary (who sends what)
                    candidates, or the whole distribution there (`residual_query`, framed by `cloud_frame`); the verdict follows.
         error      a refused frame: gRPC status, message, the cloud's session length, a retry hint
                    (`error_frame`); the stream and the session stay usable.
-    Generate       mode target. edge -> cloud: `GenerateRequest` (`generate_request`). cloud -> edge:
-                   `GenerateChunk`s (`generate_chunk`), the last one finished, with its reason.
+        queued     the open or verify waits in the cloud's line (`queued`, read by `place_of`); the answer
+                   follows. Only to an edge whose open's `Admission` (common/admission.py) says it waits in line.
+    Generate       modes target and cloud-sd. edge -> cloud: `GenerateRequest` (`generate_request`). cloud ->
+                   edge: `GenerateChunk`s (`generate_chunk`), the last one finished, with its reason.
 
 Encoders take the project's types (method names such as "block", `SamplingParams`, `SparseDistribution`,
 `grpc.StatusCode`); decoders return them. Whether what an edge sent is acceptable is the cloud's
@@ -46,6 +48,7 @@ from typing import Sequence
 import grpc
 import torch
 
+from common.admission import Admission, QueuePlace
 from common.decoding.modes import VERIFY_METHODS
 from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
 from common.logprobs import TokenLogprob
@@ -134,8 +137,7 @@ class CloudLimits:
 
     @classmethod
     def from_proto(cls, limits: pb.Limits) -> "CloudLimits":
-        return cls(limits.max_block or None, limits.max_context or None, limits.max_sparse_support or None,
-                   limits.max_generate or None)
+        return cls(*(getattr(limits, f) or None for f in ("max_block", "max_context", "max_sparse_support", "max_generate")))
 
 
 def info_request() -> pb.GetInfoRequest:
@@ -152,13 +154,50 @@ def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits:
 
 
 def open_frame(prompt_ids: Sequence[int], sampling: SamplingParams | None = None, vocab_fingerprint: str = "",
-               first_token: bool = False, output_start: int | None = None) -> pb.EdgeFrame:
+               first_token: bool = False, output_start: int | None = None,
+               admission: Admission | None = None) -> pb.EdgeFrame:
     """Open a session on `prompt_ids`; without `sampling` the field stays unset, which the cloud reads as greedy.
     `output_start`: where the generated tokens begin in `prompt_ids` (a reopen's context); None: after them all."""
     settings = None if sampling is None else sampling_to_proto(sampling)
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
     return pb.EdgeFrame(open=pb.OpenSession(prompt_ids=prompt_ids, sampling=settings, output_start=start,
-                                            vocab_fingerprint=vocab_fingerprint, first_token=first_token))
+                                            vocab_fingerprint=vocab_fingerprint, first_token=first_token,
+                                            admission=admission_to_proto(admission)))
+
+
+# -- the cloud's line (cloud/admission_queue.py) ------------------------------------------------------------------
+
+
+def admission_to_proto(admission: Admission | None) -> pb.Admission | None:
+    return None if admission is None else pb.Admission(priority=admission.priority, ticket_id=admission.ticket_id,
+                                                       waits_in_line=admission.waits_in_line)
+
+
+def admission_of(request: pb.OpenSession | pb.GenerateRequest) -> Admission:
+    """An open's or a Generate's admission; an older edge sets none: priority 0, refused with a hint when busy."""
+    return Admission(request.admission.priority, request.admission.waits_in_line, request.admission.ticket_id)
+
+
+def queued(place: QueuePlace, generate: bool = False) -> pb.CloudFrame | pb.GenerateChunk:
+    """Still in line: a Session stream's frame (its answer follows), or a Generate's chunk (its tokens follow)."""
+    ticket = pb.QueueTicket(ticket_id=place.ticket_id, position=place.position,
+                            estimated_wait_ms=place.estimated_wait_ms, queue_length=place.queue_length)
+    return pb.GenerateChunk(queued=ticket) if generate else pb.CloudFrame(queued=ticket)
+
+
+def place_of(message: pb.CloudFrame | pb.GenerateChunk) -> QueuePlace | None:
+    """The queue ticket a frame or chunk carries; None for every other answer."""
+    ticket = message.queued
+    return QueuePlace(ticket.ticket_id, ticket.position, ticket.estimated_wait_ms,
+                      ticket.queue_length) if message.HasField("queued") else None
+
+
+def set_queued_ms(answer: pb.SessionOpened | pb.Verdict | pb.GenerateChunk, queued_ms: float) -> None:
+    answer.queued_ms = queued_ms  # the time in line the answered request spent (0 from a cloud without a line)
+
+
+def queued_ms_of(answer: pb.SessionOpened | pb.Verdict | pb.GenerateChunk) -> float:  # 0: no time in line
+    return answer.queued_ms
 
 
 def output_start_of(request: pb.OpenSession | pb.GenerateRequest) -> int:
@@ -183,9 +222,8 @@ def verify_block(start_position: int, draft_tokens: Sequence[int], method: str,
     """A verify block checked by verify `method` ("block"); with `after`, a candidate for that verdict; with
     `dists_on_rejection`, no distributions: the cloud asks for what it needs at a rejection (residual_query)."""
     return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method_value(method),
-                          draft_token_probs=draft_token_probs or [], after=after,
-                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []],
-                          dists_on_rejection=dists_on_rejection)
+                          draft_token_probs=draft_token_probs or [], after=after, dists_on_rejection=dists_on_rejection,
+                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []])
 
 
 def verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
@@ -196,9 +234,8 @@ def verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
 def ordinary_verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
     """The frame that sends `block` as an ordinary verify: a candidate's `after` is dropped."""
     return pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
-                                              draft_token_probs=block.draft_token_probs,
-                                              draft_dists=block.draft_dists, method=block.method,
-                                              dists_on_rejection=block.dists_on_rejection))
+                                              draft_token_probs=block.draft_token_probs, draft_dists=block.draft_dists,
+                                              method=block.method, dists_on_rejection=block.dists_on_rejection))
 
 
 def residual_answer_frame(query: pb.ResidualQuery, draft_probs: Sequence[float] = (),
@@ -215,9 +252,8 @@ def close_frame() -> pb.EdgeFrame:
 
 def candidate_after(block: pb.VerifyBlock) -> tuple[int, int, int] | None:
     """(start_position, n_accepted, next_token) of the verdict a candidate is for; None for an ordinary block."""
-    if not block.HasField("after"):
-        return None
-    return block.after.start_position, block.after.n_accepted, block.after.next_token
+    after = block.after
+    return (after.start_position, after.n_accepted, after.next_token) if block.HasField("after") else None
 
 
 # -- cloud frames -----------------------------------------------------------------------------------------------
@@ -240,14 +276,14 @@ def logprobs_from_proto(entries: Sequence[pb.TokenLogprobs], tokens: Sequence[in
 
 def opened_frame(session_id: str, context_length: int, limits: pb.Limits, resumed: bool,
                  first_token: int | None = None, first_token_logprob: TokenLogprob | None = None,
-                 prompt_logprobs: Sequence[TokenLogprob] = (), cached_tokens: int = 0) -> pb.CloudFrame:
-    """`cached_tokens`: prompt tokens whose KV came from the cloud's prefix cache."""
+                 prompt_logprobs: Sequence[TokenLogprob] = (), cached_tokens: int = 0,
+                 queued_ms: float = 0.0) -> pb.CloudFrame:
+    """`cached_tokens`: prompt tokens whose KV came from the cloud's prefix cache; `queued_ms`: the open's time in line."""
     logprobs = logprobs_to_proto([first_token_logprob])[0] if first_token_logprob is not None else None
-    return pb.CloudFrame(opened=pb.SessionOpened(session_id=session_id, context_length=context_length,
-                                                 limits=limits, resumed=resumed, first_token=first_token,
-                                                 first_token_logprobs=logprobs,
-                                                 prompt_logprobs=logprobs_to_proto(prompt_logprobs),
-                                                 cached_tokens=cached_tokens))
+    return pb.CloudFrame(opened=pb.SessionOpened(
+        session_id=session_id, context_length=context_length, limits=limits, resumed=resumed, first_token=first_token,
+        first_token_logprobs=logprobs, prompt_logprobs=logprobs_to_proto(prompt_logprobs), cached_tokens=cached_tokens,
+        queued_ms=queued_ms))
 
 
 def opened_cached_tokens(opened: pb.SessionOpened) -> int:
@@ -272,9 +308,8 @@ def opened_first_token(opened: pb.SessionOpened) -> int | None:
 
 def opened_first_logprob(opened: pb.SessionOpened) -> TokenLogprob | None:
     """The first token's logprob, when the open brought one and the sampling asked for logprobs."""
-    if not opened.HasField("first_token") or not opened.HasField("first_token_logprobs"):
-        return None
-    return logprobs_from_proto([opened.first_token_logprobs], [opened.first_token])[0]
+    brought = opened.HasField("first_token") and opened.HasField("first_token_logprobs")
+    return logprobs_from_proto([opened.first_token_logprobs], [opened.first_token])[0] if brought else None
 
 
 def verdict(*, n_accepted: int, next_token: int, context_length: int, verify_ms: float, queue_ms: float,
@@ -338,19 +373,17 @@ def error_status(error: pb.Error) -> grpc.StatusCode:
 
 def generate_request(prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int,
                      vocab_fingerprint: str = "", output_start: int | None = None,
-                     speculate_block: int | None = None, proposer: str | None = None) -> pb.GenerateRequest:
-    """A Generate; with `speculate_block`, cloud-sd: the cloud drafts that many tokens a round and verifies them,
-    proposed by `proposer` (None: the cloud's default)."""
+                     speculate_block: int | None = None, proposer: str | None = None,
+                     admission: Admission | None = None) -> pb.GenerateRequest:
+    """A Generate; with `speculate_block`, cloud-sd: the cloud drafts (`proposer`; None: its default) and verifies."""
     start = None if output_start is None or output_start == len(prompt_ids) else output_start
-    speculation = (pb.Speculation(block=speculate_block, proposer=proposer or "")
-                   if speculate_block is not None else None)
+    speculation = pb.Speculation(block=speculate_block, proposer=proposer or "") if speculate_block is not None else None
     return pb.GenerateRequest(prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling), output_start=start,
                               max_new_tokens=max_new_tokens, vocab_fingerprint=vocab_fingerprint,
-                              speculation=speculation)
+                              speculation=speculation, admission=admission_to_proto(admission))
 
 
-def speculation_proposer(speculation: pb.Speculation) -> str | None:
-    """The proposer a cloud-sd Generate names; None: it names none (the cloud's default)."""
+def speculation_proposer(speculation: pb.Speculation) -> str | None:  # None: it names none (the cloud's default)
     return speculation.proposer or None
 
 
@@ -358,10 +391,9 @@ def generate_chunk(token_ids: Sequence[int] = (), step_ms: float = 0.0, finish_r
                    logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = (),
                    drafted: int = 0, draft_ms: float = 0.0, cached_tokens: int = 0, copied: int = 0,
                    copied_kept: int = 0) -> pb.GenerateChunk:
-    """Tokens as they are made; with `finish_reason` ("stop": an EOS, "length": a limit), the last chunk.
-    `drafted`, `draft_ms`: a cloud-sd round's draft tokens proposed and the time drafting them took (`copied`,
-    `copied_kept`: of them, those its proposer copied from text, and those of them kept);
-    `cached_tokens` (first chunk): prompt tokens whose KV came from the cloud's prefix cache."""
+    """Tokens as they are made; with `finish_reason` ("stop": EOS, "length": a limit), the last. `drafted`, `draft_ms`:
+    a cloud-sd round's proposed tokens and their drafting time (`copied`, `copied_kept`: those copied from text, and
+    kept); `cached_tokens` (first chunk): prompt tokens whose KV came from the cloud's prefix cache."""
     return pb.GenerateChunk(token_ids=token_ids, step_ms=step_ms, finished=finish_reason is not None,
                             finish_reason=finish_reason or "", logprobs=logprobs_to_proto(logprobs),
                             prompt_logprobs=logprobs_to_proto(prompt_logprobs), drafted=drafted, draft_ms=draft_ms,

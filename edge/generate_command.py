@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
 _DEGRADED_BECAUSE = {
     "cloud_unreachable": "the cloud at --cloud is unreachable",
     "deadline": "--request-deadline-s passed while waiting for the cloud",
+    "loading": "--request-deadline-s passed while the cloud at --cloud was still loading its model",
     "no_cloud": "no cloud is available",
 }
 

@@ -59,7 +59,7 @@ def test_a_timeout_or_a_write_to_a_finished_call_is_a_failed_replica() -> None:
 def test_the_table_says_what_follows_each_cause() -> None:
     assert set(ACTIONS) == set(Cause)
     waited_for = {c for c, a in ACTIONS.items() if not a.counts and not a.gives_up}
-    assert waited_for == {Cause.BUSY, Cause.EVICTED, Cause.DESYNC}  # the cloud answered: wait within the deadline
+    assert waited_for == {Cause.BUSY, Cause.EVICTED, Cause.DESYNC, Cause.LOADING}  # the cloud answered: wait
     assert {c for c, a in ACTIONS.items() if a.resync} == {Cause.EVICTED, Cause.DESYNC}
     assert {c for c, a in ACTIONS.items() if a.move} == {Cause.EVICTED, Cause.REPLICA_FAILED, Cause.DRAINING,
                                                          Cause.BUSY}

@@ -67,7 +67,7 @@ class Completions:
     def __init__(self, node: EdgeNode, api: ApiSettings) -> None:
         self.node = node
         self.api = api
-        self.metrics = EdgeMetrics(node.decoder.cost_model, lambda: node.cloud)
+        self.metrics = EdgeMetrics(node.decoder.cost_model, lambda: node.cloud, lambda: dict(node.decoder.ahead_records))
         self.slots = ConcurrencyLimit(api.max_concurrent_requests)
         self.metrics.in_flight.set_function(lambda: self.slots.in_flight)
         # One thread: a long prompt is tokenized off the event loop, and the tokenizer is never shared by two.
@@ -119,7 +119,7 @@ class Completions:
                             pipeline=pipeline, placement=placement,
                             draft_dists=self.api.draft_dists if fits else "full",
                             request_deadline_s=body.request_deadline_s or self.api.request_deadline_s,
-                            pipeline_adapts=self.api.pipeline_adapts)
+                            pipeline_adapts=self.api.pipeline_adapts, priority=body.priority)
 
     def _placement_problem(self, placement: str) -> str | None:
         """Why this edge cannot serve `placement` now (never a silent fallback to the edge); None if it can."""

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.call_policy import CostModel
+from edge.decoding.ahead_gauge import AheadRecord
 from edge.decoding.decoder import EdgeResult
 from edge.cloud_link.replicas import ReplicaSet
 
@@ -51,11 +52,30 @@ class ReplicaCollector:
         yield from (sessions, usable, reopens)
 
 
+class PipelineGaugeCollector:
+    """The pipeline gauge's estimates (edge/decoding/ahead_gauge.py) per pipeline and mode, read at scrape time:
+    whether drafting ahead pays here (hit rate, the saving of a hit, the lag it costs, rounds measured)."""
+
+    def __init__(self, records: Callable[[], dict[tuple[str, str], AheadRecord]]) -> None:
+        self.records = records
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily("sprinter_edge_pipeline_gauge", "The pipeline gauge's estimates per pipeline and "
+                                  "mode: hit_rate, saving_ms (per hit), lag_ms (per round), rounds",
+                                  labels=["pipeline", "mode", "estimate"])
+        for (pipeline, mode), record in sorted(self.records().items()):
+            for estimate, value in record.snapshot().items():
+                gauge.add_metric([pipeline, mode, estimate], value)
+        yield gauge
+
+
 class EdgeMetrics:
-    def __init__(self, cost_model: CostModel, replicas: Callable[[], ReplicaSet | None] = lambda: None) -> None:
+    def __init__(self, cost_model: CostModel, replicas: Callable[[], ReplicaSet | None] = lambda: None,
+                 ahead_records: Callable[[], dict[tuple[str, str], AheadRecord]] = dict) -> None:
         self.totals = RequestTotals()
         self.registry = CollectorRegistry()
         self.registry.register(ReplicaCollector(replicas))
+        self.registry.register(PipelineGaugeCollector(ahead_records))
         r = self.registry
         # Read at scrape time: the cost model learns between scrapes, from every request.
         estimates = Gauge("sprinter_edge_cost_model", "The call policy's cost model: learned draft, link and "
@@ -66,7 +86,7 @@ class EdgeMetrics:
         self.tokens = Counter("sprinter_edge_tokens_generated", "Tokens returned to clients", ["mode"], registry=r)
         self.target_calls = Counter("sprinter_edge_target_calls", "Cloud verifications", ["mode"], registry=r)
         self.degraded = Counter("sprinter_edge_degraded_requests", "Requests served partly without the cloud, by "
-                                "reason: cloud_unreachable, deadline, no_cloud", ["reason"], registry=r)
+                                "reason: cloud_unreachable, deadline, loading, no_cloud", ["reason"], registry=r)
         self.in_flight = Gauge("sprinter_edge_requests_in_flight", "Generations running now", registry=r)
         self.cancelled = Counter("sprinter_edge_requests_cancelled", "Generations stopped because the client left",
                                  registry=r)
@@ -79,6 +99,9 @@ class EdgeMetrics:
                                registry=r)
         self.placements = Counter("sprinter_edge_placements", "Requests placed, by the placement asked and where "
                                   "the draft ran", ["asked", "used"], registry=r)
+        self.queue_seconds = Histogram("sprinter_edge_cloud_queue_seconds", "Time a request waited in the cloud's "
+                                       "admission queue", registry=r,
+                                       buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -88,6 +111,7 @@ class EdgeMetrics:
         self.tokens.labels(mode).inc(result.stats.new_tokens)
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
+        self.queue_seconds.observe(result.queued_s)
         if result.placed is not None:
             self.placements.labels(result.placed.asked, result.placed.used).inc()
         if result.degraded_reason is not None:

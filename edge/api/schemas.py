@@ -5,9 +5,11 @@ spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipelin
 `placement` (edge, cloud or auto: where the draft runs, edge/decoding/placing.py), `proposer` (model,
 suffix or hybrid: what proposes the tokens, common/decoding/proposals.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
-from the draft, degraded with reason `deadline`). Each response carries the usual `usage` plus a
+from the draft, degraded with reason `deadline`) and `priority` (as vLLM's: lower first, within this
+edge's share of the cloud's admission queue). Each response carries the usual `usage` plus a
 `sprinter` object (mode, policy, target_calls, tokens_per_call, block_length_mean, degraded and
-degraded_reason, token ids and the full stats; `error` when the cloud refused mid-generation).
+degraded_reason, token ids, `queue_s` (time in the cloud's line) and the full stats; `error` when the
+cloud refused mid-generation).
 
 Every field has a range that fits where it goes (seed: the wire's uint64; top_k: int32). OpenAI
 fields this server does not implement are refused with a 400 naming them, unless their value
@@ -21,6 +23,7 @@ from typing import Annotated, Any, Callable, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from common.admission import PRIORITY_RANGE
 from edge.api.choices import LogprobFormat, sources, whole_choice
 from edge.decoding.decoder import EdgeResult
 
@@ -129,6 +132,8 @@ class SamplingFields(BaseModel):
     placement: str | None = Field(default=None, max_length=16, description="edge, cloud or auto: where the draft runs")
     request_deadline_s: float | None = Field(default=None, gt=0, le=86400,
                                              description="how long this request may wait for the cloud in all")
+    priority: int = Field(default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                          description="as vLLM's: lower is served first within this edge's share of the cloud's line")
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -235,7 +240,7 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     extension = {"mode": s.mode, "policy": s.policy, "pipeline": s.pipeline, "target_calls": s.target_calls,
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
                  "degraded": result.degraded, "degraded_reason": result.degraded_reason, "verifier": result.verifier, "token_ids": result.token_ids,
-                 "cached_tokens": s.cached_tokens, "stats": s.to_dict()}
+                 "cached_tokens": s.cached_tokens, "queue_s": round(result.queued_s, 3), "stats": s.to_dict()}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction

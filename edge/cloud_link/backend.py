@@ -32,8 +32,9 @@ class CloudUse:
     """How one generation fared with the cloud: degraded (some tokens never verified) and why, reopens, a refusal.
 
     Why (`degraded_reason`, the first one): `cloud_unreachable` (no replica answered within the
-    attempts), `deadline` (the request's own deadline passed while it waited for the cloud), or
-    `no_cloud` (this daemon has none). A busy cloud is never a reason: it is waited for.
+    attempts), `deadline` (the request's own deadline passed while it waited for the cloud), `loading`
+    (it passed while the cloud was still loading its model), or `no_cloud` (this daemon has none). A
+    busy or loading cloud is never a reason by itself: it is waited for.
     """
 
     on_degraded: Callable[[str], None] | None = None  # told once, with the reason, before the first unverified token
@@ -42,6 +43,7 @@ class CloudUse:
     error: CloudLinkError | None = None  # the refusal that ended the generation early
     prompt_logprobs: list[TokenLogprob] | None = None  # the target's, of prompt tokens 2..n, when asked (echo)
     finish_reason: str | None = None  # the cloud's own, in mode target ("stop" | "length")
+    queued_ms: float = 0.0  # time in the cloud's admission queue (opens, verifies waiting for KV, Generates)
 
     @property
     def degraded(self) -> bool:

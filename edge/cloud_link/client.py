@@ -17,11 +17,13 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import wire
+from common.admission import Admission, QueuePlace
 from common.errors import SprinterError
 from common.sampling import SamplingParams
 from common.wire import CloudLimits
@@ -30,6 +32,7 @@ from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name  # as the cloud's health service names it
 
 
 class CloudLinkError(SprinterError):
@@ -52,6 +55,17 @@ class DeadlinePassed(CloudUnavailable):
     """The request's own deadline passed while it waited for the cloud: the rest comes from the draft alone."""
 
     reason = "deadline"
+
+    def __init__(self, code: grpc.StatusCode | int, message: str, loading: bool = False) -> None:
+        super().__init__(code, message)
+        if loading:  # it waited for a cloud that answered but was still loading its model
+            self.reason = "loading"
+
+
+class CloudLoading(CloudUnavailable):
+    """The cloud answers but is still loading its model (health NOT_SERVING): waited for, as a busy one is."""
+
+    reason = "loading"
 
 
 def time_left(deadline_at: float | None) -> float | None:
@@ -137,29 +151,43 @@ class CloudClient:
         return CloudRefused(err.code(), err.details() or "", wire.retry_hint_s(err.trailing_metadata()))
 
     async def info(self, timeout_s: float | None = None) -> pb.ServiceInfo:
+        """GetInfo; CloudLoading from a cloud whose health says NOT_SERVING (its model still loading)."""
+        timeout_s = timeout_s or self.endpoint.deadline_s
         try:
-            info = await self.stub.GetInfo(wire.info_request(), timeout=timeout_s or self.endpoint.deadline_s,
-                                           metadata=self.metadata)
+            info = await self.stub.GetInfo(wire.info_request(), timeout=timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and await self._loading(timeout_s):
+                raise CloudLoading(err.code(), f"cloud {self.endpoint.address} is still loading its model") from err
             raise self._error(err) from err
         self.limits = CloudLimits.from_proto(info.limits)
         return info
 
+    async def _loading(self, timeout_s: float) -> bool:
+        """The cloud answers its health check with NOT_SERVING: it is up, its model not yet loaded."""
+        try:
+            answer = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError:
+            return False
+        return answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "", deadline_at: float | None = None,
                        output_start: int | None = None, speculate_block: int | None = None,
-                       proposer: str | None = None) -> AsyncIterator[pb.GenerateChunk]:
+                       proposer: str | None = None, admission: Admission | None = None,
+                       on_ticket: Callable[[QueuePlace], None] = lambda place: None) -> AsyncIterator[pb.GenerateChunk]:
         """Mode `target`: the cloud generates alone; chunks arrive as tokens are made (`output_start`: where
         tokens generated before this call begin in `prompt_ids`, which the penalties count). With
         `speculate_block`, mode cloud-sd: the cloud drafts and verifies by itself, a chunk per round, its tokens
-        proposed by `proposer` (None: the cloud's default).
+        proposed by `proposer` (None: the cloud's default). While the request waits in the cloud's line,
+        `on_ticket` hears its place (those chunks are not passed on).
 
         No whole-call deadline unless the request set one (`deadline_at`, time.monotonic(): DeadlinePassed),
         but each chunk must come within `deadline_s`: a Generate that hangs ends as CloudUnavailable
         instead of holding the request forever.
         """
         request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint, output_start,
-                                        speculate_block, proposer)
+                                        speculate_block, proposer, admission)
         call = self.stub.Generate(request, metadata=self.metadata)
         limit, request_bound = self.endpoint.deadline_s, False
         try:
@@ -167,6 +195,9 @@ class CloudClient:
                 limit, request_bound = wait_limit(self.endpoint.deadline_s, deadline_at)
                 if (chunk := await asyncio.wait_for(call.read(), limit)) is grpc.aio.EOF:
                     break
+                if (place := wire.place_of(chunk)) is not None:  # still in line: the next ticket or token resets the wait
+                    on_ticket(place)
+                    continue
                 yield chunk
         except asyncio.TimeoutError as err:
             if request_bound:

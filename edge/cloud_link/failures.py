@@ -13,11 +13,12 @@
 | `busy`             | RESOURCE_EXHAUSTED frame with a retry hint     | no     | elsewhere, or here after the hint    |
 | `out_of_step`      | a candidate's verdict names another block      | yes    | new stream, here                     |
 | `no_replica`       | no replica is usable now                       | yes    | wait for one to come back            |
+| `loading`          | none usable, one answers but is still loading  | no     | wait for it (health NOT_SERVING)     |
 | `refused`          | any other status; RESOURCE_EXHAUSTED, no hint  | -      | give up: `CloudRefused`              |
 | `request_deadline` | the request's own deadline passed              | -      | give up: `DeadlinePassed`            |
 
 "counts": against the session's attempts (a replica out of reach); "elsewhere": another replica if there
-is one. A cloud that answered (busy, evicted, desync) is waited for as long as the request's deadline
+is one. A cloud that answered (busy, evicted, desync, loading) is waited for as long as the request's deadline
 allows. `request_deadline` is the session's own finding (the time left ran out), never `classify`'s: the
 table names it so that every way out is here.
 """
@@ -49,6 +50,7 @@ class Cause(Enum):
     BUSY = "busy"
     OUT_OF_STEP = "out_of_step"
     NO_REPLICA = "no_replica"
+    LOADING = "loading"
     REFUSED = "refused"
     REQUEST_DEADLINE = "request_deadline"
 
@@ -83,6 +85,7 @@ ACTIONS: dict[Cause, Action] = {
     Cause.BUSY: Action(move=True, honours_hint=True, reported=True),
     Cause.OUT_OF_STEP: Action(counts=True, new_stream=True),
     Cause.NO_REPLICA: Action(counts=True),
+    Cause.LOADING: Action(),
     Cause.REFUSED: Action(gives_up=True),
     Cause.REQUEST_DEADLINE: Action(new_stream=True, gives_up=True),
 }

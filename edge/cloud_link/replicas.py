@@ -1,23 +1,21 @@
 """The cloud replicas an edge verifies on: where a new session goes, and how each replica is faring.
 
-Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several
-addresses, such as a Kubernetes headless Service, is one replica per address, resolved again every
-`resolve_every_s`) or, with `--mqtt` and no `--cloud`, from the clouds' load announcements
-(`observe`; with `--cloud` announcements only update what the edge knows of its own replicas: an
-announced address could bypass the proxy or tunnel the edge was told to use). A replica
-is used only once it has answered GetInfo with this draft's vocabulary; one that serves another is
-refused, logged, and never used.
+Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several addresses,
+such as a Kubernetes headless Service, is one replica per address, resolved again every `resolve_every_s`)
+or, with `--mqtt` and no `--cloud`, from the clouds' load announcements (`observe`; with `--cloud`
+announcements only update what the edge knows of its own replicas: an announced address could bypass the
+proxy or tunnel the edge was told to use). A replica is used only once it has answered GetInfo with this
+draft's vocabulary; one that serves another is refused, logged, and never used.
 
-Choosing: rendezvous hashing on the session's key over the usable replicas (each scores
-sha256(key, address), the highest wins), so adding a replica moves only the new sessions it now
-wins and a live session moves only when its replica fails it. Bounded load: a replica already over
-LOAD_FACTOR x the mean load (its announced open sessions while fresh, else this edge's own sessions
-there) is passed over for the next in the session's order.
+Choosing: rendezvous hashing on the session's key over the usable replicas (each scores sha256(key, address),
+the highest wins), so adding a replica moves only the new sessions it now wins and a live session moves only
+when its replica fails it. Bounded load: a replica already over LOAD_FACTOR x the mean load (its announced open
+sessions while fresh, else this edge's own sessions there) is passed over for the next in the session's order.
 
-Health: a replica that fails a call rests for an exponential backoff with jitter; one that says it
-is draining (in an error frame or its announcement) gets no new sessions for DRAIN_REST_S, after
-which it is tried again (a replica restarted on the same address comes back); an `online`
-announcement ends a rest at once. Sessions already on a replica stay until it fails them.
+Health: a replica that fails a call rests for an exponential backoff with jitter; one that says it is draining
+(in an error frame or its announcement) gets no new sessions for DRAIN_REST_S, after which it is tried again
+(a replica restarted on the same address comes back); an `online` announcement ends a rest at once. One whose health says NOT_SERVING (`loading`) is asked again every LOADING_REST_S, and waited
+for. Sessions already on a replica stay until it fails them.
 """
 
 from __future__ import annotations
@@ -37,10 +35,11 @@ from typing import AsyncIterator, Callable, Sequence
 import grpc
 
 from common.addresses import split_host_port
+from common.admission import Admission, QueuePlace
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
-from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudRefused, CloudUnavailable, DeadlinePassed,
-                                    backoff_delay)
+from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudLoading, CloudRefused, CloudUnavailable,
+                                    DeadlinePassed, backoff_delay, time_left)
 from edge.cloud_link.failures import ACTIONS, Cause, Rest
 from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
@@ -52,6 +51,7 @@ LOAD_FACTOR = 1.25
 # announced queue is one instant's, and a batching cloud under load announces 0 between its forwards as often as not.
 BUSY_HOLD_S = 10.0
 DRAIN_REST_S = 30.0
+LOADING_REST_S = 1.0  # a replica loading its model is asked again this often
 ANNOUNCEMENT_FRESH_S = 15.0
 PROBE_EVERY_S = 2.0
 
@@ -74,6 +74,7 @@ class Replica:
     announced_at: float = 0.0
     busy_until: float = 0.0  # it refused a Generate with RESOURCE_EXHAUSTED or announced a queue: busy until then
     gone: bool = False  # no longer resolved or announced: no new sessions
+    loading: bool = False  # answers, but its health says NOT_SERVING (the model loads): waited for, not failed
     generate_slots: asyncio.Semaphore | None = None  # the replica's Generate quota for this edge, queued here
 
     def slots(self) -> asyncio.Semaphore:
@@ -224,10 +225,16 @@ class ReplicaSet:
     async def _probe(self, replica: Replica, timeout_s: float | None = None) -> pb.ServiceInfo | None:
         try:
             info = await replica.client.info(timeout_s)
+        except CloudLoading as err:
+            replica.loading, replica.rest_until = True, time.monotonic() + LOADING_REST_S  # no backoff: it answers
+            log.info("%s", err)
+            return None
         except CloudUnavailable as err:
+            replica.loading = False
             self._rest(replica)
             log.debug("cloud replica %s unreachable: %s", replica.address, err)
             return None
+        replica.loading = False
         if info.vocab_fingerprint != self.vocab_fingerprint:
             replica.refused = f"serves {info.model_id}, whose vocabulary differs from the draft's"
             log.error("cloud replica %s refused: it %s", replica.address, replica.refused)
@@ -321,6 +328,10 @@ class ReplicaSet:
         now = time.monotonic()
         return any(r.usable(now) for r in self.replicas.values())
 
+    def loading(self) -> bool:
+        """None is usable, but one answers with its model still loading: a wait, not an outage."""
+        return not self.available() and any(r.loading and r.refused is None for r in self.replicas.values())
+
     def drafts(self) -> bool:
         """Some usable replica has a draft of its own: cloud-sd (placement cloud) can run."""
         now = time.monotonic()
@@ -333,29 +344,35 @@ class ReplicaSet:
         return min(loads, key=lambda load: (load[1], load[0])) if loads else (1.0, False)
 
     def session(self, sampling: SamplingParams, vocab_fingerprint: str = "", deadline_at: float | None = None,
-                output_start: int | None = None) -> CloudSession:
-        return CloudSession(self, sampling, vocab_fingerprint, deadline_at, output_start)
+                output_start: int | None = None, priority: int = 0) -> CloudSession:
+        return CloudSession(self, sampling, vocab_fingerprint, deadline_at, output_start, priority)
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                        vocab_fingerprint: str = "", deadline_at: float | None = None,
                        output_start: int | None = None, speculate_block: int | None = None,
-                       proposer: str | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        """Mode target (cloud-sd with `speculate_block`, proposed by `proposer`) on one replica; CloudUnavailable (the replica rests) when it
-        fails or none is usable."""
+                       proposer: str | None = None, admission: Admission | None = None,
+                       on_ticket: Callable[[QueuePlace], None] = lambda place: None) -> AsyncIterator[pb.GenerateChunk]:
+        """Mode target (cloud-sd with `speculate_block`, by `proposer`) on one replica; CloudUnavailable (the replica
+        rests) when it fails or none is usable (CloudLoading: one is loading). Waits are bounded by the deadline."""
         drafting = speculate_block is not None  # cloud-sd: only a replica with a draft of its own
         client = self.choose(uuid.uuid4().hex, drafting=drafting)
         if client is None:
             await self.recover()
-            client = self.choose(uuid.uuid4().hex, drafting=drafting)
+            if (client := self.choose(uuid.uuid4().hex, drafting=drafting)) is None and self.loading():
+                raise CloudLoading(grpc.StatusCode.UNAVAILABLE, "the cloud is still loading its model")
         if client is None:
             raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, "no cloud replica is usable now")
         self.acquire(client)
+        slots = self._replica(client).slots()
+        try:  # past the replica's Generate quota a request waits here for a slot, rather than being refused there
+            await asyncio.wait_for(slots.acquire(), time_left(deadline_at))
+        except asyncio.TimeoutError:
+            self.release(client)
+            raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed waiting for a Generate slot") from None
         try:
-            # Past the replica's Generate quota a request waits here for a slot, rather than being refused there.
-            async with self._replica(client).slots():
-                async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint,
-                                                   deadline_at, output_start, speculate_block, proposer):
-                    yield chunk
+            async for chunk in client.generate(prompt_ids, sampling, max_new_tokens, vocab_fingerprint, deadline_at,
+                                               output_start, speculate_block, proposer, admission, on_ticket):
+                yield chunk
         except DeadlinePassed:
             raise  # the request's own limit: says nothing about the replica
         except CloudRefused as err:
@@ -366,13 +383,14 @@ class ReplicaSet:
             self.report(client, Cause.REPLICA_FAILED)
             raise
         finally:
+            slots.release()
             self.release(client)
 
     def describe(self) -> list[dict]:
         now = time.monotonic()
         return [{"address": r.address, "model": r.model_id, "draft": r.draft_model_id, "usable": r.usable(now),
-                 "sessions": r.sessions,
-                 "refused": r.refused, "draining_or_resting_s": max(0.0, round(r.rest_until - now, 1))}
+                 "sessions": r.sessions, "loading": r.loading, "refused": r.refused,
+                 "draining_or_resting_s": max(0.0, round(r.rest_until - now, 1))}
                 for r in sorted(self.replicas.values(), key=lambda r: r.address)]
 
     @property

@@ -32,6 +32,7 @@ from typing import Callable, Protocol
 import grpc
 
 from common import wire
+from common.admission import Admission
 from common.logprobs import TokenLogprob
 from common.sampling import SparseDistribution, SamplingParams
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
@@ -55,6 +56,10 @@ class Replicas(Protocol):
         """A replica for session `key`, preferring any not in `avoid`; None when none is usable now. No side effect."""
         ...
 
+    def loading(self) -> bool:
+        """None is usable, but one answers and is still loading its model: worth waiting for."""
+        ...
+
     async def recover(self) -> None:
         """Nothing was usable: look again now (a replica may have come back)."""
         ...
@@ -76,8 +81,10 @@ class CloudSession:
     """One generation's Session stream; reopens with the full context wherever the cloud lost it."""
 
     def __init__(self, replicas: Replicas, sampling: SamplingParams, vocab_fingerprint: str,
-                 deadline_at: float | None = None, output_start: int | None = None) -> None:
+                 deadline_at: float | None = None, output_start: int | None = None, priority: int = 0) -> None:
         self.replicas = replicas
+        self.priority = priority  # orders this request within its edge's share of the cloud's line (lower first)
+        self.queued_ms = 0.0  # time this session's opens and verifies waited in the cloud's line
         # where the generation's tokens begin in every context this session opens with (the user's prompt length):
         # penalties count them, so a reopen with the full context says where they start
         self.output_start = output_start
@@ -123,6 +130,8 @@ class CloudSession:
                 await self.replicas.recover()
                 self.client = self.replicas.choose(self.key, frozenset(self.avoid))
             if self.client is None:
+                if self.replicas.loading():
+                    raise RetryableFailure(Cause.LOADING, "the cloud is still loading its model")
                 raise RetryableFailure(Cause.NO_REPLICA, "no cloud replica is usable now")
             self.replicas.acquire(self.client)
         self.stream.start(self.client)
@@ -130,10 +139,14 @@ class CloudSession:
             await self._close_abandoned()
         # only the first open asks for the prompt's logprobs: a reopen's context holds output too, already scored
         sampling = self.sampling if self.opens == 0 else replace(self.sampling, prompt_logprobs=None)
-        frame = wire.open_frame(context, sampling, self.vocab_fingerprint, first_token, self.output_start)
+        ticket = self.stream.ticket.ticket_id if self.stream.ticket else ""  # a place kept from a broken stream
+        frame = wire.open_frame(context, sampling, self.vocab_fingerprint, first_token, self.output_start,
+                                Admission(self.priority, waits_in_line=True, ticket_id=ticket))
         answer = await self.stream.exchange(frame)
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
+        self.stream.ticket = None
+        self.queued_ms += wire.queued_ms_of(answer.opened)
         if (limits := wire.opened_limits(answer.opened)) is not None:
             self.client.limits = limits
         self.session_id = answer.opened.session_id
@@ -213,6 +226,8 @@ class CloudSession:
             raise RetryableFailure(Cause.OUT_OF_STEP, "the cloud asked a residual query of a block sent with "
                                                       "its distributions")
         if answer.WhichOneof("frame") == "verdict":
+            self.stream.ticket = None
+            self.queued_ms += wire.queued_ms_of(answer.verdict)
             return answer.verdict
         raise self._failure(answer.error, len(context))
 
@@ -287,8 +302,8 @@ class CloudSession:
             delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
         if not await sleep_within(delay, self.deadline_at):
             await self._reset()
-            raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"the request's deadline passed while the cloud was unavailable ({failure})")
+            raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed while the cloud "
+                                 f"was unavailable ({failure})", loading=failure.cause is Cause.LOADING)
 
     async def _reset(self) -> None:
         self.stream.cancel()

@@ -20,6 +20,7 @@ import asyncio
 import grpc
 
 from common import wire
+from common.admission import QueuePlace
 from edge.cloud_link.client import CloudClient, DeadlinePassed, wait_limit
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -39,6 +40,7 @@ class SessionStream:
         self.downlink_bytes = 0  # frames read: opens, verdicts (what logprobs cost the link), residual queries
         self.residual_answers = 0  # residual queries answered (edge/cloud_link/backend.py): each one more round trip
         self.has_candidates = False  # answers to candidates may still be on this call (see CloudSession._failure)
+        self.ticket: QueuePlace | None = None  # the place in the cloud's line while the open or verify waits there
         self._write_lock = asyncio.Lock()  # a call takes one write at a time: candidates queue behind their block
 
     def start(self, client: CloudClient) -> None:
@@ -62,19 +64,24 @@ class SessionStream:
         return answer
 
     async def read(self) -> pb.CloudFrame:
-        """The next frame, within the frame's deadline (a hung replica) and the request's (DeadlinePassed)."""
-        limit, request_bound = wait_limit(self.deadline_s, self.deadline_at)
-        try:
-            answer = await asyncio.wait_for(self.call.read(), limit)
-        except asyncio.TimeoutError:
-            if request_bound:
-                raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     "the request's deadline passed while it waited for a verdict") from None
-            raise
-        if answer is grpc.aio.EOF:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
-        self.downlink_bytes += answer.ByteSize()
-        return answer
+        """The next answer, within the frame's deadline (a hung replica) and the request's (DeadlinePassed). Queue
+        tickets before it are kept (`ticket`), not returned: each one starts the frame's deadline again, so a request
+        waits on its place in the cloud's line, for as long as its own deadline allows."""
+        while True:
+            limit, request_bound = wait_limit(self.deadline_s, self.deadline_at)
+            try:
+                answer = await asyncio.wait_for(self.call.read(), limit)
+            except asyncio.TimeoutError:
+                if request_bound:
+                    raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while it "
+                                         + ("waited in the cloud's line" if self.ticket else "waited for a verdict")) from None
+                raise
+            if answer is grpc.aio.EOF:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the cloud ended the stream")
+            self.downlink_bytes += answer.ByteSize()
+            if (place := wire.place_of(answer)) is None:
+                return answer
+            self.ticket = place  # kept across a broken stream: the reopen claims this place back
 
     async def send_candidate(self, frame: pb.VerifyBlock, epoch: int) -> bool:
         """Write a candidate behind the block of `epoch`; False if that is no longer possible (a retry or reopen

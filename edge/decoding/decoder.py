@@ -25,7 +25,6 @@ frame (a limit, a bug), the generation ends with the tokens made so far and the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -33,7 +32,6 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from common import wire
 from common.cached_lm import DraftLM
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
@@ -50,11 +48,12 @@ from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
-from edge.cloud_link.client import CloudLinkError, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
+from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_link.backend import CloudUse, CloudVerifier, draft_sampling
 from edge.decoding.pipeline import PipelinedRounds
 from edge.decoding.placing import Placed, Placer, check_placement
+from edge.decoding.target_mode import CloudGenerate
 from edge.cloud_link.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,7 @@ class EdgeSettings:
     # "on-rejection" (p_draft of each token alone; the cloud asks for what it needs at a rejection, one more
     # round trip there: cloud/residual.py). Only for modes whose rule reads a distribution only where it rejects.
     draft_dists: str = "full"
+    priority: int = 0  # the request's place within its edge's share of the cloud's line: lower first (as vLLM's)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -118,6 +118,7 @@ class EdgeResult:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 2..n, when the request asked (echo)
     placed: Placed | None = None  # where the request drafted, the mode run, and why
+    queued_s: float = 0.0  # time the request waited in the cloud's admission queue (cloud/admission_queue.py)
 
     @property
     def degraded(self) -> bool:
@@ -211,7 +212,7 @@ class EdgeDecoder:
             if settings.decode.sampling.prompt_logprobs is not None else None
         return EdgeResult(tokens, stop.cut(text) if stop else text, stats,
                           use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs,
-                          prompt_logprobs, placed)
+                          prompt_logprobs, placed, use.queued_ms / 1e3)
 
     def _prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams,
                          use: CloudUse) -> list[TokenLogprob] | None:
@@ -230,71 +231,13 @@ class EdgeDecoder:
 
     async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                       deadline_at: float | None) -> None:
-        """Modes target and cloud-sd: the cloud generates (speculates) alone; while it cannot, the draft does, and the
-        cloud takes over again (from the context so far) once it answers, unless the request's deadline has passed."""
+        """Modes target and cloud-sd: the cloud generates (speculates) alone (edge/decoding/target_mode.py)."""
         if self.cloud is None:
             raise ValueError(f"mode {generation.settings.mode!r} needs a cloud (--cloud HOST:PORT)")
-        drafter, retry_at, busy = None, None, 0
-        while not generation.done:
-            try:
-                use.finish_reason = await self._cloud_generate(generation, deadline_at, use)
-                return
-            except CloudRefused as err:
-                if err.code.name != "RESOURCE_EXHAUSTED" or not err.retry_after_s:
-                    raise  # a limit no retry can lift
-                busy += 1  # busy (the KV budget is held): wait for a turn, as the speculative modes do
-                if await sleep_within(max(err.retry_after_s, backoff_delay(busy - 1, 0.2, 5.0)), deadline_at):
-                    continue
-                log.warning("the request's deadline passed while the cloud was busy: %s", err)
-                use.mark_degraded("deadline")
-                retry_at = None
-            except DeadlinePassed as err:
-                use.mark_degraded(err.reason)
-                retry_at = None
-            except CloudUnavailable as err:
-                if self.cloud.available():  # that replica rests now; another takes over from the context so far
-                    log.info("target mode: %s; going on with another replica", err)
-                    use.reopens += 1
-                    continue
-                log.warning("cloud unavailable in target mode, continuing from the draft: %s", err)
-                use.mark_degraded(err.reason)
-                retry_at = time.monotonic() + settings.cloud_retry_s
-            drafter = drafter or self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids)
-            # past the request's deadline (retry_at None) the draft goes on to the end
-            while not generation.done and (retry_at is None or time.monotonic() < retry_at):
-                await speculative_round(generation, drafter, None, None, None)
-
-    async def _cloud_generate(self, generation: Generation, deadline_at: float | None, use: CloudUse) -> str | None:
-        """Stream the rest of the generation from the cloud; the cloud's finish_reason, if it sent one."""
-        finish = None
-        sampling = generation.settings.sampling
-        if generation.new_tokens:  # a later call continues the output: the prompt's logprobs came with the first
-            sampling = replace(sampling, prompt_logprobs=None)
-        speculates = generation.settings.traits.cloud_drafts
-        chunks = self.cloud.generate(generation.context, sampling, generation.budget, self.vocab_fingerprint,
-                                     deadline_at, output_start=len(generation.prompt_ids),
-                                     speculate_block=min(generation.settings.k, self.cloud.limits.max_block or generation.settings.k)
-                                     if speculates else None, proposer=generation.settings.proposer if speculates else None)
-        started, first = time.perf_counter(), True
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                if chunk.drafted:  # a cloud-sd round: one target forward over the cloud's block
-                    generation.recorder.verified(chunk.drafted, len(chunk.token_ids) - 1, chunk.copied, chunk.copied_kept)
-                    if first:  # the round trip, paid once: what the first round took here less what it took there
-                        self.cost_model.observe_rtt((time.perf_counter() - started) * 1e3 - chunk.step_ms)
-                    self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
-                    first = False
-                else:  # a token of the target alone (a round with no room left to draft in is one too)
-                    generation.recorder.target_calls += len(chunk.token_ids)
-                generation.commit(len(generation.new_tokens), list(chunk.token_ids),
-                                  wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))
-                generation.recorder.cached_tokens += wire.chunk_cached_tokens(chunk)
-                if chunk.prompt_logprobs:
-                    use.prompt_logprobs = wire.logprobs_from_proto(chunk.prompt_logprobs, generation.prompt_ids[1:])
-                finish = chunk.finish_reason or None  # empty from a cloud that predates the field
-                if generation.done:
-                    return None  # our own limit or stop: our own reason
-        return finish
+        run = CloudGenerate(self.cloud, self.vocab_fingerprint, self.cost_model, self.placer,
+                            lambda: self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids),
+                            settings.priority, settings.cloud_retry_s)
+        await run.run(generation, use, deadline_at)
 
     def _drafter(self, decode: DecodeSettings, prompt_ids: list[int]) -> Drafter:
         sampling, grammars = decode.sampling, self.draft.grammars if decode.sampling.grammar else None
@@ -331,12 +274,13 @@ class EdgeDecoder:
                 generation.recorder.residual_queries = backend.residual_queries
                 generation.recorder.cached_tokens = backend.cached_tokens
                 use.prompt_logprobs = use.prompt_logprobs or backend.prompt_logprobs
+                use.queued_ms += backend.session.queued_ms
                 await backend.close()
 
     def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
                        support: int, deadline_at: float | None) -> CloudVerifier:
         session = self.cloud.session(generation.settings.sampling, self.vocab_fingerprint, deadline_at,
-                                     output_start=len(generation.prompt_ids))
+                                     output_start=len(generation.prompt_ids), priority=settings.priority)
         backend = CloudVerifier(session,
                                 generation.settings.verify_method, generation.settings.sampling,
                                 support, settings.cloud_retry_s, use, settings.draft_dists == "on-rejection")
