@@ -22,9 +22,7 @@ rules stay exact (common/decoding/proposals.py says why).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
-
-from common.call_policy import CallPolicy, CostModel
+from common.call_policy import CallPolicy
 from common.decoding.proposals import CACHE, PendingBlock, ProposedToken
 from common.decoding.suffix_match import Continuation
 from common.decoding.suffix_proposer import COPY_MIN, MIN_SURVIVAL, SuffixProposer
@@ -34,28 +32,13 @@ from common.decoding.suffix_proposer import COPY_MIN, MIN_SURVIVAL, SuffixPropos
 class HybridProposer(SuffixProposer):
     """One generation's hybrid drafting over `model` (see the module docstring)."""
 
-    async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
-        if not judged:  # it stands as drafted: only the draft's own tokens may
-            async for proposed in self.model.propose(context, limit, policy, cost_model, judged, prefix):
-                yield proposed
-            return
-        self.index.extend_to(context)
-        block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
-        while len(block) < limit and not block.complete:
-            run = self.lookup(context + block.tokens, limit - len(block))
-            proposals = self._copies(run, block, limit, policy) if run is not None else []
-            if not proposals:
-                drafted = await self.model.step(context, block, limit, policy, cost_model, judged)
-                if drafted.accept_prob is not None:
-                    self.memory.model_estimate.update(drafted.accept_prob)
-                proposals = [drafted]
-            for proposed in proposals:
-                block.drafted.append(proposed)
-                yield proposed
+    def drafted(self, proposed: ProposedToken) -> ProposedToken:
+        if proposed.accept_prob is not None:  # the verifier's score: what the next copy must beat
+            self.memory.model_estimate.update(proposed.accept_prob)
+        return proposed
 
-    def _copies(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
-                policy: CallPolicy | None) -> list[ProposedToken]:
+    def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+             policy: CallPolicy | None) -> list[ProposedToken]:
         """The run's tokens that beat the draft (none: the draft drafts this position). The last ends the block
         where the cap, EOS or (sprinter) a flag says, else where the policy says at the run's end."""
         source, found = run

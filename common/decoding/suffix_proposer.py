@@ -176,15 +176,16 @@ class SuffixProposer:
         block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
         while len(block) < limit and not block.complete:
             run = self.lookup(context + block.tokens, limit - len(block))
-            copies = self._run(run, block, limit, policy) if run is not None else []
-            if not copies:
-                proposed = await self.model.step(context, block, limit, policy, cost_model, judged)
+            proposals = self._run(run, block, limit, policy) if run is not None else []
+            if not proposals:  # no copy worth it here: the draft drafts this position
+                proposals = [self.drafted(await self.model.step(context, block, limit, policy, cost_model, judged))]
+            for proposed in proposals:
                 block.drafted.append(proposed)
                 yield proposed
-                continue
-            for proposed in copies:
-                block.drafted.append(proposed)
-                yield proposed
+
+    def drafted(self, proposed: ProposedToken) -> ProposedToken:
+        """A token the draft drafted in a judged block (hybrid drafting learns from its score)."""
+        return proposed
 
     def lookup(self, context: list[int], room: int) -> tuple[str, Continuation] | None:
         """The longer of the request's own match and the cache's (the request's on a tie), within `room` tokens."""
