@@ -63,17 +63,16 @@ class SpeculationRequest:
     memory: SuffixMemory | None = None  # the edge identity's; None: a copying proposer copies the request's own text
     max_block: int | None = None  # the cloud's cap on a block (Limits.max_block)
 
-    def settings(self, sampling: SamplingParams) -> DecodeSettings:
+    def settings(self, sampling: SamplingParams | None = None) -> DecodeSettings:
         """The generation's settings as the proposer seam reads them (`proposer_for`, `round_cap`)."""
-        return DecodeSettings(mode=CLOUD_DRAFTING, sampling=sampling, k=self.block, max_block=self.max_block,
-                              proposer=self.proposer)
+        return DecodeSettings(mode=CLOUD_DRAFTING, sampling=sampling or SamplingParams(), k=self.block,
+                              max_block=self.max_block, proposer=self.proposer)
 
     @property
     def cap(self) -> int:
         """The longest block a round may send: `block` for the model alone, longer for a copied run (the edge's
         rule); what a verify may write into the KV before its rollback."""
-        return DecodeSettings(mode=CLOUD_DRAFTING, k=self.block, max_block=self.max_block,
-                              proposer=self.proposer).round_cap
+        return self.settings().round_cap
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,9 @@ class CloudSpeculation:
         # one seeded stream for drafting and the rule, as the local engine has (common/decoding/local_engine.py)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         spec = self.speculation
-        memory = spec.memory if spec.memory is not None else suffix_memory(cache=False)
-        wrap = proposer_for(spec.settings(self.sampling), memory)
+        # a copying proposer without an identity's memory copies from the request's own text alone
+        memory = spec.memory if spec.memory is not None or spec.proposer == "model" else suffix_memory(cache=False)
+        wrap = proposer_for(spec.settings(self.sampling), memory) if memory is not None else None
         # a wrapping proposer's policy scores the draft's tokens from its logits: a greedy draft must bring them too
         full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size or wrap is not None
         model = ModelProposer(BatchedDraft(self.draft, self.draft_cache, self.vocab_size, full), self.sampling,
