@@ -82,13 +82,13 @@ bench-uplink: $(VENV)/.models-qwen $(STUBS)
 # wheels the check imports beyond torch, for the host's Python (GPU_PYTHON_VERSION), the gRPC stubs and this
 # project's entry points; about 38 MiB, sent with the tree (the device tool's carry: .gpu-bundle). There,
 # `make gpu-check OUT=DIR` unpacks it (standard library only) and runs `sprinter gpu check` from the tree.
-# Steps, their sizes and their budgets (each stops at its budget and keeps what it measured; 5 minutes in all):
+# Steps, their sizes and their budgets (each stops at its budget and keeps what it measured; 6.5 minutes in all):
 #   1 env      versions, GPU, every import, one 1.5B forward; fails the run in <= 30 s, saying what is missing
 #   2 owed     1.5B, 8 edges x 6 tokens, context 128/1k/4k, both layouts, unbatched at 1k: 8 rows, <= 80 s (compiles the paged kernel)
-#   3 table    1.5B and 7B x both layouts x 128/1k/4k x 1/8/32/64 edges batched, 1/8 unbatched: 72 rows, <= 110 s
+#   3 table    1.5B and 7B x both layouts x 128/1k/4k x 1/8/32/64 edges batched, 1/8 unbatched: 72 rows, <= 150 s
 #   4 graphs   the paged 8-edge verify forward captured as a CUDA graph, replay against eager: <= 25 s
 #   5 prefix   a 1088-token session opened from the prefix cache against cold, 3 trials: <= 10 s
-#   6 pytest   tests/test_cuda.py: <= 35 s
+#   6 pytest   tests/test_cuda.py: <= 90 s (each test compiles the fused kernel)
 #   7 profile  top 15 kernels of one 8-edge forward: <= 10 s
 # What comes back: OUT/ summary.json env.json owed.json table.json features.json pytest.txt profile.txt gpu-check.log.
 # Then, here: sprinter gpu page --results DIR --page docs/benchmarks/gpu.md. GPU_CHECK_ARGS=--device cpu: the dry run.

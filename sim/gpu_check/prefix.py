@@ -43,7 +43,7 @@ def prefix_step(run: CheckRun, deadline: Deadline) -> dict[str, Any]:
         warm_ms.append(elapsed)
         for session in (first, second):
             session.release()
-    cache.clear()
+        cache.clear()  # the store holds two sessions: a trial's cached pages go back before the next
     if not cold_ms:
         return {"not_reached": ["every trial"]}
     cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
