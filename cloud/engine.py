@@ -1,4 +1,4 @@
-"""The verify-engine seam: what the target backend (cloud/backend.py) asks of whatever runs the target.
+"""The verify-engine seam: what the target backend (cloud/target_host.py) asks of whatever runs the target.
 
 Two engines sit behind it (either may also speculate with a draft of its own: mode cloud-sd):
     resident  cloud/resident_engine.py, the embedded default: each session's KV stays where the
@@ -36,7 +36,7 @@ Abandoned = Callable[[], bool]  # true once nobody waits for the answer: the wor
 PROMPT_LOGPROB_CHUNK = 256  # prompt tokens per forward when their logprobs are read (echo): [chunk, V] logits at a time
 
 
-class Session(Protocol):
+class EngineSession(Protocol):
     """What an engine reads of a session (cloud/sessions.py)."""
 
     tokens: list[int]
@@ -57,7 +57,7 @@ class TargetInfo:
 
 @dataclass
 class ExternalKV:
-    """Session.cache for an engine that keeps the KV itself (vllm): nothing is held or granted here."""
+    """EngineSession.cache for an engine that keeps the KV itself (vllm): nothing is held or granted here."""
 
     capacity: int = 0
     granted: int = 0
@@ -170,7 +170,7 @@ class TargetEngine(Protocol):
         """Forwards waiting for the target."""
 
     def new_session_kv(self) -> Any:
-        """A fresh session's KV handle (Session.cache)."""
+        """A fresh session's KV handle (EngineSession.cache)."""
 
     def kv_bytes_in_use(self) -> int | None:
         """Bytes of KV this engine holds right now, measured, not from the store's ledger: the budget invariant
@@ -179,14 +179,14 @@ class TargetEngine(Protocol):
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (CloudError) a session whose verification this engine cannot do exactly with these settings."""
 
-    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+    async def prefill(self, session: EngineSession, tokens: list[int], abandoned: Abandoned | None = None) -> None:
         """Make `tokens`, which follow the session's cached context, part of it."""
 
-    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+    async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
         """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions."""
 
-    def rollback(self, session: Session, keep: int) -> None:
+    def rollback(self, session: EngineSession, keep: int) -> None:
         """Keep the KV of the first `keep` context tokens only."""
 
     def generate(self, context: list[int], max_new: int, sampling: SamplingParams,

@@ -1,4 +1,9 @@
-"""Checking what edges send, and turning a verify frame plus target logits into a verdict.
+"""What the cloud reads of an edge's frames: each checked before it costs a forward, and a checked verify frame
+read into the proposal it carries. Verdicts are decided elsewhere, in one place (common/acceptance_rules.py).
+
+A verify frame carries x_1..x_g (`draft_tokens`) and the distributions q they were drawn from, sparse
+(`draft_dists`; a sprinter frame may send only the last, the one row its rule reads), or only each token's own
+probability (`draft_token_probs` with `dists_on_rejection`: the token rule's coins, its residual by queries).
 
 Everything here is pure: no I/O, no model. Each refusal names the gRPC status it maps to and says
 what to change, so an edge developer can act on the message alone.
@@ -13,12 +18,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from common import wire
-from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only, verify_rule
-from common.verification import greedy_verdict
-from common.sampling import SamplingParams, logits_to_probs
+from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
+from common.acceptance_rules import Proposal
+from common.sampling_params import SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
 PROBABILITY_SUM_TOLERANCE = 1e-3
@@ -165,7 +169,7 @@ def check_sparse_distribution(dist: pb.SparseDistribution, where: str, token: in
 
 
 def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_size: int) -> torch.Tensor:
-    """p_draft [g, V] as the edge sampled it: one-hot when greedy, else from the sparse distributions.
+    """q [g, V] as the edge sampled it: one-hot when greedy, else from the sparse distributions.
 
     A sprinter frame may carry only the last distribution: only the flagged token is checked, so the
     rows before it are never read (they are filled with one-hots to keep the shape).
@@ -181,15 +185,9 @@ def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_s
     return p_draft
 
 
-def decide(frame: pb.VerifyBlock, target: TargetRows, sampling: SamplingParams,
-           generator: torch.Generator) -> tuple[int, int]:
-    """(n_accepted, next_token) for a checked frame, given the target's rows [g + 1] along the block."""
-    method = wire.method_name(frame.method)
-    if sampling.greedy:  # one-hot distributions: every rule reads the target's argmax alone
-        return greedy_verdict(list(frame.draft_tokens), target.argmax.tolist(), only_last=reads_last_draft_only(method))
-    vocab_size = target.logits.shape[-1]
-    p_draft = draft_distributions(frame, sampling, vocab_size)
-    p_target = logits_to_probs(target.logits, sampling)
-    rule = verify_rule(method, sampling)
-    return rule(torch.tensor(list(frame.draft_tokens)), p_draft, p_target, generator)
-
+def frame_proposal(frame: pb.VerifyBlock, sampling: SamplingParams) -> Proposal:
+    """The proposal a checked frame carries: its q rows, or (`dists_on_rejection`) its tokens' scalars alone."""
+    tokens = list(frame.draft_tokens)
+    if frame.dists_on_rejection and not sampling.greedy:
+        return Proposal(tokens, q_of_tokens=list(frame.draft_token_probs))
+    return Proposal(tokens, lambda vocab_size: draft_distributions(frame, sampling, vocab_size))

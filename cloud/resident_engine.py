@@ -24,7 +24,7 @@ from typing import AsyncIterator
 import torch
 
 from cloud.batcher import Batcher
-from cloud.engine import Abandoned, ForwardResult, GeneratedToken, Session, TargetInfo, TargetRows, scored_prefill
+from cloud.engine import Abandoned, ForwardResult, GeneratedToken, EngineSession, TargetInfo, TargetRows, scored_prefill
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.prefix_cache import PrefixCache, Reuse, reusing
 from cloud.packed_forward import forward_packed
@@ -120,15 +120,15 @@ class ResidentEngine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: the forward returns full-vocabulary logits."""
 
-    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+    async def prefill(self, session: EngineSession, tokens: list[int], abandoned: Abandoned | None = None) -> None:
         await self.batcher.prefill(session.cache, tokens, abandoned)
 
-    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+    async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
         return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
                                           full_logits=session.sampling.reads_logits)
 
-    def rollback(self, session: Session, keep: int) -> None:
+    def rollback(self, session: EngineSession, keep: int) -> None:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
-from cloud.backend import TargetBackend
+from cloud.target_host import TargetHost
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats, TargetEngine
 from cloud.frames import ServiceLimits
@@ -154,13 +154,13 @@ class CloudServer:
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )
-            backend = TargetBackend(engine, self.limits, store, self.metrics,
+            host = TargetHost(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
                                     proposer=settings.proposer,
                                     suffix_memories=SuffixMemories(cache=settings.suffix_cache == "on"),
                                     queue=self._queue())
-            self.servicer.backend = backend
-            async with self._fleet_presence(backend) as announcer:
+            self.servicer.host = host
+            async with self._fleet_presence(host) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
                 self._ready.set()
                 log.info("serving %s (engine %s) on %s:%d", engine.info.spec, engine.name, settings.host, self.port)
@@ -248,7 +248,7 @@ class CloudServer:
         self.metrics.observe_batch(forward)
         self.load.observe(forward.requests, forward.seconds)
 
-    def _fleet_presence(self, backend: TargetBackend) -> AbstractAsyncContextManager[LoadAnnouncer | None]:
+    def _fleet_presence(self, host: TargetHost) -> AbstractAsyncContextManager[LoadAnnouncer | None]:
         """This replica's load on the fleet plane, with --mqtt; nothing without it."""
         settings = self.settings
         if not settings.mqtt:
@@ -256,17 +256,17 @@ class CloudServer:
         broker = BrokerSettings.parse(settings.mqtt, ca_file=settings.mqtt_ca, cert_file=settings.mqtt_cert,
                                       key_file=settings.mqtt_key, keepalive_s=settings.mqtt_keepalive)
         replica_id = settings.replica_id or f"cloud-{self.port}"
-        store = backend.store
-        read = load_reader(replica_id, backend.engine.info.spec, backend.vocab_fingerprint,
+        store = host.store
+        read = load_reader(replica_id, host.engine.info.spec, host.vocab_fingerprint,
                            settings.advertise or f"{settings.host}:{self.port}", self.load, lambda: len(store),
-                           lambda: backend.engine.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
+                           lambda: host.engine.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
         return LoadAnnouncer(broker, replica_id, read)
 
     async def _expire_idle(self, store: SessionStore) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.settings.idle_timeout_s / 4))
             if store.expire_idle():
-                self.servicer.backend.update_gauges()
+                self.servicer.host.update_gauges()
 
     async def _drain(self) -> None:
         log.info("draining: no new sessions; waiting up to %.0f s for %d open streams",

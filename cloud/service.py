@@ -35,7 +35,7 @@ import grpc
 
 from cloud.admission_queue import Tell
 from cloud.auth import EdgeAuthenticator
-from cloud.backend import TargetBackend
+from cloud.target_host import TargetHost
 from cloud.errors import CloudError, exhausted
 from cloud.metrics import CloudMetrics
 from cloud.quotas import STREAMS_RETRY_MS
@@ -54,7 +54,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.authenticator = authenticator
         self.metrics = metrics
         self.max_streams = max_streams  # Session + Generate calls at once, all edges together
-        self.backend: TargetBackend | None = None  # set once the model is loaded
+        self.host: TargetHost | None = None  # set once the model is loaded
         self.draining = False
         self.open_streams = 0
 
@@ -62,12 +62,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.metrics.errors.labels(err.code.name).inc()
         await context.abort(err.code, str(err), trailing_metadata=err.trailing_metadata())
 
-    async def _admit(self, context: grpc.aio.ServicerContext, stream: bool = False) -> tuple[str, TargetBackend]:
+    async def _admit(self, context: grpc.aio.ServicerContext, stream: bool = False) -> tuple[str, TargetHost]:
         identity = self.authenticator.identify(context.invocation_metadata())
         if identity is None:
             await self._refuse(context, CloudError(grpc.StatusCode.UNAUTHENTICATED,
                                                    "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'"))
-        if self.backend is None:
+        if self.host is None:
             await self._refuse(context, CloudError(grpc.StatusCode.UNAVAILABLE,
                                                    "the target model is still loading; retry shortly", 1000))
         if self.draining:
@@ -76,7 +76,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if stream and self.open_streams >= self.max_streams:
             await self._refuse(context, exhausted(f"this cloud serves {self.max_streams} streams at once (--max-streams), "
                                                   "all in use; retry shortly", STREAMS_RETRY_MS))
-        return identity, self.backend
+        return identity, self.host
 
     def _error_frame(self, err: CloudError, session: Session | None) -> pb.CloudFrame:
         self.metrics.errors.labels(err.code.name).inc()
@@ -84,20 +84,20 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return wire.error_frame(err.code, str(err), err.retry_after_ms, session.length if session else 0)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServiceInfo:
-        _, backend = await self._admit(context)
-        return backend.info()
+        _, host = await self._admit(context)
+        return host.info()
 
     async def Session(self, request_iterator: AsyncIterator[pb.EdgeFrame],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CloudFrame]:
-        owner, backend = await self._admit(context, stream=True)
-        stream = _Stream(owner, backend, context)
+        owner, host = await self._admit(context, stream=True)
+        stream = _Stream(owner, host, context)
         self.open_streams += 1
         try:
             async for frame in request_iterator:
                 kind = frame.WhichOneof("frame")
                 session = stream.session
                 if kind != "residual_answer" and session is not None:
-                    backend.abandon_residual(session)  # anything but the answer gives up a verify waiting on one
+                    host.abandon_residual(session)  # anything but the answer gives up a verify waiting on one
                 try:
                     if kind == "open":
                         if self.draining:
@@ -110,16 +110,16 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     elif kind == "residual_answer":
                         if session is None:
                             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "residual_answer before open")
-                        yield wire.cloud_frame(backend.answer_residual(session, frame.residual_answer))
+                        yield wire.cloud_frame(host.answer_residual(session, frame.residual_answer))
                     elif kind == "close":
                         if session is not None:
-                            backend.close(session)
+                            host.close(session)
                         return
                     else:
                         raise CloudError(grpc.StatusCode.INVALID_ARGUMENT, "empty frame: set one of open, verify, residual_answer or close")
                 except CloudError as err:
                     session = stream.session
-                    yield self._error_frame(err, session if session and backend.store.contains(session.session_id) else None)
+                    yield self._error_frame(err, session if session and host.store.contains(session.session_id) else None)
                 except Exception as err:  # a bug of ours: say so on this frame, keep the stream and the server up
                     log.exception("internal error on a %s frame", kind)
                     yield self._error_frame(CloudError(grpc.StatusCode.INTERNAL, f"internal error: {err}"), None)
@@ -127,14 +127,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             stream.left = True
             self.open_streams -= 1
             if stream.session is not None:
-                backend.abandon_residual(stream.session)  # the edge went away mid-query: roll that verify back
+                host.abandon_residual(stream.session)  # the edge went away mid-query: roll that verify back
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        owner, backend = await self._admit(context, stream=True)
+        owner, host = await self._admit(context, stream=True)
         self.open_streams += 1
         try:
-            async for chunk in relayed(lambda tell: backend.generate(owner, request, context.cancelled, tell),
+            async for chunk in relayed(lambda tell: host.generate(owner, request, context.cancelled, tell),
                                        wire.admission_of(request).waits_in_line):
                 yield chunk
         except CloudError as err:
@@ -147,8 +147,8 @@ class _Stream:
     """One Session stream's session (a stream holds one at a time) and its open and verify frames' answers: queue
     tickets while the work waits in the cloud's line (to an edge that reads them), then the answer."""
 
-    def __init__(self, owner: str, backend: TargetBackend, context: grpc.aio.ServicerContext) -> None:
-        self.owner, self.backend, self.context = owner, backend, context
+    def __init__(self, owner: str, host: TargetHost, context: grpc.aio.ServicerContext) -> None:
+        self.owner, self.host, self.context = owner, host, context
         self.session: Session | None = None
         self.left = False
 
@@ -156,10 +156,10 @@ class _Stream:
         return self.left or self.context.cancelled()
 
     async def open(self, request: pb.OpenSession) -> AsyncIterator[pb.CloudFrame]:
-        backend, previous = self.backend, self.session
+        host, previous = self.host, self.session
         # to its end even if the edge leaves: a client that cancels mid-prefill must not leave a half-built session
-        async for step in in_line(lambda tell: backend.open(self.owner, request, previous, self.abandoned, tell),
-                                  wire.admission_of(request).waits_in_line, undo=lambda taken: backend.close(taken[0])):
+        async for step in in_line(lambda tell: host.open(self.owner, request, previous, self.abandoned, tell),
+                                  wire.admission_of(request).waits_in_line, undo=lambda taken: host.close(taken[0])):
             if isinstance(step, Admitted):
                 self.session, resumed = step.value
             else:
@@ -167,23 +167,23 @@ class _Stream:
         session = self.session
         first, first_logprob = None, None
         if request.first_token and not resumed:
-            first, first_logprob = await asyncio.shield(backend.first_token(session, self.abandoned))
+            first, first_logprob = await asyncio.shield(host.first_token(session, self.abandoned))
         prompt_logprobs, session.prompt_logprobs = ([] if resumed else session.prompt_logprobs), []
-        yield wire.opened_frame(session.session_id, session.length, backend.limits.to_proto(), resumed,
+        yield wire.opened_frame(session.session_id, session.length, host.limits.to_proto(), resumed,
                                 first, first_logprob, prompt_logprobs, 0 if resumed else session.reused_tokens,
                                 0.0 if resumed else session.queued_s * 1e3)
 
     async def verify(self, block: pb.VerifyBlock) -> AsyncIterator[pb.CloudFrame]:
-        backend = self.backend
+        host = self.host
         if self.session is None:
             raise CloudError(grpc.StatusCode.FAILED_PRECONDITION, "verify before open: send an open frame first")
-        session = self.session = backend.store.get(self.session.session_id, self.owner)  # gone: NOT_FOUND, candidates too
+        session = self.session = host.store.get(self.session.session_id, self.owner)  # gone: NOT_FOUND, candidates too
         if wire.candidate_after(block) is not None:
-            if not backend.candidate_matches(session, block):
+            if not host.candidate_matches(session, block):
                 return
-            backend.metrics.candidates.labels("verified").inc()
+            host.metrics.candidates.labels("verified").inc()
         # to its end even if the edge leaves: the cache and the token list must move together
-        async for step in in_line(lambda tell: backend.verify(session, block, self.abandoned, tell),
+        async for step in in_line(lambda tell: host.verify(session, block, self.abandoned, tell),
                                   session.admission.waits_in_line):
             if isinstance(step, Admitted):
                 yield wire.cloud_frame(step.value)  # the verdict, or a residual query to be answered first

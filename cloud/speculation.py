@@ -9,8 +9,9 @@ Glossary
                    steps of every generation waiting at once run as one packed forward, as verifies do on
                    the target's, so what drafting costs the cloud is real and counted in its forwards
     round          draft g tokens one step at a time, then one target forward over them and the rule
-    rule           block verification (sd-block's: common/verification.py block_verify, greedy_verify under
-                   greedy), so the output is distributed as the target's alone
+    rule           block verification (sd-block's: common/acceptance_rules.py block_verify, greedy_verify under
+                   greedy), applied by the one verdict entry (common/acceptance_rules.py), so the output is distributed
+                   as the target's alone
 
 Per round, with c = len(context):
     target KV   holds context[:c-1]; the verify forward feeds context[-1], x_1..x_g: rows [g + 1, V]
@@ -21,7 +22,7 @@ Drafting goes through the one proposer seam (common/decoding/proposals.py): the 
 `ModelProposer`, whose forward here (`BatchedDraft`) is an await on the shared draft batcher, alone
 (`speculation.proposer` model) or wrapped by the strategy the request names (`proposer_for`: suffix, ...).
 
-A wrapping proposer drafts as on the edge: its blocks are judged, a fixed policy of the round's `block`
+A wrapping proposer drafts as on the edge: its blocks are to_verify, a fixed policy of the round's `block`
 places the draft's own tokens, and a copied run may go past `block`, as its match warrants, up to the
 edge's rule for a round's cap (DecodeSettings.round_cap, within Limits.max_block). The rule reads each
 token's q row (`PendingBlock.p_draft`: a copied token is a point mass), so it stays exact. Its memory
@@ -47,9 +48,9 @@ from common.decoding.suffix_proposer import SuffixMemory, suffix_memory
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.models import LoadedModel
-from common.sampling import SamplingParams, logits_to_probs
-from common.verification import greedy_verdict
-from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, DecodeSettings, verify_rule
+from common.sampling import SamplingParams
+from common.acceptance_rules import Proposal, decide
+from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, DecodeSettings
 
 TargetForward = Callable[[list[int], int], Awaitable[ForwardResult]]  # (new tokens, n_logits): the target's rows
 
@@ -197,16 +198,12 @@ class CloudSpeculation:
         """x_1..x_g proposed after `context` (fewer after an end-of-sequence token, or where the policy sends; more
         than the round's `block` only for a copied run, within `g`)."""
         block = PendingBlock()
-        async for proposed in self.proposer.propose(context, g, self.policy, None, judged=self.policy is not None):
+        async for proposed in self.proposer.propose(context, g, self.policy, None, to_verify=self.policy is not None):
             block.drafted.append(proposed)
         return block
 
     def _verdict(self, block: PendingBlock, rows: TargetRows) -> tuple[int, int]:
-        """sd-block's rule on the round's block: (n_accepted, next_token)."""
-        drafted = block.tokens
-        if self.sampling.greedy:  # one-hot distributions: the rule reads the target's argmax alone
-            return greedy_verdict(drafted, rows.argmax.tolist())
-        p_target = logits_to_probs(rows.logits, self.sampling)  # [g + 1, V]
-        q = block.p_draft(p_target.shape[-1]).to(p_target.dtype)  # [g, V]: row i is x_i's, a point mass for a copy
-        rule = verify_rule(MODE_RECORDS[CLOUD_DRAFTING].verify_method, self.sampling)
-        return rule(torch.tensor(drafted, dtype=torch.long), q, p_target, self.generator)
+        """sd-block's rule on the round's block: (n_accepted, next_token). A copied token's q row is a point mass."""
+        decision = decide(Proposal(block.tokens, block.p_draft), MODE_RECORDS[CLOUD_DRAFTING].verify_method,
+                          self.sampling, self.generator, argmax=rows.argmax.tolist(), logits=rows.logits)
+        return decision.n_accepted, decision.next_token

@@ -49,7 +49,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import torch
 
-from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, GeneratedToken, Session, TargetInfo, TargetRows
+from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, GeneratedToken, EngineSession, TargetInfo, TargetRows
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
@@ -227,12 +227,12 @@ class VllmEngine:
                              f"logprobs ({what}), more than its --max-logprobs {self.options.max_logprobs}: sample with "
                              f"top_k <= {self.options.max_logprobs}, or use a cloud with --engine resident")
 
-    async def prefill(self, session: Session, tokens: list[int], abandoned: Abandoned | None = None) -> None:
+    async def prefill(self, session: EngineSession, tokens: list[int], abandoned: Abandoned | None = None) -> None:
         """Put the context into vLLM's prefix cache, so the first verify computes only its block."""
         prompt = session.tokens[:session.cached_tokens] + tokens
         await self._request(prompt, self._params(1, logprobs=None), abandoned, session.cache.cache_salt)
 
-    async def forward(self, session: Session, new_tokens: list[int], n_logits: int,
+    async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None) -> ForwardResult:
         prompt = session.tokens[:session.cached_tokens] + new_tokens
         first_row = len(prompt) - n_logits
@@ -254,7 +254,7 @@ class VllmEngine:
         logits = _dense_logits(rows, self.info.vocab_size)
         return ForwardResult(TargetRows(logits.argmax(-1), logits), batch, 0.0, forward_s * 1e3)
 
-    def rollback(self, session: Session, keep: int) -> None:
+    def rollback(self, session: EngineSession, keep: int) -> None:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,

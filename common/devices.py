@@ -3,7 +3,7 @@
 `auto` is the first CUDA GPU when torch sees one, else the CPU. A model's weights and, in the
 cloud, every session's resident KV live on that device. Sampling coins are always drawn by a CPU
 `torch.Generator` seeded from the request: a forward brings the rows a rule reads to the host once,
-and the rules (common/verification.py) run there. So a seed draws the same coins on every device;
+and the rules (common/acceptance_rules.py) run there. So a seed draws the same coins on every device;
 seeded outputs still differ between a CPU and a GPU where their logits round differently (bf16
 GEMMs do), exactly as between two CPUs with different kernels.
 """

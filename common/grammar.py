@@ -19,7 +19,7 @@ Glossary:
   allowed once the grammar takes nothing more (`finished`). After an EOS only EOS is allowed, so a mask
   is never empty in a well-formed state: a masked row (common/logits_processing.py) keeps a token.
 - block rows (`masks_along`): for a block of g tokens, the g + 1 masks before each token and after the
-  whole block, the rows a verification rule reads (common/verification.py: p_target [g + 1, V]). The rows
+  whole block, the rows a verification rule reads (common/acceptance_rules.py: p_target [g + 1, V]). The rows
   stop at the first token its row does not allow: that row is the last one returned (a verification rule
   gives such a token probability 0 under the masked target, so it never reads past it).
 """

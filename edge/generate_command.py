@@ -225,7 +225,7 @@ def _say_degraded(reason: str) -> None:
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
     from edge.decoding.decoder import EdgeSettings
     from common.prompting import encode_prompt
-    from edge.decoding.placing import PlacementRefused
+    from edge.decoding.placer import PlacementRefused
     from edge.node import EdgeNode, EdgeNodeSettings
 
     try:

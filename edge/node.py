@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -19,7 +18,7 @@ from common.verifier import Verifier
 from edge.cloud_link.client import CloudEndpoint
 from common.decoding.suffix_proposer import suffix_memory
 from edge.decoding.decoder import EdgeDecoder
-from edge.decoding.placing import Placer
+from edge.decoding.placer import Placer
 from edge.runtime.draft import draft_lm_factory
 from edge.cloud_link.replicas import ReplicaSet
 from edge.runtime.verifier import (LearnedVerifier, TemperatureMatched, load_verifier, shipped_suffix_priors,
@@ -46,7 +45,7 @@ class EdgeNodeSettings:
     draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
     threads: int | None = None
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
-    uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placing.py); 0: unlimited
+    uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placer.py); 0: unlimited
     companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
     suffix_cache: bool = True  # suffix drafting may copy from this edge's earlier outputs (--suffix-cache)
 
@@ -74,7 +73,6 @@ class VerifierSetup:
     """A verifier and what decoding needs beside it, made ready before it is put in force."""
 
     verifier: Verifier
-    make_draft_lm: Callable[[], DraftLM]  # a draft runtime that returns hidden states if the verifier reads them
     make_companion: Callable[[], Companion] | None
     identity: dict  # {"id", "sha256"}: how the fleet plane names it
 
@@ -105,7 +103,7 @@ class EdgeNode:
         except BaseException:
             await self._clouds.aclose()
             raise
-        self.decoder = EdgeDecoder(self.draft, setup.make_draft_lm, setup.verifier, self.cloud,
+        self.decoder = EdgeDecoder(self.draft, self._new_draft_lm, setup.verifier, self.cloud,
                                    make_companion=setup.make_companion, max_context=self.settings.max_model_len,
                                    placer=Placer(uplink_mbps=self.settings.uplink_mbps),
                                    suffix_memory=suffix_memory(self.settings.suffix_cache, priors=shipped_suffix_priors(
@@ -143,12 +141,12 @@ class EdgeNode:
         # The companion runs on torch beside the draft: a forward per drafted token (see common/companion.py).
         make_companion = companion_for(verifier, self.settings.companion, self.draft, DTYPES[self.settings.dtype],
                                        (self.draft,))
-        return VerifierSetup(verifier, partial(self._new_draft_lm, verifier.needs_hidden), make_companion,
+        return VerifierSetup(verifier, make_companion,
                              verifier_identity(verifier))
 
     def use_verifier(self, setup: VerifierSetup) -> None:
         """Put a prepared verifier in force for the next generations (running ones keep theirs)."""
-        self.decoder.use_verifier(setup.verifier, setup.make_draft_lm, setup.make_companion, setup.identity)
+        self.decoder.use_verifier(setup.verifier, setup.make_companion, setup.identity)
 
     async def use_clouds(self, addresses: Sequence[str]) -> None:
         """Verify on these replicas from now on; ValueError if none of them answers with this draft's vocabulary.

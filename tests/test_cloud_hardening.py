@@ -233,7 +233,7 @@ def test_one_tenant_filling_the_kv_budget_cannot_evict_another(tiny_target, toke
         alphas = [SessionStream(channel, metadata_of("alpha")) for _ in range(5)]
         for stream in alphas:  # 5 x 600 tokens: far more than the 2048 the budget holds
             assert stream.open([GOOD] * 600).WhichOneof("frame") == "opened"
-        assert server.server.servicer.backend.store.kv_bytes <= 1 << 20
+        assert server.server.servicer.host.store.kv_bytes <= 1 << 20
         assert beta.verify(500, [GOOD]).WhichOneof("frame") == "verdict"
         for stream in [beta, *alphas]:
             stream.close()
@@ -247,7 +247,7 @@ def test_a_second_open_on_a_stream_closes_the_first_session(tiny_target):
         again = stream.open([], resume_session_id=first).opened  # resuming the same session keeps it
         assert again.resumed and again.session_id == first
         second = stream.open([4, 5]).opened.session_id
-        assert second != first and len(server.server.servicer.backend.store) == 1
+        assert second != first and len(server.server.servicer.host.store) == 1
         other = SessionStream(channel)
         assert other.open([], resume_session_id=first).error.code == S.NOT_FOUND.value[0]
         other.close()
@@ -314,7 +314,7 @@ def test_an_open_that_cannot_fit_beside_busy_sessions_is_refused_with_a_retry_hi
         assert frame.WhichOneof("frame") == "error", frame
         assert frame.error.code == S.RESOURCE_EXHAUSTED.value[0] and frame.error.retry_after_ms > 0
         assert "KV" in frame.error.message
-        assert len(server.server.servicer.backend.store) == 1  # nothing half-built is left behind
+        assert len(server.server.servicer.host.store) == 1  # nothing half-built is left behind
         length = verified["result"].verdict.context_length
         assert busy.verify(length, [GOOD]).WhichOneof("frame") == "verdict"
         busy.close()
@@ -327,7 +327,7 @@ def test_a_verify_whose_growth_cannot_fit_beside_busy_sessions_is_refused_and_th
     spy = ForwardSpy(monkeypatch)
     settings = CloudSettings(evict_grace_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
-        store = server.server.servicer.backend.store
+        store = server.server.servicer.host.store
         busy, grower = SessionStream(channel), SessionStream(channel)
         busy.open([GOOD] * 1000)
         grower.open([GOOD] * 880)

@@ -47,7 +47,7 @@ def metric(cloud: ServerThread, name: str) -> float:
 def always_copy(cloud: ServerThread, identity: str) -> None:
     """The identity's memory as if the draft's own blocks kept nothing: every match worth a copy is copied (a run
     then needs only its first token's score), so the checks below see copies from the first round."""
-    cloud.server.servicer.backend.suffix_memories.of(identity).model_kept = Ewma(0.0, 0.0, n=1)
+    cloud.server.servicer.host.suffix_memories.of(identity).model_kept = Ewma(0.0, 0.0, n=1)
 
 
 class PriorRates(SuffixCalibration):
@@ -124,7 +124,7 @@ def test_cloud_sd_sampled_output_with_suffix_follows_the_target(tiny_target) -> 
     settings = CloudSettings(target="tiny-random", draft="tiny-random", batch_window_ms=1, edge_max_generate=16)
     with ServerThread(settings, tiny_target, draft=near_draft(tiny_target)) as cloud:
         always_copy(cloud, ANONYMOUS)
-        memory = cloud.server.servicer.backend.suffix_memories.of(ANONYMOUS)
+        memory = cloud.server.servicer.host.suffix_memories.of(ANONYMOUS)
         memory.calibration = memory.sampled = PriorRates()  # greedy's higher prior: copies at every first position
 
         def settings_for(seed: int) -> EdgeSettings:
@@ -162,7 +162,7 @@ def test_identities_do_not_share_a_suffix_memory(tiny_target, tiny_draft, tmp_pa
         assert metric(cloud, COPIED) == before  # nothing of A's reached B's proposals
         generate(stub, echo, 8, "suffix", metadata=as_a)
         assert metric(cloud, COPIED) > before  # while A itself copies its own output there
-        memories = cloud.server.servicer.backend.suffix_memories
+        memories = cloud.server.servicer.host.suffix_memories
         assert ANONYMOUS not in memories and len(memories) == 2
 
 

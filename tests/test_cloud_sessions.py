@@ -17,7 +17,7 @@ from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings
 from common.models import vocab_fingerprint
 from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
-from common.verification import block_verify
+from common.acceptance_rules import block_verify
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

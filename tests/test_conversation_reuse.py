@@ -31,7 +31,7 @@ def _counter(server: ServerThread, name: str) -> float:
 def _closed(server: ServerThread) -> None:
     """Until the cloud has closed every session (the edge's close frame is not answered)."""
     deadline = time.monotonic() + 10
-    while len(server.server.servicer.backend.store) and time.monotonic() < deadline:
+    while len(server.server.servicer.host.store) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

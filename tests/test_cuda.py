@@ -18,7 +18,7 @@ from cloud.kv_pool import KVPool
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.devices import resolve_device
-from common.verification import greedy_verdict
+from common.acceptance_rules import greedy_verdict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason=f"no CUDA GPU here (torch {torch.__version__}): the CUDA engine is untested")

@@ -28,12 +28,12 @@ def test_a_reopen_after_a_broken_stream_closes_the_session_left_behind(tiny_targ
             session = cloud.session(SamplingParams())
             verdict = await session.verify(prompt, [5, 6], pb.METHOD_BLOCK)
             context = prompt + [5, 6][: verdict.n_accepted] + [verdict.next_token]
-            open_sessions.append(len(server.server.servicer.backend.store))
+            open_sessions.append(len(server.server.servicer.host.store))
             await session._reset()  # what a deadline or a broken connection does to the stream
             await asyncio.sleep(0.2)
-            open_sessions.append(len(server.server.servicer.backend.store))  # kept: it could be resumed
+            open_sessions.append(len(server.server.servicer.host.store))  # kept: it could be resumed
             await session.verify(context, [7], pb.METHOD_BLOCK)
-            open_sessions.append(len(server.server.servicer.backend.store))
+            open_sessions.append(len(server.server.servicer.host.store))
             await session.close()
         return open_sessions
 

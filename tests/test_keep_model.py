@@ -1,6 +1,6 @@
 """The keep model (common/keep_model.py): what the verdicts say about how much of a block the cloud keeps.
 
-Verdicts come from the real verification rules (common/verification.py) on synthetic distributions,
+Verdicts come from the real verification rules (common/acceptance_rules.py) on synthetic distributions,
 with the exact a_i = min(1, p_target(x_i) / p_draft(x_i)): token verification keeps E(g) in
 expectation, so the fit must stay at 0; block verification keeps more, so the fit must rescue.
 """
@@ -14,12 +14,12 @@ import torch
 
 from common.call_policy import CostModel, GoodputPolicy
 from common.keep_model import KeepModel, expected_accepted_length, rescued
-from common.verification import VerifyRule, block_verify, token_verify
+from common.acceptance_rules import AcceptanceRule, block_verify, token_verify
 
 VOCAB = 8
 
 
-def verdicts(rule: VerifyRule, block: int, n: int, seed: int = 0) -> list[tuple[list[float], int]]:
+def verdicts(rule: AcceptanceRule, block: int, n: int, seed: int = 0) -> list[tuple[list[float], int]]:
     """n blocks of `block` tokens: (the exact a_i of each drafted token, the rule's n_accepted)."""
     generator = torch.Generator().manual_seed(seed)
     dirichlet = torch.distributions.Dirichlet(torch.ones(VOCAB, dtype=torch.float64))

@@ -2,7 +2,7 @@
 (live buffers, or the pool's pages taken) is within the budget.
 
 Random programs of open / verify (with rejections, so rollbacks) / first token / close / idle expiry /
-Generate run against the real backend, session store and resident engine (both layouts, tiny model) with a
+Generate run against the real host, session store and resident engine (both layouts, tiny model) with a
 budget of a few pages, so admission refusals and evictions happen all the time. With the prefix cache, prompts
 share prefixes (of two edges), so cached blocks, the live sessions that share them, their eviction and
 Generates starting from them mix in every program. The store checks at every
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud.backend import TargetBackend
+from cloud.target_host import TargetHost
 from cloud.batcher import Batcher
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits
@@ -50,13 +50,13 @@ async def _program(target, paged: bool, cached: bool, ops: list[tuple[str, int]]
                              layout.bytes_per_token,
                              invariant=KVInvariant(engine.kv_bytes_in_use, lambda used, where: breaches.append(where),
                                                    strict=True), prefix_cache=prefix_cache)
-        backend = TargetBackend(engine, ServiceLimits(max_block=6, max_context=BUDGET_PAGES * PAGE - 8), store,
+        host = TargetHost(engine, ServiceLimits(max_block=6, max_context=BUDGET_PAGES * PAGE - 8), store,
                                 CloudMetrics())
         sessions, refusals = [], 0
         for op, seed in ops:
             rng = random.Random(seed)
             try:
-                await _step(backend, sessions, op, rng, model.config.vocab_size)
+                await _step(host, sessions, op, rng, model.config.vocab_size)
             except CloudError as err:  # admission said no, or the session was evicted: both fine
                 assert err.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND), err
                 refusals += 1
@@ -66,7 +66,7 @@ async def _program(target, paged: bool, cached: bool, ops: list[tuple[str, int]]
                 assert all(pool.refs(b.storage) >= 1 for b in (prefix_cache.blocks.values() if cached else ()))
         assert not breaches
         for session in list(sessions):
-            backend.close(session)
+            host.close(session)
         if prefix_cache is not None:
             prefix_cache.clear()
             assert not prefix_cache.blocks  # no session holds a cached block any more
@@ -86,30 +86,30 @@ def _prompt(rng: random.Random, vocab: int, most: int) -> list[int]:
     return (rng.choice(SHARED_PREFIXES)[:rng.randint(0, 4 * PAGE)] + tail)[:most]
 
 
-async def _step(backend: TargetBackend, sessions: list, op: str, rng: random.Random, vocab: int) -> None:
-    live = [s for s in sessions if backend.store.contains(s.session_id)]
+async def _step(host: TargetHost, sessions: list, op: str, rng: random.Random, vocab: int) -> None:
+    live = [s for s in sessions if host.store.contains(s.session_id)]
     sessions[:] = live
     owner = rng.choice(["edge", "edge", "other"])
     if op == "open" or not live and op in ("verify", "close", "expire"):
         prompt = _prompt(rng, vocab, 5 * PAGE)
-        session, _ = await backend.open(owner, pb.OpenSession(prompt_ids=prompt))
+        session, _ = await host.open(owner, pb.OpenSession(prompt_ids=prompt))
         sessions.append(session)
         if rng.random() < 0.5:
-            await backend.first_token(session)
+            await host.first_token(session)
     elif op == "verify":
         session = rng.choice(live)
         block = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-        await backend.verify(session, pb.VerifyBlock(start_position=session.length, draft_tokens=block,
+        await host.verify(session, pb.VerifyBlock(start_position=session.length, draft_tokens=block,
                                                      method=pb.METHOD_BLOCK))
     elif op == "close":
-        backend.close(rng.choice(live))
+        host.close(rng.choice(live))
     elif op == "expire":
         victim = rng.choice(live)
         victim.last_used -= 10_000
-        backend.store.expire_idle()
+        host.store.expire_idle()
     else:
         request = pb.GenerateRequest(prompt_ids=_prompt(rng, vocab, 40), max_new_tokens=rng.randint(1, 30))
-        async for _ in backend.generate(owner, request):
+        async for _ in host.generate(owner, request):
             pass
 
 
@@ -144,11 +144,11 @@ def test_a_generate_that_ends_at_eos_gives_its_pages_back_at_once(tiny_target):
         async with Batcher(tiny_target.model, max_batch=4) as batcher:
             engine = ResidentEngine(tiny_target, batcher, layout, pool)
             store = SessionStore(SessionLimits(kv_budget_bytes=budget), layout.bytes_per_token)
-            backend = TargetBackend(engine, ServiceLimits(max_context=BUDGET_PAGES * PAGE - 8), store, CloudMetrics())
+            host = TargetHost(engine, ServiceLimits(max_context=BUDGET_PAGES * PAGE - 8), store, CloudMetrics())
             eos = min(tiny_target.eos_token_ids)
             request = pb.GenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=20,
                                          sampling=pb.SamplingSettings(logit_bias={eos: 100.0}))
-            chunks = [chunk async for chunk in backend.generate("edge", request)]
+            chunks = [chunk async for chunk in host.generate("edge", request)]
             assert chunks[-1].finish_reason == "stop" and list(chunks[-1].token_ids) == [eos]
             assert pool.free_pages == pool.pages
 

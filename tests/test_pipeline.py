@@ -198,7 +198,7 @@ def test_a_cancelled_generation_leaves_no_work_on_the_cloud(tiny_cloud, tiny_tar
         return tiny_cloud.server.metrics.verify_calls.labels("block")._value.get()
 
     verified_at_cancel = asyncio.run(_on_edge(tiny_cloud, tiny_draft, work))
-    backend = tiny_cloud.server.servicer.backend
+    backend = tiny_cloud.server.servicer.host
     assert backend.engine.queue_depth == 0
     assert not any(s.busy for s in backend.store._sessions.values())
     assert tiny_cloud.server.metrics.verify_calls.labels("block")._value.get() == verified_at_cancel
@@ -239,7 +239,7 @@ def test_the_cloud_verifies_only_the_candidate_that_follows_its_verdict(tiny_clo
         gone = SessionStream(channel)
         gone_id = gone.open([5, 6, 7], vocab_fingerprint=vocab_fingerprint(tiny_target.tokenizer)).opened.session_id
         last = gone.verify(3, [8]).verdict
-        tiny_cloud.server.servicer.backend.store.close(gone_id)  # as an eviction would
+        tiny_cloud.server.servicer.host.store.close(gone_id)  # as an eviction would
         error = gone.send(pb.EdgeFrame(verify=pb.VerifyBlock(
             start_position=last.context_length, draft_tokens=[9], method=pb.METHOD_BLOCK,
             after=pb.AfterVerdict(start_position=3, n_accepted=last.n_accepted, next_token=last.next_token)))).error

@@ -27,7 +27,7 @@ from common.fleet_plane.messages import CloudLoad
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link import replicas
 from edge.decoding.decoder import EdgeSettings
-from edge.decoding.placing import Placer, PlacementRefused
+from edge.decoding.placer import Placer, PlacementRefused
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge_harness import EdgeDaemonThread
 from sim.link.proxy import LinkProxy

@@ -36,7 +36,7 @@ def _first_token_ms(tiny_draft, address: str) -> float:
     async def run() -> float:
         replicas = ReplicaSet([address], lambda a, _: CloudEndpoint(a), scripted(tiny_draft).tokenizer_fingerprint)
         async with replicas:
-            decoder = EdgeDecoder(tiny_draft, lambda: SlowDraft(tiny_draft.model), ConfidenceVerifier(0.5), replicas)
+            decoder = EdgeDecoder(tiny_draft, lambda with_hidden: SlowDraft(tiny_draft.model), ConfidenceVerifier(0.5), replicas)
             prompt = tiny_draft.tokenizer("a prompt the cloud takes a while to prefill")["input_ids"]
             result = await decoder.generate(prompt, EdgeSettings(DecodeSettings(mode="sd", k=4, max_new_tokens=4)))
             assert not result.degraded

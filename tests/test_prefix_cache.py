@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cloud.packed_forward
-from cloud.backend import TargetBackend
+from cloud.target_host import TargetHost
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
 from cloud.frames import ServiceLimits
@@ -39,7 +39,7 @@ LAYOUTS = pytest.mark.parametrize("paged", [False, True], ids=["per-session", "p
 
 @contextlib.asynccontextmanager
 async def _backend(target, paged: bool, budget_pages: int = 64, share: bool = False,
-                   forwards: list[ForwardStats] | None = None, draft=None) -> AsyncIterator[TargetBackend]:
+                   forwards: list[ForwardStats] | None = None, draft=None) -> AsyncIterator[TargetHost]:
     """A backend with a prefix cache, its budget checked in strict mode at every grant, forward and eviction;
     with `draft`, the cloud's own (cloud-sd)."""
     layout = KVLayout.of(target.model, page_tokens=PAGE, max_tokens=budget_pages * PAGE)
@@ -58,7 +58,7 @@ async def _backend(target, paged: bool, budget_pages: int = 64, share: bool = Fa
         store = SessionStore(SessionLimits(max_sessions=16, kv_budget_bytes=budget, idle_timeout_s=1000),
                              layout.bytes_per_token, invariant=KVInvariant(engine.kv_bytes_in_use, strict=True),
                              prefix_cache=cache)
-        yield TargetBackend(engine, ServiceLimits(max_block=6, max_context=budget_pages * PAGE - 8), store, metrics)
+        yield TargetHost(engine, ServiceLimits(max_block=6, max_context=budget_pages * PAGE - 8), store, metrics)
 
 
 def _prompt(seed: int, n: int, vocab: int = 250) -> list[int]:
@@ -66,7 +66,7 @@ def _prompt(seed: int, n: int, vocab: int = 250) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-async def _next_logits(backend: TargetBackend, owner: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
+async def _next_logits(backend: TargetHost, owner: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
     """Open `prompt`, run its last token (and two more) as a verify's forward: the rows' logits, and the prompt
     tokens the open took from the cache."""
     session, _ = await backend.open(owner, pb.OpenSession(prompt_ids=prompt))

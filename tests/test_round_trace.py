@@ -20,7 +20,7 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.decoding.modes import DecodeSettings
 from common.sampling_params import SamplingParams
-from edge.cloud_link.backend import CloudVerifier
+from edge.cloud_link.cloud_target import CloudTarget
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 
@@ -62,7 +62,7 @@ def _readme_path_modules() -> set[str]:
 
 def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:
     tracer = PathTracer()
-    verify = CloudVerifier.verify
+    verify = CloudTarget.verify
 
     verifies = []
 
@@ -72,7 +72,7 @@ def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:
             tracer.window.set()
         return await verify(self, *args, **kwargs)
 
-    monkeypatch.setattr(CloudVerifier, "verify", traced_verify)
+    monkeypatch.setattr(CloudTarget, "verify", traced_verify)
 
     def delivered(released) -> None:
         tracer.window.clear()  # the verdict's tokens reached the client: the round is over
@@ -96,7 +96,7 @@ def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:
 
 def test_the_readme_names_every_module_a_round_passes_through(tiny_target, tiny_draft, monkeypatch):
     traced = _traced_round(tiny_target, tiny_draft, monkeypatch)
-    assert {"edge.cloud_link.session", "cloud.batcher", "common.verification"} <= traced  # the trace saw both sides
+    assert {"edge.cloud_link.session", "cloud.batcher", "common.acceptance_rules"} <= traced  # the trace saw both sides
     listed = _readme_path_modules()
     assert traced <= listed, f"on the path but not in docs/architecture.md's 'How a token travels': {sorted(traced - listed)}"
     assert len(traced) <= MAX_MODULES_ON_THE_PATH, sorted(traced)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.cli import main
-from common.verification import token_verify
+from common.acceptance_rules import token_verify
 from common.verifier import DraftStep, verifier_for
 from edge.verifier_training.collect import load_dataset
 from edge.verifier_training.features import feature_column, labels_for, soft_label
@@ -166,7 +166,7 @@ def test_collection_keeps_a_token_budget_and_splits_shards_between_workers(tmp_p
 
     prompts = load_prompts()[:8]
     settings = CollectSettings(max_new_tokens=6, shard_size=2, draft_runtime="torch")
-    make_lm = lambda: CachedLM(tiny_draft.model, with_hidden=True)  # noqa: E731
+    make_lm = lambda with_hidden: CachedLM(tiny_draft.model, with_hidden=with_hidden)  # noqa: E731
     collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path / "odd", settings, worker=(1, 2))
     assert sorted(p.name for p in (tmp_path / "odd").glob("shard-*.npz")) == ["shard-00001.npz", "shard-00003.npz"]
     collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path / "budget", settings, max_tokens=1)

@@ -94,7 +94,7 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_target, ti
     settings = CollectSettings(max_new_tokens=8, shard_size=2, draft_runtime="torch")
     from common.cached_lm import CachedLM
 
-    make_lm = lambda: CachedLM(tiny_draft.model, with_hidden=True)  # noqa: E731
+    make_lm = lambda with_hidden: CachedLM(tiny_draft.model, with_hidden=with_hidden)  # noqa: E731
     collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path, settings)
     first = load_dataset(tmp_path)
     (tmp_path / "shard-00001.npz").unlink()  # as if interrupted before the second shard
@@ -111,7 +111,7 @@ def test_labels_match_their_definitions(tmp_path, tiny_target, tiny_draft):
     from common.cached_lm import CachedLM
 
     prompts = load_prompts()[:2]
-    collect(tiny_target, tiny_draft, lambda: CachedLM(tiny_draft.model, with_hidden=True), prompts, tmp_path,
+    collect(tiny_target, tiny_draft, lambda with_hidden: CachedLM(tiny_draft.model, with_hidden=with_hidden), prompts, tmp_path,
             CollectSettings(max_new_tokens=8, temperature=1.0))
     data = load_dataset(tmp_path).arrays
     assert data["hidden"].shape[1] == tiny_draft.model.config.hidden_size

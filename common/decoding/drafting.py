@@ -66,7 +66,7 @@ class LocalDraft:
 @dataclass
 class ModelProposer:
     """Proposals from the draft model (see the module docstring). The verifier and the companion judge tokens only
-    in blocks headed for a target (`judged`): a block that stands as drafted needs no scores."""
+    in blocks headed for a target (`to_verify`): a block that stands as drafted needs no scores."""
 
     forward: DraftForward
     sampling: SamplingParams
@@ -79,18 +79,18 @@ class ModelProposer:
     held: list[int] | None = None  # the context of the last forward: what the draft's KV holds
 
     async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+                      to_verify: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
         """Draft after `context` + `prefix` until the policy sends, EOS, or `limit` tokens. Without a policy the
         block runs to `limit` or EOS. `cost_model`, when given, learns the time of a draft step: forward, sampling
         and scoring, all that one more token costs the edge (a companion's forward counts as drafting cost)."""
         block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
         while len(block) < limit and not block.complete:
-            proposed = await self.step(context, block, limit, policy if judged else None, cost_model, judged)
+            proposed = await self.step(context, block, limit, policy if to_verify else None, cost_model, to_verify)
             block.drafted.append(proposed)
             yield proposed
 
     async def step(self, context: list[int], block: PendingBlock, limit: int, policy: CallPolicy | None,
-                   cost_model: CostModel | None, judged: bool = True) -> ProposedToken:
+                   cost_model: CostModel | None, to_verify: bool = True) -> ProposedToken:
         """The draft's token after `context` + `block`, judged and placed by the policy (a_i: the verifier's score,
         else the draft's probability of its token at T=1, not the sampling distribution's: one-hot when greedy)."""
         started = time.perf_counter()
@@ -99,11 +99,11 @@ class ModelProposer:
         self.held = full
         row = await self.forward(full)
         if self.offload:
-            step, p_draft, score = await asyncio.to_thread(self._judge, full, row, block, judged)
+            step, p_draft, score = await asyncio.to_thread(self._judge, full, row, block, to_verify)
         else:
-            step, p_draft, score = self._judge(full, row, block, judged)
+            step, p_draft, score = self._judge(full, row, block, to_verify)
         token = step.token if step is not None else int(row.argmax)
-        verifier = self.verifier if judged else None
+        verifier = self.verifier if to_verify else None
         flagged = score is not None and score < verifier.threshold
         accept_prob = None
         accept_probs = block.accept_probs
@@ -124,15 +124,15 @@ class ModelProposer:
         return common_prefix_length(self.held, context)
 
     def _judge(self, full: list[int], row: DraftRow, block: PendingBlock,
-               judged: bool) -> tuple[DraftStep | None, torch.Tensor | None, float | None]:
+               to_verify: bool) -> tuple[DraftStep | None, torch.Tensor | None, float | None]:
         """(the step the verifier reads, the distribution the token was drawn from, the verifier's score)."""
         if row.logits is None:  # a greedy draft's argmax: a point mass, nothing to judge
             return None, None, None
         # the request's bias and penalties shape the proposals as they shape the target in the rule
         logits = self.processor.next_row(row.logits, full) if self.processor is not None else row.logits
         token, p_draft = next_token(logits, self.sampling, self.generator)
-        verifier = self.verifier if judged else None
-        companion = self.companion if judged else None
+        verifier = self.verifier if to_verify else None
+        companion = self.companion if to_verify else None
         signals = companion.features(full, row.logits, token) if companion is not None else None
         previous = _last_confidence(block) if reads_history(verifier) else None
         step = DraftStep(token, row.logits, row.hidden, signals, previous)
@@ -169,15 +169,15 @@ class Drafter:
     processor: LogitsProcessor | None = None  # the request's logit_bias and penalties: the pipeline's guesses obey them
 
     async def draft(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                    judged: bool = True, on_passed: Callable[[ProposedToken], None] | None = None,
+                    to_verify: bool = True, on_passed: Callable[[ProposedToken], None] | None = None,
                     prefix: PendingBlock | None = None) -> PendingBlock:
         """A pending block after `context` (see `Proposer.propose`), continuing `prefix` if given; `on_passed`
         sees each token that does not end it."""
         block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
         if block.complete:
             return block
-        async for proposed in self.proposer.propose(context, limit, policy if judged else None, cost_model,
-                                                    judged, prefix):
+        async for proposed in self.proposer.propose(context, limit, policy if to_verify else None, cost_model,
+                                                    to_verify, prefix):
             block.drafted.append(proposed)
             if on_passed is not None and not proposed.ends_block:
                 on_passed(proposed)

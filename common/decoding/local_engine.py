@@ -116,7 +116,7 @@ class LocalEngine:
         drafter = model_drafter(self.make_draft_lm(self.verifier.needs_hidden), settings.sampling, generator,
                                 self.eos_token_ids, verifier, companion, processor=processor,
                                 wrap=proposer_for(settings, self.suffix_memory))
-        target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.rule(),
+        target = LocalTarget(CachedLM(self._model("target").model), settings.sampling, generator, settings.verify_method,
                              self._processor(settings.sampling, generation.prompt_ids, "target"))
         cost_model = CostModel()  # in one process the round trip is the target forward alone: rtt stays 0
         policy = call_policy(settings, verifier, cost_model)

@@ -7,9 +7,9 @@
     sprinter-exact  block                         block_verify            greedy_verify
     cloud-sd        (none: verified in the cloud) block_verify            greedy_verify
 
-A method's name is also its rule's name in common/verification.py and, upper-cased after
-`METHOD_`, its value of the `Method` enum in the .proto: the edge sends the method, the cloud
-applies `verify_rule(method, sampling)`, and the local engine applies the same function here.
+A method's name is also its rule's name in common/acceptance_rules.py and, upper-cased after
+`METHOD_`, its value of the `Method` enum in the .proto: the edge sends the method, and every
+verdict, local or in the cloud, is decided by `common.acceptance_rules.decide`, which picks the rule (`rule_for`).
 Every lossless rule reduces to greedy_verify on one-hot distributions; sprinter is not lossless and
 checks only the flagged last token, so it keeps its own rule under greedy too.
 
@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 from common.call_policy import CallPolicy, CostModel, FlagPolicy, parse_policy
 from common.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the rules need torch; the mode table must not (`sprinter --help` reads it)
-    from common.verification import VerifyRule
+if TYPE_CHECKING:  # the verifier needs torch; the mode table must not (`sprinter --help` reads it)
     from common.verifier import Verifier
 
 
@@ -144,17 +143,6 @@ def reads_draft_dist_at_rejection_only(method: str) -> bool:
     return method == "token"
 
 
-def verify_rule(method: str, sampling: SamplingParams) -> VerifyRule:
-    """The rule a verify `method` applies under these sampling settings (see the table above)."""
-    from common.verification import VERIFY_RULES
-
-    if method not in VERIFY_METHODS:
-        raise ValueError(f"unknown verify method {method!r}; expected one of {', '.join(VERIFY_METHODS)}")
-    if sampling.greedy and not reads_last_draft_only(method):
-        return VERIFY_RULES["greedy"]  # every lossless rule reduces to it on one-hot distributions
-    return VERIFY_RULES[method]
-
-
 @dataclass(frozen=True)
 class DecodeSettings:
     mode: str = "sd"
@@ -204,9 +192,6 @@ class DecodeSettings:
         if self.traits.verify_method is None:
             raise ValueError(f"mode {self.mode!r} verifies no blocks")
         return self.traits.verify_method
-
-    def rule(self) -> VerifyRule:
-        return verify_rule(self.verify_method, self.sampling)
 
 
 def call_policy(settings: DecodeSettings, verifier: Verifier, cost_model: CostModel | None = None) -> CallPolicy:

@@ -107,7 +107,7 @@ class PendingBlock:
         return PendingBlock(self.drafted[:max(first, released)])
 
     def draft_logprobs(self, top_n: int | None, first: int = 0) -> list[TokenLogprob] | None:
-        """The draft's raw logprobs of tokens[first:] and their top N (for tokens no target judged); None when
+        """The draft's raw logprobs of tokens[first:] and their top N (for tokens no target to_verify); None when
         the request asks for none. Only the draft's own tokens have them (`unverified_prefix`)."""
         if top_n is None:
             return None
@@ -123,9 +123,9 @@ class Proposer(Protocol):
     """One generation's source of proposals (see the module docstring)."""
 
     def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+                to_verify: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
         """Tokens after `context` (and `prefix`, a block proposed ahead that this one continues) until the block
-        ends (`ProposedToken.ends_block`): at most `limit` tokens. `judged`: the block goes to a target (else it
+        ends (`ProposedToken.ends_block`): at most `limit` tokens. `to_verify`: the block goes to a target (else it
         stands as drafted: no scores, and only the draft's own tokens)."""
         ...
 

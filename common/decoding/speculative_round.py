@@ -6,24 +6,25 @@ Glossary
                    copied from where the context matched, behind one seam)
     a_i            the verifier's estimate that the target accepts x_i; the call policy reads a_1..a_g
                    after each token and decides when the block goes to the target
-    backend        where a block is verified (`BlockVerifier`): `LocalTarget` below, in this process,
-                   or a cloud session on the edge (edge/cloud_link/backend.py)
+    target         where a block is verified (`Target`): `LocalTarget` below, in this process, or a
+                   cloud session on the edge (`CloudTarget`, edge/cloud_link/cloud_target.py)
     verdict        (n_accepted, next_token): keep x_1..x_n, then the target's own token; one round
                    therefore yields n_accepted + 1 tokens
-    rule           the verification rule of the mode (modes.py, common/verification.py)
+    rule           the acceptance rule of the mode (modes.py, common/acceptance_rules.py), applied by the
+                   one verdict entry (common/acceptance_rules.py)
 
 One round, in every process that decodes (local engine, edge decoder, verifier data collection):
     limit   = block_limit(...)                        the mode's cap within the context's room
     block   = draft_block(...)                        draft after the context until the call policy sends,
                                                       the limit, EOS or the length budget
-    verdict = backend.verify(context, block)          one target forward over the block + the rule
+    verdict = target.verify(context, block)           one target forward over the block + the rule
     apply_verdict(...)                                commit x_1..x_n + [next_token], cut at EOS, a stop
                                                       sequence or the length limit (generation.py); the
                                                       policy sees (g, n), the cost model the round trip
                                                       (except in the first round, which also prefilled)
 `speculative_round` is these four lines. The edge's pipeline (edge/decoding/pipeline.py) and its first
 token (edge/decoding/decoder.py) call the same halves around a different drafting strategy.
-Without a reachable backend (mode draft, or a cloud that is down) the block stands as drafted.
+Without a reachable target (mode draft, or a cloud that is down) the block stands as drafted.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from common.decoding.proposals import PendingBlock, ProposedToken
 from common.decoding.generation import Generation
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
-from common.sampling import SamplingParams, logits_to_probs
-from common.verification import VerifyRule
+from common.sampling import SamplingParams
+from common.acceptance_rules import Proposal, decide
 
 T = TypeVar("T")
 
@@ -68,8 +69,8 @@ class Round:
     verdict: Verdict | None  # None: no target was reached, the block stood as drafted
 
 
-class BlockVerifier(Protocol):
-    """Where pending blocks are verified: the local target, or a session on the cloud."""
+class Target(Protocol):
+    """Where pending blocks are verified: the target in this process, or a session on the cloud."""
 
     def reachable(self) -> bool:
         """Worth calling now (a cloud that just failed is retried only after a while)."""
@@ -84,12 +85,12 @@ class LocalTarget:
     """Verification in this process: one forward of the target over the block, then the mode's rule."""
 
     def __init__(self, target_lm: CachedLM, sampling: SamplingParams, generator: torch.Generator,
-                 rule: VerifyRule, processor: LogitsProcessor | None = None) -> None:
+                 method: str, processor: LogitsProcessor | None = None) -> None:
         self.target_lm = target_lm
         self.sampling = sampling
         self.processor = processor  # the request's logit_bias and penalties: the rule verifies the target so shaped
         self.generator = generator  # the drafter's: one seeded stream per generation, as the cloud has per session
-        self.rule = rule
+        self.method = method  # the mode's verify method (common/acceptance_rules.py: or greedy, whatever the sampling)
 
     def reachable(self) -> bool:
         return True
@@ -99,27 +100,27 @@ class LocalTarget:
         g = len(block)
         target_logits = self.target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits  # [g + 1, V]
         shaped = self.processor.rows(target_logits, context, block.tokens) if self.processor else target_logits
-        p_target = logits_to_probs(shaped, self.sampling)  # [g + 1, V]
-        n_accepted, next_token = self.rule(torch.tensor(block.tokens), block.p_draft(p_target.shape[-1]), p_target,
-                                           self.generator)
+        decision = decide(Proposal(block.tokens, block.p_draft), self.method, self.sampling, self.generator,
+                          logits=shaped, keep_rows=True)
+        n_accepted, next_token = decision.n_accepted, decision.next_token
         verify_ms = (time.perf_counter() - started) * 1e3
         kept = block.tokens[:n_accepted] + [next_token]
         logprobs = logprobs_of(target_logits, kept, self.sampling.logprobs) if self.sampling.logprobs is not None \
             else None
         # In one process the round trip is the target's work alone: the cost model's rtt stays 0.
-        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, p_target, logprobs)
+        return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, decision.p_target, logprobs)
 
 
-def block_limit(generation: Generation, verifying: bool) -> int:
+def block_limit(generation: Generation, to_verify: bool) -> int:
     """The longest block the next round may draft: the mode's cap within the room the context has left for it
     and the target's token after it; without a target, the draft-only chunk within the length budget."""
-    if not verifying:
+    if not to_verify:
         return min(DRAFT_ONLY_BLOCK, generation.budget)
     return min(generation.settings.round_cap, generation.block_room)
 
 
 async def draft_block(generation: Generation, drafter: Drafter, context: list[int], limit: int,
-                      policy: CallPolicy | None, cost_model: CostModel | None, verifying: bool = True,
+                      policy: CallPolicy | None, cost_model: CostModel | None, to_verify: bool = True,
                       prefix: PendingBlock | None = None) -> PendingBlock:
     """The round's first half: a block of at most `limit` tokens after `context`, continuing `prefix` (tokens
     drafted ahead: edge/decoding/pipeline.py), under the call policy. `cost_model` learns the drafting steps
@@ -131,7 +132,7 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
 
     on_passed = on_passed if generation.settings.traits.releases_passed else None
     prefix = PendingBlock(prefix.drafted[:limit]) if prefix is not None else None  # drafted for the room there was
-    block = await drafter.draft(context, limit, policy, cost_model, verifying, on_passed, prefix)
+    block = await drafter.draft(context, limit, policy, cost_model, to_verify, on_passed, prefix)
     generation.recorder.proposed(block.drafted[len(prefix) if prefix is not None else 0:])
     return block
 
@@ -157,23 +158,23 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
     generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token], verdict.logprobs)
 
 
-async def speculative_round(generation: Generation, drafter: Drafter, backend: BlockVerifier | None,
+async def speculative_round(generation: Generation, drafter: Drafter, target: Target | None,
                             policy: CallPolicy | None, cost_model: CostModel | None,
                             prefix: PendingBlock | None = None) -> Round:
     """One round (see the module docstring): its block and the verdict on it. `prefix`: tokens already drafted
     after the context (edge/decoding/pipeline.py), which the block continues."""
     context = generation.context
-    verifying = backend is not None and backend.reachable()
+    to_verify = target is not None and target.reachable()
     first_round = not generation.new_tokens
-    limit = block_limit(generation, verifying)
+    limit = block_limit(generation, to_verify)
     if limit < 1:  # only the target's token after a block would still fit: the context is full
         generation.context_full = True
         return Round(PendingBlock(), None)
     block = await draft_block(generation, drafter, context, limit, policy, None if first_round else cost_model,
-                              verifying, prefix if verifying else None)
+                              to_verify, prefix if to_verify else None)
     if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
         return Round(block, None)
-    verdict = await backend.verify(context, block) if verifying else None
+    verdict = await target.verify(context, block) if to_verify else None
     apply_verdict(generation, context, block, verdict, policy, cost_model, first_round)
     if verdict is not None:
         drafter.proposer.observe_verdict(block, verdict.n_accepted)

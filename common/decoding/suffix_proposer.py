@@ -13,7 +13,7 @@ Blocks
     with runs are therefore longer than k: up to the mode's max_run_length and the cloud's max_block.
     The draft's KV follows kept run tokens at its next forward, which feeds what it lacks in one go
     (`ProposedToken.fed` counts it); a run costs no draft step.
-    A block that stands unverified (no target reached) keeps only the draft's own tokens, so `judged`
+    A block that stands unverified (no target reached) keeps only the draft's own tokens, so `to_verify`
     False drafts from the model alone.
 
 Scores (a_i, what the call policy and the cost model read)
@@ -167,9 +167,9 @@ class SuffixProposer:
     predicted_here: float = 0.0  # ... and the a_i they carried: how this request's copies do against the edge's rates
 
     async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
-                      judged: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
-        if not judged:  # it stands as drafted: only the draft's own tokens may
-            async for proposed in self.model.propose(context, limit, policy, cost_model, judged, prefix):
+                      to_verify: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
+        if not to_verify:  # it stands as drafted: only the draft's own tokens may
+            async for proposed in self.model.propose(context, limit, policy, cost_model, to_verify, prefix):
                 yield proposed
             return
         self.index.extend_to(context)
@@ -178,7 +178,7 @@ class SuffixProposer:
             run = self.lookup(context + block.tokens, limit - len(block))
             proposals = self._run(run, block, limit, policy) if run is not None else []
             if not proposals:  # no copy worth it here: the draft drafts this position
-                proposals = [self.drafted(await self.model.step(context, block, limit, policy, cost_model, judged))]
+                proposals = [self.drafted(await self.model.step(context, block, limit, policy, cost_model, to_verify))]
             for proposed in proposals:
                 block.drafted.append(proposed)
                 yield proposed

@@ -48,7 +48,7 @@ class ApiSettings:
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
     default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
     default_proposer: str = "model"  # what proposes a block's tokens (common/decoding/proposals.py); likewise
-    default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placing.py)
+    default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placer.py)
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
     max_concurrent_requests: int = 64  # generations in flight; more get 429 (0: no limit)

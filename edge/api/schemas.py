@@ -2,7 +2,7 @@
 
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
 spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipeline.py) and
-`placement` (edge, cloud or auto: where the draft runs, edge/decoding/placing.py), `proposer` (model,
+`placement` (edge, cloud or auto: where the draft runs, edge/decoding/placer.py), `proposer` (model,
 suffix or hybrid: what proposes the tokens, common/decoding/proposals.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
 from the draft, degraded with reason `deadline`) and `priority` (as vLLM's: lower first, within this

@@ -38,7 +38,7 @@ class SessionStream:
         self.verdict_epoch = 0  # the epoch whose write the latest verdict answered
         self.uplink_bytes = 0  # verify frames, candidates and residual answers written: what the link carried up
         self.downlink_bytes = 0  # frames read: opens, verdicts (what logprobs cost the link), residual queries
-        self.residual_answers = 0  # residual queries answered (edge/cloud_link/backend.py): each one more round trip
+        self.residual_answers = 0  # residual queries answered (edge/cloud_link/cloud_target.py): each one more round trip
         self.has_candidates = False  # answers to candidates may still be on this call (see CloudSession._failure)
         self.ticket: QueuePlace | None = None  # the place in the cloud's line while the open or verify waits there
         self._write_lock = asyncio.Lock()  # a call takes one write at a time: candidates queue behind their block

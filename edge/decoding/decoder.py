@@ -9,7 +9,7 @@ and sends when its policy says so (goodput by default). The costs goodput weighs
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
 Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with the cloud
-session as its backend (edge/cloud_link/backend.py: a block becomes a verify frame, the answer a `Verdict`),
+session as its target (edge/cloud_link/cloud_target.py: a block becomes a verify frame, the answer a `Verdict`),
 its blocks proposed by the request's proposer (common/decoding/proposals.py: the draft model, or suffix drafting);
 with a pipeline on (edge/decoding/pipeline.py) the edge drafts ahead while a block is in flight, and with
 send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
@@ -50,9 +50,9 @@ from common.stats import DecodeStats, StatsRecorder
 from common.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
-from edge.cloud_link.backend import CloudUse, CloudVerifier, draft_sampling
+from edge.cloud_link.cloud_target import CloudUse, CloudTarget, draft_sampling
 from edge.decoding.pipeline import PipelinedRounds
-from edge.decoding.placing import Placed, Placer, check_placement
+from edge.decoding.placer import Placed, Placer, check_placement
 from edge.decoding.target_mode import CloudGenerate
 from edge.cloud_link.replicas import ReplicaSet
 
@@ -76,7 +76,7 @@ class EdgeSettings:
     request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
     pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/decoding/ahead_gauge.py)
     pipeline: str = "off"  # edge/decoding/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
-    placement: str = "edge"  # where the draft runs: edge, cloud (cloud-sd), auto (edge/decoding/placing.py)
+    placement: str = "edge"  # where the draft runs: edge, cloud (cloud-sd), auto (edge/decoding/placer.py)
     # Under sampling, what a verify frame carries of the draft's distributions: "full" (all of them), or
     # "on-rejection" (p_draft of each token alone; the cloud asks for what it needs at a rejection, one more
     # round trip there: cloud/residual.py). Only for modes whose rule reads a distribution only where it rejects.
@@ -126,12 +126,12 @@ class EdgeResult:
 
 
 class EdgeDecoder:
-    def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM], verifier: Verifier,
+    def __init__(self, draft: LoadedModel, make_draft_lm: Callable[[bool], DraftLM], verifier: Verifier,
                  cloud: ReplicaSet | None, cost_model: CostModel | None = None,
                  make_companion: Callable[[], Companion] | None = None, max_context: int | None = None,
                  placer: Placer | None = None, suffix_memory: SuffixMemory | None = None) -> None:
         self.draft = draft
-        self.make_draft_lm = make_draft_lm  # one runtime (one KV cache) per generation
+        self.make_draft_lm = make_draft_lm  # with_hidden -> one runtime (one KV cache) per generation
         self.make_companion = make_companion  # likewise: concurrent generations must not share a cache
         self.verifier = verifier
         self.verifier_identity: dict | None = None  # how the fleet plane names `verifier` (set by the node)
@@ -149,11 +149,12 @@ class EdgeDecoder:
         window = getattr(draft.model.config, "max_position_embeddings", None)
         self.max_context = min(n for n in (max_context, window) if n) if (max_context or window) else None
 
-    def use_verifier(self, verifier: Verifier, make_draft_lm: Callable[[], DraftLM],
-                     make_companion: Callable[[], Companion] | None, identity: dict | None = None) -> None:
-        """Swap the verifier and the runtimes it reads, together: a generation reads them as it starts (on the
-        event loop, with no await between), so it runs wholly with the old set or wholly with the new."""
-        self.verifier, self.make_draft_lm, self.make_companion = verifier, make_draft_lm, make_companion
+    def use_verifier(self, verifier: Verifier, make_companion: Callable[[], Companion] | None,
+                     identity: dict | None = None) -> None:
+        """Swap the verifier and the runtime it reads, together: a generation reads them as it starts (on the
+        event loop, with no await between), so it runs wholly with the old set or wholly with the new (whether the
+        draft's runtime brings back hidden states is the verifier's `needs_hidden`)."""
+        self.verifier, self.make_companion = verifier, make_companion
         self.verifier_identity = identity
 
     def context_limit(self, mode: str) -> int | None:
@@ -241,7 +242,7 @@ class EdgeDecoder:
 
     def _drafter(self, decode: DecodeSettings, prompt_ids: list[int]) -> Drafter:
         sampling, grammars = decode.sampling, self.draft.grammars if decode.sampling.grammar else None
-        return model_drafter(self.make_draft_lm(), sampling, torch.Generator().manual_seed(sampling.seed),
+        return model_drafter(self.make_draft_lm(self.verifier.needs_hidden), sampling, torch.Generator().manual_seed(sampling.seed),
                              self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
                              self.make_companion() if self.make_companion else None, True,
                              processor_for(sampling, prompt_ids, grammars), proposer_for(decode, self.suffix_memory))
@@ -261,64 +262,64 @@ class EdgeDecoder:
         if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, verifier_for(self.verifier, decode.sampling.temperature), self.cost_model)
             generation.recorder.policy = policy.describe()
-        backend = None if not traits.uses_cloud or self.cloud is None else self._cloud_backend(generation, settings, use, support,
+        cloud_target = None if not traits.uses_cloud or self.cloud is None else self._cloud_target(generation, settings, use, support,
                                                                                     deadline_at)
         try:
-            await self._rounds(generation, settings, drafter, backend, policy)
-            if backend is not None and not use.degraded_reason:  # verified output: what later requests may copy
+            await self._rounds(generation, settings, drafter, cloud_target, policy)
+            if cloud_target is not None and not use.degraded_reason:  # verified output: what later requests may copy
                 drafter.proposer.observe_output(generation.new_tokens)
         finally:
-            if backend is not None:
-                generation.recorder.uplink_bytes = backend.uplink_bytes
-                generation.recorder.downlink_bytes = backend.downlink_bytes
-                generation.recorder.residual_queries = backend.residual_queries
-                generation.recorder.cached_tokens = backend.cached_tokens
-                use.prompt_logprobs = use.prompt_logprobs or backend.prompt_logprobs
-                use.queued_ms += backend.session.queued_ms
-                await backend.close()
+            if cloud_target is not None:
+                generation.recorder.uplink_bytes = cloud_target.uplink_bytes
+                generation.recorder.downlink_bytes = cloud_target.downlink_bytes
+                generation.recorder.residual_queries = cloud_target.residual_queries
+                generation.recorder.cached_tokens = cloud_target.cached_tokens
+                use.prompt_logprobs = use.prompt_logprobs or cloud_target.prompt_logprobs
+                use.queued_ms += cloud_target.session.queued_ms
+                await cloud_target.close()
 
-    def _cloud_backend(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                       support: int, deadline_at: float | None) -> CloudVerifier:
+    def _cloud_target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
+                       support: int, deadline_at: float | None) -> CloudTarget:
         session = self.cloud.session(generation.settings.sampling, self.vocab_fingerprint, deadline_at,
                                      output_start=len(generation.prompt_ids), priority=settings.priority)
-        backend = CloudVerifier(session,
+        cloud_target = CloudTarget(session,
                                 generation.settings.verify_method, generation.settings.sampling,
                                 support, settings.cloud_retry_s, use, settings.draft_dists == "on-rejection")
         # The cloud prefills the prompt while the first block is drafted: TTFT pays max(the two), not their sum.
         # The lossless modes also take the target's first token from that open (see `_first_token`).
-        backend.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)
-        return backend
+        cloud_target.open_ahead(generation.context, first_token=generation.settings.traits.first_token_from_open)
+        return cloud_target
 
     async def _rounds(self, generation: Generation, settings: EdgeSettings, drafter: Drafter,
-                      backend: CloudVerifier | None, policy: CallPolicy | None) -> None:
+                      cloud_target: CloudTarget | None, policy: CallPolicy | None) -> None:
         carried = None
         traits = generation.settings.traits
-        if backend is not None and traits.first_token_from_open:
-            carried = await self._first_token(generation, drafter, backend, policy)
-        if backend is not None and settings.pipeline != "off" and traits.pipelines:
+        if cloud_target is not None and traits.first_token_from_open:
+            carried = await self._first_token(generation, drafter, cloud_target, policy)
+        if cloud_target is not None and settings.pipeline != "off" and traits.pipelines:
             generation.recorder.pipeline = settings.pipeline
             record = self.ahead_records.setdefault((settings.pipeline, generation.settings.mode), AheadRecord())
-            await PipelinedRounds(generation, drafter, backend, policy, self.cost_model, settings.pipeline,
+            await PipelinedRounds(generation, drafter, cloud_target, policy, self.cost_model, settings.pipeline,
                                   lambda: self._fit_to_cloud(generation),
                                   AheadGauge(record, settings.pipeline_adapts)).run(carried)
         while not generation.done:
-            if backend is not None:
+            if cloud_target is not None:
                 self._fit_to_cloud(generation)
-            await speculative_round(generation, drafter, backend, policy, self.cost_model, prefix=carried)
+            await speculative_round(generation, drafter, cloud_target, policy, self.cost_model, prefix=carried)
             carried = None
 
-    async def _first_token(self, generation: Generation, drafter: Drafter, backend: CloudVerifier,
+    async def _first_token(self, generation: Generation, drafter: Drafter, cloud_target: CloudTarget,
                            policy: CallPolicy | None) -> PendingBlock | None:
         """Release the target's first token as soon as the session's open brings it, while the first block is
         drafted after the prompt; a block that starts with that token goes on as the next block's start (its
         other tokens were drafted after the very context they now follow: see edge/decoding/pipeline.py on why
         that stays lossless). Without a token (the first verify then meets the open's failure) the block itself goes on."""
         self._fit_to_cloud(generation)
-        limit = block_limit(generation, verifying=True)
+        limit = block_limit(generation, to_verify=True)
         drafting = asyncio.create_task(draft_block(generation, drafter, generation.context, limit, policy, None)
                                        ) if limit > 0 else None
         try:
-            first = await backend.opened_first_token()
+            first = await cloud_target.opened_first_token()
             token = first[0] if first is not None else None
             if first is not None:
                 generation.recorder.target_calls += 1

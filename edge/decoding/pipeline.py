@@ -60,7 +60,7 @@ from common.decoding.proposals import PendingBlock
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import Verdict, apply_verdict, block_limit, draft_block, speculative_round
 from edge.decoding.ahead_gauge import AheadGauge
-from edge.cloud_link.backend import CloudVerifier
+from edge.cloud_link.cloud_target import CloudTarget
 
 BONUS_GUESSES = 2  # send-ahead: candidates after full acceptance, one per guess of the target's bonus token
 
@@ -133,7 +133,7 @@ class PipelinedRounds:
 
     generation: Generation
     drafter: Drafter
-    backend: CloudVerifier
+    cloud_target: CloudTarget
     policy: CallPolicy | None
     cost_model: CostModel | None
     pipeline: str
@@ -148,8 +148,8 @@ class PipelinedRounds:
         verdict_at = time.perf_counter()
         while not generation.done:
             self.fit_to_cloud()
-            if not self.backend.reachable():
-                await speculative_round(generation, self.drafter, self.backend, self.policy, self.cost_model)
+            if not self.cloud_target.reachable():
+                await speculative_round(generation, self.drafter, self.cloud_target, self.policy, self.cost_model)
                 carried = matched = None
                 continue
             context = generation.context
@@ -162,10 +162,10 @@ class PipelinedRounds:
             if self.cost_model is not None:
                 self.cost_model.observe_block_sent(len(block) if matched else len(carried or ()), len(block))
             # The candidates follow the block's own write; a matched candidate was written already.
-            epoch = self.backend.epoch + (matched is None)
+            epoch = self.cloud_target.epoch + (matched is None)
             ahead = self.gauge.draft_ahead()
             generation.recorder.ahead_off_rounds += not ahead
-            in_flight = asyncio.create_task(self.backend.verify(context, block, matched is not None, verdict_at))
+            in_flight = asyncio.create_task(self.cloud_target.verify(context, block, matched is not None, verdict_at))
             arrived: list[float] = []
             in_flight.add_done_callback(lambda _: arrived.append(time.perf_counter()))
             try:
@@ -192,7 +192,7 @@ class PipelinedRounds:
     async def _next_block(self, context: list[int], carried: PendingBlock | None) -> PendingBlock | None:
         """Draft the next block, continuing a kept candidate; None when the context has no room left."""
         generation = self.generation
-        limit = block_limit(generation, verifying=True)
+        limit = block_limit(generation, to_verify=True)
         if limit < 1:
             generation.context_full = True
             return None
@@ -213,7 +213,7 @@ class PipelinedRounds:
                            sent=sum(c.sent_at_epoch is not None for c in candidates))
         if hit is None or generation.done or hit.context != generation.context:
             return None, None  # (a stop sequence may have cut the commit short: then the candidate is moot)
-        if hit.sent_at_epoch is not None and hit.sent_at_epoch == self.backend.verdict_epoch:
+        if hit.sent_at_epoch is not None and hit.sent_at_epoch == self.cloud_target.verdict_epoch:
             recorder.candidate_hits += 1
             return None, hit
         return hit.block, None
@@ -268,9 +268,9 @@ class PipelinedRounds:
         for candidate in candidates:
             if candidate.sent_at_epoch is not None or not candidate.block.complete:
                 continue
-            if in_flight.done() or self.backend.epoch != epoch:
+            if in_flight.done() or self.cloud_target.epoch != epoch:
                 return  # too late, or the block is not written yet (the next candidate's turn tries again)
             outcome = candidate.outcome
-            if await self.backend.send_candidate(candidate.block, len(context), outcome.n_accepted,
+            if await self.cloud_target.send_candidate(candidate.block, len(context), outcome.n_accepted,
                                                  outcome.next_token, epoch):
                 candidate.sent_at_epoch = epoch

@@ -27,10 +27,10 @@ from common.call_policy import CostModel
 from common.decoding.drafting import Drafter
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import speculative_round
-from edge.cloud_link.backend import CloudUse
+from edge.cloud_link.cloud_target import CloudUse
 from edge.cloud_link.client import CloudLoading, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.replicas import ReplicaSet
-from edge.decoding.placing import Placer
+from edge.decoding.placer import Placer
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from common.stats import StatsRecorder
-from common.verification import greedy_verify
+from common.acceptance_rules import GREEDY
 from common.verifier import draft_confidence_features
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def decode_and_record(target_lm: CachedLM, draft_lm: DraftLM, prompt_ids: list[i
     generation = Generation(list(prompt_ids), decode, eos_token_ids, StatsRecorder("sd"))
     drafter = model_drafter(draft_lm, sampling, generator, eos_token_ids, companion=companion)
     # segment 0 follows the target's greedy path whatever the sampling: its labels judge the whole draft.
-    target = LocalTarget(target_lm, sampling, generator, decode.rule() if settings.segment else greedy_verify)
+    target = LocalTarget(target_lm, sampling, generator, decode.verify_method if settings.segment else GREEDY)
     records: list[TokenRecord] = []
     while not generation.done:
         position = len(generation.new_tokens)
@@ -157,7 +157,7 @@ def _manifest(target: LoadedModel, draft: LoadedModel, prompts: list[PromptRecor
             "prompts": [asdict(p) for p in prompts]}
 
 
-def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[], DraftLM],
+def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[bool], DraftLM],
             prompts: list[PromptRecord], out_dir: Path, settings: CollectSettings,
             make_companion: Callable[[], Companion] | None = None, max_tokens: int | None = None,
             worker: tuple[int, int] = (0, 1)) -> Path:
@@ -180,7 +180,7 @@ def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[],
     if len(todo) < len(shards):
         log.info("resuming: %d of %d shards already collected in %s", len(shards) - len(todo), len(shards), out_dir)
     target_lm = CachedLM(target.model)
-    draft_lm = make_draft_lm()
+    draft_lm = make_draft_lm(True)  # the verifier's features read the draft's hidden states
     companion = make_companion() if make_companion is not None else None
     collected = collected_tokens(out_dir)
     with tqdm(total=max_tokens or None, initial=collected, desc=f"collecting (worker {index + 1}/{workers})",

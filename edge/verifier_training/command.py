@@ -180,7 +180,7 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
     if args.companion:
         make_companion = companion_factory(load_companion(args.companion, draft, DTYPES[args.dtype], (target, draft)))
     new_draft_lm = _draft_lm_factory(draft, args)
-    collect(target, draft, lambda: new_draft_lm(True), prompts, data_dir, settings, make_companion,
+    collect(target, draft, new_draft_lm, prompts, data_dir, settings, make_companion,
             args.max_tokens, (args.worker or 0, args.workers if args.worker is not None else 1))
 
 

@@ -43,7 +43,8 @@ from common.devices import resolve_device
 from common.models import DTYPES
 from common.plots import pyplot
 from common.stats import percentile
-from common.verification import greedy_verdict
+from common.sampling_params import SamplingParams
+from common.acceptance_rules import Proposal, decide
 from sim.bench.random_weights import random_model
 from sim.bench.settings import EngineBenchSettings
 
@@ -108,7 +109,8 @@ def _verify(model: torch.nn.Module, sessions: list[BenchSession], k: int, accept
                           [k + 1] * len(sessions), [False] * len(sessions))
     ended = time.perf_counter()  # the rows are on the host: the device has finished
     for session, block, past, row in zip(sessions, blocks, pasts, rows):
-        n_accepted, next_token = greedy_verdict(block, row.argmax.tolist())
+        verdict = decide(Proposal(block), "block", SamplingParams(), argmax=row.argmax.tolist())
+        n_accepted, next_token = verdict.n_accepted, verdict.next_token
         if accepted is not None:
             n_accepted, next_token = min(accepted, k), block[min(accepted, k - 1)]
         session.cache.truncate(past + 1 + n_accepted)

@@ -1,6 +1,6 @@
 """The speculative round's cloud backend: a pending block becomes a verify frame, the cloud's answer a `Verdict`.
 
-One `CloudVerifier` per generation, over that generation's cloud session. When the cloud is out of
+One `CloudTarget` per generation, over that generation's cloud session. When the cloud is out of
 reach (CloudUnavailable after the session's retries) it answers None, so the round keeps the block
 as drafted; the generation is then degraded (`CloudUse`), and the cloud is tried again after
 `retry_s`. Once the request's own deadline has passed (DeadlinePassed) it is not tried again. A
@@ -64,7 +64,7 @@ def draft_sampling(sampling: SamplingParams, support: int) -> SamplingParams:
     return replace(sampling, top_k=min(sampling.top_k or support, support))
 
 
-class CloudVerifier:
+class CloudTarget:
     """The speculative round's backend over one generation's cloud session; None when out of reach."""
 
     def __init__(self, session: CloudSession, method: str, sampling: SamplingParams, max_sparse_support: int,

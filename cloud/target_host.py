@@ -1,9 +1,9 @@
-"""The target backend: what the gRPC service asks of the target (open, verify, generate).
+"""The target host: what the gRPC service asks of the target (open, verify, generate).
 
 Every method checks its input (cloud/frames.py) and is admitted by the session store (KV budget,
 quotas) before it costs a forward. The target itself runs in an engine behind one seam
-(cloud/engine.py: resident or vllm); the rule that turns its logits into a verdict is the same for
-both (cloud/frames.py:decide). `abandoned` is how a caller says it has left: work it queued is then
+(cloud/engine.py: resident or vllm); its rows become a verdict in one place for both
+(common/acceptance_rules.py `decide`). `abandoned` is how a caller says it has left: work it queued is then
 skipped before its forward.
 """
 
@@ -21,7 +21,7 @@ from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine
                           whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
-                          check_verify, decide)
+                          check_verify, frame_proposal)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
@@ -32,9 +32,8 @@ from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import TokenLogprob
-from common.sampling import logits_to_probs, sample
 from common.sampling_params import GrammarError, SamplingParams
-from common.verification import token_acceptances
+from common.acceptance_rules import decide
 from common.admission import Admission
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -42,7 +41,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class TargetBackend:
+class TargetHost:
     """What exists once the target is loaded."""
 
     engine: TargetEngine
@@ -196,16 +195,16 @@ class TargetBackend:
             started = time.perf_counter()
             try:
                 rows = result.rows.shaped(session.processor, session.tokens, draft_tokens)
-                if frame.dists_on_rejection and not session.sampling.greedy:
-                    pending = self._scalar_decision(frame, rows, session, result, len(new_tokens), started)
-                    if isinstance(pending, PendingResidual):
-                        if abandoned is not None and abandoned():  # the stream that would answer is gone
-                            raise CloudError(grpc.StatusCode.CANCELLED, "the edge left before its residual query")
-                        session.pending_residual = pending
-                        return self._ask(pending, session)  # busy until answered
-                    n_accepted, next_token = pending
-                else:
-                    n_accepted, next_token = decide(frame, rows, session.sampling, session.generator)
+                decision = decide(frame_proposal(frame, session.sampling), wire.method_name(frame.method),
+                                  session.sampling, session.generator, argmax=rows.argmax.tolist(), logits=rows.logits)
+                n_accepted, next_token = decision.n_accepted, decision.next_token
+                if next_token is None:  # the token rule rejected: its residual needs the edge's distribution
+                    if abandoned is not None and abandoned():  # the stream that would answer is gone
+                        raise CloudError(grpc.StatusCode.CANCELLED, "the edge left before its residual query")
+                    session.pending_residual = PendingResidual(frame, result, len(new_tokens), n_accepted,
+                                                               decision.p_target[n_accepted].clone(),
+                                                               (time.perf_counter() - started) * 1e3)
+                    return self._ask(session.pending_residual, session)  # busy until answered
             except BaseException:  # keep cache and tokens in step: drop what this forward appended
                 self.engine.rollback(session, session.cached_tokens)
                 raise
@@ -240,17 +239,6 @@ class TargetBackend:
         except CloudError:
             session.busy = False
             raise
-
-    def _scalar_decision(self, frame: pb.VerifyBlock, rows: TargetRows, session: Session, result: ForwardResult,
-                         new_tokens: int, started: float) -> tuple[int, int] | PendingResidual:
-        """The token rule's coins from the draft's scalars: the verdict when all pass, else the residual to sample."""
-        p_target = logits_to_probs(rows.logits, session.sampling)
-        draft_tokens = list(frame.draft_tokens)
-        j = token_acceptances(draft_tokens, list(frame.draft_token_probs), p_target, session.generator)
-        if j == len(draft_tokens):
-            return j, sample(p_target[j], session.generator)
-        return PendingResidual(frame, result, new_tokens, j, p_target[j].clone(),
-                               (time.perf_counter() - started) * 1e3)
 
     def answer_residual(self, session: Session, answer: pb.ResidualAnswer) -> pb.Verdict | pb.ResidualQuery:
         """Go on with the verify waiting on `answer`: its verdict, or the next query. A refused answer abandons

@@ -1,4 +1,5 @@
-"""Verification rules of the four papers, as pure functions over probability tensors.
+"""The acceptance rules of the four papers, as pure functions over probability tensors, and the one entry that
+applies them (`decide`).
 
 Every rule has the same signature:
 
@@ -9,18 +10,44 @@ target's distribution at the same position, and `p_target[g]` the one after the 
 first `n_accepted` draft tokens are kept and `next_token` follows them, so one call always yields
 `n_accepted + 1` tokens. Under greedy decoding the distributions are one-hot and every lossless rule
 reduces to `greedy_verify`.
+
+The verdict, decided in one place: a proposal and the target's rows in, (n_accepted, next_token) out.
+
+    x_1..x_g   the proposal's tokens, drafted after the context
+    q          p_draft [g, V]: row i is the distribution x_i was drawn from (a point mass for a copied token)
+    q_i(x_i)   the draft's probability of its own token alone (a frame that sends its distributions only when
+               the rule rejects: the token rule's residual is then sampled by queries, cloud/residual.py)
+    p          p_target [g + 1, V]: the target's rows along the block, after the request's shaping (bias,
+               penalties, grammar); row g is the target's distribution after the whole block
+    method     the verify method (common/decoding/modes.py: token, block, sprinter), or greedy
+    verdict    (n_accepted, next_token): keep x_1..x_n, then the target's own token
+
+`decide` is the one entry: no rule is called outside this module (tests/test_verdict_home.py). Every place that
+turns a block into a verdict calls it and keeps only what is its own, where the rows come from and what it does
+with the verdict:
+
+    LocalTarget.verify      common/decoding/speculative_round.py   the target in this process
+    TargetHost.verify       cloud/target_host.py                   a cloud session's forward; q from the frame
+                                                                   (cloud/frames.py `frame_proposal`)
+    CloudSpeculation        cloud/speculation.py                   cloud-sd's forward; q from the cloud's draft
+    the engine bench        sim/bench/engine.py                    greedy rows of a packed forward
+
+Under greedy decoding only the rows' argmax is read (`greedy_verdict`), so the engine need not bring back its
+logits; sprinter compares the flagged x_g alone.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from common.sampling import sample
+from common.decoding.modes import VERIFY_METHODS, reads_last_draft_only
+from common.sampling import SamplingParams, logits_to_probs, sample
 
-VerifyRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
+AcceptanceRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
 
 
 def residual(p_target: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
@@ -140,9 +167,61 @@ def sprinter_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target:
     return last + n_accepted, next_token
 
 
-VERIFY_RULES: dict[str, VerifyRule] = {
+ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
     "greedy": greedy_verify,
     "token": token_verify,
     "block": block_verify,
     "sprinter": sprinter_verify,
 }
+
+GREEDY = "greedy"  # a method that forces the greedy rule whatever the sampling (verifier data collection)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What the rule reads of a block: its tokens and the distributions they were drawn from."""
+
+    tokens: list[int]  # x_1..x_g
+    q_rows: Callable[[int], torch.Tensor] | None = None  # V -> q [g, V] float32; None: greedy, or the scalars below
+    q_of_tokens: list[float] | None = None  # q_i(x_i) [g] alone: the token rule's coins, its residual by queries
+
+
+@dataclass(frozen=True)
+class Decision:
+    n_accepted: int  # x_1..x_n kept
+    next_token: int | None  # the target's token after them; None: the token rule rejected x_{n+1} and its
+    #                         residual needs the edge's distribution (asked for by queries: cloud/residual.py)
+    p_target: torch.Tensor | None = None  # [g + 1, V] the rows the rule read, when the caller asked for them
+
+
+def rule_for(method: str, sampling: SamplingParams) -> AcceptanceRule:
+    """The rule a verify `method` applies under these sampling settings (common/decoding/modes.py's table)."""
+    if method == GREEDY:
+        return ACCEPTANCE_RULES["greedy"]
+    if method not in VERIFY_METHODS:
+        raise ValueError(f"unknown verify method {method!r}; expected one of {', '.join(VERIFY_METHODS)}")
+    if sampling.greedy and not reads_last_draft_only(method):
+        return ACCEPTANCE_RULES["greedy"]  # every lossless rule reduces to it on one-hot distributions
+    return ACCEPTANCE_RULES[method]
+
+
+def decide(proposal: Proposal, method: str, sampling: SamplingParams, generator: torch.Generator | None = None,
+           argmax: list[int] | None = None, logits: torch.Tensor | None = None,
+           keep_rows: bool = False) -> Decision:
+    """The verdict on `proposal` from the target's rows along it: their `argmax` [g + 1] (enough under greedy) or
+    their `logits` [g + 1, V] (shaped). `keep_rows`: also return p, the distributions the rule read. The
+    `generator` (the session's seeded stream) draws the rule's coins: sampling needs one, greedy reads none."""
+    p_target = logits_to_probs(logits, sampling) if logits is not None and (keep_rows or not sampling.greedy) \
+        else None  # [g + 1, V]
+    if sampling.greedy:
+        if argmax is None:
+            argmax = logits.argmax(dim=-1).tolist()
+        only_last = method != GREEDY and reads_last_draft_only(method)
+        return Decision(*greedy_verdict(proposal.tokens, argmax, only_last=only_last), p_target)
+    if proposal.q_rows is None:  # the draft's scalars alone: the token rule's coins
+        j = token_acceptances(proposal.tokens, proposal.q_of_tokens, p_target, generator)
+        next_token = sample(p_target[j], generator) if j == len(proposal.tokens) else None
+        return Decision(j, next_token, p_target)
+    q = proposal.q_rows(p_target.shape[-1]).to(p_target.dtype)  # [g, V]
+    rule = rule_for(method, sampling)
+    return Decision(*rule(torch.tensor(proposal.tokens, dtype=torch.long), q, p_target, generator), p_target)
