@@ -45,6 +45,28 @@ def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys, r
 
 
 @pytest.mark.slow
+def test_short_soak_with_two_identities_reports_each_ones_share(tmp_path, capsys):
+    # Two tokens, two edges, 2 and 1 workers; --max-sessions 2 below the 3 workers, so the cloud's line takes turns.
+    args = _parse(soak.register_soak, "soak", *TINY, "--identities", "2,1", "--duration-s", "5", "--max-tokens", "8,24",
+                  "--kv-budget-mb", "2", "--max-context", "1024", "--max-sessions", "2", "--sample-s", "0.2",
+                  "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "soak.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [] and code == 0, out
+    rows = summary["identities"]
+    assert [(r["identity"], r["workers"]) for r in rows] == [("edge-0", 2), ("edge-1", 1)]
+    assert all(r["completed"] >= 1 and r["errors"] == 0 and r["tokens"] > 0 for r in rows), rows
+    assert all(r["latency_s_p50"] is not None and r["latency_s_p99"] is not None for r in rows)
+    assert sum(r["tokens"] for r in rows) == summary["tokens"]
+    assert sum(r["tokens_share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["tokens_share_window"] for r in rows) == pytest.approx(1.0)
+    assert {r["identity"] for r in result["requests"]} == {"edge-0", "edge-1"}
+    assert "edge-1 (1 workers)" in out and (tmp_path / "edge-1.log").exists()
+
+
+@pytest.mark.slow
 def test_short_chaos_every_request_completes_and_the_edge_survives(tmp_path, capsys):
     args = _parse(chaos.register_chaos, "chaos", *TINY, "--requests", "9", "--kills", "2", "--max-tokens", "120",
                   "--stagger-s", "0.2", "--kill-after-s", "0.2,0.5", "--out", str(tmp_path))
@@ -84,6 +106,13 @@ def test_chaos_needs_a_request_per_phase():
 def test_soak_rejects_an_inverted_token_range():
     with pytest.raises(SystemExit):
         _parse(soak.register_soak, "soak", "--max-tokens", "64,8")
+
+
+@pytest.mark.parametrize("identities", ["3", "2,0", "2,x"])
+def test_soak_wants_two_or_more_positive_identity_worker_counts(identities):
+    with pytest.raises(SystemExit):
+        _parse(soak.register_soak, "soak", "--identities", identities)
+    assert soak.settings_from_args(_parse(soak.register_soak, "soak", "--identities", "24,8")).identities == (24, 8)
 
 
 def test_metrics_parsing_and_percentiles():

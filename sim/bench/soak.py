@@ -13,6 +13,16 @@ cache bytes never above the budget; RSS is reported (max, and how much the secon
 exceeds the first half's) for a person to judge.
 Writes OUT/soak.json (settings, summary, samples, every request) and prints a table.
 
+With `--identities N,M,...` (e.g. `--identities 24,8`; `--sessions` is then ignored) the cloud gets a
+tokens file with one token per identity and each identity its own edge daemon sending its token, with
+N_i workers sending the same request mix back to back to it for DURATION_S. It measures fairness: the
+cloud's admission line takes turns between identities, so each backlogged identity's share of the
+tokens completed during the load window (requests that ended within DURATION_S of the start; the share
+over everything is given too), and the light identity's latency, to hold against the same workers running
+alone (`--sessions N`). The line forms only once the cloud is full: give `--max-sessions` (times
+`--replicas`) below the workers' sum. The checks above hold across every identity (the greedy answers
+are checked through the first identity's edge); edge RSS and CPU are the first edge's.
+
 The KV gauge is read between requests (the cloud sets it after enforcing the budget), so a peak
 inside one target forward is not seen.
 """
@@ -39,6 +49,8 @@ from common.decoding.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
 from sim.bench.prompts import load_bench_prompts
+from sim.bench.soak_identities import (Identity, edge_options, identity_problems, identity_summary,
+                                       identity_table_rows, make_identities, worker_counts, write_tokens_file)
 from sim.bench.target_identity import TargetIdentity, check_target_identity
 from sim.processes import CloudProcess, edge_daemon_process, free_port
 
@@ -63,6 +75,7 @@ class SoakSettings:
     seed: int = 0
     pipeline: str = "off"  # the edge daemon's default --pipeline (off, ahead, send-ahead)
     replicas: int = 1  # cloud processes the edge spreads its sessions over, each with the budgets above
+    identities: tuple[int, ...] = ()  # workers per edge identity (own token, own edge); empty: one edge, `sessions`
     startup_timeout_s: float = 900.0
     out: Path = Path("results/bench-soak")
 
@@ -87,7 +100,7 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=d.target)
     p.add_argument("--draft", default=d.draft)
     p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
-    p.add_argument("--sessions", type=int, default=d.sessions, help="concurrent requests")
+    p.add_argument("--sessions", type=int, default=d.sessions, help="concurrent requests (ignored with --identities)")
     p.add_argument("--duration-s", type=float, default=d.duration_s)
     p.add_argument("--max-tokens", type=_int_range, default=d.max_tokens, metavar="MIN,MAX",
                    help="each request's max_tokens is drawn from this range (default 16,96)")
@@ -103,6 +116,9 @@ def register_soak(benches: argparse._SubParsersAction) -> None:
                    help="the edge daemon's default pipeline (off, ahead, send-ahead), for every request")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="cloud replicas behind the edge, each with its own budgets (checked per replica)")
+    p.add_argument("--identities", type=worker_counts, default=d.identities, metavar="N,M,...",
+                   help="one cloud token and one edge per identity, N_i workers each, instead of --sessions (which "
+                        "is then ignored): each identity's token share and latency (fairness of the cloud's line)")
     p.add_argument("--out", type=Path, default=d.out)
     p.set_defaults(run=run_soak)
 
@@ -120,7 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
                         duration_s=args.duration_s, max_tokens=args.max_tokens, modes=args.modes,
                         temperatures=args.temperatures, kv_budget_mb=args.kv_budget_mb, max_context=args.max_context,
                         max_sessions=args.max_sessions, sample_s=args.sample_s, seed=args.seed,
-                        pipeline=args.pipeline, replicas=args.replicas, out=args.out)
+                        pipeline=args.pipeline, replicas=args.replicas, identities=args.identities, out=args.out)
 
 
 def run_soak(args: argparse.Namespace) -> int:
@@ -133,74 +149,108 @@ def run_soak(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+@dataclass
+class SoakLoad:
+    """What the load gave: the outcomes (by request index), the greedy check, and the times."""
+
+    outcomes: list[RequestOutcome]
+    identity: TargetIdentity
+    wall_s: float
+    started_s: float  # monotonic: the load's start (its window ends duration_s later)
+    identity_of: dict[int, int] = field(default_factory=dict)  # request index -> identity (with --identities)
+
+
 def soak(settings: SoakSettings) -> SoakResult:
     """Start the processes, run the load, stop them, judge."""
     settings.out.mkdir(parents=True, exist_ok=True)
-    clouds = [_cloud(settings, i) for i in range(settings.replicas)]
+    identities = make_identities(settings.identities) if settings.identities else []
+    tokens_file = write_tokens_file(settings.out, identities) if identities else None
+    clouds = [_cloud(settings, i, tokens_file) for i in range(settings.replicas)]
     edge_args = ["--draft", settings.draft, "--cloud", ",".join(c.address for c, _ in clouds), "--dtype",
                  settings.dtype, "--pipeline", settings.pipeline, "--model-name", f"{settings.draft}+{settings.target}"]
     with ExitStack() as running:
         for cloud, _ in clouds:
             running.enter_context(cloud)
-        edge = running.enter_context(edge_daemon_process(edge_args, free_port(), settings.out / "edge.log",
-                                                         settings.startup_timeout_s))
-        samplers = [ProcessSampler(lambda cloud=cloud: cloud.pid, edge.process.pid if i == 0 else None,
+        edges = [running.enter_context(edge_daemon_process(edge_args + extra, free_port(), settings.out / log_name,
+                                                           settings.startup_timeout_s, env=env))
+                 for log_name, extra, env in _edge_specs(identities)]
+        samplers = [ProcessSampler(lambda cloud=cloud: cloud.pid, edges[0].process.pid if i == 0 else None,
                                    f"http://127.0.0.1:{port}/metrics", settings.sample_s)
                     for i, (cloud, port) in enumerate(clouds)]
-        outcomes, identity, wall_s = asyncio.run(_drive(settings, edge.base, samplers))
-        edge_alive = edge.process.poll() is None
-    result = judge(settings, outcomes, samplers, wall_s, edge_alive, identity)
+        load = asyncio.run(_drive(settings, [edge.base for edge in edges], identities, samplers))
+        edge_alive = all(edge.process.poll() is None for edge in edges)
+    result = judge(settings, load, samplers, edge_alive, identities)
     (settings.out / "soak.json").write_text(json.dumps(asdict(result), indent=1))
     return result
 
 
-def _cloud(settings: SoakSettings, index: int) -> tuple[CloudProcess, int]:
+def _edge_specs(identities: list[Identity]) -> list[tuple[str, list[str], dict[str, str] | None]]:
+    """(log file name, extra arguments, extra environment) of each edge daemon: one, or one per identity."""
+    if not identities:
+        return [("edge.log", [], None)]
+    return [(f"edge-{i}.log", *edge_options(identity)) for i, identity in enumerate(identities)]
+
+
+def _cloud(settings: SoakSettings, index: int, tokens_file: Path | None = None) -> tuple[CloudProcess, int]:
     """Replica `index` and its metrics port."""
     log_path = settings.out / ("cloud.log" if settings.replicas == 1 else f"cloud-{index}.log")
     log_path.write_text("")
     metrics_port = free_port()
+    auth = ["--auth-tokens", str(tokens_file)] if tokens_file else []
     cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
                          "--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
-                         "--max-sessions", str(settings.max_sessions), "--drain-s", "5", log_path=log_path,
+                         "--max-sessions", str(settings.max_sessions), "--drain-s", "5", *auth, log_path=log_path,
                          startup_timeout_s=settings.startup_timeout_s,
                          env={"SPRINTER_CHECK_INVARIANTS": "1"})  # a KV budget breach fails the run loudly
     return cloud, metrics_port
 
 
-async def _drive(settings: SoakSettings, base: str, samplers: list[ProcessSampler]
-                 ) -> tuple[list[RequestOutcome], TargetIdentity, float]:
+def _workers(settings: SoakSettings, bases: list[str], identities: list[Identity]) -> list[tuple[str, int | None]]:
+    """(edge base URL, identity index or None) of each worker."""
+    if not identities:
+        return [(bases[0], None)] * settings.sessions
+    return [(bases[i], i) for i, identity in enumerate(identities) for _ in range(identity.workers)]
+
+
+async def _drive(settings: SoakSettings, bases: list[str], identities: list[Identity],
+                 samplers: list[ProcessSampler]) -> SoakLoad:
     """The load (its outcomes and wall time), then the greedy answers held against the target's."""
     started = time.monotonic()
     prompts = load_bench_prompts()
     rng = random.Random(settings.seed)
-    deadline = time.monotonic() + settings.duration_s
+    load_started = time.monotonic()
+    deadline = load_started + settings.duration_s
     counter = iter(range(10**9))
     outcomes: list[RequestOutcome] = []
     specs: list[RequestSpec] = []
+    identity_of: dict[int, int] = {}
+    workers = _workers(settings, bases, identities)
 
-    async def worker(w: int, client: httpx.AsyncClient) -> None:
+    async def worker(w: int, base: str, who: int | None, client: httpx.AsyncClient) -> None:
         turn = 0
         while time.monotonic() < deadline:
             index = next(counter)
-            prompt = prompts[(w + turn * settings.sessions) % len(prompts)]
+            prompt = prompts[(w + turn * len(workers)) % len(prompts)]
             spec = RequestSpec(index=index, prompt=prompt["prompt"], chat=prompt["chat"],
                                mode=settings.modes[(w + turn) % len(settings.modes)],
                                max_tokens=rng.randint(*settings.max_tokens), stream=(w + turn) % 2 == 0,
                                temperature=settings.temperatures[index % len(settings.temperatures)], seed=index)
             specs.append(spec)
+            if who is not None:
+                identity_of[index] = who
             outcomes.append(await send_request(client, base, spec))
             turn += 1
 
     sampling = [asyncio.create_task(sampler.run()) for sampler in samplers]
-    async with http_client(settings.sessions) as client:
-        await asyncio.gather(*(worker(w, client) for w in range(settings.sessions)))
+    async with http_client(len(workers)) as client:
+        await asyncio.gather(*(worker(w, base, who, client) for w, (base, who) in enumerate(workers)))
         wall_s = time.monotonic() - started
         for sampler in samplers:
             sampler.stop()
         await asyncio.gather(*sampling)
         log.info("load over after %.0f s; asking the target for the greedy references", wall_s)
-        identity = await check_target_identity(client, base, specs, outcomes)
-    return sorted(outcomes, key=lambda o: o.index), identity, wall_s
+        identity = await check_target_identity(client, bases[0], specs, outcomes)
+    return SoakLoad(sorted(outcomes, key=lambda o: o.index), identity, wall_s, load_started, identity_of)
 
 
 def _clouds_summary(samplers: list[ProcessSampler], half_s: float) -> dict[str, Any]:
@@ -227,13 +277,13 @@ def _clouds_summary(samplers: list[ProcessSampler], half_s: float) -> dict[str, 
             "cloud_cpu_s": total([_used(s, "cloud_cpu_s") for s in samplers])}
 
 
-def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list[ProcessSampler], wall_s: float,
-          edge_alive: bool, identity: TargetIdentity) -> SoakResult:
+def judge(settings: SoakSettings, load: SoakLoad, samplers: list[ProcessSampler], edge_alive: bool,
+          identities: list[Identity] | None = None) -> SoakResult:
+    outcomes, identity, wall_s = load.outcomes, load.identity, load.wall_s
     budget = settings.kv_budget_mb << 20
     failed = [o for o in outcomes if not o.ok]
     degraded = [o for o in outcomes if o.ok and o.degraded]
     clouds = _clouds_summary(samplers, wall_s / 2)
-    kv_max = clouds["kv_cache_bytes_max"]
     tokens = sum(o.tokens for o in outcomes if o.ok)
     summary: dict[str, Any] = {
         "requests": len(outcomes), "errors": len(failed), "degraded": len(degraded),
@@ -245,6 +295,22 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
         "edge_rss_max_bytes": samplers[0].maximum("edge_rss"), "kv_budget_bytes": budget, **clouds,
         "edge_cpu_s": _used(samplers[0], "edge_cpu_s"), "edge_alive": edge_alive, **latency_summary(outcomes)}
+    if identities:
+        summary["identities"] = identity_summary(identities, outcomes, load.identity_of,
+                                                 load.started_s + settings.duration_s)
+    problems = _problems(settings, summary, outcomes, identity)
+    names = {i: who.name for i, who in enumerate(identities or [])}
+    requests = [asdict(o) | ({"identity": names[load.identity_of[o.index]]} if names else {}) for o in outcomes]
+    return SoakResult(asdict(settings) | {"out": str(settings.out)}, summary, problems,
+                      [asdict(s) | {"replica": i} for i, sampler in enumerate(samplers) for s in sampler.samples],
+                      requests)
+
+
+def _problems(settings: SoakSettings, summary: dict[str, Any], outcomes: list[RequestOutcome],
+              identity: TargetIdentity) -> list[str]:
+    failed = [o for o in outcomes if not o.ok]
+    degraded = [o for o in outcomes if o.ok and o.degraded]
+    kv_max = summary["kv_cache_bytes_max"]
     problems = [f"{len(failed)} of {len(outcomes)} requests failed"] + failure_lines(outcomes) if failed else []
     if degraded:
         problems.append(f"{len(degraded)} answers degraded ({summary['degraded_by_reason']}): "
@@ -254,15 +320,13 @@ def judge(settings: SoakSettings, outcomes: list[RequestOutcome], samplers: list
                         f"target's: requests {identity.mismatches[:10]}")
     if kv_max is None:
         problems.append("no KV cache reading: the cloud's metrics endpoint never answered")
-    elif kv_max > budget:
+    elif kv_max > summary["kv_budget_bytes"]:
         problems.append(f"KV cache reached {kv_max / 2**20:.1f} MiB, above the {settings.kv_budget_mb} MiB budget")
-    if not edge_alive:
-        problems.append("the edge daemon exited during the run")
+    if not summary["edge_alive"]:
+        problems.append("an edge daemon exited during the run")
     if not outcomes:
         problems.append("no request was sent")
-    return SoakResult(asdict(settings) | {"out": str(settings.out)}, summary, problems,
-                      [asdict(s) | {"replica": i} for i, sampler in enumerate(samplers) for s in sampler.samples],
-                      [asdict(o) for o in outcomes])
+    return problems + identity_problems(summary.get("identities", []))
 
 
 def _used(sampler: ProcessSampler, name: str) -> float | None:
@@ -274,7 +338,7 @@ def _used(sampler: ProcessSampler, name: str) -> float | None:
 def format_soak(result: SoakResult) -> str:
     s, cfg = result.summary, result.settings
     rows = [
-        ("load", f"{cfg['sessions']} concurrent sessions for {cfg['duration_s']:g} s, {cfg['target']} / {cfg['draft']}"),
+        ("load", f"{_load_words(cfg)} for {cfg['duration_s']:g} s, {cfg['target']} / {cfg['draft']}"),
         ("requests (errors, HTTP 5xx, degraded)", f"{s['requests']} ({s['errors']}, {s['http_5xx']}, {s['degraded']})"),
         ("degraded by reason", ", ".join(f"{k} {v}" for k, v in s["degraded_by_reason"].items()) or "-"),
         ("greedy lossless answers = target's (checked, references failed)",
@@ -288,8 +352,14 @@ def format_soak(result: SoakResult) -> str:
         ("CPU s used: cloud, edge (wall s)", f"{seconds(s['cloud_cpu_s'])}, {seconds(s['edge_cpu_s'])} ({s['wall_s']:.0f})"),
         ("KV cache max MiB / budget MiB", f"{mb(s['kv_cache_bytes_max'])} / {mb(s['kv_budget_bytes'])}"),
         ("cloud sessions open max, evicted", f"{s['sessions_open_max']}, {s['sessions_evicted']}"),
-    ]
+    ] + identity_table_rows(s.get("identities", []))
     lines = ["| soak | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
     verdict = "PASS" if result.passed else "FAIL"
     lines.append(f"\n{verdict}" + "".join(f"\n- {p}" for p in result.problems))
     return "\n".join(lines)
+
+
+def _load_words(cfg: dict[str, Any]) -> str:
+    if cfg.get("identities"):
+        return f"{len(cfg['identities'])} identities, {'+'.join(map(str, cfg['identities']))} concurrent sessions"
+    return f"{cfg['sessions']} concurrent sessions"
