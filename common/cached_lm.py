@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,24 @@ class CachedLM:
         if drop > 0:
             self.cache.crop(-drop)  # transformers 5.23: crop takes a negative count (tokens to drop)
             del self.tokens[length:]
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a copy of this cache stands for its tokens: plain layers, none a sliding window (which keeps only
+        its last positions, so a copy cut shorter would lack the rows before them)."""
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def kv_snapshot(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """An owned copy of the KV of `tokens` (the edge's draft cache keeps it across requests), and its bytes."""
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
+        return kv, sum(keys.nbytes + values.nbytes for keys, values in kv)
+
+    def start_from(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace the cache with a copy of the first len(tokens) positions of a snapshot of `tokens` (or more)."""
+        self.cache = DynamicCache(config=self.model.config)
+        for index, (keys, values) in enumerate(kv):  # update concatenates onto an empty layer: a copy, never shared
+            self.cache.update(keys[..., :len(tokens), :], values[..., :len(tokens), :], index)
+        self.tokens = list(tokens)
 
     @torch.inference_mode()
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:

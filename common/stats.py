@@ -39,6 +39,10 @@ class DecodeStats:
     downlink_bytes: int = 0  # session frames the edge read (opens, verdicts: logprobs make them longer)
     residual_queries: int = 0  # the cloud's residual queries answered (draft_dists on-rejection): extra round trips
     cached_tokens: int = 0  # prompt tokens the cloud took from its prefix cache instead of prefilling them
+    # The edge draft's own reuse across requests (edge/runtime/draft_reuse.py): prompt tokens whose draft KV came
+    # from an earlier request, and the draft prefill time that saved (estimated from the edge's prefill rate).
+    draft_reused_tokens: int = 0
+    draft_prefill_saved_ms: float = 0.0
     # Suffix drafting (common/decoding/suffix_proposer.py): tokens proposed by copying text, and how many the target
     # kept; what the draft's forwards fed (one a step, more where its KV caught up on kept copied tokens).
     suffix_tokens: int = 0
@@ -102,6 +106,8 @@ class StatsRecorder:
     downlink_bytes: int = 0
     residual_queries: int = 0
     cached_tokens: int = 0
+    draft_reused_tokens: int = 0
+    draft_prefill_saved_ms: float = 0.0
     suffix_tokens: int = 0
     suffix_kept: int = 0
     draft_fed_tokens: int = 0
@@ -166,7 +172,8 @@ class StatsRecorder:
             ahead_off_rounds=self.ahead_off_rounds,
             candidates_sent=self.candidates_sent, candidate_hits=self.candidate_hits, uplink_bytes=self.uplink_bytes,
             downlink_bytes=self.downlink_bytes, residual_queries=self.residual_queries,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=self.cached_tokens, draft_reused_tokens=self.draft_reused_tokens,
+            draft_prefill_saved_ms=self.draft_prefill_saved_ms,
             suffix_tokens=self.suffix_tokens, suffix_kept=self.suffix_kept, draft_fed_tokens=self.draft_fed_tokens,
         )
 

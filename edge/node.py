@@ -20,6 +20,7 @@ from common.decoding.suffix_proposer import suffix_memory
 from edge.decoding.decoder import EdgeDecoder
 from edge.decoding.placer import Placer
 from edge.runtime.draft import draft_lm_factory
+from edge.runtime.draft_reuse import DraftKVCache
 from edge.cloud_link.replicas import ReplicaSet
 from edge.runtime.verifier import (LearnedVerifier, TemperatureMatched, load_verifier, shipped_suffix_priors,
                                    verifier_identity)
@@ -48,6 +49,9 @@ class EdgeNodeSettings:
     uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placer.py); 0: unlimited
     companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
     suffix_cache: bool = True  # suffix drafting may copy from this edge's earlier outputs (--suffix-cache)
+    # The draft's prompt KV kept across requests (0: off). Off unless asked: `edge serve` asks for
+    # DEFAULT_DRAFT_CACHE_MB; a bench that repeats one prompt would otherwise time the cache, not the prefill.
+    draft_cache_mb: int = 0
 
     def __post_init__(self) -> None:
         if self.uplink_mbps < 0:
@@ -65,7 +69,8 @@ class EdgeNodeSettings:
                    dtype=args.dtype, companion=args.companion, cloud_deadline_s=args.cloud_deadline_s,
                    max_model_len=getattr(args, "max_model_len", None), uplink_mbps=getattr(args, "uplink_mbps", 0.0),
                    discover_clouds=bool(getattr(args, "mqtt", None)) and not args.cloud,
-                   suffix_cache=getattr(args, "suffix_cache", "on") == "on")
+                   suffix_cache=getattr(args, "suffix_cache", "on") == "on",
+                   draft_cache_mb=getattr(args, "draft_cache_mb", 0))
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class EdgeNode:
         self.target_id: str | None = None
         self.decoder: EdgeDecoder | None = None
         self._new_draft_lm: Callable[[bool], DraftLM] | None = None
+        self.draft_cache = DraftKVCache(settings.draft_cache_mb << 20) if settings.draft_cache_mb else None
         # Every ReplicaSet this node opened: the one in force, and those a fleet config replaced (sessions in
         # flight may still use them). All close when the node stops, the one in force first.
         self._clouds = contextlib.AsyncExitStack()
@@ -98,7 +104,7 @@ class EdgeNode:
                     self._replica_set((self.settings.cloud or "").split(",")))
                 await self.check_cloud()
             self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
-                                                  self.settings.draft_weights)
+                                                  self.settings.draft_weights, self.draft_cache)
             setup = self.prepare_verifier(self.settings.verifier)
         except BaseException:
             await self._clouds.aclose()

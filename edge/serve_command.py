@@ -18,6 +18,7 @@ from common.arguments import DTYPE_NAMES, host_port
 from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
+from edge.runtime.draft_reuse import DEFAULT_DRAFT_CACHE_MB
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument, add_proposer_arguments
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,17 @@ def add_api_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + completion tokens (default: the draft's window and the cloud's max_context)")
     p.add_argument("--cloud-retry-s", type=float, default=2.0,
                    help="while the cloud is out of reach, how often a generation tries it again")
+    p.add_argument("--draft-cache-mb", type=_non_negative_mb, default=DEFAULT_DRAFT_CACHE_MB, metavar="MB",
+                   help="memory for the draft's prompt KV kept across requests, so a conversation's next turn and "
+                        "a request's n choices prefill only what is new on the edge (least recently used out first; "
+                        f"0: off). Default {DEFAULT_DRAFT_CACHE_MB}")
+
+
+def _non_negative_mb(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected megabytes >= 0 (0: off), got {text}")
+    return value
 
 
 def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool) -> str | None:

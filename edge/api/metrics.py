@@ -102,6 +102,11 @@ class EdgeMetrics:
         self.queue_seconds = Histogram("sprinter_edge_cloud_queue_seconds", "Time a request waited in the cloud's "
                                        "admission queue", registry=r,
                                        buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.draft_reused_tokens = Counter("sprinter_edge_draft_reused_tokens", "Prompt tokens whose draft KV came "
+                                           "from an earlier request (--draft-cache-mb) instead of a prefill",
+                                           registry=r)
+        self.draft_prefill_saved = Counter("sprinter_edge_draft_prefill_saved_seconds", "Draft prefill time that "
+                                           "reuse saved, estimated from this edge's prefill rate", registry=r)
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -112,6 +117,8 @@ class EdgeMetrics:
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
         self.queue_seconds.observe(result.queued_s)
+        self.draft_reused_tokens.inc(result.stats.draft_reused_tokens)
+        self.draft_prefill_saved.inc(result.stats.draft_prefill_saved_ms / 1e3)
         if result.placed is not None:
             self.placements.labels(result.placed.asked, result.placed.used).inc()
         if result.degraded_reason is not None:

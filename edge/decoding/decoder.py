@@ -54,6 +54,7 @@ from edge.cloud_link.cloud_target import CloudUse, CloudTarget, draft_sampling
 from edge.decoding.pipeline import PipelinedRounds
 from edge.decoding.placer import Placed, Placer, check_placement
 from edge.decoding.target_mode import CloudGenerate
+from edge.runtime.draft_reuse import GenerationDrafts
 from edge.cloud_link.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -194,14 +195,17 @@ class EdgeDecoder:
         use = CloudUse(on_degraded)
         verifier = self.verifier_identity
         deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
+        drafts = GenerationDrafts(self.make_draft_lm)
         try:
             if not generation.settings.traits.drafts:
-                await self._target(generation, settings, use, deadline_at)
+                await self._target(generation, settings, use, deadline_at, drafts)
             else:
-                await self._speculate(generation, settings, use, deadline_at)
+                await self._speculate(generation, settings, use, deadline_at, drafts)
         except CloudRefused as err:  # keep what was made; the response says why it ended early
             log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
             use.error = err
+        # off the event loop: keeping the context for the next turn copies the draft's KV
+        await asyncio.to_thread(drafts.release, generation.recorder)
         tokens = generation.new_tokens
         text = self._decode(tokens)
         stats = generation.recorder.finish(len(tokens))
@@ -231,24 +235,24 @@ class EdgeDecoder:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
 
     async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                      deadline_at: float | None) -> None:
+                      deadline_at: float | None, drafts: GenerationDrafts) -> None:
         """Modes target and cloud-sd: the cloud generates (speculates) alone (edge/decoding/target_mode.py)."""
         if self.cloud is None:
             raise ValueError(f"mode {generation.settings.mode!r} needs a cloud (--cloud HOST:PORT)")
         run = CloudGenerate(self.cloud, self.vocab_fingerprint, self.cost_model, self.placer,
-                            lambda: self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids),
+                            lambda: self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids, drafts),
                             settings.priority, settings.cloud_retry_s)
         await run.run(generation, use, deadline_at)
 
-    def _drafter(self, decode: DecodeSettings, prompt_ids: list[int]) -> Drafter:
+    def _drafter(self, decode: DecodeSettings, prompt_ids: list[int], drafts: GenerationDrafts) -> Drafter:
         sampling, grammars = decode.sampling, self.draft.grammars if decode.sampling.grammar else None
-        return model_drafter(self.make_draft_lm(self.verifier.needs_hidden), sampling, torch.Generator().manual_seed(sampling.seed),
+        return model_drafter(drafts.new(self.verifier.needs_hidden), sampling, torch.Generator().manual_seed(sampling.seed),
                              self.eos_token_ids, verifier_for(self.verifier, sampling.temperature),
                              self.make_companion() if self.make_companion else None, True,
                              processor_for(sampling, prompt_ids, grammars), proposer_for(decode, self.suffix_memory))
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                         deadline_at: float | None) -> None:
+                         deadline_at: float | None, drafts: GenerationDrafts) -> None:
         """Speculative rounds until the generation is done."""
         mode, traits = generation.settings.mode, generation.settings.traits
         if traits.uses_cloud and self.cloud is None:
@@ -257,7 +261,7 @@ class EdgeDecoder:
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
         decode = replace(settings.decode, sampling=draft_sampling(settings.decode.sampling, support))
-        drafter = self._drafter(decode, generation.prompt_ids)
+        drafter = self._drafter(decode, generation.prompt_ids, drafts)
         policy = None
         if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, verifier_for(self.verifier, decode.sampling.temperature), self.cost_model)

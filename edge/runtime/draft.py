@@ -13,6 +13,7 @@ import torch
 
 from common.cached_lm import CachedLM, DraftLM
 from common.models import LoadedModel
+from edge.runtime.draft_reuse import DraftKVCache, ReusingDraftLM
 from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
 from edge.onnx_export.export import export_draft
 
@@ -44,11 +45,20 @@ def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int 
 
 
 def draft_lm_factory(loaded: LoadedModel, runtime: str, threads: int | None = None,
-                     weights: str = "float32") -> Callable[[bool], DraftLM]:
-    """`with_hidden -> DraftLM`: fresh runtimes (one KV cache each, one per generation) over one set of weights."""
+                     weights: str = "float32", cache: DraftKVCache | None = None) -> Callable[[bool], DraftLM]:
+    """`with_hidden -> DraftLM`: fresh runtimes (one KV cache each, one per generation) over one set of weights;
+    with a `cache` (edge/runtime/draft_reuse.py), each starts from the prompt KV an earlier generation left there.
+    One cache serves one factory: its entries are KV of this model, weights and runtime alone."""
     if runtime == "torch":
-        return lambda with_hidden: CachedLM(loaded.model, with_hidden=with_hidden)
-    if runtime != "onnx":
+        def fresh(with_hidden: bool) -> DraftLM:
+            return CachedLM(loaded.model, with_hidden=with_hidden)
+    elif runtime == "onnx":
+        onnx_model = exported_draft(loaded, threads=threads, weights=weights)
+
+        def fresh(with_hidden: bool) -> DraftLM:
+            return onnx_model.new_lm(with_hidden=with_hidden)
+    else:
         raise ValueError(f"unknown draft runtime {runtime!r}; expected one of {RUNTIMES}")
-    onnx_model = exported_draft(loaded, threads=threads, weights=weights)
-    return lambda with_hidden: onnx_model.new_lm(with_hidden=with_hidden)
+    if cache is None:
+        return fresh
+    return lambda with_hidden: ReusingDraftLM(fresh(with_hidden), cache)

@@ -89,6 +89,25 @@ class OnnxCachedLM:
             self._past = [np.ascontiguousarray(p[:, :, :length]) for p in self._past]
         del self.tokens[length:]
 
+    reusable = True  # one contiguous tensor per layer: any prefix of it is the KV of that prefix
+
+    def kv_snapshot(self) -> tuple[list[ort.OrtValue | np.ndarray], int]:
+        """An owned copy of the KV of `tokens` (the edge's draft cache keeps it across requests), and its bytes;
+        a bound cache is copied on its device by the slice graph."""
+        if self.io_binding:
+            kv = self._slicer.bound(self._past, len(self.tokens))
+            return kv, sum(int(np.prod(value.shape())) * 4 for value in kv)  # float32
+        kv = [np.array(p, copy=True) for p in self._past]
+        return kv, sum(p.nbytes for p in kv)
+
+    def start_from(self, tokens: list[int], kv: list[ort.OrtValue | np.ndarray]) -> None:
+        """Replace the cache with a copy of the first len(tokens) positions of a snapshot of `tokens` (or more)."""
+        if self.io_binding:
+            self._past = self._slicer.bound(kv, len(tokens))
+        else:
+            self._past = [np.array(p[:, :, :len(tokens)], copy=True) for p in kv]  # contiguous, never shared
+        self.tokens = list(tokens)
+
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:
         """Make the cache hold `context`; return logits (and hidden states) of its last `n_logits` positions.
 
