@@ -3,8 +3,9 @@ generations run on the node's decoder, and edge/api/responses.py writes the answ
 
 Refusals come before any work, each a 400 naming its field: a field out of range or not implemented, a
 grammar that does not compile, a prompt that does not fit the context (as vLLM does with max_model_len).
-n > 1 runs n generations at once, seeded seed, seed + 1, ...: each prefills the prompt itself (on the edge
-and in the cloud), and each counts against --max-concurrent-requests.
+n > 1 runs n generations at once, seeded seed, seed + 1, ...: one prefills the prompt and the others reuse
+it (the draft's cache on the edge, edge/runtime/draft_reuse.py; the cloud's prefix cache there), and each
+counts against --max-concurrent-requests.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ import ipaddress
 import logging
 import socket
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
@@ -38,6 +37,7 @@ from common.addresses import split_host_port
 from common.admission import Admission, QueuePlace
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
+from edge.cloud_link.prefix_key import prefix_key
 from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudLoading, CloudRefused, CloudUnavailable,
                                     DeadlinePassed, backoff_delay, time_left)
 from edge.cloud_link.failures import ACTIONS, Cause, Rest
@@ -355,10 +355,10 @@ class ReplicaSet:
         """Mode target (cloud-sd with `speculate_block`, by `proposer`) on one replica; CloudUnavailable (the replica
         rests) when it fails or none is usable (CloudLoading: one is loading). Waits are bounded by the deadline."""
         drafting = speculate_block is not None  # cloud-sd: only a replica with a draft of its own
-        client = self.choose(uuid.uuid4().hex, drafting=drafting)
+        client = self.choose(key := prefix_key(prompt_ids), drafting=drafting)  # where its prefix is cached
         if client is None:
             await self.recover()
-            if (client := self.choose(uuid.uuid4().hex, drafting=drafting)) is None and self.loading():
+            if (client := self.choose(key, drafting=drafting)) is None and self.loading():
                 raise CloudLoading(grpc.StatusCode.UNAVAILABLE, "the cloud is still loading its model")
         if client is None:
             raise CloudUnavailable(grpc.StatusCode.UNAVAILABLE, "no cloud replica is usable now")

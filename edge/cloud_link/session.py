@@ -11,7 +11,8 @@ names (`classify`: desync, evicted, replica_failed, draining, busy, ...) and ans
 against the attempts? reopen? a new stream? another replica? wait for the cloud's hint?).
 
 Replicas are chosen by the `Replicas` the session was made by (edge/cloud_link/replicas.py: rendezvous
-hashing on the session's key with a bounded-load override). A switch to another replica is
+hashing on the session's key with a bounded-load override; the key is a digest of the prompt's leading block,
+edge/cloud_link/prefix_key.py, so the same prefix goes to the replica that cached it). A switch to another replica is
 immediate; a retry on the same one backs off exponentially with jitter (at least the cloud's
 retry_after_ms). A cloud that answers (busy, evicted, desync) is waited for as long as the request's
 deadline allows, as mode target waits its turn: a lossless request never turns lossy because the
@@ -26,7 +27,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import logging
-import uuid
 from typing import Callable, Protocol
 
 import grpc
@@ -35,6 +35,7 @@ from common import wire
 from common.admission import Admission
 from common.logprobs import TokenLogprob
 from common.sampling import SparseDistribution, SamplingParams
+from edge.cloud_link.prefix_key import prefix_key
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify
 from edge.cloud_link.opening import EarlyOpen
@@ -90,7 +91,9 @@ class CloudSession:
         self.output_start = output_start
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the first open's answer when the sampling asked (echo)
         self.deadline_at = deadline_at  # the request's own deadline (time.monotonic()); None: as long as it takes
-        self.key = uuid.uuid4().hex  # what rendezvous hashing places this session by
+        # What rendezvous hashing places this session by: its prompt's leading block (edge/cloud_link/prefix_key.py),
+        # set at the first open and kept by every reopen, so a failover goes where every edge would send it.
+        self.key: str | None = None
         self.sampling = sampling
         self.vocab_fingerprint = vocab_fingerprint
         self.client: CloudClient | None = None
@@ -125,6 +128,7 @@ class CloudSession:
 
     async def _open(self, context: list[int], first_token: bool = False) -> None:
         if self.client is None:
+            self.key = self.key or prefix_key(context)
             self.client = self.replicas.choose(self.key, frozenset(self.avoid))
             if self.client is None:
                 await self.replicas.recover()
