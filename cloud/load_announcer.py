@@ -47,12 +47,15 @@ class LoadTracker:
 
 def load_reader(replica_id: str, model_id: str, vocab_fingerprint: str, endpoint: str, tracker: LoadTracker,
                 open_sessions: Callable[[], int], queue_depth: Callable[[], int],
-                kv_bytes: Callable[[], tuple[int, int]]) -> LoadReader:
-    """A `LoadReader` over the live service: `kv_bytes()` gives (used, budget)."""
+                kv_bytes: Callable[[], tuple[int, int]],
+                prefixes: Callable[[], list[str]] = lambda: []) -> LoadReader:
+    """A `LoadReader` over the live service: `kv_bytes()` gives (used, budget), `prefixes()` the digests of the
+    prompt prefixes the prefix cache holds (cloud/prefix_cache.py `announced`)."""
     def read(status: str) -> CloudLoad:
         used, budget = kv_bytes()
         return CloudLoad(replica_id, status, model_id, vocab_fingerprint, endpoint, open_sessions(), queue_depth(),
-                         tracker.batch_size_mean(), tracker.verify_ms_p50(), used, budget, time.time())
+                         tracker.batch_size_mean(), tracker.verify_ms_p50(), used, budget, time.time(),
+                         prefixes() if status == "online" else [])
 
     return read
 

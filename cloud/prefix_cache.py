@@ -24,6 +24,11 @@ before the prefixes they extend.
 Opens of one prefix that arrive together (the `n` choices of a request, edges sharing a system prompt) would
 each miss and prefill it again: the first claims the blocks it is about to compute (`claim`), and the others
 wait for them (`wait_for_pending`) before they look up.
+
+What it may announce on the fleet plane (`announced`): the digests of the cached prompts' leading blocks
+(common/prefix_digests.py: 128, 256, 512, ... tokens, computed from the tokens alone, without the scope, so an
+edge computes the same from its prompt), each while the page that ends it is still cached, most recently
+remembered first, at most MAX_ANNOUNCED_PREFIXES. Edges prefer the replica that holds the longest.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from cloud.kv_pool import KVPool, PagedKV
+from common.prefix_digests import MAX_ANNOUNCED_PREFIXES, prefix_digests
 from cloud.resident_kv import KVLayout, ResidentKV
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,8 @@ class PrefixCache:
     blocks: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # least recently used first
     pending: dict[bytes, asyncio.Future] = field(default_factory=dict)  # blocks an open is computing now
     copies_nbytes: int = 0  # bytes of the per-session layout's copies, kept as blocks come and go (read per grant)
+    # A leading block's digest (what `announced` says) -> the digest of the cached page that ends it; most recent last
+    leading: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
 
     def scope(self, owner: str) -> str:
         return SHARED_SCOPE if self.share_across_identities else owner
@@ -144,7 +152,23 @@ class PrefixCache:
                 break
             added += 1
         self.match(scope, tokens)  # the chain is the most recently used now, parents before children
+        self._note_leading(scope, tokens)
         return added
+
+    def _note_leading(self, scope: str, tokens: list[int]) -> None:
+        chain = self.digests(scope, tokens)
+        for length, leading in prefix_digests(tokens):
+            last_page = length // self.layout.page_tokens - 1
+            if last_page < len(chain) and chain[last_page] in self.blocks:
+                self.leading[leading] = chain[last_page]
+                self.leading.move_to_end(leading)
+        while len(self.leading) > 4 * MAX_ANNOUNCED_PREFIXES:  # evicted ones are skipped when read: keep a margin
+            self.leading.popitem(last=False)
+
+    def announced(self) -> list[str]:
+        """The leading blocks' digests whose pages are still cached, most recently remembered first (bounded)."""
+        held = [leading for leading, page in reversed(self.leading.items()) if page in self.blocks]
+        return held[:MAX_ANNOUNCED_PREFIXES]
 
     def idle(self, block: CachedBlock) -> bool:
         """No live session holds it: a per-session copy always, a pool page when only the cache holds it."""

@@ -259,7 +259,8 @@ class CloudServer:
         store = host.store
         read = load_reader(replica_id, host.engine.info.spec, host.vocab_fingerprint,
                            settings.advertise or f"{settings.host}:{self.port}", self.load, lambda: len(store),
-                           lambda: host.engine.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes))
+                           lambda: host.engine.queue_depth, lambda: (store.kv_bytes, settings.kv_budget_bytes),
+                           lambda: store.prefix_cache.announced() if store.prefix_cache is not None else [])
         return LoadAnnouncer(broker, replica_id, read)
 
     async def _expire_idle(self, store: SessionStore) -> None:

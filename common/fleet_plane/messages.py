@@ -22,6 +22,7 @@ from common.call_policy import parse_policy
 from common.decoding.modes import MODES, PIPELINES
 from common.errors import SprinterError
 from common.fleet_plane.topics import check_identifier, check_sha256
+from common.prefix_digests import DIGEST_HEX, MAX_ANNOUNCED_PREFIXES
 
 MAX_PAYLOAD_BYTES = 1 << 20
 STATUSES = ("online", "offline", "draining")
@@ -85,6 +86,19 @@ class CloudLoad:
     kv_bytes_used: int
     kv_bytes_budget: int
     time: float
+    # Digests of prompt prefixes this replica caches (common/prefix_digests.py), most recently used first, at most
+    # MAX_ANNOUNCED_PREFIXES: never tokens. Absent from older replicas: none.
+    prefixes: list = field(default_factory=list)
+
+    def check_prefixes(self) -> None:
+        if len(self.prefixes) > MAX_ANNOUNCED_PREFIXES:
+            raise BadMessage(f"{self.SCHEMA}: {len(self.prefixes)} prefixes, over the {MAX_ANNOUNCED_PREFIXES} allowed")
+        if not all(isinstance(p, str) and len(p) == DIGEST_HEX and _is_hex(p) for p in self.prefixes):
+            raise BadMessage(f"{self.SCHEMA}: a prefix is not a digest of {DIGEST_HEX} hex characters")
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True)
@@ -215,6 +229,8 @@ def decode(payload: bytes | bytearray | str, kind: type[M]) -> M:
     message = kind(**values)
     if isinstance(message, (EdgeState, CloudLoad)) and message.status not in STATUSES:
         raise BadMessage(f"{kind.SCHEMA}: status {message.status!r} is not one of {', '.join(STATUSES)}")
+    if isinstance(message, CloudLoad):
+        message.check_prefixes()
     return message
 
 

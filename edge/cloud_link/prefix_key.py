@@ -3,9 +3,13 @@
 Replicas are ranked by rendezvous hashing on a session's key (edge/cloud_link/replicas.py). A random key spread
 sessions evenly but sent a conversation's next turn, or a second edge's request over the same system prompt, to
 any replica, where the cloud's prefix cache (cloud/prefix_cache.py) held nothing of it. Keyed on the prompt's
-first `LEADING_BLOCK_TOKENS` tokens instead, every edge ranks the replicas the same way for the same leading
-block, and the replica that prefilled it first is the one asked again; the bounded-load override still moves a
-session off a replica holding more than its share, so one hot prefix spreads rather than piling up.
+first `LEADING_BLOCK_TOKENS` tokens instead (common/prefix_digests.py), every edge ranks the replicas the same
+way for the same leading block, and the replica that prefilled it first is the one asked again.
+
+With the fleet plane, replicas also announce digests of the prefixes they hold (`CloudLoad.prefixes`); a replica
+that holds a longer prefix of the prompt than the others goes first (`holders_first`), ahead of the rendezvous
+order, which still breaks ties and decides alone without a broker. Either way the bounded-load override then
+moves a session off a replica holding more than its share, so one hot prefix spreads rather than piling up.
 
 A reopen elsewhere (failover) keeps the key and skips the replicas it avoids: it lands on the next in the same
 order on every edge, where it is a cache miss the first time and a hit after.
@@ -13,18 +17,42 @@ order on every edge, where it is a cache miss the first time and a hit after.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
+from typing import Protocol, Sequence, TypeVar
 
-# One page of the cloud's paged KV (cloud/resident_kv.py: 128 tokens paged, 64 per session): the cloud caches and
-# matches whole pages, so a shorter shared prefix holds nothing cached and a first page is the least two prompts
-# must share for the replica choice to matter. Longer would split prompts that share a system prompt shorter
-# than the block by what follows it; a conversation's turns share far more than this.
-LEADING_BLOCK_TOKENS = 128
+from common.prefix_digests import LEADING_BLOCK_TOKENS, prefix_digests, whole_digest
+
+__all__ = ["LEADING_BLOCK_TOKENS", "PrefixKey", "holders_first", "prefix_key"]
 
 
-def prefix_key(prompt_ids: list[int]) -> str:
-    """The rendezvous key of a prompt: the digest of its first `LEADING_BLOCK_TOKENS` tokens (all of them when
+class PrefixKey(str):
+    """A session's rendezvous key (the leading block's digest) carrying the digests of its prompt's longer
+    prefixes, shortest first, to match against what replicas announce."""
+
+    digests: tuple[str, ...]
+
+
+def prefix_key(prompt_ids: list[int]) -> PrefixKey:
+    """The rendezvous key of a prompt: the digest of its first `LEADING_BLOCK_TOKENS` tokens (of all of them when
     shorter: such a prompt has no whole page to share, so its replica is as good as any other)."""
-    leading = array("q", prompt_ids[:LEADING_BLOCK_TOKENS]).tobytes()
-    return hashlib.blake2b(leading, digest_size=16, person=b"sprinter-prefix").hexdigest()
+    digests = tuple(digest for _, digest in prefix_digests(prompt_ids))
+    key = PrefixKey(digests[0] if digests else whole_digest(prompt_ids))
+    key.digests = digests
+    return key
+
+
+class Announcing(Protocol):
+    announced_prefixes: frozenset[str]  # the digests a replica last announced (empty: none, or no broker)
+
+
+R = TypeVar("R", bound=Announcing)
+
+
+def holders_first(key: str, ranked: Sequence[R]) -> list[R]:
+    """`ranked` (rendezvous order) with the replicas holding the longest announced prefix of the key's prompt
+    first; the order among equals, and all of it where nothing was announced, stays as it was."""
+    digests = getattr(key, "digests", ())
+
+    def held(replica: R) -> int:
+        return max((i + 1 for i, digest in enumerate(digests) if digest in replica.announced_prefixes), default=0)
+
+    return sorted(ranked, key=held, reverse=True)  # stable: equals keep the rendezvous order

@@ -37,7 +37,7 @@ from common.addresses import split_host_port
 from common.admission import Admission, QueuePlace
 from common.fleet_plane.messages import CloudLoad
 from common.sampling import SamplingParams
-from edge.cloud_link.prefix_key import prefix_key
+from edge.cloud_link.prefix_key import holders_first, prefix_key
 from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudLoading, CloudRefused, CloudUnavailable,
                                     DeadlinePassed, backoff_delay, time_left)
 from edge.cloud_link.failures import ACTIONS, Cause, Rest
@@ -72,6 +72,7 @@ class Replica:
     announced_queue_depth: int = 0  # verifications waiting for a batch, as last announced
     announced_batch_mean: float = 0.0
     announced_at: float = 0.0
+    announced_prefixes: frozenset[str] = frozenset()  # digests of the prompt prefixes it caches (prefix_key.py)
     busy_until: float = 0.0  # it refused a Generate with RESOURCE_EXHAUSTED or announced a queue: busy until then
     gone: bool = False  # no longer resolved or announced: no new sessions
     loading: bool = False  # answers, but its health says NOT_SERVING (the model loads): waited for, not failed
@@ -105,9 +106,7 @@ class Replica:
 
 def rendezvous_order(key: str, replicas: Sequence[Replica]) -> list[Replica]:
     """Highest random weight first: the same key ranks the same replicas the same way on every edge."""
-    def weight(replica: Replica) -> int:
-        return int.from_bytes(hashlib.sha256(f"{key}|{replica.address}".encode()).digest()[:8], "big")
-    return sorted(replicas, key=weight, reverse=True)
+    return sorted(replicas, key=lambda r: hashlib.sha256(f"{key}|{r.address}".encode()).digest()[:8], reverse=True)
 
 
 def join_host_port(host: str, port: int | str) -> str:
@@ -199,6 +198,7 @@ class ReplicaSet:
             return
         replica.announced_sessions, replica.announced_at = load.open_sessions, time.monotonic()
         replica.announced_queue_depth, replica.announced_batch_mean = load.queue_depth, load.batch_size_mean
+        replica.announced_prefixes = frozenset(load.prefixes)
         if load.queue_depth > 0:
             replica.busy_until = max(replica.busy_until, replica.announced_at + BUSY_HOLD_S)
         if load.status == "online":
@@ -276,7 +276,7 @@ class ReplicaSet:
         usable = [r for r in self.replicas.values() if r.usable(now) and (r.draft_model_id or not drafting)]
         if not usable:
             return None
-        ranked = rendezvous_order(key, usable)
+        ranked = holders_first(key, rendezvous_order(key, usable))  # who holds more of the prompt, then rendezvous
         preferred = [r for r in ranked if r.address not in avoid] or ranked
         cap = LOAD_FACTOR * (sum(r.load(now) for r in usable) + 1) / len(usable)
         return next((r for r in preferred if r.load(now) + 1 <= cap), preferred[0]).client
