@@ -15,7 +15,7 @@ from common.sampling import SamplingParams
 from common.verifier import ConfidenceVerifier
 from edge.decoding.decoder import EdgeDecoder, EdgeResult, EdgeSettings
 from edge.runtime.draft import draft_lm_factory
-from edge.runtime.draft_reuse import DraftKVCache
+from edge.runtime.draft_reuse import MIN_REUSE_TOKENS, DraftKVCache
 
 NEW_TOKENS = 16
 GREEDY = EdgeSettings(DecodeSettings(mode="draft", max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0.0)))
@@ -152,3 +152,35 @@ def test_smollm2_second_turn_is_the_same_with_the_cache(smollm2: LoadedModel, ru
         await both(cold, warm, diverged)
 
     asyncio.run(run())
+
+
+def test_the_daemon_reports_what_the_draft_reused_in_the_response_and_its_metrics(tiny_draft: LoadedModel) -> None:
+    """`edge serve --draft-cache-mb` (parsed as the daemon parses it), through HTTP: a chat's second turn."""
+    import argparse
+
+    import httpx
+
+    from edge.api.app import ApiSettings, create_app
+    from edge.node import EdgeNodeSettings
+    from edge.serve_command import register
+    from edge_harness import EdgeDaemonThread
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["edge", "serve"])
+    assert EdgeNodeSettings.from_args(args).draft_cache_mb == 256  # on by default in the daemon
+    assert parser.parse_args(["edge", "serve", "--draft-cache-mb", "0"]).draft_cache_mb == 0
+    api = ApiSettings(default_mode="draft", model_name="tiny")
+    with EdgeDaemonThread(tiny_draft, None, lambda node: create_app(node, api), {"draft_cache_mb": 16}) as daemon:
+        turn = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        messages = [{"role": "system", "content": "Be brief. " * 6}, {"role": "user", "content": "Name a river."}]
+        first = httpx.post(daemon.base + "/v1/chat/completions", json={**turn, "messages": messages}).json()
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And a lake?"}]
+        second = httpx.post(daemon.base + "/v1/chat/completions", json={**turn, "messages": messages}).json()
+        reused = second["sprinter"]["stats"]["draft_reused_tokens"]
+        assert first["sprinter"]["stats"]["draft_reused_tokens"] == 0 and reused >= MIN_REUSE_TOKENS
+        assert second["sprinter"]["stats"]["draft_prefill_saved_ms"] > 0
+        scraped = httpx.get(daemon.base + "/metrics").text
+        assert f"sprinter_edge_draft_reused_tokens_total {float(reused)}" in scraped
+        assert "sprinter_edge_draft_prefill_saved_seconds_total" in scraped
