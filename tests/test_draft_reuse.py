@@ -184,3 +184,31 @@ def test_the_daemon_reports_what_the_draft_reused_in_the_response_and_its_metric
         scraped = httpx.get(daemon.base + "/metrics").text
         assert f"sprinter_edge_draft_reused_tokens_total {float(reused)}" in scraped
         assert "sprinter_edge_draft_prefill_saved_seconds_total" in scraped
+
+
+@pytest.mark.parametrize("io_binding", [False, True])
+def test_an_onnx_snapshot_restores_the_rows_it_holds(tiny_draft: LoadedModel, export_cache: Path, io_binding: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ONNX cache forms (numpy; OrtValues through the slice graph, as on CUDA): a runtime started from a cut
+    snapshot gives a fresh runtime's logits, and growing it leaves the snapshot as it was."""
+    import numpy as np
+    import torch
+
+    from edge.onnx_export.export import export_draft
+    from edge.runtime.onnx_draft import OnnxDraftModel
+
+    monkeypatch.setenv("SPRINTER_CACHE", str(export_cache))
+    model = OnnxDraftModel(export_draft(tiny_draft), threads=1, io_binding=io_binding)
+    context = list(range(5, 45))
+    donor = model.new_lm()
+    donor.advance_to(context)
+    kv, nbytes = donor.kv_snapshot()
+    assert nbytes > 0
+    before = [np.array(v.numpy() if io_binding else v, copy=True) for v in kv]
+    diverged = context[:25] + [7, 8, 9]
+    started, fresh = model.new_lm(), model.new_lm()
+    started.start_from(diverged[:25], kv)
+    got, want = started.advance_to(diverged, 3), fresh.advance_to(diverged, 3)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    started.advance_to(diverged + [1, 2, 3])
+    assert all(np.array_equal(b, v.numpy() if io_binding else v) for b, v in zip(before, kv))
