@@ -89,3 +89,32 @@ def test_the_key_is_the_leading_block_alone() -> None:
     assert prefix_key(block + [1, 2, 3]) == prefix_key(block + [7]) == prefix_key(block)
     assert prefix_key(block[:-1] + [0]) != prefix_key(block)
     assert prefix_key([1, 2]) != prefix_key([1, 2, 3])  # shorter than a block: all of it
+
+
+def test_when_the_prefix_replica_is_gone_the_next_turn_fails_over_as_a_cache_miss(tiny_target, tiny_draft) -> None:
+    """The replica that cached the first turn stops; the second turn goes to the other (the next in the same
+    order), answers in full and undegraded, and finds nothing cached there: a miss, then a hit on the turn after."""
+    from openai import OpenAI
+    api = ApiSettings(default_mode="sd-block", model_name="tiny")
+    settings = CloudSettings(target="tiny-random", batch_window_ms=1)
+    a, b = ServerThread(settings, tiny_target).__enter__(), ServerThread(settings, tiny_target).__enter__()
+    try:
+        with EdgeDaemonThread(tiny_draft, f"{a.address},{b.address}", lambda node: create_app(node, api)) as edge:
+            client = OpenAI(base_url=edge.base + "/v1", api_key="unused", max_retries=0)
+            turn = dict(model="tiny", max_tokens=8, temperature=0)
+            messages = [{"role": "system", "content": system("failover")}, {"role": "user", "content": "Name a river."}]
+            holder, first = _served_by((a, b), lambda: client.chat.completions.create(messages=messages, **turn))
+            survivor = b if holder is a else a
+            holder.__exit__(None, None, None)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And a mountain?"}]
+            second = client.chat.completions.create(messages=messages, **turn)
+            assert not second.model_extra["sprinter"]["degraded"] and second.choices[0].message.content
+            assert second.usage.prompt_tokens_details.cached_tokens == 0  # a miss on the replica it moved to
+            third = client.chat.completions.create(messages=messages, **turn)
+            assert third.usage.prompt_tokens_details.cached_tokens > 0  # and a hit there after
+            assert _queries(survivor) == 2
+    finally:
+        for cloud in (a, b):
+            if cloud._thread.is_alive():
+                cloud.__exit__(None, None, None)
