@@ -18,6 +18,7 @@ from common.arguments import DTYPE_NAMES, host_port
 from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
+from common.tracing import add_tracing_argument, enable_from_flag, tracer
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument, add_proposer_arguments
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def add_api_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + completion tokens (default: the draft's window and the cloud's max_context)")
     p.add_argument("--cloud-retry-s", type=float, default=2.0,
                    help="while the cloud is out of reach, how often a generation tries it again")
+    add_tracing_argument(p)
 
 
 def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool) -> str | None:
@@ -99,7 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"sprinter edge serve: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(serve(args, node_settings))
+    enable_from_flag(args.otlp_traces_endpoint, "sprinter-edge", args.edge_id or f"edge-{args.listen}")
+    try:
+        asyncio.run(serve(args, node_settings))
+    finally:
+        tracer.shutdown()  # the spans still buffered go out before the process ends
     return 0
 
 

@@ -47,6 +47,7 @@ from common.logits_processing import processor_for
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
+from common.tracing import tracer
 from common.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
@@ -194,14 +195,16 @@ class EdgeDecoder:
         use = CloudUse(on_degraded)
         verifier = self.verifier_identity
         deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
-        try:
-            if not generation.settings.traits.drafts:
-                await self._target(generation, settings, use, deadline_at)
-            else:
-                await self._speculate(generation, settings, use, deadline_at)
-        except CloudRefused as err:  # keep what was made; the response says why it ended early
-            log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
-            use.error = err
+        with tracer.span("edge.generate", mode=mode, placement=placed.used, prompt_tokens=len(prompt_ids)) as span:
+            try:
+                if not generation.settings.traits.drafts:
+                    await self._target(generation, settings, use, deadline_at)
+                else:
+                    await self._speculate(generation, settings, use, deadline_at)
+            except CloudRefused as err:  # keep what was made; the response says why it ended early
+                log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
+                use.error = err
+            span.set(new_tokens=len(generation.new_tokens), degraded_reason=use.degraded_reason, reopens=use.reopens)
         tokens = generation.new_tokens
         text = self._decode(tokens)
         stats = generation.recorder.finish(len(tokens))
