@@ -294,9 +294,7 @@ class TargetHost:
         session.tokens.extend(kept)
         session.last_verdict = (start_position, n_accepted, next_token)
         session.touch()
-        self.metrics.verify_calls.labels(wire.method_name(frame.method)).inc()
-        self.metrics.tokens_verified.inc(len(draft_tokens))
-        self.metrics.tokens_accepted.inc(n_accepted)
+        self.metrics.count_verdict(wire.method_name(frame.method), len(draft_tokens), n_accepted)
         self.store.enforce_budget(protect=session)
         self.update_gauges()
         return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,

@@ -102,6 +102,14 @@ class EdgeMetrics:
         self.queue_seconds = Histogram("sprinter_edge_cloud_queue_seconds", "Time a request waited in the cloud's "
                                        "admission queue", registry=r,
                                        buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
+        # What proposed the tokens (the draft model, or text copied by a suffix proposer) and how many calls kept.
+        self.drafted = Counter("sprinter_edge_drafted_tokens", "Tokens proposed for the target to verify, by mode and "
+                               "source (model, copied)", ["mode", "source"], registry=r)
+        self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
+                                   registry=r)
+        self.accepted_per_call = Histogram("sprinter_edge_accepted_per_call", "Draft tokens the target kept per call, "
+                                           "by mode (acceptance by position: 1 - bucket(le=i) / count)", ["mode"],
+                                           registry=r, buckets=tuple(range(17)))
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -111,6 +119,7 @@ class EdgeMetrics:
         self.tokens.labels(mode).inc(result.stats.new_tokens)
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
+        self._observe_proposals(result)
         self.queue_seconds.observe(result.queued_s)
         if result.placed is not None:
             self.placements.labels(result.placed.asked, result.placed.used).inc()
@@ -122,3 +131,12 @@ class EdgeMetrics:
         self.totals.degraded_requests += int(result.degraded)
         if result.error is not None:
             self.refused.labels(result.error.code.name).inc()
+
+    def _observe_proposals(self, result: EdgeResult) -> None:
+        stats = result.stats
+        copied = min(stats.suffix_tokens, stats.drafted_tokens)
+        self.drafted.labels(stats.mode, "model").inc(stats.drafted_tokens - copied)
+        self.drafted.labels(stats.mode, "copied").inc(copied)
+        self.copied_kept.labels(stats.mode).inc(stats.suffix_kept)
+        for accepted in stats.accepted_lengths:
+            self.accepted_per_call.labels(stats.mode).observe(accepted)
