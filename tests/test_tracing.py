@@ -156,3 +156,19 @@ def test_a_failover_is_one_trace_with_spans_on_two_replicas(tmp_path: Path) -> N
     assert any(s.error for s in _named(spans, "edge.attempt")), "the attempt the kill broke is marked failed"
     sessions = {s.instance: by_id[s.parent_id].name for s in _named(spans, "cloud.session")}
     assert sessions[f"cloud-{survivor.port}"] in ("edge.attempt", "edge.open")  # opened by the retry after the move
+
+
+@pytest.mark.slow
+def test_a_stretch_without_the_cloud_is_a_degraded_span(tmp_path: Path) -> None:
+    """No replica listens: every verify fails, and the generation goes on from the draft under `edge.degraded`."""
+    with OtlpCollector() as collector, \
+            edge_daemon_process(_edge_args(f"127.0.0.1:{free_port()}", collector) + ["--cloud-retry-s", "60"],
+                                free_port(), tmp_path / "edge.log", timeout_s=300, env=EXPORT_ENV) as edge:
+        result = _complete(edge.base, 12, 3)
+        spans = collector.wait_for(lambda s: bool(_named(s, "edge.request")) and bool(_named(s, "edge.degraded")))
+    assert result["degraded"] and result["degraded_reason"] == "cloud_unreachable"
+    assert len({s.trace_id for s in spans}) == 1 and not [s for s in spans if s.service != "sprinter-edge"]
+    by_id = {s.span_id: s for s in spans}
+    degraded = _named(spans, "edge.degraded")
+    assert [(by_id[d.parent_id].name, d.attributes["reason"]) for d in degraded] == [("edge.generate", "cloud_unreachable")]
+    assert all(v.error for v in _named(spans, "edge.verify")), "the verify that gave up is marked failed"
