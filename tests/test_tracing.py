@@ -14,8 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from otlp_collector import OtlpCollector, ReceivedSpan
 from sim.processes import CloudProcess, edge_daemon_process, free_port
+
+# The collector serves opentelemetry-proto's OTLP stubs: the `otel` extra, which `make setup` installs.
+pytest.importorskip("opentelemetry.proto.collector.trace.v1", reason="the otel extra is not installed: pip install -e '.[otel]'")
+from otlp_collector import OtlpCollector, ReceivedSpan  # noqa: E402 -- after the skip
 
 ROOT = Path(__file__).resolve().parents[1]
 # Spans go out 50 ms after they end (the SDK's default is 5 s): a replica killed mid-request has sent its verifies.
