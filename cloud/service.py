@@ -42,6 +42,7 @@ from cloud.quotas import STREAMS_RETRY_MS
 from cloud.sessions import Session
 from common import wire
 from common.admission import QueuePlace
+from common.tracing import tracer
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -90,6 +91,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def Session(self, request_iterator: AsyncIterator[pb.EdgeFrame],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CloudFrame]:
         owner, host = await self._admit(context, stream=True)
+        # the edge's trace context rides in the call's metadata: this stream's spans join its request's trace
+        with tracer.span("cloud.session", remote=context.invocation_metadata(), edge=owner):
+            async for answer in self._frames(owner, host, request_iterator, context):
+                yield answer
+
+    async def _frames(self, owner: str, host: TargetHost, request_iterator: AsyncIterator[pb.EdgeFrame],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CloudFrame]:
         stream = _Stream(owner, host, context)
         self.open_streams += 1
         try:
@@ -134,9 +142,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         owner, host = await self._admit(context, stream=True)
         self.open_streams += 1
         try:
-            async for chunk in relayed(lambda tell: host.generate(owner, request, context.cancelled, tell),
-                                       wire.admission_of(request).waits_in_line):
-                yield chunk
+            with tracer.span("cloud.generate", remote=context.invocation_metadata(), edge=owner):
+                async for chunk in relayed(lambda tell: host.generate(owner, request, context.cancelled, tell),
+                                           wire.admission_of(request).waits_in_line):
+                    yield chunk
         except CloudError as err:
             await self._refuse(context, err)
         finally:
@@ -156,6 +165,11 @@ class _Stream:
         return self.left or self.context.cancelled()
 
     async def open(self, request: pb.OpenSession) -> AsyncIterator[pb.CloudFrame]:
+        with tracer.span("cloud.open", tokens=len(request.prompt_ids)):
+            async for answer in self._open(request):
+                yield answer
+
+    async def _open(self, request: pb.OpenSession) -> AsyncIterator[pb.CloudFrame]:
         host, previous = self.host, self.session
         # to its end even if the edge leaves: a client that cancels mid-prefill must not leave a half-built session
         async for step in in_line(lambda tell: host.open(self.owner, request, previous, self.abandoned, tell),
@@ -183,12 +197,13 @@ class _Stream:
                 return
             host.metrics.candidates.labels("verified").inc()
         # to its end even if the edge leaves: the cache and the token list must move together
-        async for step in in_line(lambda tell: host.verify(session, block, self.abandoned, tell),
-                                  session.admission.waits_in_line):
-            if isinstance(step, Admitted):
-                yield wire.cloud_frame(step.value)  # the verdict, or a residual query to be answered first
-            else:
-                yield wire.queued(step)
+        with tracer.span("cloud.verify", tokens=len(block.draft_tokens), position=block.start_position):
+            async for step in in_line(lambda tell: host.verify(session, block, self.abandoned, tell),
+                                      session.admission.waits_in_line):
+                if isinstance(step, Admitted):
+                    yield wire.cloud_frame(step.value)  # the verdict, or a residual query to be answered first
+                else:
+                    yield wire.queued(step)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class CloudSettings:
     mqtt_keepalive: int = 10
     replica_id: str | None = None  # default: cloud-PORT
     advertise: str | None = None  # the host:port edges should dial (default: --host:--port)
+    otlp_traces_endpoint: str | None = None  # common/tracing.py: off unless given
 
     def __post_init__(self) -> None:
         for error in self.problems():

@@ -35,6 +35,7 @@ from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarError, SamplingParams
 from common.acceptance_rules import decide
 from common.admission import Admission
+from common.tracing import tracer
 from sprinter.v1 import decoding_pb2 as pb
 
 T = TypeVar("T")
@@ -187,17 +188,21 @@ class TargetHost:
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
-            _, queued_s = await self._admit(session.owner, session.admission,
-                                            lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
-                                            tell if session.admission.waits_in_line else None, abandoned, running=True)
-            result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
-                                               abandoned=abandoned)
+            with tracer.span("cloud.queue"):
+                _, queued_s = await self._admit(session.owner, session.admission,
+                                                lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
+                                                tell if session.admission.waits_in_line else None, abandoned, running=True)
+            with tracer.span("cloud.forward", tokens=len(new_tokens)):
+                result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
+                                                   abandoned=abandoned)
             self.store.check_kv("forward")
             started = time.perf_counter()
             try:
                 rows = result.rows.shaped(session.processor, session.tokens, draft_tokens)
-                decision = decide(frame_proposal(frame, session.sampling), wire.method_name(frame.method),
-                                  session.sampling, session.generator, argmax=rows.argmax.tolist(), logits=rows.logits)
+                with tracer.span("cloud.rule", method=wire.method_name(frame.method)):
+                    decision = decide(frame_proposal(frame, session.sampling), wire.method_name(frame.method),
+                                      session.sampling, session.generator, argmax=rows.argmax.tolist(),
+                                      logits=rows.logits)
                 n_accepted, next_token = decision.n_accepted, decision.next_token
                 if next_token is None:  # the token rule rejected: its residual needs the edge's distribution
                     if abandoned is not None and abandoned():  # the stream that would answer is gone
@@ -290,9 +295,7 @@ class TargetHost:
         session.tokens.extend(kept)
         session.last_verdict = (start_position, n_accepted, next_token)
         session.touch()
-        self.metrics.verify_calls.labels(wire.method_name(frame.method)).inc()
-        self.metrics.tokens_verified.inc(len(draft_tokens))
-        self.metrics.tokens_accepted.inc(n_accepted)
+        self.metrics.count_verdict(wire.method_name(frame.method), len(draft_tokens), n_accepted)
         self.store.enforce_budget(protect=session)
         self.update_gauges()
         return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,

@@ -18,6 +18,7 @@ from common.arguments import DTYPE_NAMES, host_port
 from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
+from common.tracing import add_tracing_argument, enable_from_flag, tracer
 from edge.runtime.draft_reuse import DEFAULT_DRAFT_CACHE_MB
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument, add_proposer_arguments
 
@@ -65,6 +66,7 @@ def add_api_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for the draft's prompt KV kept across requests, so a conversation's next turn and "
                         "a request's n choices prefill only what is new on the edge (least recently used out first; "
                         f"0: off). Default {DEFAULT_DRAFT_CACHE_MB}")
+    add_tracing_argument(p)
 
 
 def _non_negative_mb(text: str) -> int:
@@ -111,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"sprinter edge serve: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(serve(args, node_settings))
+    enable_from_flag(args.otlp_traces_endpoint, "sprinter-edge", args.edge_id or f"edge-{args.listen}")
+    try:
+        asyncio.run(serve(args, node_settings))
+    finally:
+        tracer.shutdown()  # the spans still buffered go out before the process ends
     return 0
 
 

@@ -535,7 +535,7 @@ def test_dockerignore_keeps_the_context_small_but_complete() -> None:
 
 def test_compose_waits_for_health_and_wires_the_planes() -> None:
     services = compose()["services"]
-    assert set(services) == {"mosquitto", "cloud-a", "cloud-b", "link", "edge-a", "edge-b"}
+    assert set(services) == {"mosquitto", "cloud-a", "cloud-b", "link", "edge-a", "edge-b", "prometheus", "grafana"}
     for name, service in services.items():
         assert service["healthcheck"]["test"], name
         for dependency, condition in service.get("depends_on", {}).items():

@@ -45,6 +45,7 @@ from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams
 from common.acceptance_rules import Proposal, decide
+from common.tracing import tracer
 
 T = TypeVar("T")
 
@@ -132,7 +133,9 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
 
     on_passed = on_passed if generation.settings.traits.releases_passed else None
     prefix = PendingBlock(prefix.drafted[:limit]) if prefix is not None else None  # drafted for the room there was
-    block = await drafter.draft(context, limit, policy, cost_model, to_verify, on_passed, prefix)
+    with tracer.span("edge.draft", limit=limit, to_verify=to_verify) as span:
+        block = await drafter.draft(context, limit, policy, cost_model, to_verify, on_passed, prefix)
+        span.set(tokens=len(block))
     generation.recorder.proposed(block.drafted[len(prefix) if prefix is not None else 0:])
     return block
 

@@ -25,6 +25,7 @@ from common.decoding.modes import MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, De
 from common.sampling import SamplingParams
 from common.sampling_params import GrammarError
 from common.tool_calls import ToolsUnsupported
+from common.tracing import tracer
 from edge.api.choices import LogprobFormat
 from edge.api.guards import ConcurrencyLimit
 from edge.api.metrics import EdgeMetrics
@@ -154,6 +155,13 @@ class Completions:
 
     async def respond(self, request: Request, body: SamplingFields, encode: Callable[[], list[int]],
                       chat: bool, plan: RequestPlan) -> Response:
+        with tracer.span("edge.request", chat=chat, stream=bool(body.stream), n=body.n) as span:
+            response = await self._respond(request, body, encode, chat, plan)
+            span.set(status=response.status_code)
+            return response
+
+    async def _respond(self, request: Request, body: SamplingFields, encode: Callable[[], list[int]],
+                       chat: bool, plan: RequestPlan) -> Response:
         if not self.slots.try_acquire(body.n):
             self.metrics.rejected.labels("busy").inc()
             return openai_error(429, f"{self.slots.limit} generations are in flight, this daemon's limit "

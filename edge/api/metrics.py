@@ -107,6 +107,14 @@ class EdgeMetrics:
                                            registry=r)
         self.draft_prefill_saved = Counter("sprinter_edge_draft_prefill_saved_seconds", "Draft prefill time that "
                                            "reuse saved, estimated from this edge's prefill rate", registry=r)
+        # What proposed the tokens (the draft model, or text copied by a suffix proposer) and how many calls kept.
+        self.drafted = Counter("sprinter_edge_drafted_tokens", "Tokens proposed for the target to verify, by mode and "
+                               "source (model, copied)", ["mode", "source"], registry=r)
+        self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
+                                   registry=r)
+        self.accepted_per_call = Histogram("sprinter_edge_accepted_per_call", "Draft tokens the target kept per call, "
+                                           "by mode (acceptance by position: 1 - bucket(le=i) / count)", ["mode"],
+                                           registry=r, buckets=tuple(range(17)))
         self.tokens_per_s = Histogram("sprinter_edge_tokens_per_s", "Generation speed per request", registry=r,
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
@@ -116,6 +124,7 @@ class EdgeMetrics:
         self.tokens.labels(mode).inc(result.stats.new_tokens)
         self.target_calls.labels(mode).inc(result.stats.target_calls)
         self.tokens_per_s.observe(result.stats.tokens_per_s)
+        self._observe_proposals(result)
         self.queue_seconds.observe(result.queued_s)
         self.draft_reused_tokens.inc(result.stats.draft_reused_tokens)
         self.draft_prefill_saved.inc(result.stats.draft_prefill_saved_ms / 1e3)
@@ -129,3 +138,12 @@ class EdgeMetrics:
         self.totals.degraded_requests += int(result.degraded)
         if result.error is not None:
             self.refused.labels(result.error.code.name).inc()
+
+    def _observe_proposals(self, result: EdgeResult) -> None:
+        stats = result.stats
+        copied = min(stats.suffix_tokens, stats.drafted_tokens)
+        self.drafted.labels(stats.mode, "model").inc(stats.drafted_tokens - copied)
+        self.drafted.labels(stats.mode, "copied").inc(copied)
+        self.copied_kept.labels(stats.mode).inc(stats.suffix_kept)
+        for accepted in stats.accepted_lengths:
+            self.accepted_per_call.labels(stats.mode).observe(accepted)

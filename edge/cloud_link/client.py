@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import wire
 from common.admission import Admission, QueuePlace
 from common.errors import SprinterError
+from common.tracing import tracer
 from common.sampling import SamplingParams
 from common.wire import CloudLimits
 from edge.cloud_link.failures import Cause, classify_status
@@ -188,7 +189,7 @@ class CloudClient:
         """
         request = wire.generate_request(prompt_ids, sampling, max_new_tokens, vocab_fingerprint, output_start,
                                         speculate_block, proposer, admission)
-        call = self.stub.Generate(request, metadata=self.metadata)
+        call = self.stub.Generate(request, metadata=tracer.metadata(self.metadata))
         limit, request_bound = self.endpoint.deadline_s, False
         try:
             while True:

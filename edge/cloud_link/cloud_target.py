@@ -20,6 +20,7 @@ from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
 from common.logprobs import TokenLogprob
 from common.sampling import SamplingParams, SparseDistribution
+from common.tracing import NO_SPAN, tracer
 from edge.cloud_link.client import CloudLinkError, CloudUnavailable, DeadlinePassed
 from edge.cloud_link.session import CloudSession
 from sprinter.v1 import decoding_pb2 as pb
@@ -80,6 +81,7 @@ class CloudTarget:
         self.use = use
         self.down_since: float | None = None
         self.deadline_passed = False
+        self.degraded_span = NO_SPAN  # a trace's span over a stretch served from the draft alone, while it lasts
 
     def reachable(self) -> bool:
         if self.deadline_passed:
@@ -168,11 +170,14 @@ class CloudTarget:
         reopens, started = self.session.reopens, waited_since or time.perf_counter()
         try:
             answer = (lambda query: self._residual_answer(block, query)) if self.dists_on_rejection else None
-            verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate,
-                                                      answer)
+            with tracer.span("edge.verify", tokens=len(block), candidate=matched_candidate) as span:
+                verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate,
+                                                          answer)
+                span.set(n_accepted=verdict.n_accepted, verify_ms=verdict.verify_ms)
         except CloudUnavailable as err:
             if self.down_since is None:
                 log.warning("%s; continuing from the draft alone (degraded): %s", err.reason, err)
+                self.degraded_span = tracer.start("edge.degraded", reason=err.reason)
             self.use.mark_degraded(err.reason)
             self.down_since = time.monotonic()
             self.deadline_passed = isinstance(err, DeadlinePassed)
@@ -182,6 +187,8 @@ class CloudTarget:
         if self.down_since is not None:
             log.info("cloud is back")
             self.down_since = None
+            self.degraded_span.end()
+            self.degraded_span = NO_SPAN
         round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
         kept = block.tokens[: verdict.n_accepted] + [verdict.next_token]
         return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms,
@@ -195,4 +202,6 @@ class CloudTarget:
         return [d.sparse(self.max_sparse_support) for d in rows]
 
     async def close(self) -> None:
+        self.degraded_span.end()  # degraded to the end of the generation
+        self.degraded_span = NO_SPAN
         await self.session.close()

@@ -35,6 +35,7 @@ from common import wire
 from common.admission import Admission
 from common.logprobs import TokenLogprob
 from common.sampling import SparseDistribution, SamplingParams
+from common.tracing import tracer
 from edge.cloud_link.prefix_key import prefix_key
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.failures import ACTIONS, Cause, RetryableFailure, classify
@@ -146,7 +147,9 @@ class CloudSession:
         ticket = self.stream.ticket.ticket_id if self.stream.ticket else ""  # a place kept from a broken stream
         frame = wire.open_frame(context, sampling, self.vocab_fingerprint, first_token, self.output_start,
                                 Admission(self.priority, waits_in_line=True, ticket_id=ticket))
-        answer = await self.stream.exchange(frame)
+        with tracer.span("edge.open", replica=self.client.endpoint.address, reopen=self.opens > 0,
+                         tokens=len(context)):
+            answer = await self.stream.exchange(frame)
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
         self.stream.ticket = None
@@ -261,10 +264,12 @@ class CloudSession:
         failures = tries = 0  # failures: replicas out of reach (they count against the attempts); tries: all
         while failures < self.replicas.attempts:
             try:
-                if tries == 0 and matched_candidate:
-                    verdict = await self._read_candidate_verdict(context, block)
-                else:
-                    verdict = await self._attempt(context, frame, answer_query)
+                with tracer.span("edge.attempt", attempt=tries, candidate=tries == 0 and matched_candidate) as span:
+                    if tries == 0 and matched_candidate:
+                        verdict = await self._read_candidate_verdict(context, block)
+                    else:
+                        verdict = await self._attempt(context, frame, answer_query)
+                    span.set(replica=self.client.endpoint.address if self.client else None)
             except RetryableFailure as failure:
                 last_failure, tries = failure, tries + 1
                 failures += failure.action.counts
@@ -295,7 +300,8 @@ class CloudSession:
             # one that came up while resting is found at once, where staying would ask a draining one again.
             if self.replicas.choose(self.key, avoid) is not client:
                 self.avoid = set(avoid)
-                await self._leave()
+                with tracer.span("edge.failover", replica=client.endpoint.address, cause=failure.cause.value):
+                    await self._leave()
                 return
         if client is None:  # no replica was usable: wait for one to come back
             delay = backoff_delay(attempt, 0.2, 2.0)
@@ -304,7 +310,9 @@ class CloudSession:
             delay = 0.0 if failure.action.resync and attempt == 0 else backoff_delay(attempt, endpoint.backoff_s,
                                                                                      endpoint.max_backoff_s)
             delay = min(max(delay, failure.retry_after_s), endpoint.deadline_s)
-        if not await sleep_within(delay, self.deadline_at):
+        with tracer.span("edge.retry_wait", cause=failure.cause.value, delay_ms=delay * 1e3):
+            waited = await sleep_within(delay, self.deadline_at)
+        if not waited:
             await self._reset()
             raise DeadlinePassed(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed while the cloud "
                                  f"was unavailable ({failure})", loading=failure.cause is Cause.LOADING)

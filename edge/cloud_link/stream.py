@@ -20,6 +20,7 @@ import asyncio
 import grpc
 
 from common import wire
+from common.tracing import tracer
 from common.admission import QueuePlace
 from edge.cloud_link.client import CloudClient, DeadlinePassed, wait_limit
 from sprinter.v1 import decoding_pb2 as pb
@@ -46,7 +47,7 @@ class SessionStream:
     def start(self, client: CloudClient) -> None:
         """A call on `client`, unless one is open already."""
         if self.call is None:
-            self.call = client.stub.Session(metadata=client.metadata)
+            self.call = client.stub.Session(metadata=tracer.metadata(client.metadata))
             self.deadline_s = client.endpoint.deadline_s
 
     async def exchange(self, frame: pb.EdgeFrame) -> pb.CloudFrame:

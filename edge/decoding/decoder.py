@@ -47,6 +47,7 @@ from common.logits_processing import processor_for
 from common.models import LoadedModel, vocab_fingerprint
 from common.sampling import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
+from common.tracing import tracer
 from common.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
@@ -196,14 +197,16 @@ class EdgeDecoder:
         verifier = self.verifier_identity
         deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
         drafts = GenerationDrafts(self.make_draft_lm)
-        try:
-            if not generation.settings.traits.drafts:
-                await self._target(generation, settings, use, deadline_at, drafts)
-            else:
-                await self._speculate(generation, settings, use, deadline_at, drafts)
-        except CloudRefused as err:  # keep what was made; the response says why it ended early
-            log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
-            use.error = err
+        with tracer.span("edge.generate", mode=mode, placement=placed.used, prompt_tokens=len(prompt_ids)) as span:
+            try:
+                if not generation.settings.traits.drafts:
+                    await self._target(generation, settings, use, deadline_at, drafts)
+                else:
+                    await self._speculate(generation, settings, use, deadline_at, drafts)
+            except CloudRefused as err:  # keep what was made; the response says why it ended early
+                log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
+                use.error = err
+            span.set(new_tokens=len(generation.new_tokens), degraded_reason=use.degraded_reason, reopens=use.reopens)
         # off the event loop: keeping the context for the next turn copies the draft's KV
         await asyncio.to_thread(drafts.release, generation.recorder)
         tokens = generation.new_tokens

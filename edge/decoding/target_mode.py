@@ -27,6 +27,7 @@ from common.call_policy import CostModel
 from common.decoding.drafting import Drafter
 from common.decoding.generation import Generation
 from common.decoding.speculative_round import speculative_round
+from common.tracing import tracer
 from edge.cloud_link.cloud_target import CloudUse
 from edge.cloud_link.client import CloudLoading, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within
 from edge.cloud_link.replicas import ReplicaSet
@@ -52,7 +53,8 @@ class CloudGenerate:
         drafter, retry_at, busy, failures = None, None, 0, 0
         while not generation.done:
             try:
-                use.finish_reason = await self._stream(generation, deadline_at, use)
+                with tracer.span("edge.cloud_generate", busy=busy, failures=failures):
+                    use.finish_reason = await self._stream(generation, deadline_at, use)
                 return
             except CloudRefused as err:
                 if err.code.name != "RESOURCE_EXHAUSTED" or not err.retry_after_s:
@@ -84,8 +86,9 @@ class CloudGenerate:
                 retry_at = time.monotonic() + self.cloud_retry_s
             drafter = drafter or self.drafter()
             # past the request's deadline (retry_at None) the draft goes on to the end
-            while not generation.done and (retry_at is None or time.monotonic() < retry_at):
-                await speculative_round(generation, drafter, None, None, None)
+            with tracer.span("edge.degraded", reason=use.degraded_reason):
+                while not generation.done and (retry_at is None or time.monotonic() < retry_at):
+                    await speculative_round(generation, drafter, None, None, None)
 
     async def _back(self, failures: int, deadline_at: float | None) -> bool:
         """After a failed Generate: a replica usable now, or (none) one probed back after a short wait."""
