@@ -50,7 +50,7 @@ class EdgeNodeSettings:
     companion: str | None = None  # Speculative Verification's companion (torch, dtype above), for verifiers that read it
     suffix_cache: bool = True  # suffix drafting may copy from this edge's earlier outputs (--suffix-cache)
     # The draft's prompt KV kept across requests (0: off). Off unless asked: `edge serve` asks for
-    # DEFAULT_DRAFT_CACHE_MB; a bench that repeats one prompt would otherwise time the cache, not the prefill.
+    # edge serve's DEFAULT_DRAFT_CACHE_MB; a bench that repeats one prompt would otherwise time the cache, not the prefill.
     draft_cache_mb: int = 0
 
     def __post_init__(self) -> None:

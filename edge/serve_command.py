@@ -19,11 +19,15 @@ from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
 from common.tracing import add_tracing_argument, enable_from_flag, tracer
-from edge.runtime.draft_reuse import DEFAULT_DRAFT_CACHE_MB
 from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument, add_proposer_arguments
 
 log = logging.getLogger(__name__)
 
+
+# --draft-cache-mb's default (edge/runtime/draft_reuse.py; the parser imports no numpy): 256 MB holds about 10k
+# tokens of Qwen2.5-0.5B's float32 KV (24 KB a token, the ONNX runtime's) or 5k of SmolLM2-135M's (46 KB): a few
+# conversations of a few thousand tokens, next to a draft that itself takes 0.5-2 GB. A gateway may give it more.
+DEFAULT_DRAFT_CACHE_MB = 256
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     edge = subcommands.add_parser("edge", help="the edge daemon").add_subparsers(dest="edge_command", required=True)

@@ -26,8 +26,9 @@ from edge.node import EdgeNode, EdgeNodeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("common", "edge", "cloud", "sprinter")
-# The goal is 14; today a round passes through 30 (docs/architecture.md says which and why). This keeps it from growing.
-MAX_MODULES_ON_THE_PATH = 30
+# The goal is 14; today a round passes through 31: 24 on the path, 7 observers, the request's trace spans among them
+# (docs/architecture.md says which and why). This keeps it from growing.
+MAX_MODULES_ON_THE_PATH = 31
 
 
 class PathTracer:

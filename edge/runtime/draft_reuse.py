@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 MIN_REUSE_TOKENS = 8
 # Prefills shorter than this are not timed into the rate: one forward's fixed cost dominates a few tokens.
 MIN_TIMED_PREFILL = 16
-# 256 MB holds about 10k tokens of Qwen2.5-0.5B's float32 KV (24 KB a token, the ONNX runtime's) or 5k of
-# SmolLM2-135M's (46 KB): a few conversations of a few thousand tokens, next to a draft that itself takes
-# 0.5-2 GB of the edge's memory. A gateway serving many users may give it more.
-DEFAULT_DRAFT_CACHE_MB = 256
 CLAIM_WAIT_S = 60.0  # a claimer that never settles (it would be a bug) delays the others this long, not forever
 
 
