@@ -14,8 +14,11 @@ DRAFT  ?= qwen2.5-coder-0.5b
 
 PROTO  := proto/sprinter/v1/decoding.proto
 STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.py
+# The docs site's mermaid.js (docs/js/mermaid.min.js, fetched from npm): this stamp says which release is there.
+MERMAID_VERSION ?= 11.17.2
+MERMAID := docs/js/.mermaid-$(MERMAID_VERSION)
 
-.PHONY: mosquitto promtool demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto promtool npm chromium mermaid demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -25,7 +28,7 @@ demo: $(VENV)/.models-qwen $(STUBS)
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
-test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle
+test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium
 	$(PY) -m pytest -q --durations=15
 
 # The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
@@ -33,6 +36,20 @@ mosquitto:
 	@command -v mosquitto >/dev/null || test -x /usr/sbin/mosquitto || { \
 	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q mosquitto || (apt-get update -q && apt-get install -y -q mosquitto)) >/dev/null; \
 	  else echo "the fleet plane tests need Mosquitto: run 'sudo apt-get install -y mosquitto'" >&2; exit 1; fi; }
+
+# tests/test_docs.py opens the built home and architecture pages in a headless browser (Debian's chromium) and
+# checks that their pictures are drawn. The first install downloads about 113 MB (113 packages, 480 MB on disk):
+# 77 s here, apt-get update included, on one core shared with a benchmark.
+chromium:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null; \
+	  else echo "the docs' picture test needs chromium: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi; }
+
+# npm (Debian's) fetches mermaid.js for the docs site at build time.
+npm:
+	@command -v npm >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q npm || (apt-get update -q && apt-get install -y -q npm)) >/dev/null; \
+	  else echo "the docs site needs npm to fetch mermaid.js: run 'sudo apt-get install -y npm'" >&2; exit 1; fi; }
 
 # tests/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
 promtool:
@@ -120,9 +137,19 @@ setup: $(VENV)/.project $(STUBS)
 
 # The documentation site (docs/, mkdocs.yml) into site/. The reference pages (commands, metrics, the gRPC
 # contract) are generated from the code into docs/reference/ first; --strict fails on a broken link or page.
-docs: $(VENV)/.docs $(STUBS)
+# The pictures are mermaid blocks drawn in the reader's browser by mermaid.js, shipped with the site (docs/js/, not
+# committed): Material uses a mermaid already on the page and fetches one from a CDN only when there is none, so the
+# site works offline. The pinned release comes from the npm registry (npm checks its integrity) at build time.
+docs: $(VENV)/.docs $(STUBS) $(MERMAID)
 	$(VENV)/bin/sprinter docs reference --out docs/reference
 	$(VENV)/bin/mkdocs build --strict
+
+mermaid: $(MERMAID)
+$(MERMAID): | npm
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  npm pack -q --pack-destination "$$tmp" mermaid@$(MERMAID_VERSION) >/dev/null && \
+	  tar -xzf "$$tmp/mermaid-$(MERMAID_VERSION).tgz" -C "$$tmp" package/dist/mermaid.min.js && \
+	  mkdir -p docs/js && rm -f docs/js/.mermaid-* && mv "$$tmp/package/dist/mermaid.min.js" docs/js/ && touch $@
 
 $(VENV)/.docs: $(VENV)/.project
 	$(PIP) install mkdocs==1.6.1 mkdocs-material==9.8.2
@@ -177,4 +204,4 @@ $(VLLM_VENV)/.vllm: pyproject.toml $(VENV)/.project $(STUBS)
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results site docs/reference .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi
+	rm -rf $(VENV) $(VLLM_VENV) results site docs/reference docs/js .pytest_cache $(STUBS) proto/sprinter/v1/decoding_pb2.pyi

@@ -1,14 +1,18 @@
 """The documentation against the code: every documented `sprinter` command line parses with the real CLI,
 every benchmark command can write its docs section (`--page`), every table of the benchmark pages sits in a
-section that says its date and command, and the reference pages `make docs` generates name what the code has.
-(`make docs` itself builds the site with --strict.)"""
+section that says its date and command, the reference pages `make docs` generates name what the code has, and
+the built site draws its pictures in a real browser with no network. (`make docs` itself builds the site with --strict.)"""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from test_deploy import CommandLine, parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,3 +152,47 @@ def test_the_reference_pages_name_what_the_code_has(tmp_path: Path) -> None:
 def test_the_readme_opens_with_make_demo_and_make_test() -> None:
     first_block = (ROOT / "README.md").read_text().split("```")[1]
     assert first_block.lstrip().startswith("make demo") and "make test" in first_block
+
+
+MERMAID_JS = ROOT / "docs" / "js" / "mermaid.min.js"
+PICTURE_PAGES = ("index.html", "architecture/index.html")
+# Material draws each mermaid block into a *closed* shadow root, which --dump-dom cannot see (nor can a page
+# script). In the test's copy of each page this one line, run before Material's bundle, makes attachShadow return
+# the element itself, so the SVG mermaid renders lands in the dumped DOM; nothing else on the page changes.
+SHADOW_INTO_LIGHT = "<script>Element.prototype.attachShadow = function () { return this; };</script>"
+# No network for the browser: every host name fails to resolve and any proxied fetch hits a closed port.
+OFFLINE = ["--proxy-server=http://127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND"]
+
+
+def test_the_home_and_architecture_pages_draw_their_pictures_offline(tmp_path: Path) -> None:
+    """The site's mermaid blocks become SVG pictures in Debian's headless chromium, offline: mermaid.js ships with
+    the site (make docs fetches it from npm) and Material uses it instead of a CDN."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("chromium is not installed (`make test` installs Debian's chromium): the pictures are not checked")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed in this environment (`make test` and `make docs` install it)")
+    if not MERMAID_JS.exists():
+        pytest.skip("docs/js/mermaid.min.js is absent: `make mermaid` (part of `make docs` and `make test`) fetches it")
+    site = tmp_path / "site"
+    # Not --strict: the generated reference pages may not be there yet (make docs checks the links, strictly).
+    subprocess.run([str(mkdocs), "build", "--no-strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    browsers = {}
+    for number, name in enumerate(PICTURE_PAGES):
+        page = site / name
+        html = page.read_text()
+        assert '<pre class="mermaid"><code>flowchart LR' in html, f"{name}: no mermaid block to draw"
+        assert re.search(r'<script src="(\.\./)*js/mermaid\.min\.js"></script>', html), f"{name}: mermaid.js not shipped"
+        probe = page.with_name("probe.html")
+        probe.write_text(html.replace("<head>", "<head>" + SHADOW_INTO_LIGHT, 1))
+        browsers[name] = subprocess.Popen(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / f'profile{number}'}",
+             *OFFLINE, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for name, browser in browsers.items():
+        dom, _ = browser.communicate(timeout=60)
+        assert browser.returncode == 0 and "</html>" in dom, f"{name}: chromium failed"
+        assert re.search(r'<div class="mermaid"><svg [^>]*id="__mermaid_0"', dom), f"{name}: the picture was not drawn"
+        assert "flowchart LR" not in dom, f"{name}: the mermaid source is still on the page as code"
