@@ -2,8 +2,7 @@
 
 Work the cloud cannot admit now (a session's open, a verify that needs KV the budget cannot grant, a
 Generate past the edge's slots) gets a place instead of a refusal. Whose turn it is: work already
-running (a verify of an open session, or the reopen of an evicted one: cloud/evicted_sessions.py) first,
-since it holds KV that only its finishing gives back (a reopen held it until evicted);
+running (a verify of an open session) first, since it holds KV that only its finishing gives back;
 then edge identities take turns (round-robin, in the order they first queued), and within one
 identity the lowest `priority` first (as vLLM's priority), then the earliest. Only the head of the
 line tries to get in: each time capacity may have been given back (`kick`) and every `retry_s`
@@ -58,7 +57,7 @@ class Place:
     priority: int
     seq: int  # arrival order: first come, first served within one identity and priority
     ticket_id: str
-    running: bool  # work of an admitted session (a verify, an evicted one's reopen): served before new work
+    running: bool  # work of an admitted session (a verify): served before new work
     enqueued_at: float = field(default_factory=time.monotonic)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 

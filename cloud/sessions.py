@@ -37,7 +37,6 @@ import torch
 
 from cloud.errors import CloudError, exhausted
 from cloud.engine import ExternalKV
-from cloud.evicted_sessions import EvictedSessions
 from cloud.kv_pool import PagedKV
 from cloud.prefix_cache import PrefixCache
 from cloud.resident_kv import ResidentKV
@@ -130,7 +129,6 @@ class SessionStore:
         self.edge = limits.edge
         self.kv_bytes_per_token = kv_bytes_per_token
         self.on_evict = on_evict
-        self.evicted = EvictedSessions()  # whose reopen keeps its turn in line
         self.invariant = invariant
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._generations: dict[int, tuple[str, int]] = {}  # running Generate calls: id -> (owner, KV tokens)
@@ -317,7 +315,6 @@ class SessionStore:
             return False
         log.info("evicting session %s of edge %s (%s)", victim.session_id, victim.owner, reason)
         self.close(victim.session_id, remember=False)  # evicted for room: caching it would take the room back
-        self.evicted.remember(victim.owner, victim.tokens)
         if self.on_evict:
             self.on_evict(victim)
         return True

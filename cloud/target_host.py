@@ -97,10 +97,9 @@ class TargetHost:
         if previous is not None:
             self.close(previous)
         admission = wire.admission_of(request)
-        going_on = self.store.evicted.take(owner, prompt_ids)  # an evicted session's reopen: running work, not new
         session, session.queued_s = await self._admit(
             owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv()),
-            tell, abandoned, running=going_on)
+            tell, abandoned)
         session.processor, session.admission = processor, admission
         session.busy = True
         try:
