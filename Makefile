@@ -31,31 +31,29 @@ demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium
 	$(PY) -m pytest -q --durations=15
 
+# $(call debian,COMMAND,PACKAGE,WHY): Debian's PACKAGE installed (as root) where COMMAND is missing; else how to.
+debian = @command -v $(1) >/dev/null || test -x /usr/sbin/$(1) || { \
+  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q $(2) || (apt-get update -q && apt-get install -y -q $(2))) >/dev/null; \
+  else echo "$(3): run 'sudo apt-get install -y $(2)'" >&2; exit 1; fi; }
+
 # The fleet plane's tests start a real Mosquitto broker (Debian's package) on a free loopback port.
 mosquitto:
-	@command -v mosquitto >/dev/null || test -x /usr/sbin/mosquitto || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q mosquitto || (apt-get update -q && apt-get install -y -q mosquitto)) >/dev/null; \
-	  else echo "the fleet plane tests need Mosquitto: run 'sudo apt-get install -y mosquitto'" >&2; exit 1; fi; }
+	$(call debian,mosquitto,mosquitto,the fleet plane tests need Mosquitto)
+
 
 # tests/test_docs.py opens the built home and architecture pages in a headless browser (Debian's chromium) and
 # checks that their pictures are drawn. The first install downloads about 113 MB (113 packages, 480 MB on disk):
 # 77 s here, apt-get update included, on one core shared with a benchmark.
 chromium:
-	@command -v chromium >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null; \
-	  else echo "the docs' picture test needs chromium: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi; }
+	$(call debian,chromium,chromium,the docs' picture test needs chromium)
 
 # npm (Debian's) fetches mermaid.js for the docs site at build time.
 npm:
-	@command -v npm >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q npm || (apt-get update -q && apt-get install -y -q npm)) >/dev/null; \
-	  else echo "the docs site needs npm to fetch mermaid.js: run 'sudo apt-get install -y npm'" >&2; exit 1; fi; }
+	$(call debian,npm,npm,the docs site needs npm to fetch mermaid.js)
 
 # tests/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
 promtool:
-	@command -v promtool >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get install -y -q prometheus || (apt-get update -q && apt-get install -y -q prometheus)) >/dev/null; \
-	  else echo "the deploy tests need promtool: run 'sudo apt-get install -y prometheus'" >&2; exit 1; fi; }
+	$(call debian,promtool,prometheus,the deploy tests need promtool)
 
 # The network sweep on the Qwen pair: cloud and edge as processes over an emulated link, all seven modes (cloud-sd: the cloud drafts too),
 # 6 held-out prompts x 48 tokens; RTTs 0/50/100 ms for time on this machine (about 20 min on 2 cores).
