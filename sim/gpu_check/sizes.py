@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Seconds each step may take (the whole run: at most 6.5 minutes; the first H100 run took 226 s with the table cut at 110 s and pytest at 35 s); a step stops adding rows at its deadline
-# and says which it did not reach, so a slot that ends early still returns what was measured.
+# Seconds each step may take (the whole run: at most 6.5 minutes, within one 10-minute device command); a step stops
+# adding rows at its deadline and says which it did not reach, so a slot that ends early still returns what was
+# measured. pytest's budget covers each CUDA test compiling the fused kernel; the table's, both architectures.
 # The owed step is the first to run the paged layout, so it also pays for compiling its flex_attention kernel.
 STEP_BUDGET_S = {"env": 30.0, "owed": 80.0, "table": 150.0, "graphs": 25.0, "prefix": 10.0, "pytest": 90.0,
                  "profile": 10.0}
