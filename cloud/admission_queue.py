@@ -4,7 +4,8 @@ Work the cloud cannot admit now (a session's open, a verify that needs KV the bu
 Generate past the edge's slots) gets a place instead of a refusal. Whose turn it is: work already
 running (a verify of an open session) first, since it holds KV that only its finishing gives back;
 then edge identities take turns (round-robin, in the order they first queued), and within one
-identity the lowest `priority` first (as vLLM's priority), then the earliest. Only the head of the
+identity the lowest `priority` first (as vLLM's priority), then the most senior: the earliest request, a reopen
+of an evicted session keeping its request's stamp (cloud/sessions.py, seniority). Only the head of the
 line tries to get in: each time capacity may have been given back (`kick`) and every `retry_s`
 (idle sessions become evictable with time), so a request that arrives later never overtakes one in line.
 
@@ -18,7 +19,6 @@ as before the line existed, and while others are in line it does not jump ahead 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
@@ -55,7 +55,7 @@ class QueueObserver:
 class Place:
     identity: str
     priority: int
-    seq: int  # arrival order: first come, first served within one identity and priority
+    seq: int  # the request's seniority (arrival stamp): first come, first served within one identity and priority
     ticket_id: str
     running: bool  # work of an admitted session (a verify): served before new work
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -79,7 +79,6 @@ class AdmissionQueue:
         self._turns: list[str] = []  # identities in the order they first queued: round-robin goes round them
         self._last_served: str | None = None
         self._orphans: dict[str, tuple[Place, float]] = {}  # ticket id -> (the place, kept until)
-        self._seq = itertools.count()
         self._order: list[Place] | None = None  # the service order, until the line changes
         self._gap_s = 0.5  # the mean time between two admissions from the line (EMA): the wait estimate's unit
         self._last_admit: float | None = None
@@ -96,11 +95,12 @@ class AdmissionQueue:
             self._head().wake.set()
 
     async def admit(self, identity: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
-                    abandoned: Callable[[], bool] | None = None, running: bool = False,
+                    seniority: int, abandoned: Callable[[], bool] | None = None, running: bool = False,
                     tried: bool = False) -> tuple[T, float]:
         """`attempt()` (synchronous: it admits or raises, nothing in between) once it is this request's turn:
         its result and the seconds spent in line. `tell` hears each queue ticket; None: an edge that reads none,
-        refused with a retry hint where it would wait. `abandoned`: the edge left (its place is kept a while).
+        refused with a retry hint where it would wait. `seniority`: the request's stamp, its order within its
+        identity and priority. `abandoned`: the edge left (its place is kept a while).
         `tried`: the caller's own attempt, with nobody ahead, was just refused as busy: straight into line."""
         if not tried and not self._ahead_of(running):
             try:
@@ -110,7 +110,7 @@ class AdmissionQueue:
                     raise
         if tell is None:  # an older edge: no place, and no jumping ahead of those in line
             raise exhausted(f"{len(self)} requests wait in this cloud's line; retry shortly", self._hint_ms(len(self)))
-        place = self._join(identity, admission, running)
+        place = self._join(identity, admission, running, seniority)
         try:
             return await self._wait_turn(place, attempt, tell, abandoned or (lambda: False))
         except BaseException:
@@ -122,7 +122,7 @@ class AdmissionQueue:
         """Someone in line would be served before a newcomer of this kind."""
         return bool(self.running_waiting if running else self.waiting)
 
-    def _join(self, identity: str, admission: Admission, running: bool) -> Place:
+    def _join(self, identity: str, admission: Admission, running: bool, seniority: int) -> Place:
         if len(self._places) >= self.settings.max_length:
             raise exhausted(f"this cloud's admission queue is full: {len(self._places)} requests in line, its "
                             f"bound (--queue-max); retry later", self._hint_ms(len(self._places)))
@@ -133,7 +133,7 @@ class AdmissionQueue:
             place = Place(identity, old.priority, old.seq, old.ticket_id, running, old.enqueued_at)
             log.info("edge %s took back its place in line (ticket %s)", identity, old.ticket_id)
         else:
-            place = Place(identity, admission.priority, next(self._seq), secrets.token_hex(8), running)
+            place = Place(identity, admission.priority, seniority, secrets.token_hex(8), running)
         if identity not in self._turns:
             self._turns.append(identity)
         self._places.append(place)

@@ -49,6 +49,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
                    help="a session used within this many seconds is not evicted to admit another; the newcomer "
                         "waits in line instead of thrashing (0: evict any idle one)")
+    p.add_argument("--evict-older-idle-s", type=float, default=DEFAULTS.evict_older_idle_s,
+                   help="nor is a session of an earlier request, unless idle this long: newer work waits for room "
+                        "instead of pushing out older work (0: seniority off)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
                    help="hold a forward this long for more verifies (default 0: continuous batching, a forward "
                         "starts as soon as the engine is free and takes everything waiting)")

@@ -2,8 +2,8 @@
 
 An edge (an authenticated identity) may hold at most `max_sessions` sessions and run `max_generate`
 Generate calls at once; beyond that it is refused with RESOURCE_EXHAUSTED and a retry hint, or, for
-sessions, its own least recently used idle session makes room. When the cloud as a whole is full,
-the victim is the least recently used idle session of the edge using the largest share of its quota
+sessions, its own youngest idle session makes room. When the cloud as a whole is full,
+the victim is the youngest idle session (cloud/sessions.py: seniority) of the edge using the largest share of its quota
 (KV bytes for the KV budget, sessions for the session limit). An edge over its quota therefore loses
 its own sessions first, and an edge inside its quota loses none while another is above its share.
 """
@@ -34,16 +34,14 @@ class EdgeQuotas:
     max_generate: int
 
 
-def fair_share_victim(sessions_lru_first: Iterable[S], share: Callable[[str], float],
+def fair_share_victim(sessions_in_order: Iterable[S], share: Callable[[str], float],
                       protect: S | None = None) -> S | None:
-    """The least recently used idle session of the owner with the largest `share`, or None if all are busy.
-
-    Sessions come oldest use first, so each owner's first candidate is its LRU one; a tie between
-    owners goes to the one whose candidate has waited longest.
+    """The first idle session (in the order given: the store's, youngest request first) of the owner with the
+    largest `share`, or None if all are busy. A tie between owners goes to the one whose candidate comes first.
     """
     victim, victim_share = None, float("-inf")
     shares: dict[str, float] = {}
-    for session in sessions_lru_first:
+    for session in sessions_in_order:
         if session.busy or session is protect:
             continue
         owner_share = shares.setdefault(session.owner, share(session.owner))

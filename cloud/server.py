@@ -150,7 +150,7 @@ class CloudServer:
                                     strict=os.environ.get("SPRINTER_CHECK_INVARIANTS") == "1")
             store = SessionStore(
                 SessionLimits(settings.max_sessions, settings.kv_budget_bytes, settings.idle_timeout_s, quotas,
-                              settings.evict_grace_s),
+                              settings.evict_grace_s, settings.evict_older_idle_s),
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )

@@ -3,10 +3,18 @@
 The store bounds memory three ways: a KV budget, a session limit (both with fair-share eviction of
 idle sessions, see cloud/quotas.py) and an idle timeout. Admission happens before any compute: a
 session or a Generate that cannot fit is refused with RESOURCE_EXHAUSTED, never admitted and then
-evicted (to admit work, only one idle for `evict_grace_s`: otherwise the newcomer is refused with a
-retry hint and waits its turn, rather than sessions evicting each other on every round, each
+evicted (to admit work, only one idle for `evict_grace_s`, and only one younger than the work admitted:
+otherwise the newcomer waits its turn in line, rather than sessions evicting each other on every round, each
 eviction a prefill). An evicted session simply disappears; the edge's next frame gets NOT_FOUND and it reopens
 with its full context, so eviction costs a prefill, never correctness.
+
+Seniority (as vLLM's scheduler preempts its newest request): every request gets a stamp in arrival order
+(`SessionStore.stamp`), and admitting work may evict only sessions younger than it, or older ones idle for
+`evict_older_idle_s` (an edge that went away, or one far behind). A new request is the youngest, so it evicts no
+session in use: it waits for room. A reopen of an evicted session names it
+(`Admission.evicted_session_id`) and takes its stamp back, so it keeps its turn and cannot be pushed out by
+those that came after it; and since a victim is always younger than the work that evicts it, evictions
+cannot go round in a circle.
 
 KV is counted in the pages a session holds or has been granted (at least its context) beside the
 prefix cache's, the cache's blocks once each however many sessions read them (cloud/prefix_cache.py),
@@ -51,6 +59,7 @@ if TYPE_CHECKING:
     from cloud.residual import PendingResidual
 
 log = logging.getLogger(__name__)
+EVICTED_KEPT = 4096  # evicted sessions whose seniority a reopen can claim back (the oldest are forgotten)
 
 
 @dataclass
@@ -73,6 +82,7 @@ class Session:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the open's answer when it asked (echo)
     admission: Admission = field(default_factory=Admission)  # its open's: priority and queue tickets, for its verifies
     queued_s: float = 0.0  # the open's time in the cloud's line
+    seniority: int = 0  # its request's arrival stamp (module docstring): only younger sessions are evicted for it
 
     @property
     def length(self) -> int:
@@ -99,6 +109,7 @@ class SessionLimits:
     idle_timeout_s: float = 300.0
     edge: EdgeQuotas | None = None  # None: each edge may use the global limits
     evict_grace_s: float = 0.0  # admission never evicts a session used more recently than this (no thrashing)
+    evict_older_idle_s: float = 0.0  # nor one older than the work admitted, unless idle this long (seniority)
 
     def __post_init__(self) -> None:
         if self.edge is None:
@@ -132,6 +143,8 @@ class SessionStore:
         self.invariant = invariant
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._generations: dict[int, tuple[str, int]] = {}  # running Generate calls: id -> (owner, KV tokens)
+        self._evicted: OrderedDict[str, tuple[str, int]] = OrderedDict()  # session id -> (owner, seniority)
+        self._stamps = itertools.count(1)
         self._generation_ids = itertools.count()
 
     def __len__(self) -> int:
@@ -163,19 +176,34 @@ class SessionStore:
     def owner_sessions(self, owner: str) -> int:
         return sum(1 for s in self._sessions.values() if s.owner == owner)
 
-    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams, cache: ResidentKV | PagedKV | ExternalKV) -> Session:
-        """Admit a session for `prompt_ids` (making room first) or refuse it; nothing is computed yet."""
+    def create(self, owner: str, prompt_ids: list[int], sampling: SamplingParams,
+               cache: ResidentKV | PagedKV | ExternalKV, seniority: int | None = None) -> Session:
+        """Admit a session for `prompt_ids` (making room first, by `seniority`: a fresh stamp if None) or refuse
+        it; nothing is computed yet."""
+        seniority = self.stamp() if seniority is None else seniority
         self._check_fits(owner, len(prompt_ids), "prompt")
-        self._make_session_room(owner)
-        self._make_kv_room(len(prompt_ids) * self.kv_bytes_per_token)
+        self._make_session_room(owner, seniority)
+        self._make_kv_room(len(prompt_ids) * self.kv_bytes_per_token, seniority)
         session = Session(
             session_id=secrets.token_hex(12), owner=owner, tokens=list(prompt_ids), cache=cache, sampling=sampling,
-            generator=torch.Generator().manual_seed(sampling.seed),
+            generator=torch.Generator().manual_seed(sampling.seed), seniority=seniority,
         )
         self._sessions[session.session_id] = session
         return session
 
-    def start_generation(self, owner: str, kv_tokens: int) -> int:
+    def stamp(self) -> int:
+        """A new request's seniority: younger than every stamp before it."""
+        return next(self._stamps)
+
+    def seniority_of_evicted(self, session_id: str, owner: str) -> int | None:
+        """The stamp of `owner`'s session that this store evicted (taken back once by its reopen), else None."""
+        evicted = self._evicted.get(session_id)
+        if evicted is None or evicted[0] != owner:
+            return None
+        del self._evicted[session_id]
+        return evicted[1]
+
+    def start_generation(self, owner: str, kv_tokens: int, seniority: int | None = None) -> int:
         """Hold `kv_tokens` of KV (a Generate's prompt plus new tokens) for one of the edge's Generate slots, or refuse
         (RESOURCE_EXHAUSTED: with a retry hint while the slots or the budget are busy). Its key, for `end_generation`."""
         running = sum(1 for o, _ in self._generations.values() if o == owner)
@@ -183,7 +211,7 @@ class SessionStore:
             raise exhausted(f"this edge already runs {running} concurrent Generate calls (the limit, "
                             f"--edge-max-generate, is {self.edge.max_generate}); retry when one ends", GENERATE_RETRY_MS)
         self._check_fits(owner, kv_tokens, "Generate (prompt + max_new_tokens)")
-        self._make_kv_room(kv_tokens * self.kv_bytes_per_token)
+        self._make_kv_room(kv_tokens * self.kv_bytes_per_token, self.stamp() if seniority is None else seniority)
         key = next(self._generation_ids)
         self._generations[key] = (owner, kv_tokens)
         return key
@@ -237,7 +265,7 @@ class SessionStore:
         needed = cache.layout.pages(tokens) * page
         roomy = cache.capacity_for(tokens, headroom_pages * page)
         charged = session.held_tokens  # the cache's pages among them are charged to it: room for them is there
-        self._make_kv_room((needed - charged) * self.kv_bytes_per_token)
+        self._make_kv_room((needed - charged) * self.kv_bytes_per_token, session.seniority)
         free_tokens = (self.limits.kv_budget_bytes - self.kv_bytes) // self.kv_bytes_per_token
         cache.granted = max(needed, min(roomy, (charged + free_tokens) // page * page))
         self.check_kv("grant")
@@ -278,18 +306,18 @@ class SessionStore:
             raise exhausted(f"this {what} needs {needed >> 10} KiB of KV cache, more than this cloud lets one edge hold "
                             f"({allowed >> 10} KiB: --kv-budget-mb / --edge-kv-budget-mb); shorten it")
 
-    def _make_session_room(self, owner: str) -> None:
+    def _make_session_room(self, owner: str, seniority: int) -> None:
         if self.owner_sessions(owner) >= self.edge.max_sessions:  # the edge is at its quota: it pays itself
-            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner, admitting=True):
+            if not self._evict(lambda _owner: 0.0, "edge session quota", only_owner=owner, admitting=seniority):
                 raise exhausted(f"this edge has {self.edge.max_sessions} busy sessions, its quota (--edge-max-sessions); "
                                 "close one or retry shortly", BUSY_RETRY_MS)
         if len(self._sessions) >= self.limits.max_sessions and not self._evict(self._session_share, "session limit",
-                                                                               admitting=True):
+                                                                               admitting=seniority):
             raise exhausted(f"all {self.limits.max_sessions} sessions are busy; retry shortly", BUSY_RETRY_MS)
 
-    def _make_kv_room(self, needed: int) -> None:
+    def _make_kv_room(self, needed: int, seniority: int) -> None:
         while self.kv_bytes + needed > self.limits.kv_budget_bytes:
-            if not self._evict_cached() and not self._evict(self._kv_share, "KV budget", admitting=True):
+            if not self._evict_cached() and not self._evict(self._kv_share, "KV budget", admitting=seniority):
                 raise exhausted(f"the KV cache budget is held by sessions that are busy right now "
                                 f"({self.kv_bytes >> 10} of {self.limits.kv_budget_bytes >> 10} KiB, "
                                 f"{needed >> 10} KiB needed); retry shortly", BUSY_RETRY_MS)
@@ -305,16 +333,26 @@ class SessionStore:
         return self.owner_sessions(owner) / self.edge.max_sessions
 
     def _evict(self, share: Callable[[str], float], reason: str, protect: Session | None = None,
-               only_owner: str | None = None, admitting: bool = False) -> bool:
-        """Evict one idle session (fair share first); to admit work, only one idle for the grace period."""
-        used_before = time.monotonic() - self.limits.evict_grace_s if admitting else float("inf")
-        candidates = (s for s in self._sessions.values()
-                      if (only_owner is None or s.owner == only_owner) and s.last_used <= used_before)
+               only_owner: str | None = None, admitting: int | None = None) -> bool:
+        """Evict one idle session (fair share first, then the youngest request's, or without seniority the least
+        recently used); to admit work of seniority `admitting`, only one idle for the grace period, and younger
+        than it or idle for `evict_older_idle_s`."""
+        now, limits = time.monotonic(), self.limits
+        used_before = now - limits.evict_grace_s if admitting is not None else float("inf")
+        older_used_before = now - limits.evict_older_idle_s if admitting is not None else float("inf")
+        candidates = [s for s in self._sessions.values() if (only_owner is None or s.owner == only_owner)
+                      and s.last_used <= used_before
+                      and (admitting is None or s.seniority > admitting or s.last_used <= older_used_before)]
+        if limits.evict_older_idle_s > 0:  # seniority on: the youngest request first (stable: LRU among equals)
+            candidates.sort(key=lambda s: -s.seniority)
         victim = fair_share_victim(candidates, share, protect)
         if victim is None:
             return False
         log.info("evicting session %s of edge %s (%s)", victim.session_id, victim.owner, reason)
         self.close(victim.session_id, remember=False)  # evicted for room: caching it would take the room back
+        self._evicted[victim.session_id] = (victim.owner, victim.seniority)  # its reopen keeps its turn
+        while len(self._evicted) > EVICTED_KEPT:
+            self._evicted.popitem(last=False)
         if self.on_evict:
             self.on_evict(victim)
         return True

@@ -52,6 +52,9 @@ class CloudSettings:
     # A session used within this many seconds is not evicted to admit another: the newcomer waits its turn
     # (RESOURCE_EXHAUSTED with a retry hint) instead of the two evicting each other, each eviction a prefill.
     evict_grace_s: float = 2.0
+    # Nor is a session older than the work admitted (seniority, cloud/sessions.py) unless idle this long: the newest
+    # request waits for room instead of pushing out one that came before it, which would then wait again at reopen.
+    evict_older_idle_s: float = 30.0
     # cloud/admission_queue.py: work that cannot be admitted now waits in one fair line, at most this many places
     queue_max: int = 1024
     queue_grace_s: float = 10.0  # a place outlives its edge's broken stream this long (a reconnect takes it back)
@@ -103,6 +106,7 @@ class CloudSettings:
             (self.batch_window_ms >= 0, f"--batch-window-ms must be >= 0, got {self.batch_window_ms}"),
             (self.idle_timeout_s > 0, f"--idle-timeout-s must be > 0, got {self.idle_timeout_s}"),
             (self.evict_grace_s >= 0, f"--evict-grace-s must be >= 0, got {self.evict_grace_s}"),
+            (self.evict_older_idle_s >= 0, f"--evict-older-idle-s must be >= 0, got {self.evict_older_idle_s}"),
             (self.queue_max >= 1, f"--queue-max must be >= 1, got {self.queue_max}"),
             (self.queue_grace_s >= 0, f"--queue-grace-s must be >= 0, got {self.queue_grace_s}"),
             (self.max_prefill_chunk >= 1, f"--max-prefill-chunk must be >= 1, got {self.max_prefill_chunk}"),

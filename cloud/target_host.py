@@ -97,9 +97,10 @@ class TargetHost:
         if previous is not None:
             self.close(previous)
         admission = wire.admission_of(request)
+        seniority = self.store.seniority_of_evicted(admission.evicted_session_id, owner) or self.store.stamp()
         session, session.queued_s = await self._admit(
-            owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv()),
-            tell, abandoned)
+            owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv(),
+                                                        seniority), tell, abandoned, seniority)
         session.processor, session.admission = processor, admission
         session.busy = True
         try:
@@ -190,7 +191,8 @@ class TargetHost:
             with tracer.span("cloud.queue"):
                 _, queued_s = await self._admit(session.owner, session.admission,
                                                 lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
-                                                tell if session.admission.waits_in_line else None, abandoned, running=True)
+                                                tell if session.admission.waits_in_line else None, abandoned,
+                                                session.seniority, running=True)
             with tracer.span("cloud.forward", tokens=len(new_tokens)):
                 result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
                                                    abandoned=abandoned)
@@ -221,7 +223,7 @@ class TargetHost:
             session.busy = session.pending_residual is not None
 
     async def _admit(self, owner: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
-                     abandoned: Abandoned | None, running: bool = False) -> tuple[T, float]:
+                     abandoned: Abandoned | None, seniority: int, running: bool = False) -> tuple[T, float]:
         """`attempt()` at once while nobody waits ahead (no cost but the attempt), else in line (or refused as busy)."""
         if not (self.queue.running_waiting if running else self.queue.waiting):
             try:
@@ -229,8 +231,8 @@ class TargetHost:
             except CloudError as err:
                 if tell is None or not busy(err):
                     raise
-            return await self.queue.admit(owner, admission, attempt, tell, abandoned, running, tried=True)
-        return await self.queue.admit(owner, admission, attempt, tell, abandoned, running)
+            return await self.queue.admit(owner, admission, attempt, tell, seniority, abandoned, running, tried=True)
+        return await self.queue.admit(owner, admission, attempt, tell, seniority, abandoned, running)
 
     def _grant_live(self, session: Session, tokens: int) -> None:
         """Grant a verify's KV to a session still open: idle (evictable) while in line, so that sessions all
@@ -336,8 +338,10 @@ class TargetHost:
                                           scope)
         round_cap = speculation.cap if speculation is not None else 0  # a verify writes its block before the rollback
         kv_tokens, admission = whole_pages(self.engine, len(context) + max_new + round_cap), wire.admission_of(request)
-        key, queued_s = await self._admit(owner, admission, lambda: self.store.start_generation(owner, kv_tokens),
-                                          tell if admission.waits_in_line else None, abandoned)
+        seniority = self.store.stamp()
+        key, queued_s = await self._admit(owner, admission,
+                                          lambda: self.store.start_generation(owner, kv_tokens, seniority),
+                                          tell if admission.waits_in_line else None, abandoned, seniority)
         try:
             async for chunk in self._generated(steps, queued_s):
                 yield chunk

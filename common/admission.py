@@ -16,11 +16,13 @@ PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)  # the wire's int32
 @dataclass(frozen=True)
 class Admission:
     """How one request waits: its priority (lower first, within its edge's share), whether the edge reads queue
-    tickets, and the ticket of an earlier try (a broken stream) whose place it claims back."""
+    tickets, the ticket of an earlier try (a broken stream) whose place it claims back, and, on a reopen, the
+    session the cloud evicted (whose seniority it claims back)."""
 
     priority: int = 0
     waits_in_line: bool = False
     ticket_id: str = ""
+    evicted_session_id: str = ""  # a reopen's: the session the cloud evicted, whose seniority it takes back
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ admission policy, not encoding: cloud/frames.py checks it, reading fields throug
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import grpc
@@ -169,13 +169,13 @@ def open_frame(prompt_ids: Sequence[int], sampling: SamplingParams | None = None
 
 
 def admission_to_proto(admission: Admission | None) -> pb.Admission | None:
-    return None if admission is None else pb.Admission(priority=admission.priority, ticket_id=admission.ticket_id,
-                                                       waits_in_line=admission.waits_in_line)
+    return None if admission is None else pb.Admission(**asdict(admission))  # the same fields
 
 
 def admission_of(request: pb.OpenSession | pb.GenerateRequest) -> Admission:
     """An open's or a Generate's admission; an older edge sets none: priority 0, refused with a hint when busy."""
-    return Admission(request.admission.priority, request.admission.waits_in_line, request.admission.ticket_id)
+    a = request.admission
+    return Admission(a.priority, a.waits_in_line, a.ticket_id, a.evicted_session_id)
 
 
 def queued(place: QueuePlace, generate: bool = False) -> pb.CloudFrame | pb.GenerateChunk:

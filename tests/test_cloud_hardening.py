@@ -210,7 +210,7 @@ def test_a_frozen_peer_is_dropped_by_keepalive(tiny_target):
 
 
 def test_one_tenant_opening_sessions_in_a_loop_cannot_evict_another(tiny_target, tokens_file):
-    settings = CloudSettings(evict_grace_s=0, auth_tokens=tokens_file, max_sessions=4, batch_window_ms=1)
+    settings = CloudSettings(evict_grace_s=0, evict_older_idle_s=0, auth_tokens=tokens_file, max_sessions=4, batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         beta = SessionStream(channel, metadata_of("beta"))
         beta.open([1, 2, 3])
@@ -225,7 +225,7 @@ def test_one_tenant_opening_sessions_in_a_loop_cannot_evict_another(tiny_target,
 
 
 def test_one_tenant_filling_the_kv_budget_cannot_evict_another(tiny_target, tokens_file):
-    settings = CloudSettings(evict_grace_s=0, auth_tokens=tokens_file, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB,
+    settings = CloudSettings(evict_grace_s=0, evict_older_idle_s=0, auth_tokens=tokens_file, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB,
                              batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         beta = SessionStream(channel, metadata_of("beta"))
@@ -280,7 +280,7 @@ def test_concurrent_generates_beyond_the_edge_quota_are_refused_with_a_retry_hin
 
 
 def test_generate_counts_against_the_kv_budget(tiny_target):
-    settings = CloudSettings(evict_grace_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
+    settings = CloudSettings(evict_grace_s=0, evict_older_idle_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         idle = SessionStream(channel)
         idle.open([GOOD] * 1500)
@@ -297,7 +297,7 @@ def test_generate_counts_against_the_kv_budget(tiny_target):
 
 def test_an_open_that_cannot_fit_beside_busy_sessions_is_refused_with_a_retry_hint(tiny_target, monkeypatch):
     spy = ForwardSpy(monkeypatch)
-    settings = CloudSettings(evict_grace_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
+    settings = CloudSettings(evict_grace_s=0, evict_older_idle_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         busy = SessionStream(channel)
         busy.open([GOOD] * 1500)
@@ -325,7 +325,7 @@ def test_a_verify_whose_growth_cannot_fit_beside_busy_sessions_is_refused_and_th
     # 1 MiB = 2048 tiny tokens in 64-token pages. The first session is granted its prompt's pages and two spare
     # (1152); the second only the pages the budget has left (896 of its 880-token prompt's 960 with spares).
     spy = ForwardSpy(monkeypatch)
-    settings = CloudSettings(evict_grace_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
+    settings = CloudSettings(evict_grace_s=0, evict_older_idle_s=0, kv_budget_mb=1, max_context=TINY_KV_TOKENS_PER_MB, batch_window_ms=1)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         store = server.server.servicer.host.store
         busy, grower = SessionStream(channel), SessionStream(channel)

@@ -130,7 +130,7 @@ def test_desync_is_refused_with_the_clouds_length_and_recovers(channel):
 
 
 def test_evicted_session_answers_not_found_and_reopens_with_full_context(tiny_target):
-    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=0)
+    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=0, evict_older_idle_s=0)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         first = SessionStream(channel)
         first.open([1, 2, 3, 4])
@@ -151,7 +151,7 @@ def test_evicted_session_answers_not_found_and_reopens_with_full_context(tiny_ta
 def test_admission_waits_for_a_session_idle_past_the_grace_instead_of_thrashing(tiny_target):
     """Issue 25: with every session used just now, a newcomer is refused with a retry hint (it waits its turn);
     once the least recently used has been idle for --evict-grace-s, it is evicted to admit the newcomer."""
-    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=1.0)
+    settings = CloudSettings(max_sessions=2, batch_window_ms=1, evict_grace_s=1.0, evict_older_idle_s=0)
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
         held = [SessionStream(channel) for _ in range(2)]
         for stream in held:

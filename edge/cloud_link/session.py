@@ -101,6 +101,7 @@ class CloudSession:
         self.stream = SessionStream(deadline_at)  # the call, its epochs and candidates (edge/cloud_link/stream.py)
         self.early = EarlyOpen()  # open_ahead's open and the first token it brings (edge/cloud_link/opening.py)
         self.session_id: str | None = None
+        self.evicted_session_id = ""  # the session the cloud evicted: a reopen names it to keep its request's turn
         self.abandoned: tuple[CloudClient, str] | None = None  # a session left behind on a broken stream
         self.avoid: set[str] = set()  # replicas this session should not go back to if it has a choice
         self.opens = 0
@@ -146,13 +147,13 @@ class CloudSession:
         sampling = self.sampling if self.opens == 0 else replace(self.sampling, prompt_logprobs=None)
         ticket = self.stream.ticket.ticket_id if self.stream.ticket else ""  # a place kept from a broken stream
         frame = wire.open_frame(context, sampling, self.vocab_fingerprint, first_token, self.output_start,
-                                Admission(self.priority, waits_in_line=True, ticket_id=ticket))
+                                Admission(self.priority, True, ticket, self.evicted_session_id))
         with tracer.span("edge.open", replica=self.client.endpoint.address, reopen=self.opens > 0,
                          tokens=len(context)):
             answer = await self.stream.exchange(frame)
         if answer.WhichOneof("frame") == "error":
             raise self._failure(answer.error, len(context))
-        self.stream.ticket = None
+        self.stream.ticket, self.evicted_session_id = None, ""
         self.queued_ms += wire.queued_ms_of(answer.opened)
         if (limits := wire.opened_limits(answer.opened)) is not None:
             self.client.limits = limits
@@ -193,6 +194,7 @@ class CloudSession:
         if action.resync:  # the cloud lost or misplaced our context: hand it over again
             log.info("cloud %s asked for a resync (%s); reopening with %d tokens", self.client.endpoint.address,
                      error.message, context_length)
+            self.evicted_session_id = self.session_id if cause is Cause.EVICTED and self.session_id else ""
             self.session_id = None
         hint_s = error.retry_after_ms / 1e3 if action.honours_hint else 0.0
         return RetryableFailure(cause, f"{code.name}: {error.message}", hint_s,
