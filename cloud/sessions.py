@@ -191,6 +191,34 @@ class SessionStore:
         self._sessions[session.session_id] = session
         return session
 
+    def admit(self, owner: str, prompt_ids: list[int], sampling: SamplingParams,
+              cache: ResidentKV | PagedKV | ExternalKV, seniority: int | None = None) -> Session:
+        """`create`, with the prompt's whole pages granted and two more if the budget has them (no growth copy in
+        the first verifies), or a refusal: one attempt, so that a busy refusal keeps an open's place in line."""
+        session = self.create(owner, prompt_ids, sampling, cache, seniority)
+        session.busy = True  # not its own victim
+        try:
+            self.grant_kv(session, len(prompt_ids), headroom_pages=2)
+        except BaseException:
+            self.close(session.session_id, remember=False)
+            raise
+        finally:
+            session.busy = False
+        return session
+
+    def grant_live(self, session: Session, tokens: int) -> None:
+        """Grant a verify's KV to a session still open, busy from then on: idle (evictable) while in line, so that
+        sessions all waiting for KV cannot hold the whole budget between them."""
+        if session.session_id not in self._sessions:
+            raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session.session_id!r} was evicted while its verify "
+                             "waited for KV; reopen it with the full context")
+        session.busy = True
+        try:
+            self.grant_kv(session, tokens)
+        except CloudError:
+            session.busy = False
+            raise
+
     def stamp(self) -> int:
         """A new request's seniority: younger than every stamp before it."""
         return next(self._stamps)

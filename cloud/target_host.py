@@ -99,13 +99,10 @@ class TargetHost:
         admission = wire.admission_of(request)
         seniority = self.store.seniority_of_evicted(admission.evicted_session_id, owner) or self.store.stamp()
         session, session.queued_s = await self._admit(
-            owner, admission, lambda: self.store.create(owner, prompt_ids, sampling, self.engine.new_session_kv(),
-                                                        seniority), tell, abandoned, seniority)
+            owner, admission, lambda: self.store.admit(owner, prompt_ids, sampling, self.engine.new_session_kv(), seniority), tell, abandoned, seniority)
         session.processor, session.admission = processor, admission
         session.busy = True
         try:
-            # The prompt's pages and two more at once, if the budget has them: no growth copy in the first verifies.
-            self.store.grant_kv(session, len(prompt_ids), headroom_pages=2)
             if len(prompt_ids) > 1 and sampling.prompt_logprobs is not None:  # echo: the prefill's rows are read
                 session.prompt_logprobs = await self._scored_prefill(session, prompt_ids, sampling.prompt_logprobs,
                                                                      abandoned)
@@ -183,14 +180,14 @@ class TargetHost:
         check_verify(frame, session.length, session.sampling, self.vocab_size, self.limits)
         if session.busy:
             raise CloudError(grpc.StatusCode.ABORTED, "this session is already verifying on another stream")
-        # Not busy until its KV is granted (`_grant_live`): a session busy while it waits in line could never be
-        # evicted, and sessions all waiting for KV would hold the budget between them for good.
+        # Not busy until its KV is granted (`SessionStore.grant_live`): a session busy while it waits in line could
+        # never be evicted, and sessions all waiting for KV would hold the budget between them for good.
         try:
             draft_tokens = list(frame.draft_tokens)
             new_tokens = session.tokens[session.cached_tokens:] + draft_tokens
             with tracer.span("cloud.queue"):
                 _, queued_s = await self._admit(session.owner, session.admission,
-                                                lambda: self._grant_live(session, session.cached_tokens + len(new_tokens)),
+                                                lambda: self.store.grant_live(session, session.cached_tokens + len(new_tokens)),
                                                 tell if session.admission.waits_in_line else None, abandoned,
                                                 session.seniority, running=True)
             with tracer.span("cloud.forward", tokens=len(new_tokens)):
@@ -233,19 +230,6 @@ class TargetHost:
                     raise
             return await self.queue.admit(owner, admission, attempt, tell, seniority, abandoned, running, tried=True)
         return await self.queue.admit(owner, admission, attempt, tell, seniority, abandoned, running)
-
-    def _grant_live(self, session: Session, tokens: int) -> None:
-        """Grant a verify's KV to a session still open: idle (evictable) while in line, so that sessions all
-        waiting for KV cannot hold the whole budget between them."""
-        if not self.store.contains(session.session_id):
-            raise CloudError(grpc.StatusCode.NOT_FOUND, f"session {session.session_id!r} was evicted while its verify "
-                             "waited for KV; reopen it with the full context")
-        session.busy = True
-        try:
-            self.store.grant_kv(session, tokens)
-        except CloudError:
-            session.busy = False
-            raise
 
     def answer_residual(self, session: Session, answer: pb.ResidualAnswer) -> pb.Verdict | pb.ResidualQuery:
         """Go on with the verify waiting on `answer`: its verdict, or the next query. A refused answer abandons
