@@ -56,6 +56,7 @@ class RequestOutcome:
     degraded_reason: str | None = None  # the edge's: cloud_unreachable, deadline, no_cloud
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # the answer's, from its `sprinter` object
+    sprinter: dict[str, Any] | None = None  # the rest of that object: time in line, reopens, calls (for a trace)
 
     @property
     def ended_s(self) -> float:
@@ -134,6 +135,7 @@ def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     outcome.degraded = bool(answer["sprinter"]["degraded"])
     outcome.degraded_reason = answer["sprinter"].get("degraded_reason")
     outcome.token_ids = answer["sprinter"].get("token_ids")
+    outcome.sprinter = {k: v for k, v in answer["sprinter"].items() if k != "token_ids"}
     outcome.finish_reason = answer["choices"][0].get("finish_reason") if answer.get("choices") else None
 
 
