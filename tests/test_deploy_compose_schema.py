@@ -60,7 +60,8 @@ PLANTED = [("a misspelt service key", lambda d: d["services"]["edge-a"].update(h
            ("an unknown dependency condition",
             lambda d: d["services"]["grafana"]["depends_on"]["prometheus"].update(condition="service_healty"),
             "services/grafana/depends_on"),
-           ("ports as a mapping", lambda d: d["services"]["edge-a"].update(ports={"8001": 8000}), "services/edge-a/ports"),
+           ("ports as a mapping", lambda d: d["services"]["edge-a"].update(ports={"8001": 8000}),
+            "services/edge-a/ports"),
            ("an unknown top-level key", lambda d: d.update(service={}), "(top)")]
 
 

@@ -5,8 +5,8 @@ Starts a real Prometheus server (Debian's `prometheus`) that scrapes the soak's 
 over the recording through Prometheus's HTTP API (`/api/v1/query_range`, Grafana's variables filled as its default
 view has them: every instance, $__rate_interval = max(4 x scrape, step + scrape)) and draws each dashboard as a grid of
 panels with matplotlib. These are plots of the dashboards' queries, not Grafana renders (Grafana does not run here).
-Prints a table of the panels and writes OUT/dashboards.json, <dashboard>.png (in OUT, or --images) and the soak's
-own files in OUT/soak/.
+Prints the soak's table and a table of the panels; writes OUT/dashboards.json, dashboard-<name>.png (in OUT, or
+--images) and the soak's own files in OUT/soak/.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from common.arguments import DTYPE_NAMES
 from sim.bench.dashboard_plots import UNITS, plot_dashboard
 from sim.bench.dashboard_queries import (PanelResult, dashboard_panels, evaluate_panels, load_dashboard,
                                          query_range)
-from sim.bench.soak import SoakSettings, soak
+from sim.bench.soak import SoakResult, SoakSettings, format_soak, soak
 from sim.processes import free_port
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
-CAPTION = "the dashboard's own PromQL over a recorded soak (Prometheus, scrape {scrape_s:g} s): a plot, not a Grafana render"
+CAPTION = ("the dashboard's own PromQL over a recorded soak (Prometheus, scrape {scrape_s:g} s): "
+           "a plot, not a Grafana render")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class DashboardResult:
 
 def register_dashboards(benches: argparse._SubParsersAction) -> None:
     d, s = DashboardBenchSettings(), DashboardBenchSettings().soak
-    p = benches.add_parser("dashboards", help="the Grafana dashboards' queries over a soak recorded by Prometheus, as PNGs",
+    p = benches.add_parser("dashboards", help="the Grafana dashboards' queries over a recorded soak, as PNGs",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=s.target)
     p.add_argument("--draft", default=s.draft)
@@ -90,31 +91,33 @@ def settings_from_args(args: argparse.Namespace) -> DashboardBenchSettings:
 
 def run_dashboards(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    results = record_and_plot(settings_from_args(args))
+    load, results = record_and_plot(settings_from_args(args))
+    print(format_soak(load), end="\n\n")
     print(format_dashboards(results))
     print(f"\nwrote {args.out}/dashboards.json and " + ", ".join(r.image for r in results))
     return 0 if all(not p.errors for r in results for p in r.panels) else 1
 
 
-def record_and_plot(settings: DashboardBenchSettings) -> list[DashboardResult]:
+def record_and_plot(settings: DashboardBenchSettings) -> tuple[SoakResult, list[DashboardResult]]:
     """Record the soak with Prometheus, then evaluate and draw every dashboard."""
     settings.soak.out.mkdir(parents=True, exist_ok=True)
     for stale in settings.soak.out.glob("scrape-targets-*.json"):
         stale.unlink()
     with prometheus_server(settings) as base_url:
-        soak(settings.soak)
+        load = soak(settings.soak)
         start, end = recorded_window(base_url, settings)
         results = [_dashboard_result(path, base_url, start, end, settings)
                    for path in sorted(settings.dashboards.glob("*.json"))]
     (settings.out / "dashboards.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    return results
+    return load, results
 
 
 def _dashboard_result(path: Path, base_url: str, start: float, end: float,
                       settings: DashboardBenchSettings) -> DashboardResult:
     dashboard = load_dashboard(path)
     panels = evaluate_panels(dashboard_panels(dashboard), base_url, start, end, settings.scrape_s, settings.step_s)
-    image = plot_dashboard(dashboard["title"], panels, start, end, (settings.images or settings.out) / f"{path.stem}.png",
+    image_path = (settings.images or settings.out) / f"dashboard-{path.stem}.png"
+    image = plot_dashboard(dashboard["title"], panels, start, end, image_path,
                            CAPTION.format(scrape_s=settings.scrape_s))
     return DashboardResult(path.name, dashboard["title"], start, end, str(image), panels)
 
@@ -142,7 +145,8 @@ def prometheus_server(settings: DashboardBenchSettings) -> Iterator[str]:
     port = free_port()
     with open(data / "prometheus.log", "w") as log_file:
         process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={data / 'tsdb'}",
-                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=log_file, stderr=subprocess.STDOUT)
+                                    f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdout=log_file, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base_url, process, data / "prometheus.log")
