@@ -17,8 +17,12 @@ STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.
 # The docs site's mermaid.js (docs/js/mermaid.min.js, fetched from npm): this stamp says which release is there.
 MERMAID_VERSION ?= 11.17.2
 MERMAID := docs/js/.mermaid-$(MERMAID_VERSION)
+# The Compose Specification's JSON schema (compose-spec, Apache-2.0) for tests/test_deploy.py, as the npm package dclint
+# ships it (3.1.0 carries compose-spec's schema of 2025-07-21, commit 58a2548): fetched at test time, not committed.
+COMPOSE_SCHEMA_DCLINT ?= 3.1.0
+COMPOSE_SCHEMA := .cache/compose-spec/.dclint-$(COMPOSE_SCHEMA_DCLINT)
 
-.PHONY: mosquitto promtool npm chromium mermaid demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -28,7 +32,7 @@ demo: $(VENV)/.models-qwen $(STUBS)
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
-test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium
+test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q --durations=15
 
 # $(call debian,COMMAND,PACKAGE,WHY): Debian's PACKAGE installed (as root) where COMMAND is missing; else how to.
@@ -52,6 +56,7 @@ npm:
 	$(call debian,npm,npm,the docs site needs npm to fetch mermaid.js)
 
 # tests/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
+# The same package's server, `prometheus`, records a soak for `sprinter bench dashboards` (tests/test_dashboard_plots.py).
 promtool:
 	$(call debian,promtool,prometheus,the deploy tests need promtool)
 
@@ -148,6 +153,13 @@ $(MERMAID): | npm
 	  npm pack -q --pack-destination "$$tmp" mermaid@$(MERMAID_VERSION) >/dev/null && \
 	  tar -xzf "$$tmp/mermaid-$(MERMAID_VERSION).tgz" -C "$$tmp" package/dist/mermaid.min.js && \
 	  mkdir -p docs/js && rm -f docs/js/.mermaid-* && mv "$$tmp/package/dist/mermaid.min.js" docs/js/ && touch $@
+
+compose-schema: $(COMPOSE_SCHEMA)
+$(COMPOSE_SCHEMA): | npm
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  npm pack -q --pack-destination "$$tmp" dclint@$(COMPOSE_SCHEMA_DCLINT) >/dev/null && \
+	  tar -xzf "$$tmp/dclint-$(COMPOSE_SCHEMA_DCLINT).tgz" -C "$$tmp" package/schemas/compose.schema.json && \
+	  mkdir -p $(@D) && rm -f $(@D)/.dclint-* && mv "$$tmp/package/schemas/compose.schema.json" $(@D)/compose-spec.json && touch $@
 
 $(VENV)/.docs: $(VENV)/.project
 	$(PIP) install mkdocs==1.6.1 mkdocs-material==9.8.2

@@ -37,6 +37,7 @@ MISTAKES = [
     (["bench", "cloud", "--edges", "1,x"], "--edges"),
     (["bench", "fleet", "--layouts", "one-core,three-cores"], "--layouts"),
     (["bench", "soak", "--temperatures", "0,warm"], "--temperatures"),
+    (["bench", "dashboards", "--scrape-s", "0"], "--scrape-s"),
     (["bench", "chaos", "--kill-after-s", "0.3,soon"], "--kill-after-s"),
     (["bench", "pipeline", "--sweep", "results/pipeline", "--rtt-ms", "20,fast"], "--rtt-ms"),
 ]

@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -27,7 +27,7 @@ from pathlib import Path
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
 from common.devices import add_device_argument
 from common.results_page import add_page_arguments
-from sim.bench import chaos, soak
+from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
                             run_placement, run_policy, run_prefill, run_prefix, run_proposer, run_rollout, run_uplink)
@@ -55,6 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_prefix(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
+    dashboards.register_dashboards(benches)
     _register_rollout(benches)
     _register_fleet(benches)
     _register_capacity(benches)

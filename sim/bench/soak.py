@@ -174,6 +174,8 @@ def soak(settings: SoakSettings) -> SoakResult:
         edges = [running.enter_context(edge_daemon_process(edge_args + extra, free_port(), settings.out / log_name,
                                                            settings.startup_timeout_s, env=env))
                  for log_name, extra, env in _edge_specs(identities)]
+        write_scrape_targets(settings.out, [f"127.0.0.1:{port}" for _, port in clouds],
+                             [edge.base.removeprefix("http://") for edge in edges])
         samplers = [ProcessSampler(lambda cloud=cloud: cloud.pid, edges[0].process.pid if i == 0 else None,
                                    f"http://127.0.0.1:{port}/metrics", settings.sample_s)
                     for i, (cloud, port) in enumerate(clouds)]
@@ -182,6 +184,15 @@ def soak(settings: SoakSettings) -> SoakResult:
     result = judge(settings, load, samplers, edge_alive, identities)
     (settings.out / "soak.json").write_text(json.dumps(asdict(result), indent=1))
     return result
+
+
+def write_scrape_targets(out: Path, clouds: list[str], edges: list[str]) -> None:
+    """Where the running processes serve metrics, as Prometheus's file service discovery reads it (one file a job:
+    `bench dashboards` scrapes a soak with them)."""
+    for job, targets in (("cloud", clouds), ("edge", edges)):
+        path = out / f"scrape-targets-{job}.json"
+        path.with_suffix(".tmp").write_text(json.dumps([{"targets": targets}]))
+        path.with_suffix(".tmp").replace(path)  # whole, never half-written, when Prometheus reads it
 
 
 def _edge_specs(identities: list[Identity]) -> list[tuple[str, list[str], dict[str, str] | None]]:
