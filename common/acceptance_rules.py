@@ -21,6 +21,10 @@ The verdict, decided in one place: a proposal and the target's rows in, (n_accep
                penalties, grammar); row g is the target's distribution after the whole block
     method     the verify method (common/decoding/modes.py: token, block, sprinter), or greedy
     verdict    (n_accepted, next_token): keep x_1..x_n, then the target's own token
+    T          a draft tree (Proposal.parents; common/decoding/draft_tree.py): N nodes, q [N, V], p [1 + N, V]; its
+               verdict also names the kept path (Decision.path). Greedy: the longest path the target's argmax follows;
+               sampling: greedy multi-path block verification, GBV (common/multipath_rules.py, with its exactness
+               condition: where the edge branches depends on the draft alone, alternatives are independent draws)
 
 `decide` is the one entry: no rule is called outside this module (tests/test_verdict_home.py). Every place that
 turns a block into a verdict calls it and keeps only what is its own, where the rows come from and what it does
@@ -38,13 +42,14 @@ logits; sprinter compares the flagged x_g alone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from common.decoding.draft_tree import DraftTree
 from common.decoding.modes import VERIFY_METHODS, reads_last_draft_only
+from common.multipath_rules import block_stop, greedy_tree_verdict, multipath_block_verify
 from common.sampling import SamplingParams, logits_to_probs, sample
 
 AcceptanceRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], tuple[int, int]]
@@ -123,34 +128,11 @@ def block_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: to
     """Block verification (Sun et al., ICLR 2025): lossless and optimal in tokens per target call.
 
     p_i is the running (capped) likelihood ratio of the prefix, h_i the probability of stopping
-    "at least this far", and tau the LAST position whose coin passes, not the first failure.
+    "at least this far", and tau the LAST position whose coin passes, not the first failure
+    (common/multipath_rules.py `block_stop`, which also verifies a draft tree path by path).
     """
-    g = len(draft_tokens)
-    p_t = p_target.double()
-    p_d = p_draft.double()
-    positions = torch.arange(g)
-    log_ratio = (p_t[positions, draft_tokens].log() - p_d[positions, draft_tokens].log()).tolist()
-
-    p = [1.0]  # p_0 = 1; p_i = min(p_{i-1} * M_b(X_i) / M_s(X_i), 1), accumulated in log space
-    log_p_i = 0.0
-    for i in range(g):
-        log_p_i = min(log_p_i + log_ratio[i], 0.0)
-        p.append(math.exp(log_p_i))
-
-    h = [0.0]  # h[0] unused: positions are 1-based as in the paper
-    for i in range(1, g):
-        r_i = torch.clamp(p[i] * p_t[i] - p_d[i], min=0.0).sum().item()
-        denominator = r_i + 1.0 - p[i]
-        h.append(r_i / denominator if denominator > 0 else 1.0)
-    h.append(p[g])
-
-    eta = torch.rand(g, generator=generator, dtype=torch.float64).tolist()
-    tau = max((i for i in range(1, g + 1) if eta[i - 1] <= h[i]), default=0)
-    if tau == g:
-        return g, sample(p_target[g], generator)
-    y_mass = torch.clamp(p[tau] * p_t[tau] - p_d[tau], min=0.0)
-    y_dist = y_mass / y_mass.sum() if y_mass.sum() > 0 else p_t[tau]
-    return tau, sample(y_dist, generator)
+    tau, next_distribution = block_stop(draft_tokens, p_draft, p_target, generator)
+    return tau, sample(next_distribution, generator)
 
 
 def sprinter_verify(draft_tokens: torch.Tensor, p_draft: torch.Tensor, p_target: torch.Tensor,
@@ -175,6 +157,7 @@ ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
 }
 
 GREEDY = "greedy"  # a method that forces the greedy rule whatever the sampling (verifier data collection)
+TREE_METHODS = (GREEDY, "block")  # the methods a draft tree may name: block verification's multi-path form (GBV)
 
 
 @dataclass(frozen=True)
@@ -184,6 +167,11 @@ class Proposal:
     tokens: list[int]  # x_1..x_g
     q_rows: Callable[[int], torch.Tensor] | None = None  # V -> q [g, V] float32; None: greedy, or the scalars below
     q_of_tokens: list[float] | None = None  # q_i(x_i) [g] alone: the token rule's coins, its residual by queries
+    parents: list[int] | None = None  # a draft tree's parents (common/decoding/draft_tree.py): tokens are its nodes,
+    #                                   q [N, V] and the target's rows [1 + N, V]; None: a chain
+
+    def tree(self) -> DraftTree | None:
+        return None if self.parents is None else DraftTree(self.tokens, self.parents)
 
 
 @dataclass(frozen=True)
@@ -192,6 +180,7 @@ class Decision:
     next_token: int | None  # the target's token after them; None: the token rule rejected x_{n+1} and its
     #                         residual needs the edge's distribution (asked for by queries: cloud/residual.py)
     p_target: torch.Tensor | None = None  # [g + 1, V] the rows the rule read, when the caller asked for them
+    path: list[int] | None = None  # a tree proposal's kept nodes, root to last kept (n_accepted of them); None: a chain
 
 
 def rule_for(method: str, sampling: SamplingParams) -> AcceptanceRule:
@@ -210,9 +199,23 @@ def decide(proposal: Proposal, method: str, sampling: SamplingParams, generator:
            keep_rows: bool = False) -> Decision:
     """The verdict on `proposal` from the target's rows along it: their `argmax` [g + 1] (enough under greedy) or
     their `logits` [g + 1, V] (shaped). `keep_rows`: also return p, the distributions the rule read. The
-    `generator` (the session's seeded stream) draws the rule's coins: sampling needs one, greedy reads none."""
+    `generator` (the session's seeded stream) draws the rule's coins: sampling needs one, greedy reads none.
+    A draft tree (`proposal.parents`) has N nodes and rows [1 + N] (common/decoding/draft_tree.py): its verdict
+    names the kept `path`, by `greedy_tree_verdict` under greedy and GBV (`multipath_block_verify`) under sampling."""
     p_target = logits_to_probs(logits, sampling) if logits is not None and (keep_rows or not sampling.greedy) \
-        else None  # [g + 1, V]
+        else None  # [g + 1, V]; a tree's [1 + N, V]
+    if (tree := proposal.tree()) is not None:
+        if method not in TREE_METHODS:
+            raise ValueError(f"verify method {method!r} reads one path: a draft tree is verified by "
+                             f"{' or '.join(TREE_METHODS)}")
+        if sampling.greedy or method == GREEDY:
+            path, next_token = greedy_tree_verdict(tree, logits.argmax(dim=-1).tolist() if argmax is None else argmax)
+        elif proposal.q_rows is None:
+            raise ValueError("a draft tree under sampling needs the draft's distributions (q_rows)")
+        else:
+            q = proposal.q_rows(p_target.shape[-1]).to(p_target.dtype)  # [N, V]
+            path, next_token = multipath_block_verify(tree, q, p_target, generator)
+        return Decision(len(path), next_token, p_target, path)
     if sampling.greedy:
         if argmax is None:
             argmax = logits.argmax(dim=-1).tolist()

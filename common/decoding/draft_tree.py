@@ -1,0 +1,82 @@
+"""A draft tree: several candidate continuations of one context, sharing their prefixes.
+
+    tokens   [N]  node i's token
+    parents  [N]  node i's parent: -1 for a child of the root (the token right after the context), else an index < i
+                  (parents come before their children, so a prefix of the nodes is a tree too)
+
+A chain of g tokens is the tree with parents [-1, 0, 1, ..., g - 2]. The rows that go with a tree:
+
+    p_target [1 + N, V]  row 0 the target's distribution after the context (the root), row 1 + i the one after
+                         node i's prefix (the context and the path to node i, inclusive); a chain's [g + 1, V]
+    q        [N, V]      row i the draft's distribution node i was drawn from (given its parent's prefix)
+
+Children are kept in index order: the first child of a node is its primary continuation, later children its
+alternatives, in the order they were drafted (the multi-path rule reads them in that order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROOT = -1  # the parent of the tokens drafted right after the context
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"a draft tree needs one parent per token: {len(self.tokens)} tokens, "
+                             f"{len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:  # also rules out cycles: every edge points to an earlier node
+                raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 (the root) or an earlier node "
+                                 f"(parents before children)")
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        """The tree of one path: each token the child of the one before."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def children(self, node: int) -> list[int]:
+        """The children of `node` (ROOT for the tokens right after the context), in index order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def depths(self) -> list[int]:
+        """Node i's depth: 1 for a child of the root (its position after the context)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
+        return depths
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`, inclusive."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def primary_chain(self, node: int) -> list[int]:
+        """`node` and its first-child descendants down to a leaf: the path the rule checks first from `node`."""
+        chain = [node]
+        while children := self.children(chain[-1]):
+            chain.append(children[0])
+        return chain
+
+    def leaves(self) -> list[int]:
+        has_children = set(self.parents)
+        return [i for i in range(len(self.tokens)) if i not in has_children]
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path, as node indices, in leaf order."""
+        return [self.path_to(leaf) for leaf in self.leaves()]
