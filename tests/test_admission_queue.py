@@ -243,3 +243,19 @@ def test_mode_target_probes_a_hung_replica_a_bounded_number_of_times(tiny_draft)
     assert response.status_code == 200, response.text
     assert response.json()["sprinter"]["degraded_reason"] == "cloud_unreachable"
     assert script.generates == attempts and elapsed < 10
+
+
+def test_mode_target_bounds_failures_in_a_row_not_per_request(tiny_draft):
+    """A long request may outlive more replica failures than `attempts`: a Generate that streamed tokens before it
+    failed starts the count again (the chaos soak's target request degraded on its fourth kill so), while a replica
+    that hangs at once is still given up on (the test above)."""
+    script = scripted(tiny_draft, generate_hangs_after=1)  # every Generate: one token, then silence
+    with ScriptedCloud(script) as cloud_, EdgeDaemonThread(
+            tiny_draft, cloud_.address, lambda node: create_app(node, ApiSettings(default_mode="target", cloud_retry_s=60)),
+            {"cloud_deadline_s": 0.3}) as edge:
+        response = httpx.post(edge.base + "/v1/completions", timeout=60, json={
+            "model": "x", "prompt": "abc", "max_tokens": 6, "temperature": 0})
+        attempts = edge.node.cloud.attempts
+    assert response.status_code == 200, response.text
+    assert response.json()["sprinter"]["degraded"] is False
+    assert script.generates == 6 > attempts

@@ -9,7 +9,8 @@ once it answers, unless the request's deadline has passed. What is waited for an
   comes from the draft, reason `deadline` (`loading` when the cloud was still loading);
 - a replica that fails a Generate rests; the next try goes to another usable one, or probes them all
   first (a resting replica may be back), as sessions do. The tries are bounded (`ReplicaSet.attempts`
-  per request) so that a replica that answers GetInfo but hangs every Generate cannot hold a request:
+  in a row, a try that streamed tokens starting the count again) so that a replica that answers GetInfo
+  but hangs every Generate cannot hold a request:
   past them the draft goes on for `cloud_retry_s`, reason `cloud_unreachable`.
 """
 
@@ -52,6 +53,7 @@ class CloudGenerate:
     async def run(self, generation: Generation, use: CloudUse, deadline_at: float | None) -> None:
         drafter, retry_at, busy, failures = None, None, 0, 0
         while not generation.done:
+            made = len(generation.new_tokens)
             try:
                 with tracer.span("edge.cloud_generate", busy=busy, failures=failures):
                     use.finish_reason = await self._stream(generation, deadline_at, use)
@@ -76,7 +78,9 @@ class CloudGenerate:
                 use.mark_degraded("loading")
                 retry_at = None
             except CloudUnavailable as err:
-                failures += 1
+                # bounded per outage, as a session's verify is: a Generate that streamed tokens before failing
+                # proved the replicas worked, and a long request may outlive several kills
+                failures = 1 if len(generation.new_tokens) > made else failures + 1
                 if failures < self.cloud.attempts and await self._back(failures, deadline_at):
                     log.info("target mode: %s; going on with another replica", err)
                     use.reopens += 1
