@@ -48,6 +48,7 @@ class ForwardRequest:
     n_logits: int
     abandoned: Callable[[], bool] | None = None  # true once nobody waits for the answer: the forward is skipped
     full_logits: bool = True  # False: the argmax is all the caller reads (greedy), the logits stay on the device
+    tree: list[int] | None = None  # the block's parents (cloud/token_tree.py); None: a chain
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued_at: float = field(default_factory=time.perf_counter)
 
@@ -97,9 +98,11 @@ class Batcher:
             self._worker.shutdown(wait=True)
 
     async def forward(self, cache: ResidentKV, new_tokens: list[int], n_logits: int,
-                      abandoned: Callable[[], bool] | None = None, full_logits: bool = True) -> ForwardResult:
-        """Append `new_tokens` to `cache` (in place) and return the rows of the last `n_logits` positions."""
-        request = ForwardRequest(cache, new_tokens, n_logits, abandoned, full_logits)
+                      abandoned: Callable[[], bool] | None = None, full_logits: bool = True,
+                      tree: list[int] | None = None) -> ForwardResult:
+        """Append `new_tokens` to `cache` (in place) and return the rows of the last `n_logits` positions; `tree`:
+        the block's parents, when it is a tree of tokens (cloud/token_tree.py)."""
+        request = ForwardRequest(cache, new_tokens, n_logits, abandoned, full_logits, tree)
         self._verifies.append(request)
         self._arrived.set()
         return await request.future
@@ -202,7 +205,7 @@ class Batcher:
         try:
             rows, started, forward_s = await asyncio.get_running_loop().run_in_executor(
                 self._worker, _timed_forward, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
-                [r.n_logits for r in batch], [r.full_logits for r in batch])
+                [r.n_logits for r in batch], [r.full_logits for r in batch], [r.tree for r in batch])
         except Exception as err:  # a failed forward fails its requests, never the batcher
             log.exception("target forward failed for a batch of %d", len(batch))
             for request in batch:

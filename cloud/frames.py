@@ -35,10 +35,11 @@ class ServiceLimits:
     max_message_bytes: int = 4 << 20
     max_sparse_support: int = 4096
     max_generate: int = 0  # per edge identity; 0: no limit
+    max_tree_tokens: int = 0  # draft tokens per tree frame (VerifyBlock.parents); 0: chains only
 
     def to_proto(self) -> pb.Limits:
         return wire.limits_message(self.max_block, self.max_context, self.max_message_bytes, self.max_sparse_support,
-                                   self.max_generate)
+                                   self.max_generate, self.max_tree_tokens)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
@@ -110,13 +111,15 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         raise invalid("verify.method is unset: choose METHOD_TOKEN, METHOD_BLOCK or METHOD_SPRINTER")
     if g == 0:
         raise invalid("verify.draft_tokens is empty: send at least one draft token")
-    if g > limits.max_block:
+    parents = wire.tree_parents(frame)
+    longest_path = check_tree(parents, g, limits) if parents is not None else g
+    if parents is None and g > limits.max_block:
         raise invalid(f"verify block has {g} tokens; the limit is {limits.max_block} (ServiceInfo.limits.max_block)")
     if frame.start_position != session_length:
         raise CloudError(grpc.StatusCode.FAILED_PRECONDITION,
                          f"verify.start_position is {frame.start_position} but the cloud's session holds "
                          f"{session_length} tokens: resync by reopening with the full context")
-    if session_length + g + 1 > limits.max_context:
+    if session_length + longest_path + 1 > limits.max_context:
         raise CloudError(grpc.StatusCode.OUT_OF_RANGE, f"session would exceed the context limit of {limits.max_context} tokens")
     check_token_ids(list(frame.draft_tokens), vocab_size, "verify.draft_tokens")
     if frame.draft_token_probs and len(frame.draft_token_probs) != g:
@@ -136,6 +139,26 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
     for i, dist in enumerate(frame.draft_dists):
         check_sparse_distribution(dist, f"verify.draft_dists[{i}]", frame.draft_tokens[first_row + i],
                                   limits.max_sparse_support, vocab_size)
+
+
+def check_tree(parents: list[int], g: int, limits: ServiceLimits) -> int:
+    """Refuse a tree frame's `parents` (INVALID_ARGUMENT, naming the field) unless they make a tree of the `g` draft
+    tokens, parents before children, within the cloud's tree limit; returns the tree's depth (its longest path)."""
+    if not limits.max_tree_tokens:
+        raise invalid("verify.parents is set but this cloud verifies chains only (ServiceInfo.limits.max_tree_tokens "
+                      "is 0): send the block without parents")
+    if g > limits.max_tree_tokens:
+        raise invalid(f"verify.parents: a tree of {g} tokens; the limit is {limits.max_tree_tokens} "
+                      "(ServiceInfo.limits.max_tree_tokens)")
+    if len(parents) != g:
+        raise invalid(f"verify.parents has {len(parents)} entries for {g} draft tokens: one parent per token")
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise invalid(f"verify.parents[{i}] is {parent}: a parent is -1 (the session's last token) or an earlier "
+                          f"draft token's index, 0 .. {i - 1}")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths)
 
 
 def _check_dists_on_rejection(frame: pb.VerifyBlock, method: str) -> None:

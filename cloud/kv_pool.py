@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from cloud.resident_kv import KVLayout
+from cloud.resident_kv import KVLayout, moved_entries
 from common.errors import SprinterError
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,21 @@ class PagedKV:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate {self.length} KV entries to {length}")
         self.length = length
+
+    @torch.inference_mode()  # the buffers are the forward's inference tensors
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """As ResidentKV.keep_path: the path's entries move into place in the pool (every entry past `start` is this
+        session's own: only a cached prefix's pages are shared), then the length drops."""
+        source, target = moved_entries(self.length, start, path)
+        if target and target[0] < self.shared_tokens:
+            raise ValueError(f"entry {target[0]} is in a shared page: a kept path cannot move into it")
+        if source:
+            slots = [self.slots(entry, entry + 1)[0] for entry in source + target]
+            sources = torch.tensor(slots[:len(source)], device=self.pool.keys.device)
+            targets = torch.tensor(slots[len(source):], device=self.pool.keys.device)
+            self.pool.keys.index_copy_(2, targets, self.pool.keys.index_select(2, sources))
+            self.pool.values.index_copy_(2, targets, self.pool.values.index_select(2, sources))
+        self.truncate(start + len(path))
 
     def slots(self, start: int, stop: int) -> list[int]:
         """Pool slots of entries start .. stop - 1."""

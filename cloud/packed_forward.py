@@ -15,6 +15,11 @@ under a causal mask shifted by L_i. No past entry is copied, no session pays for
 length, and no padded token is computed. A session alone takes the same path, so its logits are
 the same whether it was batched or not (up to the floating-point order of a GEMM over more rows).
 
+A session's block may be a tree of tokens (`trees[i]`, cloud/token_tree.py): its tokens are still
+written at L_i .. L_i + n_i - 1 in the block's order, but each sits at RoPE position L_i + its depth and
+attends to the past and its ancestors only, so its row is the row it would get at the end of its own
+path. Only one path's entries are kept afterwards: `keep_path` moves them into place.
+
 With the paged layout (cloud/kv_pool.py, the default on CUDA) the sessions' caches are pages of one
 pool, and attention is one call per layer for all of them (cloud/paged_attention.py) instead of
 one per session: a GPU pays per kernel launch, a CPU per score computed.
@@ -41,6 +46,7 @@ from cloud.engine import TargetRows
 from cloud.kv_pool import PagedKV
 from cloud.paged_attention import PagedBatch, PagedPlan, fused, paged_attention
 from cloud.resident_kv import ResidentKV
+from cloud.token_tree import ancestors, check_parents, depths, is_chain
 
 ATTENTION = "sprinter_resident"
 
@@ -53,7 +59,7 @@ class Segment:
     start: int  # first column of its tokens in the packed row
     count: int  # n_i
     past: int  # L_i: cache entries before this forward
-    causal: torch.Tensor | None  # [n_i, L_i + n_i] bool: query row r sees keys 0 .. L_i + r (None: one query sees all)
+    causal: torch.Tensor | None  # [n_i, L_i + n_i] bool: which keys query row r sees (None: one query sees all)
 
 
 def resident_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -95,9 +101,16 @@ def install(model: PreTrainedModel) -> None:
         model.set_attn_implementation(ATTENTION)
 
 
-def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_logits: list[int]) -> None:
-    if not caches or not len(caches) == len(new_tokens) == len(n_logits):
-        raise ValueError("caches, new_tokens and n_logits must be non-empty lists of the same length")
+def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_logits: list[int],
+           trees: list[list[int] | None]) -> None:
+    if not caches or not len(caches) == len(new_tokens) == len(n_logits) == len(trees):
+        raise ValueError("caches, new_tokens, n_logits and trees must be non-empty lists of the same length")
+    for i, (tokens, tree) in enumerate(zip(new_tokens, trees)):
+        if tree is not None:
+            try:
+                check_parents(tree, len(tokens))
+            except ValueError as err:
+                raise ValueError(f"session {i}: {err}") from None
     if len({type(cache) for cache in caches}) != 1 or len({id(getattr(c, "pool", None)) for c in caches}) != 1:
         raise ValueError("one forward's caches must be of one kind (ResidentKV, or PagedKV of one pool)")
     if len({id(cache) for cache in caches}) != len(caches):
@@ -109,18 +122,22 @@ def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_lo
 
 @torch.inference_mode()
 def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
-                   n_logits: list[int], full_logits: list[bool] | None = None) -> list[TargetRows]:
+                   n_logits: list[int], full_logits: list[bool] | None = None,
+                   trees: list[list[int] | None] | None = None) -> list[TargetRows]:
     """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
 
     Returns, per session, the rows of its last `n_logits[i]` new positions (row r predicts the token
     after the r-th of them): their argmax [n], and their float32 logits [n, V] where `full_logits[i]`
     (default: every session). The inputs go to the device in one copy and the rows come back in one,
     with no synchronisation per session. Caches are ResidentKV (attention per session) or PagedKV of
-    one pool (cloud/paged_attention.py). `install(model)` must have run.
+    one pool (cloud/paged_attention.py). `trees[i]`: session i's block as a tree (module docstring); None: a
+    chain. `install(model)` must have run.
     """
-    _check(caches, new_tokens, n_logits)
-    inputs = pack(model, caches, new_tokens, n_logits)
-    logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens)
+    trees = trees if trees is not None else [None] * len(caches)
+    _check(caches, new_tokens, n_logits, trees)
+    trees = _chains_as_none(trees, len(caches))
+    inputs = pack(model, caches, new_tokens, n_logits, trees)
+    logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens, trees)
     for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
         cache.length += len(tokens)
     return _read_rows(logits, n_logits, full_logits or [True] * len(caches))
@@ -137,39 +154,53 @@ class PackedInputs:
 
 
 def pack(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
-         n_logits: list[int]) -> PackedInputs:
+         n_logits: list[int], trees: list[list[int] | None] | None = None) -> PackedInputs:
     """Reserve each cache's new entries and lay out the forward's inputs (the lengths do not move yet)."""
+    trees = _chains_as_none(trees, len(caches))
     for cache, tokens in zip(caches, new_tokens):
         cache.reserve(cache.length + len(tokens))
     ids = [t for tokens in new_tokens for t in tokens]
-    positions = [p for cache, tokens in zip(caches, new_tokens) for p in range(cache.length, cache.length + len(tokens))]
+    positions = [cache.length + depth for cache, tokens, tree in zip(caches, new_tokens, trees)
+                 for depth in (depths(tree) if tree is not None else range(len(tokens)))]
     ends = list(accumulate(len(tokens) for tokens in new_tokens))
     kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
-    plan = PagedPlan.of(caches, new_tokens, fused(model.device.type)) if isinstance(caches[0], PagedKV) else None
+    plan = (PagedPlan.of(caches, new_tokens, fused(model.device.type), trees) if isinstance(caches[0], PagedKV)
+            else None)
     host = torch.tensor(ids + positions + kept_rows)
     return PackedInputs(torch.cat([host, plan.host]) if plan else host, len(ids), len(kept_rows), plan)
 
 
 def run_packed(model: PreTrainedModel, inputs: PackedInputs, packed: torch.Tensor,
-               caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]]) -> torch.Tensor:
+               caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
+               trees: list[list[int] | None] | None = None) -> torch.Tensor:
     """The model over `packed` (`inputs.host` on the device): the kept rows' logits [K, V], KV written in place.
 
     Paged, every tensor the forward reads is a slice of `packed`, so the forward can be captured as a CUDA graph
     and replayed over new contents of the same buffer (sim/gpu_check/graphs.py)."""
     n, k, plan = inputs.n, inputs.k, inputs.plan
-    attention = ({"paged_batch": plan.on_device(packed[2 * n + k:], packed[n:2 * n])} if plan else
-                 {"resident_segments": _segments(caches, new_tokens, model.device)})
+    attention = ({"paged_batch": plan.on_device(packed[2 * n + k:])} if plan else
+                 {"resident_segments": _segments(caches, new_tokens, _chains_as_none(trees, len(caches)),
+                                                 model.device)})
     out = model(input_ids=packed[None, :n], position_ids=packed[None, n:2 * n], use_cache=False,
                 logits_to_keep=packed[2 * n:2 * n + k], **attention)
     return out.logits[0]
 
 
-def _segments(caches: list[ResidentKV], new_tokens: list[list[int]], device: torch.device) -> list[Segment]:
+def _chains_as_none(trees: list[list[int] | None] | None, sessions: int) -> list[list[int] | None]:
+    """One entry per session, None for a chain: a chain given as parents takes the chain's path exactly."""
+    return [None if is_chain(tree) else tree for tree in trees] if trees is not None else [None] * sessions
+
+
+def _segments(caches: list[ResidentKV], new_tokens: list[list[int]], trees: list[list[int] | None],
+              device: torch.device) -> list[Segment]:
     segments, start = [], 0
-    for cache, tokens in zip(caches, new_tokens):
+    for cache, tokens, tree in zip(caches, new_tokens, trees):
         end = cache.length + len(tokens)
-        causal = (None if len(tokens) == 1 else  # built once per forward, read by every layer
-                  torch.ones(len(tokens), end, dtype=torch.bool, device=device).tril(diagonal=cache.length))
+        if tree is not None:  # the past, then the tree's ancestors
+            causal = torch.cat([torch.ones(len(tokens), cache.length, dtype=torch.bool), ancestors(tree)], 1).to(device)
+        else:
+            causal = (None if len(tokens) == 1 else  # built once per forward, read by every layer
+                      torch.ones(len(tokens), end, dtype=torch.bool, device=device).tril(diagonal=cache.length))
         segments.append(Segment(cache, start, len(tokens), cache.length, causal))
         start += len(tokens)
     return segments

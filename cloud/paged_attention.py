@@ -7,9 +7,11 @@ Shapes (N new tokens in the packed row; S = P * T slots, P the pages up to the h
 
 The block mask is the sessions' page tables: query rows go in blocks of Q_BLOCK, and each block lists
 the pages of the sessions its rows belong to (a kv block is a page). Within those, `mask_mod` keeps
-slot s for query q when s's page is in q's session's page table and s's position there is at most q's
-position: a session sees its own past (pages it shares with others included) and the causal part of its
-block, nothing else of any other session's. No
+slot s for query q when s's page is in q's session's page table and s's entry there is at most q's
+entry: a session sees its own past (pages it shares with others included) and the causal part of its
+block, nothing else of any other session's. A query's entry (where its KV is written) is not its RoPE
+position when its block is a tree (cloud/token_tree.py): then the block's part of the mask is the tree's
+ancestor table, and the entries travel apart from the positions. No
 past entry is copied and no page outside a block's sessions is read. On CUDA flex_attention is
 compiled into one fused kernel; on the CPU it runs unfused (per-session attention, the CPU default,
 is faster there: cloud/packed_forward.py).
@@ -23,9 +25,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from cloud.kv_pool import KVPool, PagedKV
+from cloud.token_tree import ancestors
 
 Q_BLOCK = 128  # query rows per block of the mask
 # A pool's page, and so the mask's kv block: a multiple of the fused kernel's key block (64 or 128 on Hopper).
@@ -85,11 +89,13 @@ class PagedPlan:
     sessions: int  # R: sessions in the forward
     q_blocks: int
     width: int  # kv blocks listed per query block (the most any block has)
-    host: torch.Tensor  # int64, on the host: slots [N], q_session [N], page_index [R, P], kv_num_blocks [B],
-    #                     kv_indices [B, W]
+    tree_width: int  # A: the largest tree block's tokens; 0: every block is a chain
+    host: torch.Tensor  # int64, on the host: slots [N], q_session [N], entries [N], page_index [R, P],
+    #                     kv_num_blocks [B], kv_indices [B, W]; with trees, block_start [N], ancestors [N, A]
 
     @classmethod
-    def of(cls, caches: list[PagedKV], new_tokens: list[list[int]], fused: bool) -> PagedPlan:
+    def of(cls, caches: list[PagedKV], new_tokens: list[list[int]], fused: bool,
+           trees: list[list[int] | None] | None = None) -> PagedPlan:
         """After every cache reserved its new entries (their pages are taken), before their lengths move.
 
         `page_index[r, p]` is page p's index in session r's page table, or -1: a page is read through each
@@ -122,22 +128,31 @@ class PagedPlan:
         for b, pages in enumerate(block_pages):
             kv_num_blocks[b] = len(pages)
             kv_indices[b, :len(pages)] = torch.tensor(pages)
-        host = torch.cat([torch.tensor(slots + q_session), tables])
-        return cls(pool, len(slots), span, sessions, len(block_pages), width, host)
+        entries = [e for cache, tokens in zip(caches, new_tokens) for e in range(cache.length, cache.length + len(tokens))]
+        tree_width, tree_ints = _tree_tables(caches, new_tokens, trees)
+        host = torch.cat([torch.tensor(slots + q_session + entries), tables, tree_ints])
+        return cls(pool, len(slots), span, sessions, len(block_pages), width, tree_width, host)
 
-    def on_device(self, packed: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
-        """`packed`: this plan's ints on the device; `positions` [N]: each new token's position in its session."""
+    def on_device(self, packed: torch.Tensor) -> PagedBatch:
+        """`packed`: this plan's ints on the device."""
         n, pages, blocks, page_tokens = self.n_tokens, self.span, self.q_blocks, self.pool.layout.page_tokens
-        slots, q_session = packed[:n], packed[n:2 * n]
-        table_end = 2 * n + self.sessions * pages
-        page_index = packed[2 * n:table_end]
+        slots, q_session, entries = packed[:n], packed[n:2 * n], packed[2 * n:3 * n]
+        table_end = 3 * n + self.sessions * pages
+        page_index = packed[3 * n:table_end]
         rest = packed[table_end:]
         kv_num_blocks = rest[:blocks].to(torch.int32).view(1, 1, blocks)
-        kv_indices = rest[blocks:].to(torch.int32).view(1, 1, blocks, self.width)
+        kv_indices = rest[blocks:blocks * (1 + self.width)].to(torch.int32).view(1, 1, blocks, self.width)
+        tree_width, tree = self.tree_width, rest[blocks * (1 + self.width):]
+        block_start, tree_ancestors = tree[:n], tree[n:]
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             index = page_index[q_session[q] * pages + kv // page_tokens]  # -1: not a page of q's session
-            return (index >= 0) & (index * page_tokens + kv % page_tokens <= positions[q])
+            entry = index * page_tokens + kv % page_tokens
+            seen = (index >= 0) & (entry <= entries[q])
+            if not tree_width:
+                return seen
+            in_block = (entry - block_start[q]).clamp(0, tree_width - 1)  # past entries read the past's rule
+            return seen & ((entry < block_start[q]) | (tree_ancestors[q * tree_width + in_block] != 0))
 
         block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, page_tokens),
                                               mask_mod=mask_mod, seq_lengths=(n, pages * page_tokens),
@@ -156,3 +171,19 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     out = batch.attend(query, keys[None], values[None], block_mask=batch.block_mask, scale=scaling,
                        enable_gqa=keys.shape[0] != query.shape[1])
     return out.transpose(1, 2).contiguous()
+
+
+def _tree_tables(caches: list[PagedKV], new_tokens: list[list[int]],
+                 trees: list[list[int] | None] | None) -> tuple[int, torch.Tensor]:
+    """With a tree in the forward: its width A, and block_start [N] (each query's first block entry) then
+    ancestors [N, A] (which of its block's entries a query sees)."""
+    if trees is None or all(tree is None for tree in trees):
+        return 0, torch.zeros(0, dtype=torch.long)
+    width = max(len(tokens) for tokens, tree in zip(new_tokens, trees) if tree is not None)
+    starts, rows = [], []
+    for cache, tokens, tree in zip(caches, new_tokens, trees):
+        # A chain's entries <= the query's are all its ancestors: the mask's entry bound is the whole rule there.
+        seen = ancestors(tree) if tree is not None else torch.ones(len(tokens), width, dtype=torch.bool)
+        rows.append(F.pad(seen, (0, width - seen.shape[1])).long())
+        starts += [cache.length] * len(tokens)
+    return width, torch.cat([torch.tensor(starts), torch.cat(rows).flatten()])

@@ -124,12 +124,20 @@ class ResidentEngine:
         await self.batcher.prefill(session.cache, tokens, abandoned)
 
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
-                      abandoned: Abandoned | None = None) -> ForwardResult:
+                      abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
+        """`tree`: `new_tokens` as a tree of tokens, their parents in the block (cloud/token_tree.py); rows as a
+        chain's, row r after the path to the r-th of the last `n_logits` tokens."""
         return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
-                                          full_logits=session.sampling.reads_logits)
+                                          full_logits=session.sampling.reads_logits, tree=tree)
 
     def rollback(self, session: EngineSession, keep: int) -> None:
         session.cache.truncate(keep)  # moves the length: the rejected entries are overwritten later
+
+    def keep_path(self, session: EngineSession, start: int, node_indices: list[int]) -> None:
+        """After a tree's forward: keep the KV of the nodes `node_indices` (a root-to-node path, in order) as the
+        entries from `start` (where node 0's was written), nothing after them. Moves entries within the session's
+        own capacity: the KV budget charged is unchanged, and the length only drops."""
+        session.cache.keep_path(start, node_indices)
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
                        processor: LogitsProcessor | None,

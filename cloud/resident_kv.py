@@ -141,6 +141,15 @@ class ResidentKV:
             raise ValueError(f"cannot truncate {self.length} KV entries to {length}")
         self.length = length
 
+    @torch.inference_mode()  # the buffers are the forward's inference tensors
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """Keep entries `start + path[m]` (a tree block's chosen path, cloud/token_tree.py) as `start + m`, and
+        nothing after them: the path's KV moves into place, then the length drops to `start + len(path)`."""
+        source, target = moved_entries(self.length, start, path)
+        self.keys[:, :, target] = self.keys[:, :, source]  # gathered first: a source overwritten early is read intact
+        self.values[:, :, target] = self.values[:, :, source]
+        self.truncate(start + len(path))
+
     def release(self) -> None:
         """The session is gone: free the buffers now, or when the forward using them ends (`end_forward`), even if
         something (a stream's handler) still holds this handle; what the budget no longer charges is not held."""
@@ -152,3 +161,13 @@ class ResidentKV:
         self.in_forward = False
         if self.released:
             self.release()
+
+
+def moved_entries(length: int, start: int, path: list[int]) -> tuple[list[int], list[int]]:
+    """The entries a kept path moves from and to (those already in place left out); raises ValueError unless the
+    path's entries are written (below `length`) and in increasing order, as a tree's path is."""
+    entries = [start + node for node in path]
+    if start < 0 or any(b <= a for a, b in zip([start - 1] + entries, entries)) or (entries and entries[-1] >= length):
+        raise ValueError(f"cannot keep the path {path} from entry {start} of {length} KV entries")
+    moves = [(entry, start + m) for m, entry in enumerate(entries) if entry != start + m]
+    return [source for source, _ in moves], [target for _, target in moves]

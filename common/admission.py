@@ -3,7 +3,7 @@
 The cloud keeps one line for work it cannot take at once: edge identities take turns, and within one
 identity lower `priority` goes first (as vLLM's priority), then first come, first served. An edge that
 says it `waits_in_line` is sent queue tickets (`QueuePlace`) while it waits; one that does not (an older
-edge) is refused with a retry hint, as before the line existed. The codec is common/wire.py.
+edge) is refused with a retry hint, as before the line existed. The codec is common/wire/.
 """
 
 from __future__ import annotations

@@ -159,6 +159,17 @@ def test_draft_tokens_outside_the_vocabulary(edge, block, bad):
     edge.still_works()
 
 
+def test_a_tree_frame_is_refused_by_a_cloud_of_chains_and_says_so(edge, channel):
+    """The cloud's limits say 0 tree tokens (it verifies chains only): a frame with parents is refused, naming the
+    field; a chain spelled as parents is a tree frame too, and an empty parents list is the chain it always was."""
+    limits = pb_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT).limits
+    assert limits.max_tree_tokens == 0
+    for parents in ([-1, -1], [-1, 0]):
+        assert_refused(edge.verify([GOOD, GOOD], parents=parents), S.INVALID_ARGUMENT, "verify.parents",
+                       "max_tree_tokens", context_length=3)
+    edge.still_works()
+
+
 @pytest.mark.parametrize("token_ids, bad", [([GOOD, VOCAB], VOCAB), ([GOOD, -1], -1)])
 def test_sparse_distribution_ids_outside_the_vocabulary(sampled_edge, token_ids, bad):
     frame = sampled_edge.verify([GOOD], draft_dists=[dist(token_ids, [0.5, 0.5])])

@@ -1,4 +1,4 @@
-"""The wire codec (common/wire.py): what it encodes decodes back, and its frames are the messages once built by hand."""
+"""The wire codec (common/wire/): what it encodes decodes back, and its frames are the messages once built by hand."""
 
 from __future__ import annotations
 

@@ -38,11 +38,13 @@ Glossary (who sends what)
 Encoders take the project's types (method names such as "block", `SamplingParams`, `SparseDistribution`,
 `grpc.StatusCode`); decoders return them. Whether what an edge sent is acceptable is the cloud's
 admission policy, not encoding: cloud/frames.py checks it, reading fields through the decoders here.
+
+The codec is this package: the limits and service info live in common/wire/limits.py, re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Sequence
 
 import grpc
@@ -53,6 +55,7 @@ from common.decoding.modes import VERIFY_METHODS
 from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
 from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarSpec
+from common.wire.limits import CloudLimits, info_request, limits_message, service_info  # noqa: F401 (the codec's)
 from sprinter.v1 import decoding_pb2 as pb
 
 # -- verify methods -----------------------------------------------------------------------------------------
@@ -115,39 +118,6 @@ def sparse_to_proto(dist: SparseDistribution) -> pb.SparseDistribution:
 
 def sparse_from_proto(dist: pb.SparseDistribution) -> SparseDistribution:
     return SparseDistribution(torch.tensor(list(dist.token_ids)), torch.tensor(list(dist.probs)))
-
-
-# -- limits and service info ----------------------------------------------------------------------------------
-
-
-def limits_message(max_block: int, max_context: int, max_message_bytes: int, max_sparse_support: int,
-                   max_generate: int) -> pb.Limits:
-    return pb.Limits(max_block=max_block, max_context=max_context, max_message_bytes=max_message_bytes,
-                     max_sparse_support=max_sparse_support, max_generate=max_generate)
-
-
-@dataclass(frozen=True)
-class CloudLimits:
-    """The cloud's ServiceInfo.limits (None: the cloud did not say). The edge shapes its frames to fit them."""
-
-    max_block: int | None = None  # draft tokens per verify frame
-    max_context: int | None = None  # prompt + generated tokens per session (and per Generate)
-    max_sparse_support: int | None = None  # entries per sparse draft distribution
-    max_generate: int | None = None  # concurrent Generate calls this edge may run there
-
-    @classmethod
-    def from_proto(cls, limits: pb.Limits) -> "CloudLimits":
-        return cls(*(getattr(limits, f) or None for f in ("max_block", "max_context", "max_sparse_support", "max_generate")))
-
-
-def info_request() -> pb.GetInfoRequest:
-    return pb.GetInfoRequest()
-
-
-def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits: pb.Limits,
-                 eos_token_ids: Sequence[int], draft_model_id: str = "") -> pb.ServiceInfo:
-    return pb.ServiceInfo(model_id=model_id, vocab_fingerprint=vocab_fingerprint, vocab_size=vocab_size,
-                          limits=limits, eos_token_ids=eos_token_ids, draft_model_id=draft_model_id)
 
 
 # -- edge frames ------------------------------------------------------------------------------------------------
@@ -218,12 +188,19 @@ def after_verdict(start_position: int, n_accepted: int, next_token: int) -> pb.A
 def verify_block(start_position: int, draft_tokens: Sequence[int], method: str,
                  draft_token_probs: Sequence[float] | None = None,
                  draft_dists: Sequence[SparseDistribution] | None = None,
-                 after: pb.AfterVerdict | None = None, dists_on_rejection: bool = False) -> pb.VerifyBlock:
+                 after: pb.AfterVerdict | None = None, dists_on_rejection: bool = False,
+                 parents: Sequence[int] | None = None) -> pb.VerifyBlock:
     """A verify block checked by verify `method` ("block"); with `after`, a candidate for that verdict; with
-    `dists_on_rejection`, no distributions: the cloud asks for what it needs at a rejection (residual_query)."""
+    `dists_on_rejection`, no distributions: the cloud asks for what it needs at a rejection (residual_query);
+    with `parents`, a tree of draft tokens (proto VerifyBlock.parents)."""
     return pb.VerifyBlock(start_position=start_position, draft_tokens=draft_tokens, method=method_value(method),
                           draft_token_probs=draft_token_probs or [], after=after, dists_on_rejection=dists_on_rejection,
-                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []])
+                          draft_dists=[sparse_to_proto(d) for d in draft_dists or []], parents=parents or [])
+
+
+def tree_parents(block: pb.VerifyBlock) -> list[int] | None:
+    """A tree block's parents (-1: a child of the session's last token); None for a chain."""
+    return list(block.parents) or None
 
 
 def verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
@@ -235,7 +212,8 @@ def ordinary_verify_frame(block: pb.VerifyBlock) -> pb.EdgeFrame:
     """The frame that sends `block` as an ordinary verify: a candidate's `after` is dropped."""
     return pb.EdgeFrame(verify=pb.VerifyBlock(start_position=block.start_position, draft_tokens=block.draft_tokens,
                                               draft_token_probs=block.draft_token_probs, draft_dists=block.draft_dists,
-                                              method=block.method, dists_on_rejection=block.dists_on_rejection))
+                                              method=block.method, dists_on_rejection=block.dists_on_rejection,
+                                              parents=block.parents))
 
 
 def residual_answer_frame(query: pb.ResidualQuery, draft_probs: Sequence[float] = (),
