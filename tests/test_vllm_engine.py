@@ -119,15 +119,16 @@ def _near_ties(target: LoadedModel, prompt: list[int], ours: list[int], theirs: 
 @pytest.mark.smollm2
 def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_engine(tmp_path, smollm2,
                                                                                         smollm2_4_layers):
-    prompts = [encode_prompt(smollm2.tokenizer, text, chat=True)
-               for text in ("What causes the seasons on Earth?", "Write a haiku about rivers.")]
+    # One prompt: each assertion below holds per prompt (rollback included), so a second only repeated them.
+    prompts = [encode_prompt(smollm2.tokenizer, "What causes the seasons on Earth?", chat=True)]
     # with vLLM's own draft-model speculation (`--draft`): cloud-sd is vLLM's, and the edges' blocks stay exact on it
     cloud = _vllm_cloud(tmp_path, "smollm2", "--target", "smollm2-135m", "--draft", "smollm2-135m:layers=4",
                         "--draft-block", "4")
     cloud.start()
     try:
         modes = ["target", "sd-block", "sprinter-exact", "cloud-sd"]
-        results = _generate(cloud.address, smollm2_4_layers, [p for p in prompts for _ in modes], modes * 2, 24)
+        results = _generate(cloud.address, smollm2_4_layers, [p for p in prompts for _ in modes], modes * len(prompts),
+                            24)
         with grpc.insecure_channel(cloud.address) as channel:  # a sampled session it cannot serve exactly
             refused = SessionStream(channel).open(prompts[0], sampling=pb.SamplingSettings(temperature=1.0))
         cached = _metric(cloud, "sprinter_cloud_engine_cached_tokens_total")
