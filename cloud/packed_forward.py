@@ -188,7 +188,7 @@ def run_packed(model: PreTrainedModel, inputs: PackedInputs, packed: torch.Tenso
 
 def _chains_as_none(trees: list[list[int] | None] | None, sessions: int) -> list[list[int] | None]:
     """One entry per session, None for a chain: a chain given as parents takes the chain's path exactly."""
-    return [None if is_chain(tree) else tree for tree in trees] if trees is not None else [None] * sessions
+    return [None if tree is None or is_chain(tree) else tree for tree in trees] if trees is not None else [None] * sessions
 
 
 def _segments(caches: list[ResidentKV], new_tokens: list[list[int]], trees: list[list[int] | None],

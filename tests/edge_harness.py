@@ -96,6 +96,7 @@ class Script:
     verify_refusals_after: int | None = None  # verify: refuse every frame after this many verdicts
     verify_refusal: pb.Error | None = None
     generate_hangs_after: int | None = None  # Generate: stream this many tokens, then go silent
+    generate_fails_after: int | None = None  # Generate: stream this many tokens, then fail UNAVAILABLE (a kill)
     generate_busy: int = 0  # Generate: refuse this many calls RESOURCE_EXHAUSTED (retry hint 50 ms), then serve
     generates: int = 0
     open_delay_s: float = 0.0  # how long an open takes (a long prompt's prefill)
@@ -140,6 +141,10 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
         if self.script.generates <= self.script.generate_busy:
             context.set_trailing_metadata((("retry-after-ms", "50"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV cache budget is held; retry shortly")
+        if self.script.generate_fails_after is not None:
+            for _ in range(self.script.generate_fails_after):
+                yield pb.GenerateChunk(token_ids=[self.script.next_token])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica went away")
         if self.script.generate_hangs_after is None:  # serve the whole request
             for _ in range(request.max_new_tokens):
                 yield pb.GenerateChunk(token_ids=[self.script.next_token])

@@ -58,7 +58,7 @@ class PathTracer:
 
 def _readme_path_modules() -> set[str]:
     section = (ROOT / "docs" / "architecture.md").read_text().split("## How a token travels", 1)[1].split("\n## ", 1)[0]
-    return {path.removesuffix(".py").replace("/", ".") for path in re.findall(r"`([a-z_/]+\.py)", section)}
+    return {path.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for path in re.findall(r"`([a-z_/]+\.py)", section)}
 
 
 def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:

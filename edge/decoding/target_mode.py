@@ -9,8 +9,8 @@ once it answers, unless the request's deadline has passed. What is waited for an
   comes from the draft, reason `deadline` (`loading` when the cloud was still loading);
 - a replica that fails a Generate rests; the next try goes to another usable one, or probes them all
   first (a resting replica may be back), as sessions do. The tries are bounded (`ReplicaSet.attempts`
-  in a row, a try that streamed tokens starting the count again) so that a replica that answers GetInfo
-  but hangs every Generate cannot hold a request:
+  in a row; a replica that went away after streaming tokens starts the count again) so that a replica
+  that answers GetInfo but hangs every Generate cannot hold a request:
   past them the draft goes on for `cloud_retry_s`, reason `cloud_unreachable`.
 """
 
@@ -21,6 +21,8 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
+
+import grpc
 
 from common import wire
 from common.admission import Admission, QueuePlace
@@ -78,9 +80,11 @@ class CloudGenerate:
                 use.mark_degraded("loading")
                 retry_at = None
             except CloudUnavailable as err:
-                # bounded per outage, as a session's verify is: a Generate that streamed tokens before failing
-                # proved the replicas worked, and a long request may outlive several kills
-                failures = 1 if len(generation.new_tokens) > made else failures + 1
+                # A replica that went away (UNAVAILABLE: a kill, a restart) after streaming tokens starts the count
+                # again: a long request may outlive several kills. One that stops sending (DEADLINE_EXCEEDED) counts
+                # every time, so a replica that streams a little and hangs cannot hold a request.
+                went_away = err.code != grpc.StatusCode.DEADLINE_EXCEEDED
+                failures = 1 if went_away and len(generation.new_tokens) > made else failures + 1
                 if failures < self.cloud.attempts and await self._back(failures, deadline_at):
                     log.info("target mode: %s; going on with another replica", err)
                     use.reopens += 1
