@@ -292,10 +292,17 @@ def opened_first_logprob(opened: pb.SessionOpened) -> TokenLogprob | None:
 
 def verdict(*, n_accepted: int, next_token: int, context_length: int, verify_ms: float, queue_ms: float,
             cloud_batch_size: int, start_position: int, candidate: bool,
-            logprobs: Sequence[TokenLogprob] = ()) -> pb.Verdict:
+            logprobs: Sequence[TokenLogprob] = (), path: Sequence[int] | None = None) -> pb.Verdict:
+    """`path`: a tree block's kept draft tokens as indices into it (proto Verdict.path); None for a chain."""
     return pb.Verdict(n_accepted=n_accepted, next_token=next_token, context_length=context_length,
                       verify_ms=verify_ms, queue_ms=queue_ms, cloud_batch_size=cloud_batch_size,
-                      start_position=start_position, candidate=candidate, logprobs=logprobs_to_proto(logprobs))
+                      start_position=start_position, candidate=candidate, logprobs=logprobs_to_proto(logprobs),
+                      path=path or [])
+
+
+def verdict_path(judged: pb.Verdict, block: pb.VerifyBlock) -> list[int] | None:
+    """The kept path of a verdict on `block`, as indices into its draft tokens; None when the block was a chain."""
+    return list(judged.path) if block.parents else None
 
 
 def verdict_frame(judged: pb.Verdict) -> pb.CloudFrame:
