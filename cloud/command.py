@@ -146,6 +146,9 @@ def _add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     vllm.add_argument("--gpu-memory-utilization", type=float, help="size the KV cache as this share of each GPU's "
                                                                   "memory instead of by --kv-budget-mb")
     vllm.add_argument("--quantization", help="vLLM's quantization method (e.g. fp8, awq)")
+    vllm.add_argument("--vllm-eager", action="store_true",
+                      help="run the model eagerly (vLLM's enforce_eager): no compile warm-up at start (about a "
+                           "minute on a CPU), no CUDA graphs; slower steps, for short-lived clouds such as tests")
     vllm.add_argument("--max-logprobs", type=int, default=DEFAULTS.max_logprobs,
                       help="sampled verifies read each row's top_k target logprobs (the whole vocabulary without "
                            "top_k); sessions that need more are refused")

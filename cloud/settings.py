@@ -32,6 +32,7 @@ class CloudSettings:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None  # instead of --kv-budget-mb: a share of each GPU's memory
     quantization: str | None = None
+    vllm_eager: bool = False  # vLLM's enforce_eager: no torch.compile warm-up at start, no CUDA graphs
     max_logprobs: int = 64  # the largest support a sampled verify may read per row (cloud/vllm_engine.py)
     kv_block_tokens: int | None = None  # vLLM's prefix-cache block; None: 32 on CPU, vLLM's default elsewhere
     draft_block: int = 5  # vLLM's draft tokens per round with --draft (its speculation is configured at start)
@@ -170,7 +171,7 @@ class CloudSettings:
         else:
             resident_only = {
                 "tensor_parallel_size": "--tensor-parallel-size", "gpu_memory_utilization": "--gpu-memory-utilization",
-                "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens",
+                "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens", "vllm_eager": "--vllm-eager",
                 "max_logprobs": "--max-logprobs (the resident engine reads whole rows)",
                 "draft_block": "--draft-block (the resident engine drafts each request's own speculation.block)",
             }

@@ -91,6 +91,7 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
+    enforce_eager: bool = False  # --vllm-eager
     seed: int = 0
     draft_spec: str | None = None  # --draft: vLLM's own draft-model speculative decoding (mode cloud-sd)
     draft_dir: str | None = None
@@ -105,6 +106,7 @@ class VllmOptions:
                    max_logprobs=settings.max_logprobs, block_size=settings.kv_block_tokens,
                    tensor_parallel_size=settings.tensor_parallel_size,
                    gpu_memory_utilization=settings.gpu_memory_utilization, quantization=settings.quantization,
+                   enforce_eager=settings.vllm_eager,
                    draft_spec=settings.draft, draft_dir=str(model_dir(settings.draft)) if settings.draft else None,
                    draft_block=settings.draft_block)
 
@@ -127,7 +129,8 @@ class VllmOptions:
             model=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len, enable_prefix_caching=True,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_model_len),
             max_logprobs=self.max_logprobs, tensor_parallel_size=self.tensor_parallel_size,
-            quantization=self.quantization, seed=self.seed, disable_log_stats=True, **extra)
+            quantization=self.quantization, enforce_eager=self.enforce_eager, seed=self.seed, disable_log_stats=True,
+            **extra)
 
 
 class VllmEngine:
