@@ -10,17 +10,18 @@ import grpc
 import pytest
 import torch
 
-from cloud.engine import TargetInfo
+from cloud.engine import TargetInfo, TargetRows
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits, check_verify
 from cloud.metrics import CloudMetrics
 from cloud.server import CloudSettings, engine_limits
-from cloud.tree_verify import forward_parents, on_primary_chain
+from cloud.tree_verify import forward_parents, on_primary_chain, shaped_tree_rows
 from cloud.vllm_engine import VllmEngine
 from cloud_harness import ServerThread, SessionStream
 from common import wire
 from common.acceptance_rules import Proposal, decide
 from common.decoding.draft_tree import DraftTree
+from common.logits_processing import LogitsProcessor
 from common.models import LoadedModel
 from common.sampling import SamplingParams, SparseDistribution
 from sprinter.v1 import decoding_pb2 as pb
@@ -234,3 +235,20 @@ def test_the_forward_chains_the_uncached_tokens_before_the_tree():
     tree = DraftTree([1, 2, 3, 4], [-1, 0, 0, -1])
     assert on_primary_chain(tree, [0, 1]) and on_primary_chain(tree, []) and not on_primary_chain(tree, [0, 2])
     assert not on_primary_chain(tree, [3])
+
+
+def test_each_tree_row_is_shaped_after_its_own_path():
+    """Penalties read the tokens before a row: a node's row is shaped as the last row of its path's chain would be."""
+    sampling = SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.7, logit_bias=((3, 2.0),))
+    context = [1, 2, 3, 4]
+    processor = LogitsProcessor(sampling, context[:2])
+    tree = DraftTree([5, 6, 5, 7, 6], [-1, 0, -1, 2, 3])
+    logits = torch.randn(1 + len(tree), 12, generator=torch.Generator().manual_seed(0))
+    shaped = shaped_tree_rows(TargetRows(logits.argmax(-1), logits), processor, context, tree)
+    assert torch.allclose(shaped.logits[0], processor.next_row(logits[0], context))
+    for node in range(len(tree)):
+        path_tokens = [tree.tokens[n] for n in tree.path_to(node)]
+        assert torch.allclose(shaped.logits[1 + node], processor.next_row(logits[1 + node], context + path_tokens))
+    assert shaped.argmax.tolist() == shaped.logits.argmax(-1).tolist()
+    plain = TargetRows(logits.argmax(-1), logits)
+    assert shaped_tree_rows(plain, None, context, tree) is plain
