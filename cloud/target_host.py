@@ -21,20 +21,19 @@ from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine
                           whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
-                          check_verify, frame_proposal, refuse_tree_candidate)
+                          check_verify, refuse_tree_candidate)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
 from cloud.speculation import SpeculatedRound, SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
-from cloud.tree_verify import forward_parents, on_primary_chain, path_rows, shaped_tree_rows
+from cloud.tree_verify import forward_parents, frame_decision, kept_path
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarError, SamplingParams
-from common.acceptance_rules import Decision, decide
 from common.decoding.draft_tree import DraftTree
 from common.admission import Admission
 from common.tracing import tracer
@@ -200,7 +199,8 @@ class TargetHost:
             self.store.check_kv("forward")
             started = time.perf_counter()
             try:
-                decision = self._decide(session, frame, result)
+                with tracer.span("cloud.rule", method=wire.method_name(frame.method)):
+                    decision = frame_decision(frame, session, result.rows)
                 n_accepted, next_token = decision.n_accepted, decision.next_token
                 if next_token is None:  # the token rule rejected: its residual needs the edge's distribution
                     if abandoned is not None and abandoned():  # the stream that would answer is gone
@@ -218,17 +218,6 @@ class TargetHost:
             return verdict
         finally:
             session.busy = session.pending_residual is not None
-
-    def _decide(self, session: Session, frame: pb.VerifyBlock, result: ForwardResult) -> Decision:
-        """The rule's verdict on a checked frame from its forward's rows, shaped as the request asks (a tree's row by
-        row along each node's path: cloud/tree_verify.py)."""
-        proposal = frame_proposal(frame, session.sampling)
-        tree = proposal.tree()
-        rows = (result.rows.shaped(session.processor, session.tokens, proposal.tokens) if tree is None else
-                shaped_tree_rows(result.rows, session.processor, session.tokens, tree))
-        with tracer.span("cloud.rule", method=wire.method_name(frame.method)):
-            return decide(proposal, wire.method_name(frame.method), session.sampling, session.generator,
-                          argmax=rows.argmax.tolist(), logits=rows.logits)
 
     async def _admit(self, owner: str, admission: Admission, attempt: Callable[[], T], tell: Tell | None,
                      abandoned: Abandoned | None, seniority: int, running: bool = False) -> tuple[T, float]:
@@ -285,18 +274,17 @@ class TargetHost:
         session.cached_tokens += new_tokens
         start_position = session.length
         keep = session.length + n_accepted
-        rows = result.rows
+        rows, on_chain = result.rows, True
         if path is None:
             self.engine.rollback(session, keep)
             kept = draft_tokens[:n_accepted] + [next_token]
-        else:
+        else:  # a candidate is drafted along a tree's primary chain: none follows a side path's verdict
             self.engine.keep_path(session, start_position, path)
-            kept, rows = [draft_tokens[node] for node in path] + [next_token], path_rows(rows, path)
+            kept, rows, on_chain = kept_path(DraftTree(draft_tokens, wire.tree_parents(frame)), path, next_token, rows)
+            self.metrics.tree_verdicts.labels("primary" if on_chain else "side").inc()
         session.cached_tokens = keep
         logprobs = rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
         session.tokens.extend(kept)
-        # A candidate is drafted along the tree's primary chain: after a side path, none follows this verdict.
-        on_chain = path is None or on_primary_chain(DraftTree(draft_tokens, wire.tree_parents(frame)), path)
         session.last_verdict = (start_position, n_accepted, next_token) if on_chain else None
         session.touch()
         self.metrics.count_verdict(wire.method_name(frame.method), len(draft_tokens), n_accepted)

@@ -1,5 +1,5 @@
-"""A verify frame that carries a draft tree (VerifyBlock.parents), as the target host runs it: one forward over the
-whole tree, the rows the rule reads, and which rows and KV entries the verdict keeps.
+"""A verify frame's verdict from its forward's rows, and what a draft tree (VerifyBlock.parents) adds as the target
+host runs it: one forward over the whole tree, the rows the rule reads, and which rows and KV entries it keeps.
 
     uncached   the session's tokens the engine has not seen yet (the last verdict's next token): a chain fed first
     tree       N draft tokens, parents[i] in -1 .. i - 1 (-1: a child of the session's last token)
@@ -9,8 +9,8 @@ whole tree, the rows the rule reads, and which rows and KV entries the verdict k
 The forward writes all N nodes' KV (N entries charged, not the tree's depth); the kept path's entries are then
 moved into place (`keep_path`) and the rest dropped, within the capacity the session was granted.
 
-Logit shaping (bias, penalties, grammar) depends on the tokens before a row: each row is shaped with its own
-node's path as the context's tail, as a chain's row is with the block's tokens before it.
+Logit shaping (bias, penalties, grammar) depends on the tokens before a row: each root-to-leaf path is shaped as a
+chain is, so a node's row sees its own path's tokens, never a sibling branch's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,24 @@ from __future__ import annotations
 import torch
 
 from cloud.engine import TargetRows
+from cloud.frames import frame_proposal
+from cloud.sessions import Session
+from common import wire
+from common.acceptance_rules import Decision, decide
 from common.decoding.draft_tree import ROOT, DraftTree
 from common.logits_processing import LogitsProcessor
+from sprinter.v1 import decoding_pb2 as pb
+
+
+def frame_decision(frame: pb.VerifyBlock, session: Session, rows: TargetRows) -> Decision:
+    """The rule's verdict on a checked frame from its forward's rows [g + 1] (a tree's [1 + N]), shaped as the
+    session's request asks: a chain's after the block's tokens before each row, a tree's along each node's path."""
+    proposal = frame_proposal(frame, session.sampling)
+    tree = proposal.tree()
+    rows = (rows.shaped(session.processor, session.tokens, proposal.tokens) if tree is None else
+            shaped_tree_rows(rows, session.processor, session.tokens, tree))
+    return decide(proposal, wire.method_name(frame.method), session.sampling, session.generator,
+                  argmax=rows.argmax.tolist(), logits=rows.logits)
 
 
 def forward_parents(uncached: int, parents: list[int]) -> list[int]:
@@ -42,10 +58,13 @@ def shaped_tree_rows(rows: TargetRows, processor: LogitsProcessor | None, contex
     return TargetRows(logits.argmax(dim=-1), logits)
 
 
-def path_rows(rows: TargetRows, path: list[int]) -> TargetRows:
-    """The rows along a kept path, as a chain's [len(path) + 1]: row m scores the m-th kept token (then the next)."""
+def kept_path(tree: DraftTree, path: list[int], next_token: int,
+              rows: TargetRows) -> tuple[list[int], TargetRows, bool]:
+    """What a tree's verdict keeps: its tokens (the path's, then `next_token`), the rows that scored them, as a chain's
+    [len(path) + 1], and whether the path is on the tree's primary chain."""
     index = torch.tensor([0] + [1 + node for node in path])
-    return TargetRows(rows.argmax[index], rows.logits[index] if rows.logits is not None else None)
+    kept_rows = TargetRows(rows.argmax[index], rows.logits[index] if rows.logits is not None else None)
+    return [tree.tokens[node] for node in path] + [next_token], kept_rows, on_primary_chain(tree, path)
 
 
 def on_primary_chain(tree: DraftTree, path: list[int]) -> bool:

@@ -176,10 +176,10 @@ def test_the_kv_budget_charges_every_tree_token_and_holds_after_a_side_path(clou
 def test_candidates_after_a_side_path_are_dropped_and_after_the_primary_chain_verified(cloud, stream, tiny_target):
     stream.open(PROMPT)
     expected = greedy(tiny_target, PROMPT, 4)
-    dropped = _host(cloud).metrics.candidates.labels("dropped")
-    before = dropped._value.get()
+    dropped, sides = _host(cloud).metrics.candidates.labels("dropped"), _host(cloud).metrics.tree_verdicts.labels("side")
+    before, sides_before = dropped._value.get(), sides._value.get()
     side = tree_verify(stream, len(PROMPT), [other(expected[0], 259), expected[0]], [-1, -1]).verdict
-    assert list(side.path) == [1]
+    assert list(side.path) == [1] and sides._value.get() == sides_before + 1
     after = pb.AfterVerdict(start_position=side.start_position, n_accepted=side.n_accepted,
                             next_token=side.next_token)
     stream._requests.put(wire.verify_frame(wire.verify_block(side.context_length, [7], "block", after=after)))
