@@ -297,9 +297,10 @@ class TargetHost:
 
     def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
-        would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply)."""
+        would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply). None follows
+        a tree verdict that kept a side path (`last_verdict` None); a tree sent as a candidate is refused."""
         refuse_tree_candidate(frame)
-        matches = session.last_verdict is not None and session.last_verdict == wire.candidate_after(frame)
+        matches = session.last_verdict == wire.candidate_after(frame)
         if not matches:
             self.metrics.candidates.labels("dropped").inc()
         return matches
