@@ -116,7 +116,8 @@ def _check_logprobs(target: LoadedModel, context: list[int], verdict: pb.Verdict
 
 
 def test_a_side_path_is_kept_and_decoding_goes_on_as_the_targets_greedy(stream, tiny_target):
-    stream.open(PROMPT, sampling=pb.SamplingSettings(logprobs=0))
+    opened = stream.open(PROMPT, sampling=pb.SamplingSettings(logprobs=0)).opened
+    assert opened.limits.max_tree_tokens == 16 and opened.limits.max_block == 32  # the resident engine's default
     side_path_rounds(stream, tiny_target, PROMPT)
 
 
