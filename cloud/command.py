@@ -43,7 +43,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, default=DEFAULTS.max_sessions)
     p.add_argument("--kv-budget-mb", type=int, default=DEFAULTS.kv_budget_mb,
                    help="KV cache of all sessions and Generate calls; must hold one --max-context session")
-    p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
+    _add_frame_limit_arguments(p)
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context)
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULTS.idle_timeout_s)
     p.add_argument("--evict-grace-s", type=float, default=DEFAULTS.evict_grace_s,
@@ -77,6 +77,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_frame_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
+    p.add_argument("--max-tree-tokens", type=int, default=DEFAULTS.max_tree_tokens,
+                   help="draft tokens per tree verify frame, where an edge sends several candidate paths in one "
+                        "verify (default 16: a chain of about 6 and a few short side paths, in one forward that costs "
+                        "a CPU about 1.3x a chain of 6's, as a chain of 16 does; 0: chains only). The resident engine "
+                        "only: vllm always reports 0")
 
 
 def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:

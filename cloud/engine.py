@@ -164,6 +164,7 @@ class TargetEngine(Protocol):
     kv_bytes_per_token: int
     kv_bytes_per_page: int
     prefix_cache: PrefixCache | None  # KV reusable across sessions by prefix (resident); None: none of ours
+    tree_attention: bool  # verifies a draft tree in one forward (ServiceInfo.limits.max_tree_tokens > 0 only then)
 
     @property
     def queue_depth(self) -> int:
@@ -183,11 +184,15 @@ class TargetEngine(Protocol):
         """Make `tokens`, which follow the session's cached context, part of it."""
 
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
-                      abandoned: Abandoned | None = None) -> ForwardResult:
-        """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions."""
+                      abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
+        """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions. `tree`: the
+        new tokens' parents (cloud/token_tree.py), only where `tree_attention`."""
 
     def rollback(self, session: EngineSession, keep: int) -> None:
         """Keep the KV of the first `keep` context tokens only."""
+
+    def keep_path(self, session: EngineSession, start: int, node_indices: list[int]) -> None:
+        """After a tree's forward: keep the KV of one root-to-node path of it, from entry `start`, nothing after."""
 
     def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
                  processor: LogitsProcessor | None, prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:

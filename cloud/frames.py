@@ -21,7 +21,7 @@ import torch
 from cloud.errors import CloudError, invalid
 from common import wire
 from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
-from common.acceptance_rules import Proposal
+from common.acceptance_rules import TREE_METHODS, Proposal
 from common.sampling_params import SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -113,6 +113,8 @@ def check_verify(frame: pb.VerifyBlock, session_length: int, sampling: SamplingP
         raise invalid("verify.draft_tokens is empty: send at least one draft token")
     parents = wire.tree_parents(frame)
     longest_path = check_tree(parents, g, limits) if parents is not None else g
+    if parents is not None:
+        _check_tree_frame(frame, method)
     if parents is None and g > limits.max_block:
         raise invalid(f"verify block has {g} tokens; the limit is {limits.max_block} (ServiceInfo.limits.max_block)")
     if frame.start_position != session_length:
@@ -159,6 +161,24 @@ def check_tree(parents: list[int], g: int, limits: ServiceLimits) -> int:
                           f"draft token's index, 0 .. {i - 1}")
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return max(depths)
+
+
+def _check_tree_frame(frame: pb.VerifyBlock, method: str) -> None:
+    """What a tree frame may not combine with: a rule that reads one path, the token rule's scalars, a candidate."""
+    if method not in TREE_METHODS:
+        raise invalid(f"verify.method is {method} but the frame is a tree (verify.parents): a tree is verified by "
+                      "METHOD_BLOCK (greedy multi-path block verification), the other methods read one path")
+    if frame.dists_on_rejection:
+        raise invalid("verify.dists_on_rejection is set on a tree frame (verify.parents): a tree's rule reads every "
+                      "node's distribution, send them in verify.draft_dists")
+    refuse_tree_candidate(frame)
+
+
+def refuse_tree_candidate(frame: pb.VerifyBlock) -> None:
+    """A candidate (verify.after) is drafted along the primary chain of the tree before it: never a tree itself."""
+    if frame.parents and frame.HasField("after"):
+        raise invalid("verify.after is set on a tree frame (verify.parents): a candidate block is a chain; send the "
+                      "tree as an ordinary verify")
 
 
 def _check_dists_on_rejection(frame: pb.VerifyBlock, method: str) -> None:
@@ -209,8 +229,10 @@ def draft_distributions(frame: pb.VerifyBlock, sampling: SamplingParams, vocab_s
 
 
 def frame_proposal(frame: pb.VerifyBlock, sampling: SamplingParams) -> Proposal:
-    """The proposal a checked frame carries: its q rows, or (`dists_on_rejection`) its tokens' scalars alone."""
+    """The proposal a checked frame carries: its q rows, or (`dists_on_rejection`) its tokens' scalars alone; a tree
+    frame's parents (its q rows one per node, each the distribution the node was drawn from given its parent's prefix)."""
     tokens = list(frame.draft_tokens)
     if frame.dists_on_rejection and not sampling.greedy:
         return Proposal(tokens, q_of_tokens=list(frame.draft_token_probs))
-    return Proposal(tokens, lambda vocab_size: draft_distributions(frame, sampling, vocab_size))
+    return Proposal(tokens, lambda vocab_size: draft_distributions(frame, sampling, vocab_size),
+                    parents=wire.tree_parents(frame))

@@ -49,6 +49,9 @@ class CloudMetrics:
         # before any check or forward: dropped candidates cost uplink bytes, never compute.
         self.candidates = Counter("sprinter_cloud_candidates", "Candidate blocks by outcome (verified, dropped)",
                                   ["outcome"], registry=r)
+        # A draft tree's verdict (VerifyBlock.parents): the path it kept was the primary chain's prefix, or a side path.
+        self.tree_verdicts = Counter("sprinter_cloud_tree_verdicts", "Tree verify frames by the path kept (primary, "
+                                     "side)", ["path"], registry=r)
         # An engine with its own prefix cache (vllm): context tokens it served from the cache, context tokens it had
         # seen but computed again (evicted, or a partial cache block), and verifies re-run with the cache skipped
         # because it covered a row the rule reads (cloud/vllm_engine.py).

@@ -51,6 +51,7 @@ class ResidentEngine:
     draft: DraftEngine | None = None  # the cloud's own draft (`--draft`): cloud-sd
     prefix_cache: PrefixCache | None = None  # KV reusable across sessions by prefix; the session store charges it
     name: str = "resident"
+    tree_attention: bool = True  # cloud/packed_forward.py: positions by depth, each token seeing its ancestors
 
     def __post_init__(self) -> None:
         self._caches: weakref.WeakSet[ResidentKV] = weakref.WeakSet()  # every live per-session buffer pair

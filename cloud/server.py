@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -48,6 +49,12 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 __all__ = ["CloudServer", "CloudSettings", "SERVICE_NAME", "run_until_signalled"]
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+def engine_limits(limits: ServiceLimits, max_tree_tokens: int, engine: TargetEngine) -> ServiceLimits:
+    """The limits this engine serves: a draft tree (`--max-tree-tokens`) only with its tree attention; without it the
+    open's limits say 0 tree tokens, so edges never branch, and a tree frame is refused naming verify.parents."""
+    return replace(limits, max_tree_tokens=max_tree_tokens if engine.tree_attention else 0)
 
 
 class CloudServer:
@@ -154,6 +161,7 @@ class CloudServer:
                 engine.kv_bytes_per_token, on_evict=lambda _session: self.metrics.sessions_evicted.inc(),
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )
+            self.limits = engine_limits(self.limits, settings.max_tree_tokens, engine)
             host = TargetHost(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
                                     proposer=settings.proposer,
@@ -199,9 +207,9 @@ class CloudServer:
             log.info("loading target %s (%s) on %s", settings.target, settings.dtype, device)
             target = await asyncio.to_thread(load_model, settings.target, DTYPES[settings.dtype], device)
         paged = settings.paged(target.model.device.type)
-        # No session grows past the context limit plus one block (a verify's new tokens are written first).
+        # No session grows past the context limit plus one block or tree (a verify's new tokens are written first).
         kv_layout = KVLayout.of(target.model, page_tokens=PAGE_TOKENS_PAGED if paged else 64,
-                                max_tokens=settings.max_context + settings.max_block + 1)
+                                max_tokens=settings.max_context + settings.max_verify_tokens + 1)
         settings.check_kv_budget(kv_layout.bytes_per_token)
         # The pool holds the budget, plus a forward's and the Generate calls' page rounding of slack.
         kv_pool = KVPool(kv_layout, settings.kv_budget_bytes, slack_tokens=settings.max_forward_tokens

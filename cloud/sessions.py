@@ -74,7 +74,8 @@ class Session:
     reused_tokens: int = 0  # of the prompt, tokens whose KV came from the prefix cache (usage.cached_tokens)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a prefill or verify is in flight: never evicted under it
-    # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow
+    # (start_position, n_accepted, next_token) of the latest verdict: the one a candidate block may follow (None: none
+    # may, as after a tree verdict that kept a side path: candidates are drafted along a tree's primary chain)
     last_verdict: tuple[int, int, int] | None = None
     pending_residual: PendingResidual | None = None  # a verify waiting on the edge's residual answers (busy meanwhile)
     # the request's logit_bias and penalties, counting from the open's output_start; None: none asked for

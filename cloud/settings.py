@@ -45,6 +45,7 @@ class CloudSettings:
     max_sessions: int = 64
     kv_budget_mb: int = 2048
     max_block: int = 32
+    max_tree_tokens: int = 16  # draft tokens per tree frame (resident engine only; 0: chains only)
     max_context: int = 4096
     # cloud/residual.py: how the token rule's residual is sampled for an edge that sends no draft distributions
     residual_candidates: int = 16
@@ -111,9 +112,10 @@ class CloudSettings:
             (self.queue_max >= 1, f"--queue-max must be >= 1, got {self.queue_max}"),
             (self.queue_grace_s >= 0, f"--queue-grace-s must be >= 0, got {self.queue_grace_s}"),
             (self.max_prefill_chunk >= 1, f"--max-prefill-chunk must be >= 1, got {self.max_prefill_chunk}"),
-            (self.max_forward_tokens >= self.max_block + 1,
-             f"--max-forward-tokens must hold one verify of --max-block {self.max_block} (at least "
-             f"{self.max_block + 1}), got {self.max_forward_tokens}"),
+            (self.max_tree_tokens >= 0, f"--max-tree-tokens must be >= 0 (0: chains only), got {self.max_tree_tokens}"),
+            (self.max_forward_tokens >= self.max_verify_tokens + 1,
+             f"--max-forward-tokens must hold one verify of --max-block {self.max_block} and --max-tree-tokens "
+             f"{self.max_tree_tokens} (at least {self.max_verify_tokens + 1}), got {self.max_forward_tokens}"),
             (self.edge_max_sessions is None or 1 <= self.edge_max_sessions <= self.max_sessions,
              f"--edge-max-sessions must be in 1..--max-sessions ({self.max_sessions}), got {self.edge_max_sessions}"),
             (self.edge_kv_budget_mb is None or 1 <= self.edge_kv_budget_mb <= self.kv_budget_mb,
@@ -143,6 +145,9 @@ class CloudSettings:
             (self.suffix_cache in ("on", "off"), f"--suffix-cache must be on or off, got {self.suffix_cache!r}"),
             (self.proposer == "model" or self.draft is not None,
              f"--proposer {self.proposer} proposes around the cloud's draft model: it needs --draft"),
+            (self.engine != "vllm" or self.max_tree_tokens in (0, CloudSettings.max_tree_tokens),
+             f"--max-tree-tokens {self.max_tree_tokens} does not apply to --engine vllm: it has no tree attention and "
+             "verifies chains only (its limits always say 0 tree tokens)"),
             (self.proposer == "model" or self.engine != "vllm",
              f"--proposer {self.proposer} does not apply to --engine vllm: its cloud-sd is vLLM's own draft-model "
              "speculation, which proposes from the draft model alone"),
@@ -181,6 +186,11 @@ class CloudSettings:
     def paged(self, device_type: str) -> bool:
         """Whether the resident engine keeps its KV in one page pool (`--attention`, auto by device)."""
         return self.attention == "paged" or (self.attention == "auto" and device_type == "cuda")
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """The most draft tokens one verify frame writes into a session's KV: a chain's, or a whole tree's."""
+        return max(self.max_block, self.max_tree_tokens)
 
     @property
     def kv_budget_bytes(self) -> int:

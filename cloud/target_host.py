@@ -21,19 +21,20 @@ from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine
                           whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
-                          check_verify, frame_proposal)
+                          check_verify, refuse_tree_candidate)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
 from cloud.speculation import SpeculatedRound, SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
+from cloud.tree_verify import forward_parents, frame_decision, kept_path
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for
 from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarError, SamplingParams
-from common.acceptance_rules import decide
+from common.decoding.draft_tree import DraftTree
 from common.admission import Admission
 from common.tracing import tracer
 from sprinter.v1 import decoding_pb2 as pb
@@ -190,17 +191,16 @@ class TargetHost:
                                                 lambda: self.store.grant_live(session, session.cached_tokens + len(new_tokens)),
                                                 tell if session.admission.waits_in_line else None, abandoned,
                                                 session.seniority, running=True)
+            parents = wire.tree_parents(frame)  # a tree's N tokens are all written: N entries granted above
+            tree = None if parents is None else forward_parents(len(new_tokens) - len(draft_tokens), parents)
             with tracer.span("cloud.forward", tokens=len(new_tokens)):
                 result = await self.engine.forward(session, new_tokens, n_logits=len(draft_tokens) + 1,
-                                                   abandoned=abandoned)
+                                                   abandoned=abandoned, tree=tree)
             self.store.check_kv("forward")
             started = time.perf_counter()
             try:
-                rows = result.rows.shaped(session.processor, session.tokens, draft_tokens)
                 with tracer.span("cloud.rule", method=wire.method_name(frame.method)):
-                    decision = decide(frame_proposal(frame, session.sampling), wire.method_name(frame.method),
-                                      session.sampling, session.generator, argmax=rows.argmax.tolist(),
-                                      logits=rows.logits)
+                    decision = frame_decision(frame, session, result.rows)
                 n_accepted, next_token = decision.n_accepted, decision.next_token
                 if next_token is None:  # the token rule rejected: its residual needs the edge's distribution
                     if abandoned is not None and abandoned():  # the stream that would answer is gone
@@ -213,7 +213,7 @@ class TargetHost:
                 self.engine.rollback(session, session.cached_tokens)
                 raise
             verdict = self._settle(session, frame, result, len(new_tokens), n_accepted, next_token,
-                                   (time.perf_counter() - started) * 1e3)
+                                   (time.perf_counter() - started) * 1e3, decision.path)
             wire.set_queued_ms(verdict, queued_s * 1e3)
             return verdict
         finally:
@@ -267,18 +267,25 @@ class TargetHost:
         self.metrics.residual_queries.labels("abandoned").inc()
 
     def _settle(self, session: Session, frame: pb.VerifyBlock, result: ForwardResult, new_tokens: int,
-                n_accepted: int, next_token: int, decide_ms: float) -> pb.Verdict:
-        """Keep the verdict's tokens: the cache rolled back to the accepted prefix, next_token fed with the next block."""
+                n_accepted: int, next_token: int, decide_ms: float, path: list[int] | None = None) -> pb.Verdict:
+        """Keep the verdict's tokens: the cache rolled back to the accepted prefix (a tree's: its kept `path` moved
+        into place), next_token fed with the next block."""
         draft_tokens = list(frame.draft_tokens)
         session.cached_tokens += new_tokens
         start_position = session.length
         keep = session.length + n_accepted
-        self.engine.rollback(session, keep)
+        rows, on_chain = result.rows, True
+        if path is None:
+            self.engine.rollback(session, keep)
+            kept = draft_tokens[:n_accepted] + [next_token]
+        else:  # a candidate is drafted along a tree's primary chain: none follows a side path's verdict
+            self.engine.keep_path(session, start_position, path)
+            kept, rows, on_chain = kept_path(DraftTree(draft_tokens, wire.tree_parents(frame)), path, next_token, rows)
+            self.metrics.tree_verdicts.labels("primary" if on_chain else "side").inc()
         session.cached_tokens = keep
-        kept = draft_tokens[:n_accepted] + [next_token]
-        logprobs = result.rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
+        logprobs = rows.logprobs(session.sampling, kept)  # the raw rows, before the request's transform
         session.tokens.extend(kept)
-        session.last_verdict = (start_position, n_accepted, next_token)
+        session.last_verdict = (start_position, n_accepted, next_token) if on_chain else None
         session.touch()
         self.metrics.count_verdict(wire.method_name(frame.method), len(draft_tokens), n_accepted)
         self.store.enforce_budget(protect=session)
@@ -286,11 +293,13 @@ class TargetHost:
         return wire.verdict(n_accepted=n_accepted, next_token=next_token, context_length=session.length,
                             verify_ms=result.forward_ms + decide_ms, queue_ms=result.queue_ms,
                             cloud_batch_size=result.batch_size, start_position=start_position,
-                            candidate=wire.candidate_after(frame) is not None, logprobs=logprobs)
+                            candidate=wire.candidate_after(frame) is not None, logprobs=logprobs, path=path)
 
     def candidate_matches(self, session: Session, frame: pb.VerifyBlock) -> bool:
         """Whether a candidate block follows the session's latest verdict, so verifying it now is what the edge
-        would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply)."""
+        would ask for next; a candidate that does not is dropped unchecked (counted, no forward, no reply). None follows
+        a tree verdict that kept a side path (`last_verdict` None); a tree sent as a candidate is refused."""
+        refuse_tree_candidate(frame)
         matches = session.last_verdict == wire.candidate_after(frame)
         if not matches:
             self.metrics.candidates.labels("dropped").inc()

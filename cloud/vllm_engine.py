@@ -140,6 +140,7 @@ class VllmEngine:
     prefix_cache = None  # vLLM caches prefixes by itself (per session: cache_salt)
     kv_bytes_per_token = 0  # vLLM sizes and evicts its own cache (--kv-budget-mb sets its size)
     kv_bytes_per_page = 0
+    tree_attention = False  # a tree's tokens cannot see only their ancestors here: the open's limits say 0 tree tokens
 
     def __init__(self, llm: Any, info: TargetInfo, options: VllmOptions, metrics: CloudMetrics,
                  on_batch: Callable[[ForwardStats], None] | None = None, tokenizer: Any = None) -> None:
@@ -236,7 +237,9 @@ class VllmEngine:
         await self._request(prompt, self._params(1, logprobs=None), abandoned, session.cache.cache_salt)
 
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
-                      abandoned: Abandoned | None = None) -> ForwardResult:
+                      abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
+        if tree is not None:  # never reached: the frame checks refuse trees while max_tree_tokens is 0
+            raise ValueError("the vllm engine has no tree attention: it verifies chains only")
         prompt = session.tokens[:session.cached_tokens] + new_tokens
         first_row = len(prompt) - n_logits
         k = self.support(session.sampling)
@@ -259,6 +262,9 @@ class VllmEngine:
 
     def rollback(self, session: EngineSession, keep: int) -> None:
         """Nothing to do: the next request's prompt is the kept context, and vLLM's cache matches it by content."""
+
+    def keep_path(self, session: EngineSession, start: int, node_indices: list[int]) -> None:
+        raise ValueError("the vllm engine has no tree attention: it verifies chains only")
 
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
                        processor: LogitsProcessor | None,

@@ -110,7 +110,7 @@ class Edge:
 
 @pytest.fixture(scope="module")
 def cloud(tiny_target):
-    settings = CloudSettings(max_block=MAX_BLOCK, max_context=MAX_CONTEXT, batch_window_ms=1)
+    settings = CloudSettings(max_block=MAX_BLOCK, max_context=MAX_CONTEXT, batch_window_ms=1, max_tree_tokens=0)
     with ServerThread(settings, tiny_target) as server:
         yield server
 
@@ -160,8 +160,9 @@ def test_draft_tokens_outside_the_vocabulary(edge, block, bad):
 
 
 def test_a_tree_frame_is_refused_by_a_cloud_of_chains_and_says_so(edge, channel):
-    """The cloud's limits say 0 tree tokens (it verifies chains only): a frame with parents is refused, naming the
-    field; a chain spelled as parents is a tree frame too, and an empty parents list is the chain it always was."""
+    """The cloud's limits say 0 tree tokens (--max-tree-tokens 0: chains only): a frame with parents is refused,
+    naming the field; a chain spelled as parents is a tree frame too, and an empty parents list is the chain it always
+    was."""
     limits = pb_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT).limits
     assert limits.max_tree_tokens == 0
     for parents in ([-1, -1], [-1, 0]):
