@@ -321,8 +321,9 @@ class ReplicaSet:
         def tightest(values: list[int | None]) -> int | None:
             given = [v for v in values if v]
             return min(given) if given else None
+        trees = [k.max_tree_tokens or 0 for k in known]  # one replica that verifies chains only: no trees
         return CloudLimits(tightest([k.max_block for k in known]), tightest([k.max_context for k in known]),
-                           tightest([k.max_sparse_support for k in known]))
+                           tightest([k.max_sparse_support for k in known]), max_tree_tokens=min(trees, default=0) or None)
 
     def available(self) -> bool:
         now = time.monotonic()
