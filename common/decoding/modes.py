@@ -208,14 +208,19 @@ def parse_branch_tokens(text: str) -> int | str:
     return int(text)
 
 
+def takes_trees(mode: Mode) -> bool:
+    """Its edge drafts, and its rule verifies a draft tree (branching applies)."""
+    return mode.drafts and mode.verify_method in TREE_VERIFY_METHODS
+
+
 def check_branching(branch_tokens: int | str, mode: Mode) -> None:
     """Branching needs a mode whose edge drafts and whose rule verifies trees (TREE_VERIFY_METHODS)."""
     if branch_tokens == 0:
         return
     if branch_tokens != "auto" and (not isinstance(branch_tokens, int) or branch_tokens < 0):
         raise ValueError(f"branch_tokens must be a count >= 0 or 'auto', got {branch_tokens!r}")
-    if not mode.drafts or mode.verify_method not in TREE_VERIFY_METHODS:
-        tree_modes = ", ".join(m.name for m in _MODE_LIST if m.drafts and m.verify_method in TREE_VERIFY_METHODS)
+    if not takes_trees(mode):
+        tree_modes = ", ".join(m.name for m in _MODE_LIST if takes_trees(m))
         raise ValueError(f"branch_tokens: mode {mode.name!r} verifies one path (its rule reads no tree); "
                          f"branching applies to {tree_modes}")
 
