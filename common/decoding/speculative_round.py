@@ -194,8 +194,10 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
     """The block's tree (branching.py) when the generation branches and the target verifies trees; else None."""
     setting = generation.settings.branch_tokens
     model = model_of(drafter.proposer)
+    if setting == 0 or model is None or len(block) == 0:
+        return None
     limit = target.max_tree_tokens
-    if setting == 0 or model is None or limit == 0 or len(block) == 0:
+    if limit == 0:  # the verifier takes chains only
         return None
     room = None if limit is None else limit - len(block)
     budget = branch_budget(setting, block.accept_probs, cost_model, room, BRANCH_LENGTH)
