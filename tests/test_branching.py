@@ -197,3 +197,39 @@ def test_no_branching_when_the_cloud_verifies_chains_only(tiny_draft):
                                                                           branch_tokens=4))
     assert script.frames and not any(f.parents for f in script.frames)
     assert result.stats.tree_rounds == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_draft, temperature):
+    """Nodes 0..g-1 are the chain; each branch hangs off the chain at a branch point, lowest a_i first, its first
+    node drawn from the chain token's own row (the same q), never deeper than the chain."""
+    from common.cached_lm import CachedLM
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    sampling = SamplingParams(temperature=temperature, seed=0)
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), sampling, torch.Generator().manual_seed(0),
+                          frozenset())
+    context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
+
+    async def chain() -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, 5, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    block = run_inline(chain())
+    tree = run_inline(branching.draft_branches(model, context, block, 7, len(block)))
+    draft_tree = DraftTree(tree.nodes.tokens, tree.parents)
+    assert tree.nodes.tokens[:5] == block.tokens and draft_tree.primary_chain(0) == list(range(5))
+    assert len(tree.nodes) == 5 + 7 and max(draft_tree.depths()) <= 5
+    points = branching.branch_points(block, sampling.greedy)
+    roots = [i for i in range(5, len(tree.nodes)) if tree.parents[i] < 5]
+    assert [tree.parents[r] + 1 for r in roots] == points[:len(roots)]
+    for r in roots:
+        position = tree.parents[r] + 1
+        if temperature == 0:
+            assert tree.nodes.drafted[r].token != block.tokens[position]
+        else:
+            assert torch.equal(tree.nodes.drafted[r].p_draft, block.drafted[position].p_draft)
