@@ -48,6 +48,18 @@ class DecodeStats:
     suffix_tokens: int = 0
     suffix_kept: int = 0
     draft_fed_tokens: int = 0
+    # Branching (common/decoding/branching.py): rounds sent as a tree, their root-to-leaf paths, the branch tokens
+    # sent (beyond the primary chain), branch tokens kept, and rounds whose kept path left the chain.
+    tree_rounds: int = 0
+    tree_paths: int = 0
+    branch_tokens_sent: int = 0
+    branch_tokens_kept: int = 0
+    side_path_wins: int = 0
+
+    @property
+    def paths_per_round(self) -> float | None:
+        """Root-to-leaf paths per tree round (1 would be a chain)."""
+        return self.tree_paths / self.tree_rounds if self.tree_rounds else None
 
     @property
     def suffix_share(self) -> float | None:
@@ -111,6 +123,11 @@ class StatsRecorder:
     suffix_tokens: int = 0
     suffix_kept: int = 0
     draft_fed_tokens: int = 0
+    tree_rounds: int = 0
+    tree_paths: int = 0
+    branch_tokens_sent: int = 0
+    branch_tokens_kept: int = 0
+    side_path_wins: int = 0
 
     def proposed(self, tokens: list) -> None:
         """New proposals (common/decoding/proposals.py ProposedToken): a draft step for each of the draft's own."""
@@ -133,6 +150,14 @@ class StatsRecorder:
         self.suffix_kept += copied_kept
         self.block_lengths.append(block_length)
         self.accepted_lengths.append(n_accepted)
+
+    def branched(self, paths: int, branch_tokens: int, kept_off_chain: int) -> None:
+        """A round sent as a tree: its paths, its branch tokens, and how many of them the verdict kept."""
+        self.tree_rounds += 1
+        self.tree_paths += paths
+        self.branch_tokens_sent += branch_tokens
+        self.branch_tokens_kept += kept_off_chain
+        self.side_path_wins += kept_off_chain > 0
 
     def pipelined(self, drafted_ahead: bool, hit: bool, sent: int) -> None:
         """One verdict of a pipelined round: whether anything was drafted ahead of it, and whether it picked a candidate."""
@@ -175,6 +200,8 @@ class StatsRecorder:
             cached_tokens=self.cached_tokens, draft_reused_tokens=self.draft_reused_tokens,
             draft_prefill_saved_ms=self.draft_prefill_saved_ms,
             suffix_tokens=self.suffix_tokens, suffix_kept=self.suffix_kept, draft_fed_tokens=self.draft_fed_tokens,
+            tree_rounds=self.tree_rounds, tree_paths=self.tree_paths, branch_tokens_sent=self.branch_tokens_sent,
+            branch_tokens_kept=self.branch_tokens_kept, side_path_wins=self.side_path_wins,
         )
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, host_port_list
 from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.modes import DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings
+from common.decoding.modes import (DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings,
+                                   parse_branch_tokens)
 from common.devices import DeviceError, add_device_argument, resolve_device
 from common.sampling_params import SamplingParams
 from common.stats import DecodeStats
@@ -69,6 +70,21 @@ def add_proposer_arguments(p: argparse.ArgumentParser, scope: str = "") -> None:
     p.add_argument("--suffix-cache", default="on", choices=["on", "off"],
                    help="with --proposer suffix or hybrid: also copy from this edge's earlier outputs (a bounded, least "
                         "recently used cache), or only from each request's own text")
+
+
+def _branch_tokens(text: str) -> int | str:
+    try:
+        return parse_branch_tokens(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_branch_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
+    p.add_argument("--branch-tokens", type=_branch_tokens, default=0, metavar="N|auto",
+                   help=f"draft a tree{scope}: up to N extra tokens a round, alternatives where the target is likeliest "
+                        "to reject the draft's token, all verified in one call (modes sd-block and sprinter-exact; "
+                        "auto: as many as the measured draft, verify and round-trip costs make worth it; 0: off). "
+                        "Exact: the output stays the target's. A cloud that verifies chains only gets chains")
 
 
 def _positive_seconds(text: str) -> float:
@@ -134,6 +150,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, mode and stats")
     add_decoding_arguments(p)
     add_proposer_arguments(p)
+    add_branch_argument(p)
     add_companion_argument(p)
     add_policy_argument(p)
     add_cloud_arguments(p)
@@ -143,6 +160,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def decode_settings(args: argparse.Namespace) -> DecodeSettings:
     return DecodeSettings(mode=args.mode, max_new_tokens=args.max_new_tokens, k=args.k,
                           max_run_length=args.max_run_length, policy=args.policy, proposer=args.proposer,
+                          branch_tokens=args.branch_tokens,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
 
 

@@ -19,7 +19,8 @@ from common.decoding.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
 from common.tracing import add_tracing_argument, enable_from_flag, tracer
-from edge.generate_command import add_cloud_arguments, add_companion_argument, add_policy_argument, add_proposer_arguments
+from edge.generate_command import (add_branch_argument, add_cloud_arguments, add_companion_argument, add_policy_argument,
+                                   add_proposer_arguments)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
     add_policy_argument(p, " (default for requests; a request may set its own)")
     add_proposer_arguments(p, " (default for requests; a request may set its own: proposer)")
+    add_branch_argument(p, " (default for requests in modes that take trees; a request may set its own: branch_tokens)")
     p.add_argument("--listen", type=host_port, default="127.0.0.1:8000", metavar="HOST:PORT")
     p.add_argument("--model-name", help="the model id the API reports (default: the draft's spec)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
@@ -134,6 +136,7 @@ async def serve(args: argparse.Namespace, node_settings: object) -> None:
     host, _, port = args.listen.rpartition(":")
     api = ApiSettings(default_mode=args.mode, model_name=args.model_name or args.draft, default_policy=args.policy,
                       default_pipeline=args.pipeline, default_placement=args.placement, default_proposer=args.proposer,
+                      default_branch_tokens=args.branch_tokens,
                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests,
                       max_request_bytes=args.max_request_bytes, cloud_retry_s=args.cloud_retry_s,
                       request_deadline_s=args.request_deadline_s, pipeline_adapts=args.pipeline_adapts,

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import uvicorn
 
+from common.decoding.draft_tree import DraftTree
 from common.models import LoadedModel, vocab_fingerprint
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.processes import free_port
@@ -103,6 +104,8 @@ class Script:
     next_token: int = 5
     opens: int = 0
     verifies: int = 0
+    max_tree_tokens: int = 0  # the limit announced (0: chains only); a tree frame's verdict keeps its last node's path
+    frames: list[pb.VerifyBlock] = field(default_factory=list)  # every verify frame received
 
 
 class ScriptedServicer(pb_grpc.TargetServiceServicer):
@@ -111,7 +114,8 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServiceInfo:
         return pb.ServiceInfo(model_id="scripted", vocab_fingerprint=self.script.tokenizer_fingerprint,
-                              limits=pb.Limits(max_block=32, max_context=4096, max_sparse_support=4096))
+                              limits=pb.Limits(max_block=32, max_context=4096, max_sparse_support=4096,
+                                               max_tree_tokens=self.script.max_tree_tokens))
 
     async def Session(self, requests: AsyncIterator[pb.EdgeFrame],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CloudFrame]:
@@ -123,15 +127,16 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
                 if self.script.open_refusals:
                     yield pb.CloudFrame(error=self.script.open_refusals.pop(0))
                 else:
-                    yield pb.CloudFrame(opened=pb.SessionOpened(session_id="s", limits=pb.Limits(max_block=32)))
+                    yield pb.CloudFrame(opened=pb.SessionOpened(session_id="s", limits=pb.Limits(
+                        max_block=32, max_tree_tokens=self.script.max_tree_tokens)))
             elif kind == "verify":
                 after = self.script.verify_refusals_after
                 if after is not None and self.script.verifies >= after:
                     yield pb.CloudFrame(error=self.script.verify_refusal)
                     continue
                 self.script.verifies += 1
-                n = len(frame.verify.draft_tokens)
-                yield pb.CloudFrame(verdict=pb.Verdict(n_accepted=n, next_token=self.script.next_token))
+                self.script.frames.append(frame.verify)
+                yield pb.CloudFrame(verdict=_accept_all(frame.verify, self.script.next_token))
             else:
                 return
 
@@ -152,6 +157,14 @@ class ScriptedServicer(pb_grpc.TargetServiceServicer):
         for _ in range(self.script.generate_hangs_after or 0):
             yield pb.GenerateChunk(token_ids=[self.script.next_token])
         await asyncio.sleep(3600)  # a cloud that hangs: no chunk, no end
+
+
+def _accept_all(block: pb.VerifyBlock, next_token: int) -> pb.Verdict:
+    """A chain kept whole; a tree's path to its last node (a side path when the tree branched) kept whole."""
+    if not block.parents:
+        return pb.Verdict(n_accepted=len(block.draft_tokens), next_token=next_token)
+    path = DraftTree(list(block.draft_tokens), list(block.parents)).path_to(len(block.draft_tokens) - 1)
+    return pb.Verdict(n_accepted=len(path), next_token=next_token, path=path)
 
 
 class ScriptedCloud:

@@ -109,6 +109,9 @@ PIPELINES = ("off", "ahead", "send-ahead")
 DRAFT_DISTS = ("full", "on-rejection")
 # What proposes a block's tokens (common/decoding/proposals.py; kept here so that `sprinter --help` needs no torch).
 PROPOSERS = ("model", "suffix", "hybrid")
+# The verify methods a draft tree may name (common/acceptance_rules.py TREE_METHODS, less its "greedy", which no
+# mode names): block verification's multi-path form. The token rule (sd) and lossy sprinter read one path.
+TREE_VERIFY_METHODS = ("block",)
 # Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
 PLACEMENTS = ("edge", "cloud", "auto")
 CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)
@@ -153,11 +156,13 @@ class DecodeSettings:
     policy: str | None = None  # call policy spec (common/call_policy.py); None: the mode's default
     max_block: int | None = None  # the verifying backend's own cap on a block (the cloud's limits.max_block)
     proposer: str = "model"  # what proposes the tokens (common/decoding/proposals.py PROPOSERS)
+    branch_tokens: int | str = 0  # tree branch tokens per round (common/decoding/branching.py): N, "auto", 0 off
 
     def __post_init__(self) -> None:
         mode_of(self.mode)  # an unknown mode fails here
         if self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        check_branching(self.branch_tokens, self.traits)
         if self.max_new_tokens < 1 or self.k < 1 or self.max_run_length < 1 or (self.max_block or 1) < 1:
             raise ValueError("max_new_tokens, k, max_run_length and max_block must be >= 1")
         if self.policy is not None:
@@ -192,6 +197,32 @@ class DecodeSettings:
         if self.traits.verify_method is None:
             raise ValueError(f"mode {self.mode!r} verifies no blocks")
         return self.traits.verify_method
+
+
+def parse_branch_tokens(text: str) -> int | str:
+    """`--branch-tokens`: a count >= 0 or "auto"."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise ValueError(f"branch tokens must be a count >= 0 or 'auto', got {text!r}")
+    return int(text)
+
+
+def takes_trees(mode: Mode) -> bool:
+    """Its edge drafts, and its rule verifies a draft tree (branching applies)."""
+    return mode.drafts and mode.verify_method in TREE_VERIFY_METHODS
+
+
+def check_branching(branch_tokens: int | str, mode: Mode) -> None:
+    """Branching needs a mode whose edge drafts and whose rule verifies trees (TREE_VERIFY_METHODS)."""
+    if branch_tokens == 0:
+        return
+    if branch_tokens != "auto" and (not isinstance(branch_tokens, int) or branch_tokens < 0):
+        raise ValueError(f"branch_tokens must be a count >= 0 or 'auto', got {branch_tokens!r}")
+    if not takes_trees(mode):
+        tree_modes = ", ".join(m.name for m in _MODE_LIST if takes_trees(m))
+        raise ValueError(f"branch_tokens: mode {mode.name!r} verifies one path (its rule reads no tree); "
+                         f"branching applies to {tree_modes}")
 
 
 def call_policy(settings: DecodeSettings, verifier: Verifier, cost_model: CostModel | None = None) -> CallPolicy:

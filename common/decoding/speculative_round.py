@@ -10,6 +10,8 @@ Glossary
                    cloud session on the edge (`CloudTarget`, edge/cloud_link/cloud_target.py)
     verdict        (n_accepted, next_token): keep x_1..x_n, then the target's own token; one round
                    therefore yields n_accepted + 1 tokens
+    tree           with branching on (`--branch-tokens`, branching.py), the chain grows alternatives where a_i is
+                   low and goes out as one draft tree; the verdict's `path` names the kept nodes, root first
     rule           the acceptance rule of the mode (modes.py, common/acceptance_rules.py), applied by the
                    one verdict entry (common/acceptance_rules.py)
 
@@ -17,8 +19,9 @@ One round, in every process that decodes (local engine, edge decoder, verifier d
     limit   = block_limit(...)                        the mode's cap within the context's room
     block   = draft_block(...)                        draft after the context until the call policy sends,
                                                       the limit, EOS or the length budget
-    verdict = target.verify(context, block)           one target forward over the block + the rule
-    apply_verdict(...)                                commit x_1..x_n + [next_token], cut at EOS, a stop
+    tree    = grow_tree(...)                          branches where a_i is lowest, within the budget (or None)
+    verdict = target.verify(context, block, tree)     one target forward over the block (or tree) + the rule
+    apply_verdict(...)                                commit the kept path + [next_token], cut at EOS, a stop
                                                       sequence or the length limit (generation.py); the
                                                       policy sees (g, n), the cost model the round trip
                                                       (except in the first round, which also prefilled)
@@ -38,6 +41,8 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
+from common.branch_budget import branch_budget
+from common.decoding.branching import BRANCH_LENGTH, TreeBlock, draft_branches, model_of
 from common.decoding.drafting import Drafter
 from common.decoding.proposals import PendingBlock, ProposedToken
 from common.decoding.generation import Generation
@@ -45,6 +50,7 @@ from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SamplingParams
 from common.acceptance_rules import Proposal, decide
+from common.decoding.draft_tree import DraftTree
 from common.tracing import tracer
 
 T = TypeVar("T")
@@ -62,6 +68,7 @@ class Verdict:
     target_logits: torch.Tensor | None = None  # [g + 1, V] along the block (local target only)
     p_target: torch.Tensor | None = None  # [g + 1, V] the distributions the rule read (local target only)
     logprobs: list[TokenLogprob] | None = None  # the target's, of the n_accepted + 1 kept tokens, when asked
+    path: list[int] | None = None  # a tree's kept nodes, root first (n_accepted of them); None: a chain's x_1..x_n
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,14 @@ class Target(Protocol):
         """Worth calling now (a cloud that just failed is retried only after a while)."""
         ...
 
-    async def verify(self, context: list[int], block: PendingBlock) -> Verdict | None:
-        """The verdict on `block` drafted after `context`; None when no target could be reached."""
+    @property
+    def max_tree_tokens(self) -> int | None:
+        """Draft tokens a tree may hold (0: chains only; None: no limit of its own)."""
+        ...
+
+    async def verify(self, context: list[int], block: PendingBlock, tree: TreeBlock | None = None) -> Verdict | None:
+        """The verdict on `block` (or `tree`, its chain with branches) drafted after `context`; None when no target
+        could be reached."""
         ...
 
 
@@ -96,8 +109,14 @@ class LocalTarget:
     def reachable(self) -> bool:
         return True
 
-    async def verify(self, context: list[int], block: PendingBlock) -> Verdict:
+    @property
+    def max_tree_tokens(self) -> int | None:
+        return None
+
+    async def verify(self, context: list[int], block: PendingBlock, tree: TreeBlock | None = None) -> Verdict:
         started = time.perf_counter()
+        if tree is not None:
+            return self._verify_tree(context, tree, started)
         g = len(block)
         target_logits = self.target_lm.advance_to(context + block.tokens, n_logits=g + 1).logits  # [g + 1, V]
         shaped = self.processor.rows(target_logits, context, block.tokens) if self.processor else target_logits
@@ -110,6 +129,36 @@ class LocalTarget:
             else None
         # In one process the round trip is the target's work alone: the cost model's rtt stays 0.
         return Verdict(n_accepted, next_token, verify_ms, verify_ms, target_logits, decision.p_target, logprobs)
+
+    def _verify_tree(self, context: list[int], tree: TreeBlock, started: float) -> Verdict:
+        """A draft tree, path-wise: each root-to-leaf path is one forward of the target (the KV keeps the common
+        prefix with the path before, so shared nodes are fed once per divergence), exactly the rows one tree-masked
+        forward gives (the cloud's). Then the rule on the tree (`decide` with parents)."""
+        draft_tree = DraftTree(tree.nodes.tokens, tree.parents)
+        raw: list[torch.Tensor | None] = [None] * (1 + len(draft_tree))
+        shaped: list[torch.Tensor | None] = [None] * (1 + len(draft_tree))
+        for path in draft_tree.paths():
+            tokens = draft_tree_tokens(draft_tree, path)
+            slots = [0] + [1 + n for n in path]
+            first = next(k for k, slot in enumerate(slots) if raw[slot] is None)  # rows before it are known
+            # the KV must not hold the token before row `first`'s position: the forward computes rows it feeds
+            self.target_lm.rollback(min(len(self.target_lm.tokens), len(context) + first - 1))
+            logits = self.target_lm.advance_to(context + tokens, n_logits=len(slots) - first).logits
+            rows = self.processor.rows(logits, context + tokens[:first], tokens[first:]) if self.processor else logits
+            for k, slot in enumerate(slots[first:]):
+                raw[slot], shaped[slot] = logits[k], rows[k]
+        decision = decide(Proposal(draft_tree.tokens, tree.nodes.p_draft, parents=draft_tree.parents), self.method,
+                          self.sampling, self.generator, logits=torch.stack(shaped), keep_rows=True)
+        path, next_token = decision.path, decision.next_token
+        kept = draft_tree_tokens(draft_tree, path) + [next_token]
+        along = torch.stack([raw[slot] for slot in [0] + [1 + n for n in path]])  # the kept path's rows
+        logprobs = logprobs_of(along, kept, self.sampling.logprobs) if self.sampling.logprobs is not None else None
+        verify_ms = (time.perf_counter() - started) * 1e3
+        return Verdict(len(path), next_token, verify_ms, verify_ms, along, None, logprobs, path)
+
+
+def draft_tree_tokens(tree: DraftTree, path: list[int]) -> list[int]:
+    return [tree.tokens[n] for n in path]
 
 
 def block_limit(generation: Generation, to_verify: bool) -> int:
@@ -140,25 +189,56 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
     return block
 
 
+async def grow_tree(generation: Generation, drafter: Drafter, target: Target, context: list[int],
+                    block: PendingBlock, cost_model: CostModel | None) -> TreeBlock | None:
+    """The block's tree (branching.py) when the generation branches and the target verifies trees; else None."""
+    setting = generation.settings.branch_tokens
+    model = model_of(drafter.proposer)
+    if setting == 0 or model is None or len(block) == 0:
+        return None
+    limit = target.max_tree_tokens
+    if limit == 0:  # the verifier takes chains only
+        return None
+    room = None if limit is None else limit - len(block)
+    budget = branch_budget(setting, block.accept_probs, cost_model, room, BRANCH_LENGTH)
+    if budget < 1:
+        return None
+    with tracer.span("edge.branch", budget=budget) as span:
+        tree = await draft_branches(model, context, block, budget, len(block))
+        span.set(nodes=len(tree.nodes))
+    generation.recorder.proposed(tree.nodes.drafted[len(block):])
+    return tree if len(tree.nodes) > len(block) else None
+
+
 def apply_verdict(generation: Generation, context: list[int], block: PendingBlock, verdict: Verdict | None,
-                  policy: CallPolicy | None, cost_model: CostModel | None, first_round: bool) -> None:
-    """The round's second half: commit what `verdict` keeps of `block` (drafted after `context`), or the block as
-    drafted when no target was reached; the policy and the cost model learn from it. The first round's round
-    trip also paid the prompt's prefill: the cost model does not learn it as a round trip."""
+                  policy: CallPolicy | None, cost_model: CostModel | None, first_round: bool,
+                  tree: TreeBlock | None = None) -> int:
+    """The round's second half: commit what `verdict` keeps of `block` (drafted after `context`; of `tree` when it
+    went as one), or the block as drafted when no target was reached; the policy and the cost model learn from it.
+    The first round's round trip also paid the prompt's prefill: the cost model does not learn it as a round trip.
+    Returns how many of the primary chain's tokens were kept (what the chain's learners hear)."""
     start = len(context) - len(generation.prompt_ids)
     if verdict is None:  # only the draft's own tokens stand unverified
         block = block.unverified_prefix(released=max(0, generation.released - start))
         generation.commit(start, block.tokens, block.draft_logprobs(generation.top_logprobs))
-        return
-    generation.recorder.verified(len(block), verdict.n_accepted)
-    generation.recorder.suffix_kept += sum(not d.from_model for d in block.drafted[:verdict.n_accepted])
+        return 0
+    on_tree = tree is not None and verdict.path is not None
+    kept_nodes = [tree.nodes.drafted[n] for n in verdict.path] if on_tree else block.drafted[:verdict.n_accepted]
+    chain_kept = tree.chain_kept(verdict.path) if on_tree else verdict.n_accepted
+    generation.recorder.verified(len(block), len(kept_nodes))
+    generation.recorder.suffix_kept += sum(not d.from_model for d in kept_nodes)
+    if on_tree:
+        generation.recorder.branched(len(DraftTree(tree.nodes.tokens, tree.parents).leaves()),
+                                     len(tree.nodes) - len(block), len(kept_nodes) - chain_kept)
     if policy is not None:
-        policy.observe_verdict(len(block), verdict.n_accepted)
+        policy.observe_verdict(len(block), chain_kept)
     if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
-        cost_model.keep.observe(block.accept_probs, verdict.n_accepted)
-        if not first_round and verdict.round_trip_ms is not None:
-            cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms, len(block))
-    generation.commit(start, block.tokens[: verdict.n_accepted] + [verdict.next_token], verdict.logprobs)
+        cost_model.keep.observe(block.accept_probs, chain_kept)
+        if not first_round and verdict.round_trip_ms is not None:  # the target verified every node of a tree
+            cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms,
+                                          len(tree.nodes) if tree is not None else len(block))
+    generation.commit(start, [d.token for d in kept_nodes] + [verdict.next_token], verdict.logprobs)
+    return chain_kept
 
 
 async def speculative_round(generation: Generation, drafter: Drafter, target: Target | None,
@@ -177,10 +257,12 @@ async def speculative_round(generation: Generation, drafter: Drafter, target: Ta
                               to_verify, prefix if to_verify else None)
     if generation.stopped:  # a passed token completed a stop sequence: nothing left to verify
         return Round(block, None)
-    verdict = await target.verify(context, block) if to_verify else None
-    apply_verdict(generation, context, block, verdict, policy, cost_model, first_round)
+    tree = await grow_tree(generation, drafter, target, context, block, cost_model) if to_verify else None
+    verdict = (await (target.verify(context, block, tree) if tree is not None else target.verify(context, block))
+               if to_verify else None)
+    chain_kept = apply_verdict(generation, context, block, verdict, policy, cost_model, first_round, tree)
     if verdict is not None:
-        drafter.proposer.observe_verdict(block, verdict.n_accepted)
+        drafter.proposer.observe_verdict(block, chain_kept)
     return Round(block, verdict)
 
 

@@ -21,7 +21,8 @@ from typing import Callable
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from common.decoding.modes import MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, mode_of
+from common.decoding.modes import (MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching, mode_of,
+                                   takes_trees)
 from common.sampling import SamplingParams
 from common.sampling_params import GrammarError
 from common.tool_calls import ToolsUnsupported
@@ -50,6 +51,7 @@ class ApiSettings:
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
     default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
     default_proposer: str = "model"  # what proposes a block's tokens (common/decoding/proposals.py); likewise
+    default_branch_tokens: int | str = 0  # branch tokens of requests in tree-taking modes that name none (branching.py)
     default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placer.py)
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)
     api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/ when set
@@ -110,9 +112,15 @@ class Completions:
                                   plan.grammar, body.wanted_logprobs,
                                   body.wanted_logprobs if body.echoed is not None else None)
         policy = body.policy or (self.api.default_policy if mode in POLICY_MODES else None)
+        branch_tokens = body.branch_tokens if body.branch_tokens is not None else (
+            self.api.default_branch_tokens if takes_trees(mode_of(mode)) else 0)
+        try:
+            check_branching(branch_tokens, mode_of(mode))
+        except ValueError as err:
+            return openai_error(400, str(err), "branch_tokens")
         try:
             decode = DecodeSettings(mode=mode, max_new_tokens=max_tokens, sampling=sampling, k=body.k or self.api.default_k,
-                                    policy=policy, proposer=proposer)
+                                    policy=policy, proposer=proposer, branch_tokens=branch_tokens)
         except ValueError as err:  # the other fields were checked above; only the policy can be wrong here
             return openai_error(400, str(err), "policy")
         pipeline = body.pipeline or self.api.default_pipeline
@@ -254,7 +262,7 @@ class Completions:
                 "cloud_reopens": dict(node.cloud.reopen_causes) if node.cloud is not None else {},
                 "default_mode": self.api.default_mode,
                 "default_policy": self.api.default_policy, "default_pipeline": self.api.default_pipeline,
-                "default_proposer": self.api.default_proposer,
+                "default_proposer": self.api.default_proposer, "default_branch_tokens": self.api.default_branch_tokens,
                 "default_placement": self.api.default_placement, "placement": node.decoder.placer.snapshot(),
                 "in_flight": self.slots.in_flight,
                 "context_limit": node.decoder.context_limit(self.api.default_mode),

@@ -112,6 +112,15 @@ class EdgeMetrics:
                                "source (model, copied)", ["mode", "source"], registry=r)
         self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
                                    registry=r)
+        # Branching (common/decoding/branching.py): rounds sent as a tree, their paths, branch tokens sent and kept.
+        self.tree_rounds = Counter("sprinter_edge_tree_rounds", "Verify calls that sent a draft tree", ["mode"],
+                                   registry=r)
+        self.tree_paths = Counter("sprinter_edge_tree_paths", "Root-to-leaf paths of the trees sent (per tree round: "
+                                  "paths per round)", ["mode"], registry=r)
+        self.branch_tokens = Counter("sprinter_edge_branch_tokens", "Tree tokens beyond the primary chain, sent and "
+                                     "kept", ["mode", "outcome"], registry=r)
+        self.side_path_wins = Counter("sprinter_edge_side_path_wins", "Tree rounds whose kept path left the primary "
+                                      "chain", ["mode"], registry=r)
         self.accepted_per_call = Histogram("sprinter_edge_accepted_per_call", "Draft tokens the target kept per call, "
                                            "by mode (acceptance by position: 1 - bucket(le=i) / count)", ["mode"],
                                            registry=r, buckets=tuple(range(17)))
@@ -145,5 +154,10 @@ class EdgeMetrics:
         self.drafted.labels(stats.mode, "model").inc(stats.drafted_tokens - copied)
         self.drafted.labels(stats.mode, "copied").inc(copied)
         self.copied_kept.labels(stats.mode).inc(stats.suffix_kept)
+        self.tree_rounds.labels(stats.mode).inc(stats.tree_rounds)
+        self.tree_paths.labels(stats.mode).inc(stats.tree_paths)
+        self.branch_tokens.labels(stats.mode, "sent").inc(stats.branch_tokens_sent)
+        self.branch_tokens.labels(stats.mode, "kept").inc(stats.branch_tokens_kept)
+        self.side_path_wins.labels(stats.mode).inc(stats.side_path_wins)
         for accepted in stats.accepted_lengths:
             self.accepted_per_call.labels(stats.mode).observe(accepted)

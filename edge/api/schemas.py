@@ -130,6 +130,8 @@ class SamplingFields(BaseModel):
     pipeline: Literal["off", "ahead", "send-ahead"] | None = None
     proposer: str | None = Field(default=None, max_length=16, description="model, suffix or hybrid: what proposes the tokens")
     placement: str | None = Field(default=None, max_length=16, description="edge, cloud or auto: where the draft runs")
+    branch_tokens: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] | None = Field(
+        default=None, description="tree branch tokens per round (sd-block, sprinter-exact): N, auto, or 0 (off)")
     request_deadline_s: float | None = Field(default=None, gt=0, le=86400,
                                              description="how long this request may wait for the cloud in all")
     priority: int = Field(default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
@@ -241,6 +243,10 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
                  "tokens_per_call": s.tokens_per_call, "block_length_mean": s.block_length_mean,
                  "degraded": result.degraded, "degraded_reason": result.degraded_reason, "verifier": result.verifier, "token_ids": result.token_ids,
                  "cached_tokens": s.cached_tokens, "queue_s": round(result.queued_s, 3), "stats": s.to_dict()}
+    if s.tree_rounds:  # branching: paths per tree round, branch tokens sent and kept, side paths that won
+        extension["tree"] = {"rounds": s.tree_rounds, "paths_per_round": s.paths_per_round,
+                             "branch_tokens_sent": s.branch_tokens_sent, "branch_tokens_kept": s.branch_tokens_kept,
+                             "side_path_wins": s.side_path_wins}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction

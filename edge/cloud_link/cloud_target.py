@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from common import wire
+from common.decoding.branching import TreeBlock
 from common.decoding.proposals import PendingBlock
 from common.decoding.modes import reads_last_draft_only
 from common.decoding.speculative_round import Verdict
@@ -88,8 +89,19 @@ class CloudTarget:
             return False
         return self.down_since is None or time.monotonic() - self.down_since >= self.retry_s
 
-    def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None) -> pb.VerifyBlock:
-        """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`)."""
+    @property
+    def max_tree_tokens(self) -> int:
+        """Draft tokens the cloud verifies in one tree frame (its open's limits; 0: chains only, so no branching)."""
+        return self.session.replicas.limits.max_tree_tokens or 0
+
+    def frame(self, start_position: int, block: PendingBlock, after: pb.AfterVerdict | None = None,
+              tree: TreeBlock | None = None) -> pb.VerifyBlock:
+        """The verify frame of `block` drafted after a context of `start_position` tokens (a candidate with `after`);
+        with `tree`, its nodes and parents, one draft distribution per node under sampling."""
+        if tree is not None:
+            nodes = tree.nodes
+            return wire.verify_block(start_position, nodes.tokens, self.method, [d.probability for d in nodes.drafted],
+                                     self._draft_dists(nodes), parents=tree.parents)
         probs = [d.probability for d in block.drafted]
         if self.dists_on_rejection:
             return wire.verify_block(start_position, block.tokens, self.method, probs, None, after,
@@ -160,19 +172,21 @@ class CloudTarget:
         frame = self.frame(start_position + n_accepted + 1, block, after)
         return await self.session.send_candidate(frame, epoch)
 
-    async def verify(self, context: list[int], block: PendingBlock, matched_candidate: bool = False,
-                     waited_since: float | None = None) -> Verdict | None:
-        """The verdict on `block` after `context`; with `matched_candidate`, `block` went out as the candidate the
-        cloud matched, and the round trip learned is the wait since `waited_since` (when the edge needed it)."""
+    async def verify(self, context: list[int], block: PendingBlock, tree: TreeBlock | None = None,
+                     matched_candidate: bool = False, waited_since: float | None = None) -> Verdict | None:
+        """The verdict on `block` (or `tree`, its chain with branches, in one frame) after `context`; with
+        `matched_candidate`, `block` went out as the candidate the cloud matched, and the round trip learned is the
+        wait since `waited_since` (when the edge needed it)."""
         # A call that opens (or reopens) the session also pays the open frame and the prompt's prefill:
         # not what one more round trip costs, so it reports no round trip for the cost model to learn.
         steady = self.session.session_id is not None and not self.session.opening
         reopens, started = self.session.reopens, waited_since or time.perf_counter()
         try:
-            answer = (lambda query: self._residual_answer(block, query)) if self.dists_on_rejection else None
-            with tracer.span("edge.verify", tokens=len(block), candidate=matched_candidate) as span:
-                verdict = await self.session.verify_block(context, self.frame(len(context), block), matched_candidate,
-                                                          answer)
+            answer = (lambda query: self._residual_answer(block, query)) \
+                if self.dists_on_rejection and tree is None else None
+            frame = self.frame(len(context), block, tree=tree)
+            with tracer.span("edge.verify", tokens=len(frame.draft_tokens), candidate=matched_candidate) as span:
+                verdict = await self.session.verify_block(context, frame, matched_candidate, answer)
                 span.set(n_accepted=verdict.n_accepted, verify_ms=verdict.verify_ms)
         except CloudUnavailable as err:
             if self.down_since is None:
@@ -190,9 +204,12 @@ class CloudTarget:
             self.degraded_span.end()
             self.degraded_span = NO_SPAN
         round_trip_ms = (time.perf_counter() - started) * 1e3 if steady and self.session.reopens == reopens else None
-        kept = block.tokens[: verdict.n_accepted] + [verdict.next_token]
+        path = wire.verdict_path(verdict, frame)
+        if path is not None and len(path) != verdict.n_accepted:
+            raise ValueError(f"the cloud's verdict keeps {verdict.n_accepted} tokens but names a path of {len(path)}")
+        kept = (tree.tokens_of(path) if path is not None else block.tokens[: verdict.n_accepted]) + [verdict.next_token]
         return Verdict(verdict.n_accepted, verdict.next_token, verdict.verify_ms, round_trip_ms,
-                       logprobs=wire.logprobs_from_proto(verdict.logprobs, kept))
+                       logprobs=wire.logprobs_from_proto(verdict.logprobs, kept), path=path)
 
     def _draft_dists(self, block: PendingBlock) -> list[SparseDistribution] | None:
         """Under sampling, the distributions the tokens were drawn from (sprinter's rule reads only the last)."""

@@ -317,12 +317,12 @@ class ReplicaSet:
     def limits(self) -> CloudLimits:
         """The tightest of the checked replicas' limits: a session may move to any of them."""
         known = [r.client.limits for r in self.replicas.values() if r.model_id is not None]
-
         def tightest(values: list[int | None]) -> int | None:
             given = [v for v in values if v]
             return min(given) if given else None
+        trees = min((k.max_tree_tokens or 0 for k in known), default=0)  # a replica that takes chains only: none
         return CloudLimits(tightest([k.max_block for k in known]), tightest([k.max_context for k in known]),
-                           tightest([k.max_sparse_support for k in known]))
+                           tightest([k.max_sparse_support for k in known]), max_tree_tokens=trees or None)
 
     def available(self) -> bool:
         now = time.monotonic()

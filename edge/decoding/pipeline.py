@@ -165,7 +165,8 @@ class PipelinedRounds:
             epoch = self.cloud_target.epoch + (matched is None)
             ahead = self.gauge.draft_ahead()
             generation.recorder.ahead_off_rounds += not ahead
-            in_flight = asyncio.create_task(self.cloud_target.verify(context, block, matched is not None, verdict_at))
+            in_flight = asyncio.create_task(self.cloud_target.verify(
+                context, block, matched_candidate=matched is not None, waited_since=verdict_at))
             arrived: list[float] = []
             in_flight.add_done_callback(lambda _: arrived.append(time.perf_counter()))
             try:

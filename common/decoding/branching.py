@@ -1,0 +1,144 @@
+"""Branching: a round's primary chain grows alternatives where the target is likeliest to disagree (`--branch-tokens`).
+
+Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
+    primary chain   x_1..x_g, the block the round drafted as it always does (nodes 0..g-1 of the tree)
+    branch point    a chain position i whose acceptance estimate a_i is among the lowest: an alternative to x_i is
+                    drafted there, a sibling of x_i (same parent: the context and x_1..x_{i-1})
+    alternative     under greedy, the draft's next-best tokens in the row x_i was picked from; under sampling,
+                    independent draws from the same distribution q_i that x_i was drawn from, with the drafter's
+                    generator (duplicates kept: never top-k, never de-duplicated)
+    branch          an alternative and its continuation by the draft, at most BRANCH_LENGTH tokens and never deeper
+                    than the round's limit; its nodes follow the chain's (and earlier branches'), so the first child
+                    of any node is on its primary chain and siblings keep the order they were drawn in
+    tree block      the chain, the branches, one parent per node and one q row per node (`TreeBlock`)
+    budget          branch tokens per round: the user's `--branch-tokens N`, or (auto) what the cost model finds
+                    worth drafting (common/decoding/branch_budget.py), never past the verifier's max_tree_tokens
+
+Exactness (common/multipath_rules.py states the rule's condition; this module is built to meet it). Where the edge
+branches, how many alternatives and how far each goes depend on the context and the draft's state only (the a_i are
+the verifier's or the draft's scores of the draft's own tokens), never on the target or the rule's coins. Under
+sampling every alternative is a fresh draw from q(. | parent), so the siblings of a node are i.i.d. draws from the
+distribution its first child was drawn from, and each continuation is the draft's chain from there. Then greedy
+multi-path block verification keeps the output distributed as the target's; under greedy the tree verdict reads the
+target's argmax alone, exact for any tree.
+
+Drafting a branch moves the draft's KV off the chain; the next round's `advance_to` keeps the common prefix of what
+the KV holds and what it is asked for, and feeds the rest (the draft runtime's rollback), so the output does not
+depend on it: it costs refeeding the kept tokens after the branch point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.decoding.drafting import ModelProposer
+from common.decoding.draft_tree import ROOT
+from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Proposer
+
+BRANCH_LENGTH = 3  # tokens per branch: the alternative and two of the draft's tokens after it
+AUTO = "auto"  # --branch-tokens auto: the cost model's budget (branch_budget.py)
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """A primary chain with branches: `nodes` (the chain's first, then each branch's) and their `parents`."""
+
+    nodes: PendingBlock
+    parents: list[int]
+    chain_length: int
+
+    @property
+    def chain(self) -> PendingBlock:
+        return PendingBlock(self.nodes.drafted[:self.chain_length])
+
+    @property
+    def branch_count(self) -> int:
+        """Branches: nodes off the chain whose parent is on it (or the root)."""
+        return sum(1 for i, parent in enumerate(self.parents[self.chain_length:], self.chain_length)
+                   if parent < self.chain_length)
+
+    def tokens_of(self, path: list[int]) -> list[int]:
+        return [self.nodes.drafted[n].token for n in path]
+
+    def chain_kept(self, path: list[int]) -> int:
+        """How many of the primary chain's tokens a kept path holds (its prefix of nodes 0, 1, 2, ...)."""
+        kept = 0
+        while kept < len(path) and path[kept] == kept:
+            kept += 1
+        return kept
+
+    def side_path_won(self, path: list[int]) -> bool:
+        """The kept path leaves the chain (a branch's token was kept)."""
+        return self.chain_kept(path) < len(path)
+
+
+def model_of(proposer: Proposer) -> ModelProposer | None:
+    """The draft model behind a proposer (the suffix and hybrid proposers wrap one): what drafts the branches."""
+    return proposer if isinstance(proposer, ModelProposer) else getattr(proposer, "model", None)
+
+
+def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
+    """Chain positions (0-based) that may get an alternative, lowest a_i first (earlier first on a tie): the draft's own
+    tokens with the row they came from (a copied token is a point mass: its draws would all be itself)."""
+    def estimate(d: ProposedToken) -> float:
+        return d.accept_prob if d.accept_prob is not None else d.probability
+
+    usable = [i for i, d in enumerate(chain.drafted)
+              if d.from_model and (d.step is not None if greedy else d.p_draft is not None)]
+    return sorted(usable, key=lambda i: (estimate(chain.drafted[i]), i))
+
+
+def alternative(chain: PendingBlock, position: int, nth: int, greedy: bool, generator: torch.Generator) -> int:
+    """The `nth` (1-based) alternative to the chain's token at `position`: the draft's (n+1)-th best token of that row
+    under greedy; under sampling a fresh draw from the same q row (the drafter's generator)."""
+    drafted = chain.drafted[position]
+    if greedy:
+        return int(torch.topk(drafted.step.logits.float(), nth + 1).indices[nth])
+    return int(torch.multinomial(drafted.p_draft.float(), 1, generator=generator))
+
+
+def alternative_node(chain: PendingBlock, position: int, token: int) -> ProposedToken:
+    """A sibling of the chain's token at `position`: drawn from the same row, so it carries the same q."""
+    return replace(chain.drafted[position], token=token, flagged=False, ends_block=False, accept_prob=None,
+                   step=None, fed=0, match_length=0)
+
+
+async def draft_branches(model: ModelProposer, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
+                         points: list[int] | None = None) -> TreeBlock:
+    """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: one alternative at each
+    branch point in turn (`points`, default `branch_points`), each continued by the draft for up to BRANCH_LENGTH
+    tokens in all, no node deeper than `depth_limit`. A second round over the points adds a second alternative
+    where budget remains."""
+    greedy = model.sampling.greedy
+    nodes, parents = list(chain.drafted), list(range(-1, len(chain) - 1))
+    points = branch_points(chain, greedy) if points is None else points
+    left, nth = budget, 1
+    while left > 0 and points and nth <= max(1, budget):
+        for position in points:
+            if left <= 0:
+                break
+            length = min(BRANCH_LENGTH, left, depth_limit - position)
+            if length < 1:
+                continue
+            token = alternative(chain, position, nth, greedy, model.generator)
+            added = await _draft_branch(model, context, chain, position, token, length)
+            parent = position - 1 if position > 0 else ROOT
+            for k, node in enumerate(added):
+                parents.append(parent if k == 0 else len(nodes) - 1)
+                nodes.append(node)
+            left -= len(added)
+        nth += 1
+    return TreeBlock(PendingBlock(nodes), parents, len(chain))
+
+
+async def _draft_branch(model: ModelProposer, context: list[int], chain: PendingBlock, position: int, token: int,
+                        length: int) -> list[ProposedToken]:
+    """The alternative `token` at chain `position` and the draft's continuation of it: `length` tokens at most,
+    fewer at EOS. Unjudged (no verifier scores: branch points are chosen on the chain's)."""
+    branch = PendingBlock(chain.drafted[:position] + [alternative_node(chain, position, token)])
+    while len(branch) - position < length and branch.drafted[-1].token not in model.eos_token_ids:
+        proposed = await model.step(context, branch, len(branch) + 1, None, None, to_verify=False)
+        branch.drafted.append(replace(proposed, source=MODEL, ends_block=False))
+    return branch.drafted[position:]

@@ -1,0 +1,235 @@
+"""Branching (common/decoding/branching.py): trees drafted where the estimate a_i is lowest, verified by the one rule.
+
+* greedy: with branching on, the local engine's output is the target's own, token for token, and side paths win;
+* sampling at T=1: the first tokens' joint law with adaptive branching on is the target's (chi-square over fixed
+  seeds), and a wrong variant (the draft's next-best tokens as alternatives instead of independent draws) fails
+  the same check;
+* the budget: more branch tokens with a longer round trip, none where the verifier takes no trees;
+* settings: modes whose rule reads one path refuse branching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from common.branch_budget import auto_budget, branch_budget
+from common.call_policy import CostModel
+from common.decoding import branching
+from common.decoding.draft_tree import DraftTree
+from common.decoding.local_engine import LocalEngine
+from common.decoding.modes import DecodeSettings, parse_branch_tokens
+from common.sampling import SamplingParams, logits_to_probs
+from common.verifier import ConfidenceVerifier
+
+PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time")
+P_PASS = 1e-3  # the exact construction must not be rejected at this level
+P_POWER = 1e-6  # a wrong construction must be rejected at this level
+TOP_K = 6  # both models' supports overlap in part: branches are kept sometimes, and the joint has 36 cells
+SEEDS = 600
+BRANCH = 6  # several alternatives at each of the two positions: the wrong variant below enumerates q's best ones
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny rows: torch's thread pool only adds wake-up latency on this busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("mode", ["sd-block", "sprinter-exact"])
+def test_greedy_branching_keeps_the_targets_output_and_side_paths_win(tiny_target, tiny_draft, mode):
+    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.3))
+    side_wins = 0
+    for prompt in PROMPTS:
+        ids = tiny_target.tokenizer(prompt)["input_ids"]
+        reference = engine.generate(ids, DecodeSettings(mode="target", max_new_tokens=40)).token_ids
+        result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=40, k=4, branch_tokens=6))
+        assert result.token_ids == reference, prompt
+        stats = result.stats
+        assert stats.tree_rounds > 0 and stats.paths_per_round > 1
+        assert stats.branch_tokens_kept >= stats.side_path_wins
+        side_wins += stats.side_path_wins
+    assert side_wins > 0  # the identity above covers rounds whose kept path left the chain
+
+
+def _target_joint(target, ids: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(first two tokens) of the target's own sampling: p(t1) p(t2 | t1)."""
+    with torch.no_grad():
+        first = logits_to_probs(target.model(torch.tensor([ids])).logits[0, -1], sampling)
+        joint = {}
+        for t1 in first.nonzero().flatten().tolist():
+            second = logits_to_probs(target.model(torch.tensor([ids + [t1]])).logits[0, -1], sampling)
+            for t2 in second.nonzero().flatten().tolist():
+                joint[(t1, t2)] = float(first[t1] * second[t2])
+    return joint
+
+
+def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K) -> tuple[float, int]:
+    """The chi-square p-value of the first two tokens over `n` seeds against the target's law, and side-path wins."""
+    ids = target.tokenizer(PROMPTS[0])["input_ids"]
+    sampling = SamplingParams(temperature=1.0, top_k=top_k)
+    expected = _target_joint(target, ids, sampling)
+    counts: collections.Counter = collections.Counter()
+    side_wins = 0
+    for seed in range(n):
+        settings = DecodeSettings(mode="sprinter-exact", max_new_tokens=2, max_run_length=2, branch_tokens=BRANCH,
+                                  sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=seed))
+        result = engine.generate(ids, settings)
+        counts[tuple(result.token_ids[:2])] += 1
+        side_wins += result.stats.side_path_wins
+    assert set(counts) <= set(expected)
+    cells = sorted(expected)
+    observed = np.array([counts[c] for c in cells], dtype=float)
+    probs = np.array([expected[c] for c in cells])
+    return chisquare(observed, probs / probs.sum() * n).pvalue, side_wins
+
+
+def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft):
+    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
+    pvalue, side_wins = _joint_pvalue(engine, tiny_target, SEEDS)
+    assert side_wins > 0
+    assert pvalue > P_PASS
+
+
+def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draft, monkeypatch):
+    """Power: siblings that are the draft's next-best tokens (not independent draws) bias the output."""
+    def next_best(chain, position, nth, greedy, generator):
+        return int(torch.topk(chain.drafted[position].p_draft, nth + 1).indices[nth])
+
+    monkeypatch.setattr(branching, "alternative", next_best)
+    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
+    pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS)
+    assert pvalue < P_POWER
+
+
+def test_auto_budget_branches_more_over_a_longer_round_trip():
+    accept = [0.9, 0.6, 0.4, 0.7]
+    budgets = []
+    for rtt in (0.0, 50.0, 200.0):
+        costs = CostModel(prior_draft_ms=5.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=2.0)
+        costs.observe_rtt(rtt)
+        costs.observe_rtt(rtt)
+        budgets.append(auto_budget(accept, costs, room=12, branch_length=3))
+    assert budgets[0] <= budgets[1] <= budgets[2]
+    assert budgets[0] < budgets[2]
+    assert auto_budget([0.99, 0.99], CostModel(prior_draft_ms=50.0), room=12, branch_length=3) == 0
+
+
+def test_budget_respects_the_verifiers_tree_limit():
+    costs = CostModel(prior_rtt_ms=500.0)
+    assert branch_budget(6, [0.5, 0.5], costs, room=0, branch_length=3) == 0  # max_tree_tokens 0: chains only
+    assert branch_budget("auto", [0.5, 0.5], costs, room=-1, branch_length=3) == 0
+    assert branch_budget(6, [0.5, 0.5], costs, room=4, branch_length=3) == 4
+    assert branch_budget(6, [0.5, 0.5], costs, room=None, branch_length=3) == 6
+    assert branch_budget(0, [0.5, 0.5], costs, room=None, branch_length=3) == 0
+
+
+@pytest.mark.parametrize("mode", ["sd", "sprinter", "cloud-sd", "target", "draft"])
+def test_modes_whose_rule_reads_one_path_refuse_branching(mode):
+    with pytest.raises(ValueError, match="branch_tokens"):
+        DecodeSettings(mode=mode, branch_tokens=4)
+    DecodeSettings(mode=mode, branch_tokens=0)
+
+
+def test_branch_tokens_parse():
+    assert parse_branch_tokens("auto") == "auto" and parse_branch_tokens("8") == 8
+    with pytest.raises(ValueError, match="branch tokens"):
+        parse_branch_tokens("-2")
+    with pytest.raises(ValueError, match="branch_tokens"):
+        DecodeSettings(mode="sd-block", branch_tokens=-1)
+
+
+def _edge_generate(tiny_draft, address: str, settings: DecodeSettings):
+    from edge.cloud_link.client import CloudEndpoint
+    from edge.cloud_link.replicas import ReplicaSet
+    from edge.decoding.decoder import EdgeDecoder, EdgeSettings
+    from edge_harness import scripted
+
+    async def run():
+        replicas = ReplicaSet([address], lambda a, _: CloudEndpoint(a), scripted(tiny_draft).tokenizer_fingerprint)
+        async with replicas:
+            from common.cached_lm import CachedLM
+            decoder = EdgeDecoder(tiny_draft, lambda with_hidden: CachedLM(tiny_draft.model, with_hidden),
+                                  ConfidenceVerifier(0.5), replicas)
+            prompt = tiny_draft.tokenizer("The quick brown fox")["input_ids"]
+            return await decoder.generate(prompt, EdgeSettings(settings))
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cloud_target_sends_the_tree_and_commits_the_kept_path(tiny_draft, temperature):
+    """Over a scripted cloud that keeps each tree's path to its last node: the frame carries the parents (and one
+    draft distribution per node under sampling), and the edge commits that side path's tokens."""
+    from edge_harness import ScriptedCloud, scripted
+
+    script = scripted(tiny_draft, max_tree_tokens=10)
+    settings = DecodeSettings(mode="sd-block", k=4, max_new_tokens=12, branch_tokens=4,
+                              sampling=SamplingParams(temperature=temperature, seed=1))
+    with ScriptedCloud(script) as cloud:
+        result = _edge_generate(tiny_draft, cloud.address, settings)
+    trees = [f for f in script.frames if f.parents]
+    assert trees and result.stats.side_path_wins == len(trees)
+    output, committed = result.token_ids, 0
+    for frame in script.frames:
+        tokens, parents = list(frame.draft_tokens), list(frame.parents)
+        assert len(tokens) <= 10
+        assert len(frame.draft_dists) == (0 if temperature == 0 else len(tokens))
+        path = DraftTree(tokens, parents).path_to(len(tokens) - 1) if parents else list(range(len(tokens)))
+        kept = [tokens[n] for n in path] + [script.next_token]
+        assert output[committed:committed + len(kept)] == kept[:len(output) - committed]
+        committed += len(kept)
+
+
+def test_no_branching_when_the_cloud_verifies_chains_only(tiny_draft):
+    from edge_harness import ScriptedCloud, scripted
+
+    script = scripted(tiny_draft)  # max_tree_tokens 0
+    with ScriptedCloud(script) as cloud:
+        result = _edge_generate(tiny_draft, cloud.address, DecodeSettings(mode="sd-block", k=4, max_new_tokens=8,
+                                                                          branch_tokens=4))
+    assert script.frames and not any(f.parents for f in script.frames)
+    assert result.stats.tree_rounds == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_draft, temperature):
+    """Nodes 0..g-1 are the chain; each branch hangs off the chain at a branch point, lowest a_i first, its first
+    node drawn from the chain token's own row (the same q), never deeper than the chain."""
+    from common.cached_lm import CachedLM
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    sampling = SamplingParams(temperature=temperature, seed=0)
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), sampling, torch.Generator().manual_seed(0),
+                          frozenset())
+    context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
+
+    async def chain() -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, 5, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    block = run_inline(chain())
+    tree = run_inline(branching.draft_branches(model, context, block, 7, len(block)))
+    draft_tree = DraftTree(tree.nodes.tokens, tree.parents)
+    assert tree.nodes.tokens[:5] == block.tokens and draft_tree.primary_chain(0) == list(range(5))
+    assert len(tree.nodes) == 5 + 7 and max(draft_tree.depths()) <= 5
+    points = branching.branch_points(block, sampling.greedy)
+    roots = [i for i in range(5, len(tree.nodes)) if tree.parents[i] < 5]
+    assert [tree.parents[r] + 1 for r in roots] == points[:len(roots)]
+    for r in roots:
+        position = tree.parents[r] + 1
+        if temperature == 0:
+            assert tree.nodes.drafted[r].token != block.tokens[position]
+        else:
+            assert torch.equal(tree.nodes.drafted[r].p_draft, block.drafted[position].p_draft)
