@@ -31,7 +31,7 @@ PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time")
 P_PASS = 1e-3  # the exact construction must not be rejected at this level
 P_POWER = 1e-6  # a wrong construction must be rejected at this level
 TOP_K = 6  # both models' supports overlap in part: branches are kept sometimes, and the joint has 36 cells
-SEEDS = 600
+SEEDS = 300
 BRANCH = 6  # several alternatives at each of the two positions: the wrong variant below enumerates q's best ones
 
 
@@ -233,3 +233,45 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
             assert tree.nodes.drafted[r].token != block.tokens[position]
         else:
             assert torch.equal(tree.nodes.drafted[r].p_draft, block.drafted[position].p_draft)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "onnx"])
+def test_branching_over_a_real_cloud_keeps_the_targets_output(tiny_target, tiny_draft, runtime):
+    """An edge over a real resident cloud on loopback (tree forward, GBV's greedy form, keep_path): every lossless
+    tree mode's output is the target's own under greedy, side paths win, and the cloud counts them."""
+    from cloud.server import CloudSettings
+    from cloud_harness import ServerThread
+    from edge.decoding.decoder import EdgeSettings
+    from edge.node import EdgeNode, EdgeNodeSettings
+
+    prompts = [tiny_target.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    reference = [LocalEngine(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=40)).token_ids
+                 for p in prompts]
+
+    async def work(address: str) -> dict:
+        settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=address, draft_runtime=runtime, dtype="float32",
+                                    verifier="confidence:0.3")
+        async with EdgeNode(settings, tiny_draft) as node:
+            return {(mode, i): await node.decoder.generate(p, EdgeSettings(DecodeSettings(
+                        mode=mode, max_new_tokens=40, k=4, branch_tokens=6)))
+                    for mode in ("sd-block", "sprinter-exact") for i, p in enumerate(prompts)}
+
+    async def sampled(address: str):  # GBV in the cloud: the per-node distributions travel and are read
+        settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=address, draft_runtime=runtime, dtype="float32",
+                                    verifier="confidence:0.5")
+        async with EdgeNode(settings, tiny_draft) as node:
+            return await node.decoder.generate(prompts[0], EdgeSettings(DecodeSettings(
+                mode="sprinter-exact", max_new_tokens=24, k=4, branch_tokens=6,
+                sampling=SamplingParams(temperature=1.0, top_k=TOP_K, seed=3))))
+
+    with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as cloud:
+        results = asyncio.run(work(cloud.address))
+        side_verdicts = cloud.server.metrics.tree_verdicts.labels("side")._value.get()
+        drawn = asyncio.run(sampled(cloud.address))
+    assert not drawn.degraded and drawn.stats.tree_rounds > 0
+    for (mode, i), result in results.items():
+        assert not result.degraded, mode
+        assert result.token_ids == reference[i], (mode, i)
+    assert sum(r.stats.tree_rounds for r in results.values()) > 0
+    side_wins = sum(r.stats.side_path_wins for r in results.values())
+    assert side_wins > 0 and side_verdicts == side_wins

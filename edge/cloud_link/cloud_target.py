@@ -100,8 +100,11 @@ class CloudTarget:
         with `tree`, its nodes and parents, one draft distribution per node under sampling."""
         if tree is not None:
             nodes = tree.nodes
-            return wire.verify_block(start_position, nodes.tokens, self.method, [d.probability for d in nodes.drafted],
-                                     self._draft_dists(nodes), parents=tree.parents)
+            # Under greedy an alternative is the draft's next-best token, not a draw: it has no q(x) to send (the
+            # tree's greedy verdict reads the target's argmax alone).
+            probs = [] if self.sampling.greedy else [d.probability for d in nodes.drafted]
+            return wire.verify_block(start_position, nodes.tokens, self.method, probs, self._draft_dists(nodes),
+                                     parents=tree.parents)
         probs = [d.probability for d in block.drafted]
         if self.dists_on_rejection:
             return wire.verify_block(start_position, block.tokens, self.method, probs, None, after,
