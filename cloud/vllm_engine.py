@@ -20,11 +20,20 @@ token, which no earlier request of the session had at that place (a verdict's ne
 from the draft token it replaced, or follows the whole block). Another session may have computed the
 very same context (two edges with one prompt, greedy; a replayed request), and its blocks would
 serve those rows uninitialised; so each session's requests carry a cache salt of its own and never
-meet another session's blocks (a shared system prompt is prefilled once per session, as in the
-resident engine). Should a cached prefix still cover a row the rule reads, the session takes a new
-salt and the request runs again over a full prefill (counted: sprinter_cloud_engine_cache_bypasses).
+meet another session's blocks (a shared system prompt is prefilled once per session, where the
+resident engine's prefix cache shares it). Should a cached prefix still cover a row the rule reads,
+the session takes a new salt and the request runs again over a full prefill (counted:
+sprinter_cloud_engine_cache_bypasses).
 Sharing blocks until a collision and salting then was measured: one 4k-token collision stalled
 every verify in vLLM's batch for 13 s on this machine's CPU.
+
+Why not a salt per identity for the prompt and per session beyond (vLLM 0.32, v1/core/kv_cache_utils.py):
+the salt is an extra key of the first block's hash only, but every block's hash chains its parent's, so
+a request's salt keys all of its blocks, and a session cannot read blocks of one salt and write blocks
+of another. A request reads every cached full block up to its last token (kv_cache_manager.py:
+max_cache_hit_length = num_tokens - 1; `skip_reading_prefix_cache` is all or nothing), so sessions
+sharing one salt that hold the same context (twin greedy sessions, a replayed request) serve each
+other the rows the rule reads. docs/vllm-engine.md has the measurement.
 
 Exactness: vLLM's logprobs are of the raw logits, so each row becomes dense logits with -inf outside
 the K read, and the session's temperature, top-k and top-p are applied to them by the same function
