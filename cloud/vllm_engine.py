@@ -283,8 +283,9 @@ class VllmEngine:
                              "this cloud's vllm engine counts penalties over what it generates itself, and this "
                              "Generate continues earlier output: use a cloud with --engine resident")
 
+        # vLLM leaves the prompt-logprob rows of cached blocks unset, and Generate carries no salt: echo computes all
         params = self._params(max_new, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
-                              sampling=sampling)
+                              sampling=sampling, read_cache=sampling.prompt_logprobs is None)
         params.output_kind = RequestOutputKind.DELTA
         params.stop_token_ids = sorted(self.info.eos_token_ids)
         started, first = time.perf_counter(), True
@@ -297,7 +298,7 @@ class VllmEngine:
                 started, first = now, False  # the prompt's logprobs come with the first token only
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                sampling: SamplingParams | None = None) -> Any:
+                sampling: SamplingParams | None = None, read_cache: bool = True) -> Any:
         from vllm import SamplingParams as VllmSampling
 
         sampling = sampling or SamplingParams()  # a verify reads logprobs; what it samples is never used
@@ -309,7 +310,7 @@ class VllmEngine:
                             logit_bias=dict(sampling.logit_bias) or None,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
-                            detokenize=False, skip_reading_prefix_cache=False)
+                            detokenize=False, skip_reading_prefix_cache=not read_cache)
 
     async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None,
                        cache_salt: str | None = None) -> Any:
