@@ -20,11 +20,20 @@ token, which no earlier request of the session had at that place (a verdict's ne
 from the draft token it replaced, or follows the whole block). Another session may have computed the
 very same context (two edges with one prompt, greedy; a replayed request), and its blocks would
 serve those rows uninitialised; so each session's requests carry a cache salt of its own and never
-meet another session's blocks (a shared system prompt is prefilled once per session, as in the
-resident engine). Should a cached prefix still cover a row the rule reads, the session takes a new
-salt and the request runs again over a full prefill (counted: sprinter_cloud_engine_cache_bypasses).
+meet another session's blocks (a shared system prompt is prefilled once per session, where the
+resident engine's prefix cache shares it). Should a cached prefix still cover a row the rule reads,
+the session takes a new salt and the request runs again over a full prefill (counted:
+sprinter_cloud_engine_cache_bypasses).
 Sharing blocks until a collision and salting then was measured: one 4k-token collision stalled
 every verify in vLLM's batch for 13 s on this machine's CPU.
+
+Why not a salt per identity for the prompt and per session beyond (vLLM 0.32, v1/core/kv_cache_utils.py):
+the salt is an extra key of the first block's hash only, but every block's hash chains its parent's, so
+a request's salt keys all of its blocks, and a session cannot read blocks of one salt and write blocks
+of another. A request reads every cached full block up to its last token (kv_cache_manager.py:
+max_cache_hit_length = num_tokens - 1; `skip_reading_prefix_cache` is all or nothing), so sessions
+sharing one salt that hold the same context (twin greedy sessions, a replayed request) serve each
+other the rows the rule reads. docs/vllm-engine.md has the measurement.
 
 Exactness: vLLM's logprobs are of the raw logits, so each row becomes dense logits with -inf outside
 the K read, and the session's temperature, top-k and top-p are applied to them by the same function
@@ -283,8 +292,9 @@ class VllmEngine:
                              "this cloud's vllm engine counts penalties over what it generates itself, and this "
                              "Generate continues earlier output: use a cloud with --engine resident")
 
+        # vLLM leaves the prompt-logprob rows of cached blocks unset, and Generate carries no salt: echo computes all
         params = self._params(max_new, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
-                              sampling=sampling)
+                              sampling=sampling, read_cache=sampling.prompt_logprobs is None)
         params.output_kind = RequestOutputKind.DELTA
         params.stop_token_ids = sorted(self.info.eos_token_ids)
         started, first = time.perf_counter(), True
@@ -297,7 +307,7 @@ class VllmEngine:
                 started, first = now, False  # the prompt's logprobs come with the first token only
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                sampling: SamplingParams | None = None) -> Any:
+                sampling: SamplingParams | None = None, read_cache: bool = True) -> Any:
         from vllm import SamplingParams as VllmSampling
 
         sampling = sampling or SamplingParams()  # a verify reads logprobs; what it samples is never used
@@ -309,7 +319,7 @@ class VllmEngine:
                             logit_bias=dict(sampling.logit_bias) or None,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                             # Token ids only: detokenizing prompt-logprob rows crashes on negative ids.
-                            detokenize=False, skip_reading_prefix_cache=False)
+                            detokenize=False, skip_reading_prefix_cache=not read_cache)
 
     async def _request(self, prompt: list[int], params: Any, abandoned: Abandoned | None,
                        cache_salt: str | None = None) -> Any:

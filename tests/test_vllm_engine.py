@@ -196,6 +196,24 @@ def test_eight_concurrent_sessions_on_vllm_stay_exact(wide_vllm, wide_target, wi
     assert _metric(wide_vllm, "sprinter_cloud_engine_cache_bypasses_total") == bypasses
 
 
+def test_a_repeated_prompts_logprobs_are_computed_not_read_from_the_cache(wide_vllm, wide_target, wide_draft):
+    """Generate (mode target) with prompt logprobs (echo): vLLM leaves the rows of cached blocks unset, so such a
+    request must not read the prefix cache; the second of two identical requests, whose blocks the first cached,
+    still gets the target's logprobs for every prompt token."""
+    prompt = wide_target.tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 8))["input_ids"]
+    assert len(prompt) > 64  # two full 32-token cache blocks at least
+    with torch.inference_mode():
+        logits = wide_target.model(torch.tensor([prompt])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    sampling = SamplingParams(prompt_logprobs=0)
+    for _ in range(2):  # one after the other: the second finds the first's blocks cached
+        [result] = _generate(wide_vllm.address, wide_draft, [prompt], ["target"], 2, sampling)
+        assert not result.degraded  # the cloud served it (an unset row once failed the request: KeyError)
+        got = torch.tensor([entry.logprob for entry in result.prompt_logprobs])
+        assert [entry.token for entry in result.prompt_logprobs] == prompt[1:]
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
 # Last in this module: it kills the shared vLLM cloud.
 def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path, wide_vllm, wide_target, wide_draft):
     prompts = [wide_target.tokenizer(t)["input_ids"] for t in ("The quick brown fox", "Once upon a time")]
