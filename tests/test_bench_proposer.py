@@ -8,7 +8,7 @@ import pytest
 
 from common.cli import build_parser
 from common.prompt_sets import load_prompts
-from sim.bench.proposer import SUITE, chosen_prompts, summarize, table, ProposerBenchSettings
+from sim.bench.proposer import SUITE, ProposerBenchSettings, chosen_prompts, summarize, table, tree_table
 
 CATEGORIES = {"code-edit", "summarize", "passage-qa", "chat-history", "math", "translation", "code-complete"}
 
@@ -58,3 +58,18 @@ def test_the_command_parses() -> None:
     args = build_parser().parse_args(["bench", "proposer", "--categories", "math,code-edit", "--per-category", "1",
                                       "--suffix-cache", "off", "--page", "docs/benchmarks/proposers.md"])
     assert args.categories == ("math", "code-edit") and args.proposers == ("model", "suffix", "hybrid") and args.rtt_ms == 50
+
+
+def test_branch_budgets_make_variants_and_their_trees_are_tabled():
+    settings = ProposerBenchSettings(proposers=("model",), branch_tokens=("0", "auto"))
+    assert settings.variants == ("model", "model+tree:auto")
+    row = {"mode": "sprinter-exact", "category": "math", "run": 0, "tokens": 40, "wall_s": 4.0, "target_calls": 8,
+           "draft_forwards": 40, "block_lengths": [5] * 8, "accepted_lengths": [4] * 8}
+    rows = [{**row, "proposer": "model"},
+            {**row, "proposer": "model+tree:auto", "target_calls": 5, "tree_rounds": 4, "tree_paths": 10,
+             "branch_tokens_sent": 12, "branch_tokens_kept": 3, "side_path_wins": 2}]
+    summary = summarize(rows)
+    treed = next(s for s in summary if s["proposer"] == "model+tree:auto" and s["category"] == "math")
+    assert treed["tokens_per_call_x"] == pytest.approx(8 / 5)
+    assert "| sprinter-exact | math | model+tree:auto | 4 | 2.50 | 3.00 | 0.75 | 0.50 |" in tree_table(summary)
+    assert tree_table([s for s in summary if s["proposer"] == "model"]) == ""

@@ -331,6 +331,9 @@ def _register_proposer(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--modes", type=names, default=("sd-block",), help="comma list")
     p.add_argument("--proposers", type=names, default=("model", "suffix", "hybrid"), help="comma list")
+    p.add_argument("--branch-tokens", type=names, default=("0",),
+                   help="comma list of branch budgets (0, a count, auto): each proposer runs with each, labelled "
+                        "`model+tree:auto`; 0 is one path")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, a seed per pass")
     p.add_argument("--skip-per-category", type=int, default=0,
                    help="leave out the first N prompts of each category (1: hold prompt 1 out of a calibration fit)")

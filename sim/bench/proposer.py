@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common.decoding.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings
+from common.decoding.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings, parse_branch_tokens
 from common.decoding.suffix_match import OutputCache
 from common.decoding.suffix_proposer import DEFAULT_CACHE_TOKENS
 from common.models import DTYPES, load_model
@@ -48,6 +48,9 @@ from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process
 
 log = logging.getLogger(__name__)
+
+TREE_SUFFIX = "+tree:"  # a variant's label: the proposer, then its branch budget (common/decoding/branching.py)
+TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins")
 
 SUITE = Path(__file__).resolve().parent.parent / "data" / "proposer_prompts.jsonl"
 GROUNDED = ("code-edit", "summarize", "passage-qa")  # where the answer copies from the prompt: the issue's goal
@@ -73,6 +76,12 @@ class ProposerBenchSettings:
     temperature: float = 0.0  # 0: greedy; else sampled, each pass with its own seed
     skip_per_category: int = 0  # leave out the first N prompts of each category (prompt 1 is held out of fitting)
     fit_calibration: Path | None = None  # write the copies' rates measured here, to ship beside the verifier
+    branch_tokens: tuple[str, ...] = ("0",)  # --branch-tokens of each variant: "0" (one path), a count, or "auto"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """Each proposer with each branch budget: `model`, or `model+tree:auto` with branching on."""
+        return tuple(p if b == "0" else f"{p}{TREE_SUFFIX}{b}" for p in self.proposers for b in self.branch_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +117,8 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
               "lookups": len(lookups_us), "calibration": calibration, "rows": rows, "summary": summary}
     (settings.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     report["cores"] = {"cloud": sorted(cloud_cpus), "edge": sorted(edge_cpus)}
-    text = table(settings, summary, report["lookup_us_median"], report["cores"]) + calibration_table(calibration)
+    text = (table(settings, summary, report["lookup_us_median"], report["cores"]) + tree_table(summary)
+            + calibration_table(calibration))
     (settings.out / "table.md").write_text(text + "\n")
     plot(summary, settings.out / "proposers.png")
     if settings.fit_calibration is not None:
@@ -159,10 +169,10 @@ async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[P
         node_settings = EdgeNodeSettings(draft=settings.draft, cloud=proxy.address, draft_runtime=settings.draft_runtime,
                                          dtype=settings.dtype, verifier="auto", suffix_cache=settings.suffix_cache)
         async with EdgeNode(node_settings, draft) as node:
-            for proposer in settings.proposers:  # warm both paths (and the cloud) before timing
+            for proposer in settings.variants:  # warm every path (and the cloud) before timing
                 await node.decoder.generate(prompts[0][1], _edge_settings(settings, settings.modes[0], proposer, 8))
             for run in range(settings.repeats):
-                order = settings.proposers if run % 2 == 0 else tuple(reversed(settings.proposers))
+                order = settings.variants if run % 2 == 0 else tuple(reversed(settings.variants))
                 for proposer in order:
                     # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
                     node.decoder.suffix_memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache else None
@@ -174,11 +184,12 @@ async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[P
             return rows, lookups_us, node.decoder.suffix_memory.calibration_for(settings.greedy).report()
 
 
-def _edge_settings(settings: ProposerBenchSettings, mode: str, proposer: str, max_tokens: int,
+def _edge_settings(settings: ProposerBenchSettings, mode: str, variant: str, max_tokens: int,
                    seed: int = 0) -> EdgeSettings:
     sampling = SamplingParams(temperature=settings.temperature, seed=seed)
+    proposer, _, branch = variant.partition(TREE_SUFFIX)
     return EdgeSettings(DecodeSettings(mode=mode, max_new_tokens=max_tokens, k=settings.k, proposer=proposer,
-                                       sampling=sampling))
+                                       sampling=sampling, branch_tokens=parse_branch_tokens(branch or "0")))
 
 
 async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, proposer: str, mode: str,
@@ -194,7 +205,9 @@ async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, pr
             "tokens": s.new_tokens, "wall_s": s.wall_s, "target_calls": s.target_calls,
             "draft_forwards": s.draft_forwards, "draft_fed_tokens": s.draft_fed_tokens,
             "suffix_tokens": s.suffix_tokens, "suffix_kept": s.suffix_kept,
-            "block_lengths": list(s.block_lengths), "accepted_lengths": list(s.accepted_lengths)}
+            "block_lengths": list(s.block_lengths), "accepted_lengths": list(s.accepted_lengths),
+            "tree_rounds": s.tree_rounds, "tree_paths": s.tree_paths, "branch_tokens_sent": s.branch_tokens_sent,
+            "branch_tokens_kept": s.branch_tokens_kept, "side_path_wins": s.side_path_wins}
 
 
 def oracle_rate(totals: dict, cap: int) -> float:
@@ -213,7 +226,7 @@ def summarize(rows: list[dict], cap: int = 20) -> list[dict]:
         for category in (r["category"], "all"):
             per_run = groups.setdefault((r["mode"], category, r["proposer"]), {})
             totals = per_run.setdefault(r["run"], {**dict.fromkeys(
-                ("tokens", "wall_s", "target_calls", "draft_forwards", "suffix_tokens", "suffix_kept"), 0.0),
+                ("tokens", "wall_s", "target_calls", "draft_forwards", "suffix_tokens", "suffix_kept", *TREE_COUNTS), 0.0),
                 "block_lengths": [], "accepted_lengths": []})
             for name in totals:
                 totals[name] += r.get(name, [] if name.endswith("lengths") else 0.0)
@@ -230,7 +243,8 @@ def summarize(rows: list[dict], cap: int = 20) -> list[dict]:
             "tokens_per_s": median(lambda t: t["tokens"] / t["wall_s"]),
             "suffix_share": median(lambda t: t["suffix_tokens"] / max(1, t["suffix_tokens"] + t["draft_forwards"])),
             "suffix_kept_share": median(lambda t: t["suffix_kept"] / max(1, t["suffix_tokens"])),
-            "oracle_calls_per_token": median(lambda t: oracle_rate(t, cap))})
+            "oracle_calls_per_token": median(lambda t: oracle_rate(t, cap)),
+            **{name: sum(t[name] for t in passes) for name in TREE_COUNTS}})
     for row in summary:  # suffix's ratios to model's, same mode and category
         base = next((b for b in summary if b["proposer"] == "model" and (b["mode"], b["category"])
                      == (row["mode"], row["category"])), None)
@@ -261,6 +275,23 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
                      f"{r['calls_per_token']:.3f} | {_x(r['calls_per_token'], r.get('oracle_calls_per_token'))} | "
                      f"{r['tokens_per_s']:.2f} | {r['suffix_share']:.2f} | "
                      f"{r['suffix_kept_share']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def tree_table(summary: list[dict]) -> str:
+    """What the variants with branching sent and kept, summed over passes (empty when none branched)."""
+    rows = [r for r in summary if r["tree_rounds"]]
+    if not rows:
+        return ""
+    lines = ["", "", "Trees (sums over passes): rounds sent as a tree, their paths per round, branch tokens sent and kept "
+             "per tree round, and the share of tree rounds whose kept path left the primary chain.", "",
+             "| mode | category | variant | tree rounds | paths/round | branch tokens sent/round | kept/round "
+             "| side path won |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        n = r["tree_rounds"]
+        lines.append(f"| {r['mode']} | {r['category']} | {r['proposer']} | {n:.0f} | {r['tree_paths'] / n:.2f} | "
+                     f"{r['branch_tokens_sent'] / n:.2f} | {r['branch_tokens_kept'] / n:.2f} | "
+                     f"{r['side_path_wins'] / n:.2f} |")
     return "\n".join(lines)
 
 

@@ -184,7 +184,7 @@ def run_proposer(args: argparse.Namespace) -> int:
         modes=args.modes, proposers=args.proposers, repeats=args.repeats, per_category=args.per_category,
         categories=args.categories, max_tokens=args.max_tokens, k=args.k, suffix_cache=args.suffix_cache == "on",
         out=args.out, temperature=args.temperature, skip_per_category=args.skip_per_category,
-        fit_calibration=args.fit_calibration, **extra)
+        fit_calibration=args.fit_calibration, branch_tokens=args.branch_tokens, **extra)
     quiet_http_clients()
     return _report(args, proposer.bench_proposer(settings), args.out, ("results.json", "table.md", "proposers.png"))
 
