@@ -49,6 +49,11 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 __all__ = ["CloudServer", "CloudSettings", "SERVICE_NAME", "run_until_signalled"]
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
+# gRPC's name for the least time between two pings a server takes while it sends no data
+# (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS). gRPC ignores a name it does not know, and its default
+# is 5 minutes: edges pinging every 20 s would then be cut off (GOAWAY too_many_pings) once the cloud had sent
+# nothing on their connection for about a minute, failing the sessions waiting on it.
+MIN_PING_INTERVAL_OPTION = "grpc.http2.min_ping_interval_without_data_ms"
 
 
 def engine_limits(limits: ServiceLimits, max_tree_tokens: int, engine: TargetEngine) -> ServiceLimits:
@@ -94,7 +99,7 @@ class CloudServer:
             ("grpc.max_connection_idle_ms", int(settings.max_connection_idle_s * 1000)),
             # Edges ping every 20 s (edge/cloud_link/client.py), also between calls; faster pingers are cut off.
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            (MIN_PING_INTERVAL_OPTION, 10_000),
             ("grpc.http2.max_ping_strikes", 2),
         ]
 

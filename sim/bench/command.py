@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|prefix|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|prefix-fleet|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -9,6 +9,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench policy --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-policy
     sprinter bench prefill --target smollm2-135m --prompt-tokens 4000 --out results/bench-prefill
     sprinter bench prefix --target qwen2.5-coder-1.5b --out results/bench-prefix
+    sprinter bench prefix-fleet --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-prefix-fleet
     sprinter bench fleet --target smollm2-135m --edges 8 --out results/bench-fleet
     sprinter bench capacity --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-capacity
     sprinter bench pipeline --sweep results/pipeline --edges 1000 --replicas 2 --out results/bench-pipeline
@@ -30,10 +31,11 @@ from common.results_page import add_page_arguments
 from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
-                            run_placement, run_policy, run_prefill, run_prefix, run_proposer, run_rollout, run_uplink)
+                            run_placement, run_policy, run_prefill, run_prefix,
+                            run_prefix_fleet, run_proposer, run_rollout, run_uplink)
 from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, RolloutSettings)
+                                PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
 
 
 def _described(module: str) -> dict[str, object]:
@@ -53,6 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_policy(benches)
     _register_prefill(benches)
     _register_prefix(benches)
+    _register_prefix_fleet(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     dashboards.register_dashboards(benches)
@@ -188,6 +191,24 @@ def _register_prefix(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--cloud-cpus", type=ints, default=list(defaults.cloud_cpus), help="cores the cloud is pinned to")
     p.add_argument("--out", type=Path, default=defaults.out)
     p.set_defaults(run=run_prefix)
+
+
+def _register_prefix_fleet(benches: argparse._SubParsersAction) -> None:
+    d = PrefixFleetSettings()
+    p = benches.add_parser("prefix-fleet", help="the prefix caches from end to end, through edge daemons: a "
+                                                "conversation's second turn; replicas and edges sharing system prompts",
+                           **_described("sim.bench.prefix_fleet"))
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--draft", default=d.draft)
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
+    p.add_argument("--draft-runtime", default=d.draft_runtime, choices=("torch", "onnx"), help="the edges' draft runtime")
+    p.add_argument("--parts", type=names, default=d.parts, help="comma list of conversation, fleet (default both)")
+    for name in ("history_tokens", "answer_tokens", "new_tokens", "max_tokens", "conversations", "replicas", "edges",
+                 "rounds", "system_tokens", "question_tokens"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--cpus", type=ints, default=d.cpus, help="cores every process is pinned to (comma list)")
+    p.add_argument("--out", type=Path, default=d.out)
+    p.set_defaults(run=run_prefix_fleet)
 
 
 def _register_rollout(benches: argparse._SubParsersAction) -> None:

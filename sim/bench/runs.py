@@ -15,7 +15,7 @@ from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, RolloutSettings)
+                                PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,14 @@ def run_prefix(args: argparse.Namespace) -> int:
                                    kv_budget_mb=args.kv_budget_mb, cloud_cpus=tuple(args.cloud_cpus), out=args.out)
     result = prefix.bench_prefix(settings)
     return _report(args, prefix.format_result(result, settings), args.out, ("results.jsonl (appended)",))
+
+
+def run_prefix_fleet(args: argparse.Namespace) -> int:
+    from sim.bench import prefix_fleet
+    quiet_http_clients()  # a line per request would bury the progress
+    settings = PrefixFleetSettings(**{name: getattr(args, name) for name in PrefixFleetSettings.__dataclass_fields__})
+    result = prefix_fleet.bench_prefix_fleet(settings)
+    return _report(args, prefix_fleet.format_result(result, settings), args.out, ("results.json",))
 
 
 def run_rollout(args: argparse.Namespace) -> int:

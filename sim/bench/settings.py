@@ -216,6 +216,44 @@ class PrefixBenchSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
 
+PREFIX_FLEET_PARTS = ("conversation", "fleet")
+
+
+@dataclass(frozen=True)
+class PrefixFleetSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    draft_runtime: str = "torch"  # in --dtype (ONNX runs float32); 8 edges of it fit beside 2 replicas
+    parts: tuple[str, ...] = PREFIX_FLEET_PARTS
+    history_tokens: int = 1000  # turn 1's message and its answer
+    answer_tokens: int = 32  # turn 1's answer, at most
+    new_tokens: int = 40  # turn 2's message
+    max_tokens: int = 16  # turn 2's answer and each fleet request's
+    conversations: int = 1  # per configuration (cold, cached), each of its own text
+    replicas: int = 2
+    edges: int = 8
+    rounds: int = 2  # requests per edge
+    system_tokens: int = 500  # each of the 2 system prompts
+    question_tokens: int = 30  # each fleet request's own question
+    cpus: tuple[int, ...] = (1,)  # every process is pinned to these cores
+    out: Path = Path("results/bench-prefix-fleet")
+
+    def __post_init__(self) -> None:
+        for name in ("history_tokens", "answer_tokens", "new_tokens", "max_tokens", "conversations", "replicas",
+                     "rounds", "system_tokens", "question_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.edges < 2:
+            raise ValueError(f"--edges must be >= 2 (one per system prompt at least), got {self.edges}")
+        if self.history_tokens <= self.answer_tokens:
+            raise ValueError("--history-tokens must be more than --answer-tokens (the history holds the answer)")
+        if not self.parts or set(self.parts) - set(PREFIX_FLEET_PARTS):
+            raise ValueError(f"--parts takes {', '.join(PREFIX_FLEET_PARTS)}, got {', '.join(self.parts) or 'none'}")
+        if not self.cpus:
+            raise ValueError("--cpus must name at least one core")
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     real_edges: int = 3
