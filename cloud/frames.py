@@ -14,14 +14,18 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import torch
 
+from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
+from cloud.tree_verify import shaped_tree_rows
 from common import wire
 from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
-from common.acceptance_rules import TREE_METHODS, Proposal
+from common.acceptance_rules import TREE_METHODS, Decision, Proposal, decide
+from common.logits_processing import LogitsProcessor
 from common.sampling_params import SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -236,3 +240,23 @@ def frame_proposal(frame: pb.VerifyBlock, sampling: SamplingParams) -> Proposal:
         return Proposal(tokens, q_of_tokens=list(frame.draft_token_probs))
     return Proposal(tokens, lambda vocab_size: draft_distributions(frame, sampling, vocab_size),
                     parents=wire.tree_parents(frame))
+
+
+class Judged(Protocol):
+    """What the verdict reads of a session (cloud/sessions.py `Session`)."""
+
+    sampling: SamplingParams
+    processor: LogitsProcessor | None
+    tokens: list[int]
+    generator: torch.Generator
+
+
+def frame_decision(frame: pb.VerifyBlock, session: Judged, rows: TargetRows) -> Decision:
+    """The rule's verdict on a checked frame from its forward's rows [g + 1] (a tree's [1 + N]), shaped as the
+    session's request asks: a chain's after the block's tokens before each row, a tree's along each node's path."""
+    proposal = frame_proposal(frame, session.sampling)
+    tree = proposal.tree()
+    rows = (rows.shaped(session.processor, session.tokens, proposal.tokens) if tree is None else
+            shaped_tree_rows(rows, session.processor, session.tokens, tree))
+    return decide(proposal, wire.method_name(frame.method), session.sampling, session.generator,
+                  argmax=rows.argmax.tolist(), logits=rows.logits)

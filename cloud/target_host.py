@@ -21,14 +21,14 @@ from cloud.engine import (Abandoned, ForwardResult, GeneratedToken, TargetEngine
                           whole_pages)
 from cloud.errors import CloudError, invalid
 from cloud.frames import (ServiceLimits, admit_sampling, check_output_start, check_prompt, check_speculation,
-                          check_verify, refuse_tree_candidate)
+                          check_verify, frame_decision, refuse_tree_candidate)
 from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
 from cloud.speculation import SpeculatedRound, SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
-from cloud.tree_verify import forward_parents, frame_decision, kept_path
+from cloud.tree_verify import forward_parents, kept_path
 from common import wire
 from common.grammar import GrammarCompiler
 from common.logits_processing import LogitsProcessor, processor_for

@@ -1,5 +1,6 @@
-"""A verify frame's verdict from its forward's rows, and what a draft tree (VerifyBlock.parents) adds as the target
-host runs it: one forward over the whole tree, the rows the rule reads, and which rows and KV entries it keeps.
+"""What a draft tree (VerifyBlock.parents) adds as the target host runs a verify frame: one forward over the whole
+tree, the rows the rule reads, and which rows and KV entries it keeps (a frame's verdict: cloud/frames.py
+`frame_decision`).
 
     uncached   the session's tokens the engine has not seen yet (the last verdict's next token): a chain fed first
     tree       N draft tokens, parents[i] in -1 .. i - 1 (-1: a child of the session's last token)
@@ -18,24 +19,8 @@ from __future__ import annotations
 import torch
 
 from cloud.engine import TargetRows
-from cloud.frames import frame_proposal
-from cloud.sessions import Session
-from common import wire
-from common.acceptance_rules import Decision, decide
 from common.decoding.draft_tree import ROOT, DraftTree
 from common.logits_processing import LogitsProcessor
-from sprinter.v1 import decoding_pb2 as pb
-
-
-def frame_decision(frame: pb.VerifyBlock, session: Session, rows: TargetRows) -> Decision:
-    """The rule's verdict on a checked frame from its forward's rows [g + 1] (a tree's [1 + N]), shaped as the
-    session's request asks: a chain's after the block's tokens before each row, a tree's along each node's path."""
-    proposal = frame_proposal(frame, session.sampling)
-    tree = proposal.tree()
-    rows = (rows.shaped(session.processor, session.tokens, proposal.tokens) if tree is None else
-            shaped_tree_rows(rows, session.processor, session.tokens, tree))
-    return decide(proposal, wire.method_name(frame.method), session.sampling, session.generator,
-                  argmax=rows.argmax.tolist(), logits=rows.logits)
 
 
 def forward_parents(uncached: int, parents: list[int]) -> list[int]:

@@ -32,7 +32,7 @@ with the verdict:
 
     LocalTarget.verify      common/decoding/speculative_round.py   the target in this process
     TargetHost.verify       cloud/target_host.py                   a cloud session's forward, decided by
-                                                                   cloud/tree_verify.py `frame_decision`; q from
+                                                                   cloud/frames.py `frame_decision`; q from
                                                                    the frame (cloud/frames.py `frame_proposal`)
     CloudSpeculation        cloud/speculation.py                   cloud-sd's forward; q from the cloud's draft
     the engine bench        sim/bench/engine.py                    greedy rows of a packed forward

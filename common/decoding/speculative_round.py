@@ -193,8 +193,10 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
                     block: PendingBlock, cost_model: CostModel | None) -> TreeBlock | None:
     """The block's tree (branching.py) when the generation branches and the target verifies trees; else None."""
     setting = generation.settings.branch_tokens
+    if setting == 0 or len(block) == 0:  # a chain's round goes on without the branching modules
+        return None
     model = model_of(drafter.proposer)
-    if setting == 0 or model is None or len(block) == 0:
+    if model is None:
         return None
     limit = target.max_tree_tokens
     if limit == 0:  # the verifier takes chains only
