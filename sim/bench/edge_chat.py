@@ -10,7 +10,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 
@@ -56,6 +56,18 @@ class ChatReply:
         return int(self.stats.get("draft_reused_tokens", 0))
 
 
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON events of a streamed OpenAI answer, in order; None last when the stream ended with [DONE]."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):].strip()
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
+
 async def stream_chat(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]],
                       max_tokens: int) -> ChatReply:
     """POST a greedy streamed chat completion (with usage) to the edge at `base`; raise on any failure."""
@@ -66,14 +78,10 @@ async def stream_chat(client: httpx.AsyncClient, base: str, messages: list[dict[
     async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):].strip()
-            if payload == "[DONE]":
+        async for event in sse_events(response):
+            if event is None:
                 done = True
                 break
-            event = json.loads(payload)
             if "error" in event:
                 raise RuntimeError(f"error event in the stream: {event['error']}")
             choice = event["choices"][0] if event.get("choices") else {}

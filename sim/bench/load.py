@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from sim.bench.edge_chat import sse_events
+
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 600.0
@@ -103,14 +105,10 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
         if response.status_code != 200:
             outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
             return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):].strip()
-            if payload == "[DONE]":
+        async for event in sse_events(response):
+            if event is None:
                 done = True
                 break
-            event = json.loads(payload)
             if "error" in event:
                 outcome.error = f"error event in the stream: {event['error']}"
                 return
