@@ -21,7 +21,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from cloud.token_tree import depths
 from sim.gpu_check.page import section_text
+from sim.gpu_check.tree import SHAPES
 from sim.gpu_check.unpack import BundleError, read_manifest, unpack
 from sim.gpu_check.wheelhouse import BUNDLE_ROOTS, HOST_WHEELS, MAX_BUNDLE_MB, build_bundle
 
@@ -76,8 +78,8 @@ def test_the_dry_run_runs_every_step_on_torch_and_the_bundle_alone(dry_run):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {s["step"]: s["status"] for s in summary["steps"]} == {
-        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "prefix": "done", "pytest": "done",
-        "profile": "done"}
+        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "prefix": "done", "tree": "done",
+        "pytest": "done", "profile": "done"}
     env = json.loads((out / "env.json").read_text())
     assert env["transformers"] == "5.23.0" and env["device"] == "cpu"
     print(f"dry run: {seconds:.0f} s")
@@ -94,10 +96,15 @@ def test_the_dry_run_writes_what_comes_back_and_the_page_reads_it(dry_run):
     features = json.loads((out / "features.json").read_text())
     assert "need a CUDA device" in features["graphs"]["reason"]
     assert features["prefix"]["cached_tokens"] == 128 and features["prefix"]["trials"] == 3  # 2 whole pages of 64
+    tree = features["tree"]
+    assert [r["sessions"] for r in tree["rows"]] == [1, 2] and not tree["not_reached"]
+    assert all(r["tree16_ms"] > 0 and r["tree16_over_chain6"] > 0 for r in tree["rows"])
+    assert tree["check"]["paths"] == 6 and tree["check"]["within_tolerance"] and tree["check"]["argmax_agree"] == 1.0
     assert "skipped" in (out / "pytest.txt").read_text()
     text = section_text(out, out / "plot.png")
     assert "| verify p50 ms, 2 edges x 6 tokens, context 32 |" in text and "not captured" in text
     assert "from 128 cached tokens" in text
+    assert "| 2 | " in text.split("**A draft tree in the verify forward**")[1] and "6 paths (2 sessions batched)" in text
     assert (out / "plot.png").stat().st_size > 0
 
 
@@ -124,3 +131,12 @@ def test_a_bundle_for_another_python_is_refused_in_one_line():
         unpack(SENT)
     with pytest.raises(BundleError, match="make gpu-bundle"):
         read_manifest(ROOT / "no-such-bundle")
+
+
+def test_the_tree_step_verifies_a_branching_rounds_shape():
+    parents = SHAPES["tree16"]
+    assert len(parents) == len(SHAPES["chain16"]) == 16 and SHAPES["chain6"] == parents[:6]
+    assert max(depths(parents)) == 5  # 6 deep: no path longer than the chain
+    alternatives = list(range(6, 16, 2))  # each a sibling of chain token b, followed by one token
+    assert [parents[node] for node in alternatives] == [-1, 0, 1, 2, 3] == [parents[b] for b in range(5)]
+    assert [parents[node + 1] for node in alternatives] == alternatives

@@ -1,8 +1,8 @@
 """`sprinter gpu check`: the steps in order, each within its budget, each writing its results as it finishes.
 
 What comes back (8 files in OUT): summary.json (each step's status, seconds and budget), env.json, owed.json,
-table.json, features.json (a row per engine feature: CUDA graphs, the prefix cache; later GPU work adds
-its row there), pytest.txt, profile.txt and the run's log, gpu-check.log. The first step fails the run within its 30 s, with one line that says what is
+table.json, features.json (a row per engine feature: CUDA graphs, the prefix cache, draft trees; later GPU
+work adds its row there), pytest.txt, profile.txt and the run's log, gpu-check.log. The first step fails the run within its 30 s, with one line that says what is
 missing; a later step that fails is recorded and the rest still run.
 """
 
@@ -24,12 +24,13 @@ from sim.gpu_check.prefix import prefix_step
 from sim.gpu_check.run_state import CheckRun, Deadline
 from sim.gpu_check.sizes import STEP_BUDGET_S, sizes_for
 from sim.gpu_check.steps import env_step, owed_step, profile_step, pytest_step, table_step
+from sim.gpu_check.tree import tree_step
 
 log = logging.getLogger(__name__)
 STEPS: tuple[tuple[str, Callable[[CheckRun, Deadline], Any]], ...] = (
     ("env", env_step), ("owed", owed_step), ("table", table_step), ("graphs", graphs_step), ("prefix", prefix_step),
-    ("pytest", pytest_step), ("profile", profile_step))
-FEATURES = ("graphs", "prefix")  # steps whose result is one row of features.json; env's is env.json, the others
+    ("tree", tree_step), ("pytest", pytest_step), ("profile", profile_step))
+FEATURES = ("graphs", "prefix", "tree")  # steps whose result is one row of features.json; env's is env.json, the others
 #                                  write their own files as rows come
 
 
@@ -114,6 +115,11 @@ def _brief(name: str, result: Any) -> str:
         return "   " + (lines[-2] if len(lines) > 1 else "(no output)")
     if name == "env" and result["device"].startswith("cuda") and not result["c_compiler"]:
         return "   " + json.dumps(result) + "\n   no C compiler (cc, gcc): Triton cannot build the paged kernel's launcher"
+    if name == "tree":
+        return "\n".join([f"   {r['sessions']} session(s): chain 6 {r['chain6_ms']} ms, chain 16 {r['chain16_ms']} ms, "
+                          f"tree 16 {r['tree16_ms']} ms ({r['tree16_over_chain6']}x chain 6, "
+                          f"{r['tree16_over_chain16']}x chain 16)" for r in result["rows"]]
+                         + [f"   tree rows against each path's: {json.dumps(result['check'])}"])
     if name == "profile":
         return "\n".join("   " + line for line in result.splitlines()[:8])
     return "   " + json.dumps(result)

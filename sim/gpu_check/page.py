@@ -1,7 +1,7 @@
 """`sprinter gpu page`: what a `gpu check` brought back, as a section of docs/benchmarks/gpu.md (run here).
 
-The section: the host, the goals with their values, the owed rows, the CUDA-graphs row, the full table
-and its plot, the CUDA tests' outcome and the top kernels. Steps that did not run say so.
+The section: the host, the goals with their values, the owed rows, the CUDA-graphs, prefix-cache and draft-tree
+rows, the full table and its plot, the CUDA tests' outcome and the top kernels. Steps that did not run say so.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def section_text(results: Path, plot_path: Path | None = None) -> str:
         parts.append("**CUDA graphs**: " + _graphs(features["graphs"]))
     if "prefix" in features:
         parts.append("**The prefix cache**: " + _prefix(features["prefix"]))
+    parts.append(tree_text(features.get("tree")))
     table = _read(results / "table.json")
     if table and table["rows"]:
         rows = [EngineRow(**row) for row in table["rows"]]
@@ -97,6 +98,30 @@ def _prefix(row: dict) -> str:
     return (f"{row['target']}, {row['attention']} (pages of {row['page_tokens']}), a {row['context']}-token prompt: "
             f"opened cold in {row['cold_open_ms']} ms, from {row['cached_tokens']} cached tokens in "
             f"{row['cached_open_ms']} ms ({row['cached_over_cold']}x; median of {row['trials']})")
+
+
+def tree_text(row: dict | None) -> str:
+    """The tree step's table: ms per verify forward of each block shape, and the tree's rows against each path's."""
+    title = "**A draft tree in the verify forward**"
+    if row is None:
+        return f"{title}: not measured yet (the run had no tree step, or it failed: see the steps above)."
+    head = (f"{title} ({row['target']}, {row['attention']}, context {row['context']}; each block is the pending token "
+            f"and the draft tokens; tree 16 = a chain of 6 with an alternative and its next token beside each of its "
+            f"first 5; parents {row['tree_parents']}; median ms of {row['reps']}):")
+    lines = ["| sessions | chain 6 ms | chain 16 ms | tree 16 ms | tree 16 / chain 6 | tree 16 / chain 16 |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['sessions']} | {r['chain6_ms']} | {r['chain16_ms']} | {r['tree16_ms']} | {r['tree16_over_chain6']}x "
+              f"| {r['tree16_over_chain16']}x |" for r in row["rows"]]
+    parts = [head, "\n".join(lines)]
+    if row["not_reached"]:
+        parts.append(f"Not reached within the step's budget: {json.dumps(row['not_reached'])}")
+    if "check" in row:
+        c = row["check"]
+        parts.append(f"The tree's rows against a chain forward of each of its {c['paths']} paths ({c['sessions']} "
+                     f"sessions batched): max abs diff {c['max_abs_diff']} (logits up to {c['max_abs_logit']}; "
+                     f"tolerance {c['atol']} + {c['rtol']} x |logit|: {'within' if c['within_tolerance'] else 'NOT within'}), "
+                     f"argmax agreeing on {c['argmax_agree']:.1%} of rows.")
+    return "\n\n".join(parts)
 
 
 def _tail(path: Path, name: str) -> str:

@@ -5,6 +5,7 @@
     table    every architecture x layout x context x edges, batching on and off
     graphs   whether a CUDA graph of the paged verify forward can be captured, and what its replay saves (graphs.py)
     prefix   a session opened from a cached prefix against a cold one (prefix.py)
+    tree     a verify forward of a 16-token draft tree against chains of 6 and 16, and its rows against each path's (tree.py)
     pytest   tests/test_cuda.py on the device
     profile  the top kernels of one batched verify forward
 """
