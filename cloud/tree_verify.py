@@ -39,7 +39,7 @@ def shaped_tree_rows(rows: TargetRows, processor: LogitsProcessor | None, contex
     logits = rows.logits.clone()
     for path in tree.paths():  # a root-to-leaf path is a chain: shaped as one, a grammar never fed a refused token
         index = torch.tensor([0] + [1 + node for node in path])
-        logits[index] = processor.rows(rows.logits[index], context, [tree.tokens[node] for node in path])
+        logits[index] = processor.rows(rows.logits[index], context, tree.tokens_along(path))
     return TargetRows(logits.argmax(dim=-1), logits)
 
 
@@ -49,7 +49,7 @@ def kept_path(tree: DraftTree, path: list[int], next_token: int,
     [len(path) + 1], and whether the path is on the tree's primary chain."""
     index = torch.tensor([0] + [1 + node for node in path])
     kept_rows = TargetRows(rows.argmax[index], rows.logits[index] if rows.logits is not None else None)
-    return [tree.tokens[node] for node in path] + [next_token], kept_rows, on_primary_chain(tree, path)
+    return tree.tokens_along(path) + [next_token], kept_rows, on_primary_chain(tree, path)
 
 
 def on_primary_chain(tree: DraftTree, path: list[int]) -> bool:

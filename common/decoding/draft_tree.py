@@ -58,6 +58,10 @@ class DraftTree:
             depths.append(1 if parent == ROOT else depths[parent] + 1)
         return depths
 
+    def tokens_along(self, path: list[int]) -> list[int]:
+        """The tokens of the nodes `path` (a root-to-node path, or any nodes), in its order."""
+        return [self.tokens[node] for node in path]
+
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node`, inclusive."""
         path = []

@@ -138,7 +138,7 @@ class LocalTarget:
         raw: list[torch.Tensor | None] = [None] * (1 + len(draft_tree))
         shaped: list[torch.Tensor | None] = [None] * (1 + len(draft_tree))
         for path in draft_tree.paths():
-            tokens = draft_tree_tokens(draft_tree, path)
+            tokens = draft_tree.tokens_along(path)
             slots = [0] + [1 + n for n in path]
             first = next(k for k, slot in enumerate(slots) if raw[slot] is None)  # rows before it are known
             # the KV must not hold the token before row `first`'s position: the forward computes rows it feeds
@@ -150,15 +150,11 @@ class LocalTarget:
         decision = decide(Proposal(draft_tree.tokens, tree.nodes.p_draft, parents=draft_tree.parents), self.method,
                           self.sampling, self.generator, logits=torch.stack(shaped), keep_rows=True)
         path, next_token = decision.path, decision.next_token
-        kept = draft_tree_tokens(draft_tree, path) + [next_token]
+        kept = draft_tree.tokens_along(path) + [next_token]
         along = torch.stack([raw[slot] for slot in [0] + [1 + n for n in path]])  # the kept path's rows
         logprobs = logprobs_of(along, kept, self.sampling.logprobs) if self.sampling.logprobs is not None else None
         verify_ms = (time.perf_counter() - started) * 1e3
         return Verdict(len(path), next_token, verify_ms, verify_ms, along, None, logprobs, path)
-
-
-def draft_tree_tokens(tree: DraftTree, path: list[int]) -> list[int]:
-    return [tree.tokens[n] for n in path]
 
 
 def block_limit(generation: Generation, to_verify: bool) -> int:
