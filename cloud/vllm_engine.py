@@ -279,7 +279,8 @@ class VllmEngine:
                        processor: LogitsProcessor | None,
                        prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
         """vLLM's own sampler, seeded per request by `sampling.seed` (a different stream from the resident engine's);
-        `prefix_scope` is the resident engine's (vLLM caches by its own per-request salt)."""
+        `prefix_scope` is the resident engine's: a Generate carries no cache salt, so vLLM's cache serves its
+        prompt by content, except when prompt logprobs are asked for (cached rows come back unset: it reads none)."""
         from vllm.sampling_params import RequestOutputKind
 
         if sampling.grammar is not None:
