@@ -1,7 +1,8 @@
 """`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace.
 
 * on a constructed trace, where every round's verdict is known by hand: one path, today's shape (and its depth cap),
-  the grid at the lowest estimate, and the oracle path that stops at the first token the draft ranks too low;
+  the grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
+  first token the draft ranks too low;
 * on the tiny pair (float32), a trace's rows are what the draft proposes step by step: each row's best token is the
   draft's argmax after the target's text, and each fork is its own chain after its token.
 """
@@ -23,19 +24,25 @@ LOW = 0.2  # the estimate at the rejected position: the lowest of the chain
 CAP = 4  # rounds send blocks of at most 4 (the policy, with a huge round trip, never sends earlier)
 
 
-def constructed() -> Scored:
+def constructed(deviate_after: bool = False) -> Scored:
     """Rows that follow the target except at REJECTED, where the draft proposes EOS and ranks the target's token
-    second: the chain that reaches it ends there, rejected at its last token (as goodput's blocks often are)."""
+    second: the chain that reaches it ends there, rejected at its last token (as goodput's blocks often are). With
+    `deviate_after`, the draft's best after the target's token there is not the target's next either (its second)."""
     rows = [DraftRow([token, 90 + p, 91 + p, 92 + p], [0.7, 0.2, 0.05, 0.05], 1.0) for p, token in enumerate(OUTPUT)]
     rows[REJECTED] = DraftRow([EOS, OUTPUT[REJECTED], 51, 52], [0.4, 0.3, 0.2, 0.1], 2.0)
-    trace = PromptTrace("p", "c", 5, OUTPUT, [EOS], rows, {REJECTED: []})
+    forks, fork_estimates = {REJECTED: []}, {REJECTED: []}
+    if deviate_after:
+        rows[REJECTED + 1] = DraftRow([70, OUTPUT[REJECTED + 1], 71, 72], [0.5, 0.3, 0.1, 0.1], 1.5)
+        forks[REJECTED + 1] = [DraftRow([60 + k], [0.9], 0.5) for k in range(CAP)]
+        fork_estimates[REJECTED + 1] = [0.95] * CAP
+    trace = PromptTrace("p", "c", 5, OUTPUT, [EOS], rows, forks)
     estimates = [LOW if p == REJECTED else 0.99 for p in range(len(OUTPUT))]
-    return Scored(trace, estimates, {REJECTED: []})
+    return Scored(trace, estimates, fork_estimates)
 
 
-def replay(shape: TreeShape, oracle_rank: int = 5):
+def replay(shape: TreeShape, oracle_rank: int = 5, deviate_after: bool = False):
     costs = RoundCosts(draft_ms=1.0, rtt_ms=1e7, verify_ms=1.0, verify_per_token_ms=0.0)
-    return decode(constructed(), shape, costs.cost_model(), len(OUTPUT), CAP, None, oracle_rank)
+    return decode(constructed(deviate_after), shape, costs.cost_model(), len(OUTPUT), CAP, None, oracle_rank)
 
 
 def rounds(result) -> list[tuple[int, int, int | None, int]]:
@@ -71,6 +78,15 @@ def test_the_grid_at_the_lowest_estimate_and_the_oracle_path():
     # the target's token at the rejection is the draft's second: an oracle within its best one has no tree
     none = replay(TreeShape("oracle-path:8", "oracle-path", budget=8), oracle_rank=1).rounds[0]
     assert (none.branch_tokens, none.kept) == (0, 2)
+
+
+def test_a_nested_alternative_recovers_where_the_branch_itself_leaves_the_target():
+    grid = replay(TreeShape("lowest:1x2", "grid", length=2), deviate_after=True).rounds[0]
+    assert (grid.branch_tokens, grid.kept) == (2, 3)  # the alternative is kept, the draft's token after it is not
+    nested = replay(TreeShape("nested:1x2+1x1", "nested", length=2, inner_alternatives=1, inner_length=1),
+                    deviate_after=True).rounds[0]
+    # one more token beside the branch's second node (its lowest estimate): the draft's second best, the target's
+    assert (nested.branch_tokens, nested.kept, nested.chain_kept) == (3, 4, 2)
 
 
 @pytest.fixture(scope="module")

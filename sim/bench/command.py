@@ -386,10 +386,9 @@ def _register_tree_shapes(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--estimate", default="verifier", choices=("verifier", "draft"),
                    help="the a_i: the shipped greedy verifier's score, or the draft's probability of its token")
-    p.add_argument("--draft-ms", type=float, default=165.0, help="the goodput policy's draft step cost")
-    p.add_argument("--verify-ms", type=float, default=430.0, help="... the target's verify, base")
-    p.add_argument("--verify-per-token-ms", type=float, default=15.0, help="... and per verified token")
-    p.add_argument("--rtt-ms", type=float, default=0.0, help="... and the round trip")
+    for flag, default, what in (("draft", 165.0, "a draft step"), ("verify", 430.0, "a verify (base)"),
+                                ("verify-per-token", 15.0, "a verified token"), ("rtt", 0.0, "the round trip")):
+        p.add_argument(f"--{flag}-ms", type=float, default=default, help=f"what the goodput policy weighs: {what}")
     p.add_argument("--max-tree-tokens", type=int, default=16, help="nodes a tree may hold in all (the cloud's "
                                                                    "--max-tree-tokens); 0: no cap")
     p.add_argument("--budgets", type=ints, default=(6, 16), help="branch tokens per round to report (comma list)")

@@ -56,7 +56,9 @@ class TreeShape:
             deeper than the chain unless `deep`); grid: `alternatives` x `length` at each of the `points` lowest
             points; oracle-grid: the grid at the rejection (it knows where the chain is rejected, not the token);
             oracle-path: `budget` tokens along the target's own text from the rejection (the most any tree of that
-            many draft-ranked tokens can keep)
+            many draft-ranked tokens can keep); nested (oracle-nested): the grid at the lowest estimate (at the
+            rejection), then inside each branch `inner_alternatives` x `inner_length` beside the branch's own lowest
+            estimate (its drafted tokens', from the rows and forks)
     """
 
     name: str
@@ -66,11 +68,15 @@ class TreeShape:
     alternatives: int = 1
     length: int = 1
     deep: bool = False
+    inner_alternatives: int = 0  # nested: alternatives beside the lowest estimate inside each branch
+    inner_length: int = 0
 
     @property
     def tokens(self) -> int:
         """Branch tokens a round spends at most (before the tree's room)."""
-        return self.points * self.alternatives * self.length if self.kind in ("grid", "oracle-grid") else self.budget
+        if self.kind in ("grid", "oracle-grid", "nested", "oracle-nested"):
+            return self.points * self.alternatives * (self.length + self.inner_alternatives * self.inner_length)
+        return self.budget
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,9 @@ def decode(item: Scored, shape: TreeShape, cost_model: CostModel, max_tokens: in
         chain = [row.token for row in rows]
         room = len(chain) + shape.tokens if max_tree_tokens is None else max_tree_tokens
         branches = place(shape, accept_probs, rejection, max(0, room - len(chain)), limit, trace, s, oracle_rank)
-        tree, argmax = build_tree(trace, s, chain, branches, oracle_rank)
+        inner = (shape.inner_alternatives, shape.inner_length) if shape.inner_alternatives else None
+        left = min(shape.tokens, max(0, room - len(chain))) - sum(b.length for b in branches)
+        tree, argmax = build_tree(item, s, chain, branches, inner, left, limit)
         path, _ = greedy_tree_verdict(tree, argmax)
         chain_kept = next((k for k, node in enumerate(path) if node != k), len(path))
         policy.observe_verdict(len(chain), chain_kept)
@@ -184,8 +192,10 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
                <= oracle_rank):
             length += 1
         return [Branch(rejection, 0, length)] if length else []
-    points = lowest[:shape.points] if shape.kind == "grid" else ([rejection] if rejection is not None else [])
-    branches, left = [], min(shape.tokens, room)
+    points = lowest[:shape.points] if shape.kind in ("grid", "nested") else \
+        ([rejection] if rejection is not None else [])
+    first_level = shape.points * shape.alternatives * shape.length
+    branches, left = [], min(first_level, room)
     for position in points:
         for nth in range(1, shape.alternatives + 1):
             length = min(shape.length, left, limit - position)
@@ -211,32 +221,78 @@ def _today(lowest: list[int], budget: int, depth_limit: int) -> list[Branch]:
     return branches
 
 
-def build_tree(trace: PromptTrace, s: int, chain: list[int], branches: list[Branch],
-               oracle_rank: int) -> tuple[DraftTree, list[int]]:
-    """The round's DraftTree and the target's argmax after each node's prefix (placeholders where off its text)."""
+def build_tree(item: Scored, s: int, chain: list[int], branches: list[Branch], inner: tuple[int, int] | None = None,
+               left: int = 0, limit: int = 0) -> tuple[DraftTree, list[int]]:
+    """The round's DraftTree and the target's argmax after each node's prefix (placeholders where off its text);
+    with `inner` (k, L), nested branches beside each branch's lowest estimate, within `left` tokens."""
+    trace = item.trace
     tokens, parents = list(chain), list(range(-1, len(chain) - 1))
     unknown = iter(range(-1, -10**9, -1))  # placeholder tokens: never a target's token, never followed
     teacher_end = _rejection_or_end(trace, s, chain)
+    added = []
     for branch in branches:
-        on_text = True  # the branch's tokens so far are the target's text from output[s + position]
-        for k in range(branch.length):
-            p = s + branch.position + k
-            if not branch.rank:  # the oracle path: the target's own tokens
-                token = trace.output[p]
-            elif k == 0:  # an alternative: known where the chain before it is the target's text
-                top = trace.rows[p].top
-                token = top[branch.rank - 1] if branch.position <= teacher_end and branch.rank <= len(top) \
-                    else next(unknown)
-            elif on_text and p < len(trace.output):  # the draft's argmax after the target's text
-                token = trace.rows[p].token
-            else:
-                token = next(unknown)
-            on_text = on_text and p < len(trace.output) and token == trace.output[p]
-            parents.append((branch.position - 1 if branch.position > 0 else ROOT) if k == 0 else len(tokens) - 1)
-            tokens.append(token)
+        known = branch.position <= teacher_end  # the chain before the branch is the target's text
+        parent = branch.position - 1 if branch.position > 0 else ROOT
+        added.append((branch, known, _add_branch(trace, s, tokens, parents, parent, branch, known, unknown)))
+    for branch, known, nodes in added if inner is not None else ():
+        on_text = known and tokens[nodes[0]] == trace.output[s + branch.position]
+        point = _inner_point(item, s + branch.position, len(nodes)) if on_text else 1 if len(nodes) > 1 else None
+        if point is None or left <= 0:
+            continue
+        depth = branch.position + point  # the chain index the inner alternatives stand at, as if on the chain
+        for nth in range(1, inner[0] + 1):
+            length = min(inner[1], left, limit - depth)
+            if length >= 1:
+                prefix = on_text and tokens_on_text(tokens, nodes[:point], trace.output, s + branch.position)
+                inner_branch = Branch(depth, nth + 1, length)
+                _add_branch(trace, s, tokens, parents, nodes[point - 1], inner_branch, prefix, unknown)
+                left -= length
     tree = DraftTree(tokens, parents)
     argmax = [trace.output[s]] + [_argmax_after(tree, n, trace, s, unknown) for n in range(len(tree))]
     return tree, argmax
+
+
+def _add_branch(trace: PromptTrace, s: int, tokens: list[int], parents: list[int], parent: int, branch: Branch,
+                known: bool, unknown) -> list[int]:
+    """Append a branch's nodes under `parent` (its prefix the target's text when `known`); return their indices."""
+    on_text, nodes = True, []
+    for k in range(branch.length):
+        p = s + branch.position + k
+        if not branch.rank:  # the oracle path: the target's own tokens
+            token = trace.output[p]
+        elif k == 0:  # an alternative: the row's next-best, known where its prefix is the target's text
+            top = trace.rows[p].top if known else []
+            token = top[branch.rank - 1] if branch.rank <= len(top) else next(unknown)
+        elif on_text and p < len(trace.output):  # the draft's argmax after the target's text
+            token = trace.rows[p].token
+        else:
+            token = next(unknown)
+        on_text = on_text and p < len(trace.output) and token == trace.output[p]
+        parents.append(parent if k == 0 else len(tokens) - 1)
+        tokens.append(token)
+        nodes.append(len(tokens) - 1)
+    return nodes
+
+
+def tokens_on_text(tokens: list[int], nodes: list[int], output: list[int], start: int) -> bool:
+    return all(start + k < len(output) and tokens[n] == output[start + k] for k, n in enumerate(nodes))
+
+
+def _inner_point(item: Scored, start: int, length: int) -> int | None:
+    """The node (1..length-1) of a branch whose first token is output[start] with the lowest estimate (earliest on a
+    tie): the rows while the draft follows the target, the fork after its first token that does not."""
+    trace = item.trace
+    estimates, deviation = [], None
+    for k in range(1, length):
+        p = start + k
+        if deviation is None and p < len(trace.output):
+            estimates.append(item.rows[p])
+            deviation = p if trace.rows[p].token != trace.output[p] else None
+        elif deviation is not None and p - deviation - 1 < len(item.forks.get(deviation, [])):
+            estimates.append(item.forks[deviation][p - deviation - 1])
+        else:
+            break  # past the output's end or the fork's EOS: the branch's drafting would have stopped
+    return 1 + min(range(len(estimates)), key=lambda k: (estimates[k], k)) if estimates else None
 
 
 def _rejection_or_end(trace: PromptTrace, s: int, chain: list[int]) -> int:

@@ -45,7 +45,9 @@ def best_rows(results: dict[TreeShape, list[PromptResult]], shapes: dict[str, di
             ("today, no depth cap", f"today-deep:{budget}"),
             ("best at the lowest estimate (k alternatives x L)", best("grid", 1)),
             ("best spread over the m lowest (1 alternative x L each)", best("grid", 2)),
+            ("best nested (k x L at the lowest, then k2 x L2 inside each branch)", best("nested")),
             ("oracle: best k x L at the rejected position", best("oracle-grid")),
+            ("oracle: best nested at the rejected position", best("oracle-nested")),
             (f"oracle: the target's path from the rejection", f"oracle-path:{budget}")]
     return [[label, name] for label, name in rows if name in shapes]
 
@@ -226,6 +228,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.plot(budgets, [shapes[f"today:{b}"]["x_one_path"] for b in budgets], "o-", label="today's shape")
     ax.plot(budgets, envelope("lowest:"), "s-", label="best k x L at the lowest estimate")
     ax.plot(budgets, envelope("spread:"), "^-", label="best spread over m points")
+    ax.plot(budgets, envelope("nested:"), "v-", label="best nested")
     ax.plot(budgets, envelope("oracle-at-rejection:"), "d--", label="oracle: best k x L at the rejection")
     ax.plot(budgets, [shapes[f"oracle-path:{b}"]["x_one_path"] for b in budgets], "k--", label="oracle: the target's path")
     ax.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")

@@ -15,8 +15,8 @@ greedy run, its block ends where the goodput call policy sends it (the shipped v
 the costs are --draft-ms, --verify-ms, --verify-per-token-ms and --rtt-ms, fixed), and its tree adds branch tokens
 by a shape: today's (one alternative of 3 tokens at each of the lowest estimates in turn,
 common/decoding/branching.py), all of them at the lowest estimate (k alternatives x L tokens), spread over the m
-lowest, and two oracles: the same grid placed at the rejected position itself, and the target's own text from
-there (the most any tree of that many tokens, each within the draft's best --oracle-rank, can keep). Each tree is
+lowest, nested (k x L at the lowest estimate, then k2 x L2 beside each branch's own lowest estimate), and oracles:
+the grid and the nested shape placed at the rejected position itself, and the target's own text from there (the most any tree of that many tokens, each within the draft's best --oracle-rank, can keep). Each tree is
 checked by the greedy tree rule itself (common/multipath_rules.py).
 
 Prints the tokens per call (the session's open included, as `sprinter bench proposer` counts them) of one path and
@@ -115,6 +115,11 @@ def shapes(budgets: Sequence[int]) -> list[TreeShape]:
     found += [TreeShape(f"oracle-at-rejection:{k}x{n}", "oracle-grid", alternatives=k, length=n)
               for k in range(1, MAX_ALTERNATIVES + 1) for n in range(1, MAX_LENGTH + 1) if k * n <= most]
     found += [TreeShape(f"oracle-path:{b}", "oracle-path", budget=b) for b in range(1, most + 1)]
+    for kind, prefix in (("nested", "nested"), ("oracle-nested", "oracle-nested")):
+        found += [TreeShape(f"{prefix}:{k}x{n}+{k2}x{n2}", kind, alternatives=k, length=n, inner_alternatives=k2,
+                            inner_length=n2)
+                  for k in (1, 2) for n in range(2, MAX_LENGTH + 1) for k2 in (1, 2) for n2 in range(1, 6)
+                  if k * (n + k2 * n2) <= most]
     return found
 
 
