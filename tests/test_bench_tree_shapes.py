@@ -1,0 +1,112 @@
+"""`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace.
+
+* on a constructed trace, where every round's verdict is known by hand: one path, today's shape (and its depth cap),
+  the grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
+  first token the draft ranks too low;
+* on the tiny pair (float32), a trace's rows are what the draft proposes step by step: each row's best token is the
+  draft's argmax after the target's text, and each fork is its own chain after its token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.cached_lm import CachedLM
+from common.prompt_sets import PromptRecord
+from sim.bench.tree_rounds import RoundCosts, Scored, TreeShape, decode
+from sim.bench.tree_traces import DraftRow, PromptTrace, TraceSettings, build_trace
+
+OUTPUT = list(range(10, 22))  # the target's 12 tokens; no EOS: the output ends at max_tokens
+EOS = 0
+REJECTED = 3  # the draft's best token there is EOS, not the target's (its second best): the block ends there too
+LOW = 0.2  # the estimate at the rejected position: the lowest of the chain
+CAP = 4  # rounds send blocks of at most 4 (the policy, with a huge round trip, never sends earlier)
+
+
+def constructed(deviate_after: bool = False) -> Scored:
+    """Rows that follow the target except at REJECTED, where the draft proposes EOS and ranks the target's token
+    second: the chain that reaches it ends there, rejected at its last token (as goodput's blocks often are). With
+    `deviate_after`, the draft's best after the target's token there is not the target's next either (its second)."""
+    rows = [DraftRow([token, 90 + p, 91 + p, 92 + p], [0.7, 0.2, 0.05, 0.05], 1.0) for p, token in enumerate(OUTPUT)]
+    rows[REJECTED] = DraftRow([EOS, OUTPUT[REJECTED], 51, 52], [0.4, 0.3, 0.2, 0.1], 2.0)
+    forks, fork_estimates = {REJECTED: []}, {REJECTED: []}
+    if deviate_after:
+        rows[REJECTED + 1] = DraftRow([70, OUTPUT[REJECTED + 1], 71, 72], [0.5, 0.3, 0.1, 0.1], 1.5)
+        forks[REJECTED + 1] = [DraftRow([60 + k], [0.9], 0.5) for k in range(CAP)]
+        fork_estimates[REJECTED + 1] = [0.95] * CAP
+    trace = PromptTrace("p", "c", 5, OUTPUT, [EOS], rows, forks)
+    estimates = [LOW if p == REJECTED else 0.99 for p in range(len(OUTPUT))]
+    return Scored(trace, estimates, fork_estimates)
+
+
+def replay(shape: TreeShape, oracle_rank: int = 5, deviate_after: bool = False):
+    costs = RoundCosts(draft_ms=1.0, rtt_ms=1e7, verify_ms=1.0, verify_per_token_ms=0.0)
+    return decode(constructed(deviate_after), shape, costs.cost_model(), len(OUTPUT), CAP, None, oracle_rank)
+
+
+def rounds(result) -> list[tuple[int, int, int | None, int]]:
+    """(start, chain length, rejection, tokens kept) of each round."""
+    return [(r.start, r.chain, r.rejection, r.kept) for r in result.rounds]
+
+
+def test_one_path_keeps_the_chain_up_to_its_rejection():
+    result = replay(TreeShape("one path", "chain"))
+    # the open brings output[0]; round 1 drafts positions 1-3 (EOS at 3) and keeps 2, then the target's token at 3
+    assert rounds(result) == [(1, 3, 2, 2), (4, 4, None, 4), (9, 3, None, 3)]
+    assert (result.tokens, result.calls) == (12, 4)
+    assert result.rounds[0].lowest[0] == 2  # the rejected token has the chain's lowest estimate
+
+
+def test_todays_shape_branches_at_the_lowest_estimate_no_deeper_than_the_chain():
+    first = replay(TreeShape("today:6", "today", budget=6)).rounds[0]
+    # 1 token beside chain index 2 (no deeper than the chain's 3), 3 beside index 0, 2 beside index 1
+    assert (first.branch_tokens, first.at_rejection) == (6, 1)
+    assert (first.kept, first.chain_kept) == (3, 2)  # the alternative is the target's token: one more kept
+    deep = replay(TreeShape("today-deep:6", "today", budget=6, deep=True))
+    # without the cap the branch there has 2 tokens (the round's limit is 4 deep), and the draft's next is the target's
+    assert (deep.rounds[0].at_rejection, deep.rounds[0].kept) == (2, 4)
+    assert rounds(deep)[1:] == [(6, 4, None, 4), (11, 1, None, 1)]
+
+
+def test_the_grid_at_the_lowest_estimate_and_the_oracle_path():
+    grid = replay(TreeShape("lowest:2x3", "grid", alternatives=2, length=3)).rounds[0]
+    # 2 alternatives of 2 tokens (the round's depth limit) beside index 2: the first is the target's text
+    assert (grid.branch_tokens, grid.at_rejection, grid.kept, grid.chain_kept) == (4, 4, 4, 2)
+    oracle = replay(TreeShape("oracle-path:8", "oracle-path", budget=8)).rounds[0]
+    assert (oracle.branch_tokens, oracle.kept) == (2, 4)
+    # the target's token at the rejection is the draft's second: an oracle within its best one has no tree
+    none = replay(TreeShape("oracle-path:8", "oracle-path", budget=8), oracle_rank=1).rounds[0]
+    assert (none.branch_tokens, none.kept) == (0, 2)
+
+
+def test_a_nested_alternative_recovers_where_the_branch_itself_leaves_the_target():
+    grid = replay(TreeShape("lowest:1x2", "grid", length=2), deviate_after=True).rounds[0]
+    assert (grid.branch_tokens, grid.kept) == (2, 3)  # the alternative is kept, the draft's token after it is not
+    nested = replay(TreeShape("nested:1x2+1x1", "nested", length=2, inner_alternatives=1, inner_length=1),
+                    deviate_after=True).rounds[0]
+    # one more token beside the branch's second node (its lowest estimate): the draft's second best, the target's
+    assert (nested.branch_tokens, nested.kept, nested.chain_kept) == (3, 4, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_trace(tiny_target, tiny_draft):
+    torch.set_num_threads(1)
+    record = PromptRecord("tiny-1", "test", False, "The quick brown fox")
+    settings = TraceSettings("tiny-random", "tiny-random-draft", "float32", 24, 5, 6)
+    return build_trace(record, tiny_target, tiny_draft, settings), tiny_target, tiny_draft
+
+
+def test_a_traces_rows_are_the_drafts_own_steps(tiny_trace):
+    trace, target, draft = tiny_trace
+    prompt = draft.tokenizer(trace_prompt := "The quick brown fox")["input_ids"]
+    assert trace_prompt and len(trace.rows) == len(trace.output) and trace.prompt_tokens == len(prompt)
+    assert trace.rejections(), "the tiny pair disagrees somewhere: the forks are checked below"
+    lm = CachedLM(draft.model)
+    for j, row in enumerate(trace.rows):  # one token a forward, as the edge drafts
+        assert row.token == int(lm.advance_to(prompt + trace.output[:j]).logits[-1].argmax())
+    for j, fork in trace.forks.items():
+        context = prompt + trace.output[:j] + [trace.rows[j].token]
+        for row in fork:
+            assert row.token == int(lm.advance_to(context).logits[-1].argmax())
+            context = context + [row.token]
