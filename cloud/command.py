@@ -83,9 +83,9 @@ def _add_frame_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-block", type=int, default=DEFAULTS.max_block, help="draft tokens per verify frame")
     p.add_argument("--max-tree-tokens", type=int, default=DEFAULTS.max_tree_tokens,
                    help="draft tokens per tree verify frame, where an edge sends several candidate paths in one "
-                        "verify (default 16: a chain of about 6 and a few short side paths, in one forward that costs "
-                        "a CPU about 1.3x a chain of 6's, as a chain of 16 does; 0: chains only). The resident engine "
-                        "only: vllm always reports 0")
+                        "verify, the chain included (default 32, --max-block's default: a tree costs no more KV than "
+                        "a longest chain; the forward grows with the tree's tokens as a chain's does; 0: chains "
+                        "only). The resident engine only: vllm always reports 0")
 
 
 def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:

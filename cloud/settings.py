@@ -45,7 +45,7 @@ class CloudSettings:
     max_sessions: int = 64
     kv_budget_mb: int = 2048
     max_block: int = 32
-    max_tree_tokens: int = 16  # draft tokens per tree frame (resident engine only; 0: chains only)
+    max_tree_tokens: int = 32  # draft tokens per tree frame (resident engine only; 0: chains only); max_block's KV
     max_context: int = 4096
     # cloud/residual.py: how the token rule's residual is sampled for an edge that sends no draft distributions
     residual_candidates: int = 16

@@ -32,7 +32,9 @@ P_PASS = 1e-3  # the exact construction must not be rejected at this level
 P_POWER = 1e-6  # a wrong construction must be rejected at this level
 TOP_K = 6  # both models' supports overlap in part: branches are kept sometimes, and the joint has 36 cells
 SEEDS = 300
-BRANCH = 6  # several alternatives at each of the two positions: the wrong variant below enumerates q's best ones
+BRANCH = 5  # WIDE one-token alternatives at the least trusted position: the wrong variant below enumerates q's best
+WIDE = 5  # ones there (the default shape, fewer and longer branches, biases the first two tokens too little to be
+#           caught in 300 seeds; exactness does not depend on the shape)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,7 +94,16 @@ def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K) -> tu
     return chisquare(observed, probs / probs.sum() * n).pvalue, side_wins
 
 
-def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft):
+def wide_and_short(monkeypatch) -> None:
+    monkeypatch.setattr(branching, "MAX_ALTERNATIVES", WIDE)
+    monkeypatch.setattr(branching, "branch_length", lambda budget: 1)
+
+
+@pytest.mark.parametrize("shape", ["default", "wide and short"])
+def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft, monkeypatch, shape):
+    """The default shape, and the one the power check below catches a wrong construction in."""
+    if shape != "default":
+        wide_and_short(monkeypatch)
     engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
     pvalue, side_wins = _joint_pvalue(engine, tiny_target, SEEDS)
     assert side_wins > 0
@@ -105,6 +116,7 @@ def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draf
         return int(torch.topk(chain.drafted[position].p_draft, nth + 1).indices[nth])
 
     monkeypatch.setattr(branching, "alternative", next_best)
+    wide_and_short(monkeypatch)
     engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
     pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS)
     assert pvalue < P_POWER
@@ -226,13 +238,24 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
     assert len(tree.nodes) == 5 + 7 and max(draft_tree.depths()) <= 5
     points = branching.branch_points(block, sampling.greedy)
     roots = [i for i in range(5, len(tree.nodes)) if tree.parents[i] < 5]
-    assert [tree.parents[r] + 1 for r in roots] == points[:len(roots)]
+    positions = [tree.parents[r] + 1 for r in roots]  # the least trusted position first, up to 3 alternatives each
+    ranks = [points.index(position) for position in positions]
+    assert ranks == sorted(ranks) and ranks[0] == 0
+    assert all(positions.count(p) <= branching.MAX_ALTERNATIVES for p in positions)
     for r in roots:
         position = tree.parents[r] + 1
         if temperature == 0:
             assert tree.nodes.drafted[r].token != block.tokens[position]
         else:
             assert torch.equal(tree.nodes.drafted[r].p_draft, block.drafted[position].p_draft)
+    deep = run_inline(branching.draft_branches(model, context, block, 6, 9, points=[4]))  # beside the last token
+    deep_tree = DraftTree(deep.nodes.tokens, deep.parents)
+    assert [deep.parents[i] for i in range(5, 11) if deep.parents[i] < 5] == [3, 3]  # two alternatives of 3 tokens
+    assert max(deep_tree.depths()) == 4 + 3  # past the chain's length, within the round's limit
+    if temperature == 0:  # the next-best tokens, each once
+        for p in set(positions):
+            alternatives = [tree.nodes.drafted[r].token for r, q in zip(roots, positions) if q == p]
+            assert len(set(alternatives)) == len(alternatives)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "onnx"])

@@ -117,7 +117,7 @@ def _check_logprobs(target: LoadedModel, context: list[int], verdict: pb.Verdict
 
 def test_a_side_path_is_kept_and_decoding_goes_on_as_the_targets_greedy(stream, tiny_target):
     opened = stream.open(PROMPT, sampling=pb.SamplingSettings(logprobs=0)).opened
-    assert opened.limits.max_tree_tokens == 16 and opened.limits.max_block == 32  # the resident engine's default
+    assert opened.limits.max_tree_tokens == 32 and opened.limits.max_block == 32  # the resident engine's default
     side_path_rounds(stream, tiny_target, PROMPT)
 
 
@@ -199,7 +199,7 @@ def test_candidates_after_a_side_path_are_dropped_and_after_the_primary_chain_ve
 
 
 @pytest.mark.parametrize("frame_args, field", [
-    (dict(tokens=list(range(30, 47)), parents=[-1] * 17), "verify.parents"),  # 17 > 16
+    (dict(tokens=list(range(30, 63)), parents=[-1] * 33), "verify.parents"),  # 33 > 32
     (dict(method="token"), "verify.method"),
     (dict(method="sprinter"), "verify.method"),
     (dict(dists_on_rejection=True, draft_token_probs=[0.5, 0.5]), "verify.dists_on_rejection"),
@@ -227,7 +227,7 @@ def test_vllm_reports_no_tree_tokens_whatever_the_flag_and_its_tree_frames_are_r
     assert caught.value.code == S.INVALID_ARGUMENT and "verify.parents" in str(caught.value)
     with pytest.raises(ValueError, match="--max-tree-tokens 8 does not apply to --engine vllm"):
         CloudSettings(engine="vllm", max_tree_tokens=8)
-    assert CloudSettings(engine="vllm").max_tree_tokens == 16  # the default is accepted, and reported as 0
+    assert CloudSettings(engine="vllm").max_tree_tokens == 32  # the default is accepted, and reported as 0
 
 
 def test_the_forward_chains_the_uncached_tokens_before_the_tree():

@@ -3,12 +3,14 @@
 Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
     primary chain   x_1..x_g, the block the round drafted as it always does (nodes 0..g-1 of the tree)
     branch point    a chain position i whose acceptance estimate a_i is among the lowest: an alternative to x_i is
-                    drafted there, a sibling of x_i (same parent: the context and x_1..x_{i-1})
+                    drafted there, a sibling of x_i (same parent: the context and x_1..x_{i-1}); up to
+                    MAX_ALTERNATIVES of them before the next point gets any
     alternative     under greedy, the draft's next-best tokens in the row x_i was picked from; under sampling,
                     independent draws from the same distribution q_i that x_i was drawn from, with the drafter's
                     generator (duplicates kept: never top-k, never de-duplicated)
-    branch          an alternative and its continuation by the draft, at most BRANCH_LENGTH tokens and never deeper
-                    than the round's limit; its nodes follow the chain's (and earlier branches'), so the first child
+    branch          an alternative and its continuation by the draft, `branch_length(budget)` tokens at most (a
+                    third of the budget, 3 to 8) and never deeper than the round's limit (a branch beside the chain's
+                    last token goes on past the chain's length); its nodes follow the chain's (and earlier branches'), so the first child
                     of any node is on its primary chain and siblings keep the order they were drawn in
     tree block      the chain, the branches, one parent per node and one q row per node (`TreeBlock`)
     budget          branch tokens per round: the user's `--branch-tokens N`, or (auto) what the cost model finds
@@ -37,7 +39,9 @@ from common.decoding.drafting import ModelProposer
 from common.decoding.draft_tree import ROOT
 from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Proposer
 
-BRANCH_LENGTH = 3  # tokens per branch: the alternative and two of the draft's tokens after it
+BRANCH_LENGTH = 3  # the branch auto's cost model prices (common/decoding/branch_budget.py): an alternative and two more
+MIN_BRANCH_LENGTH, MAX_BRANCH_LENGTH = 3, 8  # a branch's tokens (alternative and continuation), by the budget
+MAX_ALTERNATIVES = 3  # alternatives per branch point: the target's token is the draft's 2nd-4th best in 83% of rejections
 AUTO = "auto"  # --branch-tokens auto: the cost model's budget (branch_budget.py)
 
 
@@ -105,23 +109,28 @@ def alternative_node(chain: PendingBlock, position: int, token: int) -> Proposed
                    step=None, fed=0, match_length=0)
 
 
+def branch_length(budget: int) -> int:
+    """Tokens per branch for a round's `budget`: a third of it, within MIN/MAX_BRANCH_LENGTH (6: 2 x 3; 16: 3 x 5)."""
+    return max(MIN_BRANCH_LENGTH, min(MAX_BRANCH_LENGTH, budget // MAX_ALTERNATIVES))
+
+
 async def draft_branches(model: ModelProposer, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
                          points: list[int] | None = None) -> TreeBlock:
-    """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: one alternative at each
-    branch point in turn (`points`, default `branch_points`), each continued by the draft for up to BRANCH_LENGTH
-    tokens in all, no node deeper than `depth_limit`. A second round over the points adds a second alternative
-    where budget remains."""
+    """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: at each branch point in turn
+    (`points`, default `branch_points`, lowest a_i first) up to MAX_ALTERNATIVES alternatives, each continued by the
+    draft to `branch_length(budget)` tokens in all, no node deeper than `depth_limit` (the round's limit). The budget
+    goes to the least trusted position first: the chain is most often rejected there (sprinter's block ends at it),
+    and a long branch there keeps more than short ones spread over positions that were kept anyway (measured by
+    `sprinter bench tree-shapes`)."""
     greedy = model.sampling.greedy
     nodes, parents = list(chain.drafted), list(range(-1, len(chain) - 1))
     points = branch_points(chain, greedy) if points is None else points
-    left, nth = budget, 1
-    while left > 0 and points and nth <= max(1, budget):
-        for position in points:
-            if left <= 0:
-                break
-            length = min(BRANCH_LENGTH, left, depth_limit - position)
+    longest, left = branch_length(budget), budget
+    for position in points:
+        for nth in range(1, MAX_ALTERNATIVES + 1):
+            length = min(longest, left, depth_limit - position)
             if length < 1:
-                continue
+                break
             token = alternative(chain, position, nth, greedy, model.generator)
             added = await _draft_branch(model, context, chain, position, token, length)
             parent = position - 1 if position > 0 else ROOT
@@ -129,7 +138,8 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
                 parents.append(parent if k == 0 else len(nodes) - 1)
                 nodes.append(node)
             left -= len(added)
-        nth += 1
+        if left <= 0:
+            break
     return TreeBlock(PendingBlock(nodes), parents, len(chain))
 
 

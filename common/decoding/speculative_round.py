@@ -202,7 +202,7 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
     if budget < 1:
         return None
     with tracer.span("edge.branch", budget=budget) as span:
-        tree = await draft_branches(model, context, block, budget, len(block))
+        tree = await draft_branches(model, context, block, budget, block_limit(generation, True))
         span.set(nodes=len(tree.nodes))
     generation.recorder.proposed(tree.nodes.drafted[len(block):])
     return tree if len(tree.nodes) > len(block) else None

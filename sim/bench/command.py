@@ -389,7 +389,7 @@ def _register_tree_shapes(benches: argparse._SubParsersAction) -> None:
     for flag, default, what in (("draft", 165.0, "a draft step"), ("verify", 430.0, "a verify (base)"),
                                 ("verify-per-token", 15.0, "a verified token"), ("rtt", 0.0, "the round trip")):
         p.add_argument(f"--{flag}-ms", type=float, default=default, help=f"what the goodput policy weighs: {what}")
-    p.add_argument("--max-tree-tokens", type=int, default=16, help="nodes a tree may hold in all (the cloud's "
+    p.add_argument("--max-tree-tokens", type=int, default=32, help="nodes a tree may hold in all (the cloud's "
                                                                    "--max-tree-tokens); 0: no cap")
     p.add_argument("--budgets", type=ints, default=(6, 16), help="branch tokens per round to report (comma list)")
     p.add_argument("--oracle-rank", type=int, default=5,

@@ -62,7 +62,7 @@ class TreeShapesSettings:
     top: int = 16  # tokens kept per teacher-forced row: today's tree:16 may try up to 15 alternatives at one point
     estimate: str = "verifier"  # the a_i: the shipped verifier's score, or the draft's probability of its token
     costs: RoundCosts = RoundCosts()
-    max_tree_tokens: int = 16  # nodes a tree may hold in all (the cloud's --max-tree-tokens); 0: no cap
+    max_tree_tokens: int = 32  # nodes a tree may hold in all (the cloud's --max-tree-tokens); 0: no cap
     budgets: tuple[int, ...] = (6, 16)
     oracle_rank: int = 1 + MAX_ALTERNATIVES  # the oracle path's tokens are within the draft's best this many
     bench_results: Path | None = None  # a `sprinter bench proposer` results.json to compare with
