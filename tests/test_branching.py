@@ -112,7 +112,7 @@ def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft, monkey
 
 def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draft, monkeypatch):
     """Power: siblings that are the draft's next-best tokens (not independent draws) bias the output."""
-    def next_best(chain, position, nth, greedy, generator):
+    def next_best(chain, position, nth, greedy, generator, row=None):
         return int(torch.topk(chain.drafted[position].p_draft, nth + 1).indices[nth])
 
     monkeypatch.setattr(branching, "alternative", next_best)
@@ -298,3 +298,36 @@ def test_branching_over_a_real_cloud_keeps_the_targets_output(tiny_target, tiny_
     assert sum(r.stats.tree_rounds for r in results.values()) > 0
     side_wins = sum(r.stats.side_path_wins for r in results.values())
     assert side_wins > 0 and side_verdicts == side_wins
+
+
+def test_greedy_alternatives_follow_the_requests_shaped_logits(tiny_draft):
+    """A token the request's logit_bias buries is never offered as an alternative; a row with no allowed token left
+    offers none."""
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.cached_lm import CachedLM
+    from common.logits_processing import LogitsProcessor
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
+    greedy = SamplingParams(temperature=0.0)
+    plain = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), greedy, torch.Generator(), frozenset())
+
+    async def chain(model) -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, 2, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    block = run_inline(chain(plain))
+    ranked = torch.topk(block.drafted[0].step.logits.float(), 3).indices.tolist()  # the chain's token, then 2nd, 3rd
+    biased = SamplingParams(temperature=0.0, logit_bias=((ranked[1], -100.0),))
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), biased, torch.Generator(), frozenset(),
+                          processor=LogitsProcessor(biased, context))
+    row = branching.shaped_row(model, context, block, 0)
+    assert branching.alternative(block, 0, 1, True, model.generator, row) == ranked[2]
+    assert branching.alternative(block, 0, 1, True, plain.generator, branching.shaped_row(plain, context, block, 0)) \
+        == ranked[1]
+    only_the_chains = torch.full_like(row, float("-inf"))
+    only_the_chains[ranked[0]] = 0.0
+    assert branching.alternative(block, 0, 1, True, model.generator, only_the_chains) is None

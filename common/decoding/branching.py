@@ -94,13 +94,26 @@ def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
     return sorted(usable, key=lambda i: (estimate(chain.drafted[i]), i))
 
 
-def alternative(chain: PendingBlock, position: int, nth: int, greedy: bool, generator: torch.Generator) -> int:
-    """The `nth` (1-based) alternative to the chain's token at `position`: the draft's (n+1)-th best token of that row
-    under greedy; under sampling a fresh draw from the same q row (the drafter's generator)."""
+def alternative(chain: PendingBlock, position: int, nth: int, greedy: bool, generator: torch.Generator,
+                row: torch.Tensor | None = None) -> int | None:
+    """The `nth` (1-based) alternative to the chain's token at `position`: under greedy the (n+1)-th best token of
+    `row`, the request-shaped logits [V] x_i was picked from (`shaped_row`; None: no token is left there that the
+    request allows); under sampling a fresh draw from the same q row (the drafter's generator)."""
     drafted = chain.drafted[position]
     if greedy:
-        return int(torch.topk(drafted.step.logits.float(), nth + 1).indices[nth])
+        logits = row if row is not None else drafted.step.logits.float()
+        best = torch.topk(logits, nth + 1)
+        return int(best.indices[nth]) if best.values[nth] > float("-inf") else None
     return int(torch.multinomial(drafted.p_draft.float(), 1, generator=generator))
+
+
+def shaped_row(model: ModelProposer, context: list[int], chain: PendingBlock, position: int) -> torch.Tensor:
+    """The logits x_i was picked from under greedy, as the request shapes them (bias, penalties, grammar): what its
+    next-best tokens are ranked by, so that an alternative is never a token the request rules out or demotes."""
+    logits = chain.drafted[position].step.logits
+    if model.processor is None:
+        return logits.float()
+    return model.processor.next_row(logits, context + chain.tokens[:position]).float()
 
 
 def alternative_node(chain: PendingBlock, position: int, token: int) -> ProposedToken:
@@ -127,11 +140,12 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
     points = branch_points(chain, greedy) if points is None else points
     longest, left = branch_length(budget), budget
     for position in points:
+        row = shaped_row(model, context, chain, position) if greedy else None
         for nth in range(1, MAX_ALTERNATIVES + 1):
             length = min(longest, left, depth_limit - position)
-            if length < 1:
+            token = alternative(chain, position, nth, greedy, model.generator, row) if length >= 1 else None
+            if token is None:
                 break
-            token = alternative(chain, position, nth, greedy, model.generator)
             added = await _draft_branch(model, context, chain, position, token, length)
             parent = position - 1 if position > 0 else ROOT
             for k, node in enumerate(added):
