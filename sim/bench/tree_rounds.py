@@ -58,12 +58,12 @@ class TreeShape:
             MAX_ALTERNATIVES alternatives of `branch_length(budget)` tokens, within `budget` and the round's limit;
             round-robin: one alternative of ROUND_ROBIN_LENGTH tokens at each point in turn, lowest estimate
             first, then a second alternative at each, ... within `budget`, no node deeper than the chain unless
-            `deep`; grid: `alternatives` x `length` at each of the `points` lowest
-            points; oracle-grid: the grid at the rejection (it knows where the chain is rejected, not the token);
-            oracle-path: `budget` tokens along the target's own text from the rejection (the most any tree of that
-            many draft-ranked tokens can keep); nested (oracle-nested): the grid at the lowest estimate (at the
-            rejection), then inside each branch `inner_alternatives` x `inner_length` beside the branch's own lowest
-            estimate (its drafted tokens', from the rows and forks)
+            `deep`; grid: `alternatives` x `length` at each of the `points` lowest points; oracle-grid: the grid
+            at the rejection (it knows where the chain is rejected, not the token); oracle-path: `budget` tokens
+            along the target's own text from the rejection (the most any tree of that many draft-ranked tokens can
+            keep); nested (oracle-nested): the grid at the lowest estimate (at the rejection), then inside each
+            branch `inner_alternatives` x `inner_length` beside the branch's own lowest estimate (its drafted
+            tokens', from the rows and forks)
     """
 
     name: str
