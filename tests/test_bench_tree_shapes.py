@@ -1,7 +1,8 @@
 """`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace.
 
-* on a constructed trace, where every round's verdict is known by hand: one path, today's shape (and its depth cap),
-  the grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
+* on a constructed trace, where every round's verdict is known by hand: one path, the edge's shape (read from
+  common/decoding/branching.py, its branches past the chain's end), the round-robin shape (and its depth cap), the
+  grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
   first token the draft ranks too low;
 * on the tiny pair (float32), a trace's rows are what the draft proposes step by step: each row's best token is the
   draft's argmax after the target's text, and each fork is its own chain after its token.
@@ -14,7 +15,8 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.prompt_sets import PromptRecord
-from sim.bench.tree_rounds import RoundCosts, Scored, TreeShape, decode
+from common.decoding.branching import MAX_ALTERNATIVES, branch_length
+from sim.bench.tree_rounds import Branch, RoundCosts, Scored, TreeShape, decode, place
 from sim.bench.tree_traces import DraftRow, PromptTrace, TraceSettings, build_trace
 
 OUTPUT = list(range(10, 22))  # the target's 12 tokens; no EOS: the output ends at max_tokens
@@ -58,12 +60,38 @@ def test_one_path_keeps_the_chain_up_to_its_rejection():
     assert result.rounds[0].lowest[0] == 2  # the rejected token has the chain's lowest estimate
 
 
-def test_todays_shape_branches_at_the_lowest_estimate_no_deeper_than_the_chain():
-    first = replay(TreeShape("today:6", "today", budget=6)).rounds[0]
+def test_the_edges_shape_spends_its_budget_at_the_lowest_estimate_first_down_to_the_rounds_limit():
+    lowest_first = [0.9, 0.5, 0.2, 0.8, 0.95]  # a chain of 5: positions 2, 1, 3, 0, 4 by estimate
+    longest = branch_length(16)
+    assert MAX_ALTERNATIVES * longest < 16, "the budget reaches the second point (else pick a larger one here)"
+    branches = place(TreeShape("edge:16", "edge", budget=16), lowest_first, None, 16, 20, constructed().trace, 1, 5)
+    at_lowest = [Branch(2, nth + 1, longest) for nth in range(1, MAX_ALTERNATIVES + 1)]
+    assert branches == at_lowest + [Branch(1, 2, 16 - MAX_ALTERNATIVES * longest)]
+    assert 2 + longest > len(lowest_first)  # deeper than the chain: the branches may go to the round's limit
+    limited = place(TreeShape("edge:16", "edge", budget=16), lowest_first, None, 16, 4, constructed().trace, 1, 5)
+    assert [b.length for b in limited if b.position == 2] == [2] * MAX_ALTERNATIVES  # the limit is 4 deep
+    # the tree's room, not the shape's budget, sets the branches' length (as the edge's budget is within it)
+    roomy = place(TreeShape("edge:16", "edge", budget=16), lowest_first, None, 9, 20, constructed().trace, 1, 5)
+    assert roomy[0].length == branch_length(9) and sum(b.length for b in roomy) == 9
+
+
+def test_the_edges_shape_on_a_constructed_trace():
+    edge = replay(TreeShape("edge:6", "edge", budget=6))
+    first = edge.rounds[0]
+    # the alternatives beside chain index 2 (the lowest) first, each 2 tokens (the round's limit is 4 deep, the
+    # chain 3): past the chain's end, which the round-robin shape (below) never goes
+    assert first.branch_tokens == 6 and first.at_rejection == min(6, MAX_ALTERNATIVES * min(branch_length(6), 2))
+    # the first alternative is the target's token and the draft's next after it the target's too
+    assert (first.kept, first.chain_kept) == (4, 2)
+    assert rounds(edge)[1:] == [(6, 4, None, 4), (11, 1, None, 1)]
+
+
+def test_the_round_robin_shape_branches_at_each_lowest_estimate_in_turn_no_deeper_than_the_chain():
+    first = replay(TreeShape("round-robin:6", "round-robin", budget=6)).rounds[0]
     # 1 token beside chain index 2 (no deeper than the chain's 3), 3 beside index 0, 2 beside index 1
     assert (first.branch_tokens, first.at_rejection) == (6, 1)
     assert (first.kept, first.chain_kept) == (3, 2)  # the alternative is the target's token: one more kept
-    deep = replay(TreeShape("today-deep:6", "today", budget=6, deep=True))
+    deep = replay(TreeShape("round-robin-deep:6", "round-robin", budget=6, deep=True))
     # without the cap the branch there has 2 tokens (the round's limit is 4 deep), and the draft's next is the target's
     assert (deep.rounds[0].at_rejection, deep.rounds[0].kept) == (2, 4)
     assert rounds(deep)[1:] == [(6, 4, None, 4), (11, 1, None, 1)]

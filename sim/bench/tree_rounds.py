@@ -25,12 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.call_policy import CostModel, GoodputPolicy
+from common.decoding.branching import MAX_ALTERNATIVES as EDGE_ALTERNATIVES
+from common.decoding.branching import branch_length
 from common.decoding.draft_tree import ROOT, DraftTree
 from common.decoding.proposals import ends_block
 from common.multipath_rules import greedy_tree_verdict
 from sim.bench.tree_traces import DraftRow, PromptTrace
 
-TODAY_LENGTH = 3  # common/decoding/branching.py's BRANCH_LENGTH: today's branches
+ROUND_ROBIN_LENGTH = 3  # tokens per branch of the round-robin shape
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,17 @@ class RoundCosts:
 class TreeShape:
     """Where and how a round branches.
 
-    kind    chain: no branches; today: common/decoding/branching.py's loop (one alternative at each point, lowest
-            estimate first, of TODAY_LENGTH tokens, then a second alternative at each, ... within `budget`; no node
-            deeper than the chain unless `deep`); grid: `alternatives` x `length` at each of the `points` lowest
-            points; oracle-grid: the grid at the rejection (it knows where the chain is rejected, not the token);
-            oracle-path: `budget` tokens along the target's own text from the rejection (the most any tree of that
-            many draft-ranked tokens can keep); nested (oracle-nested): the grid at the lowest estimate (at the
-            rejection), then inside each branch `inner_alternatives` x `inner_length` beside the branch's own lowest
-            estimate (its drafted tokens', from the rows and forks)
+    kind    chain: no branches; edge: the edge's shape (common/decoding/branching.py's `draft_branches`, whose
+            `branch_length` and MAX_ALTERNATIVES it reads): at each point in turn, lowest estimate first, up to
+            MAX_ALTERNATIVES alternatives of `branch_length(budget)` tokens, within `budget` and the round's limit;
+            round-robin: one alternative of ROUND_ROBIN_LENGTH tokens at each point in turn, lowest estimate
+            first, then a second alternative at each, ... within `budget`, no node deeper than the chain unless
+            `deep`; grid: `alternatives` x `length` at each of the `points` lowest points; oracle-grid: the grid
+            at the rejection (it knows where the chain is rejected, not the token); oracle-path: `budget` tokens
+            along the target's own text from the rejection (the most any tree of that many draft-ranked tokens can
+            keep); nested (oracle-nested): the grid at the lowest estimate (at the rejection), then inside each
+            branch `inner_alternatives` x `inner_length` beside the branch's own lowest estimate (its drafted
+            tokens', from the rows and forks)
     """
 
     name: str
@@ -181,8 +186,10 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
     lowest = sorted(range(g), key=lambda i: (accept_probs[i], i))
     if shape.kind == "chain" or room <= 0:
         return []
-    if shape.kind == "today":
-        return _today(lowest, min(shape.budget, room), g if not shape.deep else limit)
+    if shape.kind == "edge":
+        return _edge(lowest, min(shape.budget, room), limit)
+    if shape.kind == "round-robin":
+        return _round_robin(lowest, min(shape.budget, room), g if not shape.deep else limit)
     if shape.kind == "oracle-path":
         if rejection is None:
             return []
@@ -205,14 +212,31 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
     return branches
 
 
-def _today(lowest: list[int], budget: int, depth_limit: int) -> list[Branch]:
-    """draft_branches' loop (common/decoding/branching.py), positions and lengths only."""
+def _edge(lowest: list[int], budget: int, depth_limit: int) -> list[Branch]:
+    """draft_branches' loop (common/decoding/branching.py), positions and lengths only: the budget (already within
+    the tree's room, as the edge's is) goes to the lowest estimate first, up to EDGE_ALTERNATIVES branches there."""
+    branches, left, longest = [], budget, branch_length(budget)
+    for position in lowest:
+        for nth in range(1, EDGE_ALTERNATIVES + 1):
+            length = min(longest, left, depth_limit - position)
+            if length < 1:
+                break
+            branches.append(Branch(position, nth + 1, length))
+            left -= length
+        if left <= 0:
+            break
+    return branches
+
+
+def _round_robin(lowest: list[int], budget: int, depth_limit: int) -> list[Branch]:
+    """One alternative at each point in turn, lowest estimate first, then a second at each, ...: positions and
+    lengths only."""
     branches, left, nth = [], budget, 1
     while left > 0 and lowest and nth <= max(1, budget):
         for position in lowest:
             if left <= 0:
                 break
-            length = min(TODAY_LENGTH, left, depth_limit - position)
+            length = min(ROUND_ROBIN_LENGTH, left, depth_limit - position)
             if length < 1:
                 continue
             branches.append(Branch(position, nth + 1, length))

@@ -12,7 +12,8 @@ from sim.bench.tree_traces import PromptTrace
 
 LENGTHS = range(1, 9)
 RUN_BUCKETS = ("0", "1", "2", "3", "4-7", "8+")
-BENCH_VARIANTS = {"model": "one path", "model+tree:6": "today:6", "model+tree:16": "today:16"}
+# `bench proposer`'s variants and the shapes that replay them (its trees are the edge's)
+BENCH_VARIANTS = {"model": "one path", "model+tree:6": "edge:6", "model+tree:16": "edge:16"}
 
 
 def summarize(traces: list[PromptTrace], results: dict[TreeShape, list[PromptResult]], budgets: tuple[int, ...],
@@ -21,7 +22,7 @@ def summarize(traces: list[PromptTrace], results: dict[TreeShape, list[PromptRes
     shapes = {s.name: {"kind": s.kind, "tokens_spent": s.tokens, **totals(r, base)} for s, r in results.items()}
     return {"shapes": shapes, "best": {str(b): best_rows(results, shapes, b) for b in budgets},
             "ranks": rank_stats(traces, oracle_rank), "runs": run_stats(traces),
-            "hits": hit_stats(results), "validation": validation(results, bench) if bench else None}
+            "hits": hit_stats(results, budgets), "validation": validation(results, bench) if bench else None}
 
 
 def totals(prompts: list[PromptResult], base: dict | None = None) -> dict:
@@ -36,13 +37,15 @@ def totals(prompts: list[PromptResult], base: dict | None = None) -> dict:
 
 
 def best_rows(results: dict[TreeShape, list[PromptResult]], shapes: dict[str, dict], budget: int) -> list[list[str]]:
-    """(label, shape name) rows of the main table at one budget: today's, the best of each family, the oracles."""
+    """(label, shape name) rows of the main table at one budget: the edge's shape, the round-robin one, the best of
+    each family, the oracles."""
     def best(kind: str, points: int | None = None) -> str | None:
         fits = [s for s in results if s.kind == kind and s.tokens <= budget
                 and (points is None or (s.points == 1) == (points == 1))]
         return max(fits, key=lambda s: shapes[s.name]["tokens_per_call"]).name if fits else None
-    rows = [("one path", "one path"), ("today (the edge's tree:B)", f"today:{budget}"),
-            ("today, no depth cap", f"today-deep:{budget}"),
+    rows = [("one path", "one path"), ("the edge's shape (tree:B)", f"edge:{budget}"),
+            ("round-robin (1 alternative x 3 at each lowest in turn, no deeper than the chain)",
+             f"round-robin:{budget}"), ("round-robin, no depth cap", f"round-robin-deep:{budget}"),
             ("best at the lowest estimate (k alternatives x L)", best("grid", 1)),
             ("best spread over the m lowest (1 alternative x L each)", best("grid", 2)),
             ("best nested (k x L at the lowest, then k2 x L2 inside each branch)", best("nested")),
@@ -88,12 +91,13 @@ def _bucket(run: int) -> str:
     return str(run) if run <= 3 else "4-7" if run < 8 else "8+"
 
 
-def hit_stats(results: dict[TreeShape, list[PromptResult]]) -> dict:
+def hit_stats(results: dict[TreeShape, list[PromptResult]], budgets: tuple[int, ...]) -> dict:
     """Rounds whose chain was rejected: is the rejected token the lowest estimate (or among the 2, 3 lowest), the
-    lowest draft probability, the chain's last token; does today's tree branch beside it."""
+    lowest draft probability, the chain's last token; do the edge's and the round-robin trees branch beside it."""
+    reported = {f"{kind}:{b}" for kind in ("edge", "round-robin") for b in budgets}
     out = {}
     for shape, prompts in results.items():
-        if shape.kind != "chain" and shape.name not in ("today:6", "today:16"):
+        if shape.kind != "chain" and shape.name not in reported:
             continue
         rejected = [r for p in prompts for r in p.rounds if r.rejection is not None]
         n = max(1, len(rejected))
@@ -111,7 +115,7 @@ def hit_stats(results: dict[TreeShape, list[PromptResult]]) -> dict:
 
 
 def validation(results: dict[TreeShape, list[PromptResult]], bench: dict) -> dict:
-    """The replay against a measured run, on the prompts both hold: tokens per call of one path and today's trees,
+    """The replay against a measured run, on the prompts both hold: tokens per call of one path and the edge's trees,
     and (one path) how many prompts had the very same blocks."""
     by_name = {s.name: r for s, r in results.items()}
     rows = [r for r in bench["rows"] if r["proposer"] in BENCH_VARIANTS]
@@ -150,7 +154,8 @@ def report_table(settings, summary: dict) -> str:
     for budget, rows in summary["best"].items():
         for label, name in rows:
             s = summary["shapes"][name]
-            shown = label if name in ("one path",) or name.startswith(("today", "oracle-path")) else f"{label}: {name}"
+            fixed = name == "one path" or name.startswith(("edge:", "round-robin", "oracle-path"))
+            shown = label if fixed else f"{label}: {name}"  # a family's best: which member
             lines.append(f"| {budget} | {shown} | {s['tokens_per_call']:.2f} | {s['x_one_path']:.3f} | "
                          f"{s['side_path_won']:.0%} | {s['branch_tokens_per_round']:.2f} | "
                          f"{s['branch_kept_per_round']:.2f} |")
@@ -212,7 +217,8 @@ def _validation(v: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    """x one path against branch tokens per round: today's shape, the best grids within each budget, the oracles."""
+    """x one path against branch tokens per round: the edge's and the round-robin shapes, the best grids within each
+    budget, the oracles."""
     plt = pyplot()
     shapes = summary["shapes"]
     most = max(int(b) for b in summary["best"])
@@ -225,7 +231,8 @@ def plot(summary: dict, path: Path) -> None:
             out.append(max(fits) if fits else float("nan"))
         return out
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(budgets, [shapes[f"today:{b}"]["x_one_path"] for b in budgets], "o-", label="today's shape")
+    ax.plot(budgets, [shapes[f"edge:{b}"]["x_one_path"] for b in budgets], "o-", label="the edge's shape")
+    ax.plot(budgets, [shapes[f"round-robin:{b}"]["x_one_path"] for b in budgets], "x:", label="round-robin")
     ax.plot(budgets, envelope("lowest:"), "s-", label="best k x L at the lowest estimate")
     ax.plot(budgets, envelope("spread:"), "^-", label="best spread over m points")
     ax.plot(budgets, envelope("nested:"), "v-", label="best nested")

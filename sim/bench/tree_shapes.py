@@ -13,11 +13,15 @@ draft's best token is not the target's, the draft's own chain past it. These are
 Rounds are then replayed (sim/bench/tree_rounds.py) as sprinter-exact runs them: a round's chain is the draft's
 greedy run, its block ends where the goodput call policy sends it (the shipped verifier's acceptance estimates;
 the costs are --draft-ms, --verify-ms, --verify-per-token-ms and --rtt-ms, fixed), and its tree adds branch tokens
-by a shape: today's (one alternative of 3 tokens at each of the lowest estimates in turn,
-common/decoding/branching.py), all of them at the lowest estimate (k alternatives x L tokens), spread over the m
-lowest, nested (k x L at the lowest estimate, then k2 x L2 beside each branch's own lowest estimate), and oracles:
-the grid and the nested shape placed at the rejected position itself, and the target's own text from there (the most any tree of that many tokens, each within the draft's best --oracle-rank, can keep). Each tree is
-checked by the greedy tree rule itself (common/multipath_rules.py).
+by a shape: the edge's (`edge:B`, common/decoding/branching.py's `draft_branches`, whose `branch_length` and
+MAX_ALTERNATIVES the replay reads: up to MAX_ALTERNATIVES alternatives at the lowest estimate, each
+`branch_length(B)` tokens, then the next lowest, down to the round's limit), the round-robin shape (one alternative
+of 3 tokens at each of the lowest estimates in turn, no deeper than the chain; round-robin-deep: down to the round's
+limit), all of them at the lowest estimate (k alternatives x L tokens), spread over the m lowest, nested (k x L at
+the lowest estimate, then k2 x L2 beside each branch's own lowest estimate), and oracles: the grid and the nested
+shape placed at the rejected position itself, and the target's own text from there (the most any tree of that many
+tokens, each within the draft's best --oracle-rank, can keep). Each tree is checked by the greedy tree rule itself
+(common/multipath_rules.py).
 
 Prints the tokens per call (the session's open included, as `sprinter bench proposer` counts them) of one path and
 of each shape at each --budgets size, with the ratio to one path; where the chain's rejections fall among its
@@ -59,7 +63,7 @@ class TreeShapesSettings:
     per_category: int | None = 2  # the first N prompts of each category; None: all
     max_tokens: int = 64
     round_cap: int = 20  # DecodeSettings.max_run_length: the longest block a round sends
-    top: int = 16  # tokens kept per teacher-forced row: today's tree:16 may try up to 15 alternatives at one point
+    top: int = 16  # tokens kept per teacher-forced row: round-robin:16 may try up to 15 alternatives at one point
     estimate: str = "verifier"  # the a_i: the shipped verifier's score, or the draft's probability of its token
     costs: RoundCosts = RoundCosts()
     max_tree_tokens: int = 32  # nodes a tree may hold in all (the cloud's --max-tree-tokens); 0: no cap
@@ -103,11 +107,13 @@ def bench_tree_shapes(settings: TreeShapesSettings) -> str:
 
 
 def shapes(budgets: Sequence[int]) -> list[TreeShape]:
-    """One path, today's shape at every budget up to the largest, the grids and the oracles."""
+    """One path, the edge's and the round-robin shapes at every budget up to the largest, the grids and the
+    oracles."""
     most = max(budgets)
     found = [TreeShape("one path", "chain")]
-    found += [TreeShape(f"today:{b}", "today", budget=b) for b in range(1, most + 1)]
-    found += [TreeShape(f"today-deep:{b}", "today", budget=b, deep=True) for b in budgets]
+    found += [TreeShape(f"edge:{b}", "edge", budget=b) for b in range(1, most + 1)]
+    found += [TreeShape(f"round-robin:{b}", "round-robin", budget=b) for b in range(1, most + 1)]
+    found += [TreeShape(f"round-robin-deep:{b}", "round-robin", budget=b, deep=True) for b in budgets]
     found += [TreeShape(f"lowest:{k}x{n}", "grid", alternatives=k, length=n)
               for k in range(1, MAX_ALTERNATIVES + 1) for n in range(1, MAX_LENGTH + 1) if k * n <= most]
     found += [TreeShape(f"spread:{m}x{n}", "grid", points=m, length=n)
