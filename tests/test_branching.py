@@ -404,3 +404,43 @@ def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, ti
         assert not result.degraded and result.token_ids == reference
     assert sum(r.stats.copy_branch_tokens for r in results) > 0
     assert sum(r.stats.copy_path_wins for r in results) > 0
+
+
+def test_tree_layout_chain_then_copies_then_the_drafts_branches(tiny_target, tiny_draft):
+    """Nodes 0..g-1 are the chain; then each copy offer whole (point masses, a sibling of the chain's token at its
+    position, another token than it), lowest chain estimate first; then the draft's branches."""
+    from common.cached_lm import CachedLM
+    from common.decoding.copy_branches import attach_copies, copy_offers
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.decoding.hybrid_proposer import HybridProposer
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(), frozenset())
+    proposer = HybridProposer(model, _quoting_memory(tiny_target))
+    context = tiny_draft.tokenizer(PROMPTS[0])["input_ids"]
+
+    async def chain() -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, 5, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    block = run_inline(chain())
+    offers = copy_offers(proposer, context, block, depth_limit=5)
+    assert offers and all(o.run[0].token != block.tokens[o.position] for o in offers)
+    estimates = [branching.estimate(d) for d in block.drafted]
+    assert [o.position for o in offers] == sorted((o.position for o in offers), key=lambda i: (estimates[i], i))
+    lengths = [len(o.run) for o in offers]
+    tree = run_inline(branching.draft_branches(model, context, block, 3, len(block),
+                                               grown=attach_copies(block, offers, lengths)))
+    copied = len(block) + sum(lengths)
+    assert tree.nodes.tokens[:5] == block.tokens and len(tree.nodes) == copied + 3
+    assert all(d.p_draft is None and not d.from_model for d in tree.nodes.drafted[5:copied])
+    assert all(d.from_model for d in tree.nodes.drafted[copied:]) and tree.copy_tokens == sum(lengths)
+    first = len(block)
+    for offer, length in zip(offers, lengths):
+        assert tree.parents[first] == offer.position - 1 and tree.nodes.drafted[first].token == offer.run[0].token
+        assert tree.parents[first + 1:first + length] == list(range(first, first + length - 1))
+        assert max(DraftTree(tree.nodes.tokens, tree.parents).depths()) <= 5
+        first += length
