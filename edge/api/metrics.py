@@ -112,7 +112,7 @@ class EdgeMetrics:
                                "source (model, copied)", ["mode", "source"], registry=r)
         self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
                                    registry=r)
-        # Branching (common/decoding/branching.py): rounds sent as a tree, their paths, branch tokens sent and kept.
+        # Branching (common/decoding/branching.py, copy_branches.py): tree rounds, paths, branch and copy tokens.
         self.tree_rounds = Counter("sprinter_edge_tree_rounds", "Verify calls that sent a draft tree", ["mode"],
                                    registry=r)
         self.tree_paths = Counter("sprinter_edge_tree_paths", "Root-to-leaf paths of the trees sent (per tree round: "
@@ -121,7 +121,6 @@ class EdgeMetrics:
                                      "kept", ["mode", "outcome"], registry=r)
         self.side_path_wins = Counter("sprinter_edge_side_path_wins", "Tree rounds whose kept path left the primary "
                                       "chain", ["mode"], registry=r)
-        # Copy branches (common/decoding/copy_branches.py): the branch tokens copied from text, the copy paths kept.
         self.copy_branch_tokens = Counter("sprinter_edge_copy_branch_tokens", "Tree tokens beyond the primary chain "
                                           "copied from text (suffix index), sent", ["mode"], registry=r)
         self.copy_path_wins = Counter("sprinter_edge_copy_path_wins", "Tree rounds whose kept path left the primary "
