@@ -378,8 +378,8 @@ def test_a_fixed_budget_takes_the_copies_first_then_the_drafts_branches():
 
 
 def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, tiny_draft):
-    """The hybrid edge over a real resident cloud on loopback: copy branches travel as point masses in the tree
-    frame, the cloud keeps copy paths, and the output is the target's own under greedy."""
+    """The hybrid edge over a real resident cloud on loopback: copy branches travel in the tree frame (point masses
+    under sampling), the cloud keeps copy paths, and the output is the target's own under greedy."""
     from cloud.server import CloudSettings
     from cloud_harness import ServerThread
     from edge.decoding.decoder import EdgeSettings
@@ -392,14 +392,19 @@ def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, ti
         async with EdgeNode(settings, tiny_draft) as node:
             memory = node.decoder.suffix_memory
             memory.model_estimate = _copying_memory().model_estimate
-            for _, reference in references:
-                memory.cache.add(reference)
-            return [await node.decoder.generate(ids, EdgeSettings(DecodeSettings(
-                        mode=mode, max_new_tokens=40, k=4, branch_tokens=6, proposer="hybrid")))
-                    for mode in ("sd-block", "sprinter-exact") for ids, _ in references]
+            for ids, reference in references:
+                memory.cache.add(ids + reference)  # an earlier output that quoted the prompt: copies from the root on
+            greedy = [await node.decoder.generate(ids, EdgeSettings(DecodeSettings(
+                          mode=mode, max_new_tokens=40, k=4, branch_tokens=6, proposer="hybrid")))
+                      for mode in ("sd-block", "sprinter-exact") for ids, _ in references]
+            sampled = await node.decoder.generate(references[0][0], EdgeSettings(DecodeSettings(
+                mode="sprinter-exact", max_new_tokens=24, k=4, branch_tokens=6, proposer="hybrid",
+                sampling=SamplingParams(temperature=1.0, top_k=TOP_K, seed=3))))
+            return greedy, sampled
 
     with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as cloud:
-        results = asyncio.run(work(cloud.address))
+        results, sampled = asyncio.run(work(cloud.address))
+    assert not sampled.degraded and sampled.stats.copy_branch_tokens > 0
     for result, (_, reference) in zip(results, references * 2):
         assert not result.degraded and result.token_ids == reference
     assert sum(r.stats.copy_branch_tokens for r in results) > 0
