@@ -19,7 +19,9 @@ One round, in every process that decodes (local engine, edge decoder, verifier d
     limit   = block_limit(...)                        the mode's cap within the context's room
     block   = draft_block(...)                        draft after the context until the call policy sends,
                                                       the limit, EOS or the length budget
-    tree    = grow_tree(...)                          branches where a_i is lowest, within the budget (or None)
+    tree    = grow_tree(...)                          branches where a_i is lowest, and copies where the
+                                                      suffix index differs from the chain, within the budget
+                                                      (or None)
     verdict = target.verify(context, block, tree)     one target forward over the block (or tree) + the rule
     apply_verdict(...)                                commit the kept path + [next_token], cut at EOS, a stop
                                                       sequence or the length limit (generation.py); the
