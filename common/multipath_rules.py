@@ -26,17 +26,25 @@ exactness is tested at the rule level (tests/test_multipath_rules.py), not check
 
 With one path this is block verification itself, coin for coin (the same generator gives the same verdict).
 
-Exactness. Block verification leaves, given its stop (x_1..x_tau), the rest of the output to be R_tau and then the
-target. Verifying an untried child c' of the stopping node against the rows (R_tau, p, p, ...) produces exactly
-that, by block verification's own exactness, PROVIDED c' and its chain are distributed as the draft given the
-kept prefix, independently of everything the first verification read beyond it. So the output is the target's
-exactly when:
-  - under sampling, every node is an independent draw from q given its parent's prefix (children of one node are
-    i.i.d. draws from q(. | parent), duplicates kept; never top-k, never de-duplicated, never re-ordered by value);
-  - whether a node gets alternatives, how many, and how far each is extended depend only on the context and the
-    draft's state (its tokens and distributions drawn so far), never on the target's rows or the rule's coins;
-  - children are tried in the order drawn (index order), the first child continuing its parent's primary chain.
-Under greedy decoding the alternatives are the draft's next-best tokens and the rule reads the target's argmax only.
+Exactness. Block verification is exact for any draft rows: given its stop (x_1..x_tau), the rest of the output is
+R_tau and then the target. Trying an untried child c' of the stopping node, block-verified against the rows
+(R_tau, p after c', ...) and the q rows c' and its chain were drawn from, produces exactly that, by block
+verification's own exactness, PROVIDED that, given everything the rule has read so far (the nodes it verified and
+its coins), c' and its chain are draws from the rows the rule is told. So the output is the target's exactly when:
+  - the nodes are drawn in index order, node n from the row q_n it carries, given its parent's prefix and any of the
+    nodes before it: a sibling's row need not be its first sibling's (a draw from another q', a point mass on a token
+    copied from text: q_n = one-hot of it); never top-k or de-duplicated draws from one row told as that row (those
+    are not draws from it);
+  - whether node n exists, its parent and its row depend only on the context, the nodes before it and the draft's
+    state (and what the edge learned before the round), never on the target's rows or the rule's coins;
+  - a branch (a node and its first-child descendants, its primary chain) takes consecutive indices, drafted whole
+    before the next node, so that everything the rule reads before trying c' was drawn before c' and tells nothing
+    about c' beyond its row, and nothing is drawn between the nodes of c''s chain;
+  - children are tried in index order, the first child continuing its parent's primary chain.
+Why the order matters: the rule's state when it tries c' (the kept path, R_tau, its coins) is a function of nodes
+before c' and of coins independent of all nodes; c' is, given those nodes, a draw from q_{c'}; the conditional law of
+what follows is then R_tau and the target, whatever the earlier nodes were. Under greedy decoding the alternatives
+are the draft's next-best tokens (or copies) and the rule reads the target's argmax only: exact for any tree.
 """
 
 from __future__ import annotations

@@ -49,12 +49,15 @@ class DecodeStats:
     suffix_kept: int = 0
     draft_fed_tokens: int = 0
     # Branching (common/decoding/branching.py): rounds sent as a tree, their root-to-leaf paths, the branch tokens
-    # sent (beyond the primary chain), branch tokens kept, and rounds whose kept path left the chain.
+    # sent (beyond the primary chain), branch tokens kept, and rounds whose kept path left the chain; of those, the
+    # branch tokens copied from text and the rounds whose kept path left through a copy (copy_branches.py).
     tree_rounds: int = 0
     tree_paths: int = 0
     branch_tokens_sent: int = 0
     branch_tokens_kept: int = 0
     side_path_wins: int = 0
+    copy_branch_tokens: int = 0
+    copy_path_wins: int = 0
 
     @property
     def paths_per_round(self) -> float | None:
@@ -128,6 +131,8 @@ class StatsRecorder:
     branch_tokens_sent: int = 0
     branch_tokens_kept: int = 0
     side_path_wins: int = 0
+    copy_branch_tokens: int = 0
+    copy_path_wins: int = 0
 
     def proposed(self, tokens: list) -> None:
         """New proposals (common/decoding/proposals.py ProposedToken): a draft step for each of the draft's own."""
@@ -151,13 +156,17 @@ class StatsRecorder:
         self.block_lengths.append(block_length)
         self.accepted_lengths.append(n_accepted)
 
-    def branched(self, paths: int, branch_tokens: int, kept_off_chain: int) -> None:
-        """A round sent as a tree: its paths, its branch tokens, and how many of them the verdict kept."""
+    def branched(self, paths: int, branch_tokens: int, kept_off_chain: int, copied: int = 0,
+                 copy_won: bool = False) -> None:
+        """A round sent as a tree: its paths, its branch tokens, how many of them the verdict kept, how many were
+        copies, and whether the kept path left the chain through a copy."""
         self.tree_rounds += 1
         self.tree_paths += paths
         self.branch_tokens_sent += branch_tokens
         self.branch_tokens_kept += kept_off_chain
         self.side_path_wins += kept_off_chain > 0
+        self.copy_branch_tokens += copied
+        self.copy_path_wins += copy_won
 
     def pipelined(self, drafted_ahead: bool, hit: bool, sent: int) -> None:
         """One verdict of a pipelined round: whether anything was drafted ahead of it, and whether it picked a candidate."""
@@ -202,6 +211,7 @@ class StatsRecorder:
             suffix_tokens=self.suffix_tokens, suffix_kept=self.suffix_kept, draft_fed_tokens=self.draft_fed_tokens,
             tree_rounds=self.tree_rounds, tree_paths=self.tree_paths, branch_tokens_sent=self.branch_tokens_sent,
             branch_tokens_kept=self.branch_tokens_kept, side_path_wins=self.side_path_wins,
+            copy_branch_tokens=self.copy_branch_tokens, copy_path_wins=self.copy_path_wins,
         )
 
 

@@ -67,9 +67,11 @@ def test_branch_budgets_make_variants_and_their_trees_are_tabled():
            "draft_forwards": 40, "block_lengths": [5] * 8, "accepted_lengths": [4] * 8}
     rows = [{**row, "proposer": "model"},
             {**row, "proposer": "model+tree:auto", "target_calls": 5, "tree_rounds": 4, "tree_paths": 10,
-             "branch_tokens_sent": 12, "branch_tokens_kept": 3, "side_path_wins": 2}]
+             "branch_tokens_sent": 12, "branch_tokens_kept": 3, "side_path_wins": 2, "copy_branch_tokens": 4,
+             "copy_path_wins": 1}]
     summary = summarize(rows)
     treed = next(s for s in summary if s["proposer"] == "model+tree:auto" and s["category"] == "math")
     assert treed["tokens_per_call_x"] == pytest.approx(8 / 5)
-    assert "| sprinter-exact | math | model+tree:auto | 4 | 2.50 | 3.00 | 0.75 | 0.50 |" in tree_table(summary)
+    assert "| sprinter-exact | math | model+tree:auto | 4 | 2.50 | 3.00 | 0.75 | 0.50 | 1.00 | 0.25 |" in \
+        tree_table(summary)
     assert tree_table([s for s in summary if s["proposer"] == "model"]) == ""

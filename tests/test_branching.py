@@ -5,7 +5,11 @@
   seeds), and a wrong variant (the draft's next-best tokens as alternatives instead of independent draws) fails
   the same check;
 * the budget: more branch tokens with a longer round trip, none where the verifier takes no trees;
-* settings: modes whose rule reads one path refuse branching.
+* settings: modes whose rule reads one path refuse branching;
+* copy branches (common/decoding/copy_branches.py): with the hybrid proposer, where the suffix index continues a
+  chain's prefix with another token, the copy is a side path; greedy keeps the target's output with copy paths
+  winning (locally and over a real cloud), sampling keeps the target's law (and a copy told as a draw from the
+  draft's row is caught), and auto prices a copy at the target's cost alone.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from common.branch_budget import auto_budget, branch_budget
-from common.call_policy import CostModel
+from common.branch_budget import auto_budget, auto_copy_lengths, branch_budget, tree_budget
+from common.call_policy import CostModel, Ewma
 from common.decoding import branching
 from common.decoding.draft_tree import DraftTree
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, parse_branch_tokens
+from common.decoding.suffix_proposer import SuffixMemory
 from common.sampling import SamplingParams, logits_to_probs
 from common.verifier import ConfidenceVerifier
 
@@ -74,8 +79,10 @@ def _target_joint(target, ids: list[int], sampling: SamplingParams) -> dict[tupl
     return joint
 
 
-def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K) -> tuple[float, int]:
-    """The chi-square p-value of the first two tokens over `n` seeds against the target's law, and side-path wins."""
+def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K, proposer: str = "model",
+                  wins: str = "side_path_wins") -> tuple[float, int]:
+    """The chi-square p-value of the first two tokens over `n` seeds against the target's law, and side-path wins
+    (or the stat `wins` names)."""
     ids = target.tokenizer(PROMPTS[0])["input_ids"]
     sampling = SamplingParams(temperature=1.0, top_k=top_k)
     expected = _target_joint(target, ids, sampling)
@@ -83,10 +90,10 @@ def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K) -> tu
     side_wins = 0
     for seed in range(n):
         settings = DecodeSettings(mode="sprinter-exact", max_new_tokens=2, max_run_length=2, branch_tokens=BRANCH,
-                                  sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=seed))
+                                  proposer=proposer, sampling=SamplingParams(temperature=1.0, top_k=top_k, seed=seed))
         result = engine.generate(ids, settings)
         counts[tuple(result.token_ids[:2])] += 1
-        side_wins += result.stats.side_path_wins
+        side_wins += getattr(result.stats, wins)
     assert set(counts) <= set(expected)
     cells = sorted(expected)
     observed = np.array([counts[c] for c in cells], dtype=float)
@@ -331,3 +338,170 @@ def test_greedy_alternatives_follow_the_requests_shaped_logits(tiny_draft):
     only_the_chains = torch.full_like(row, float("-inf"))
     only_the_chains[ranked[0]] = 0.0
     assert branching.alternative(block, 0, 1, True, model.generator, only_the_chains) is None
+
+
+def _copying_memory() -> SuffixMemory:
+    """A suffix memory whose draft estimate is pinned above every copy's rate: the hybrid proposer's chains are the
+    draft's own, so the suffix index's proposals go to the tree as copy branches."""
+    return SuffixMemory(model_estimate=Ewma(0.95, 0.0, n=1))
+
+
+def _greedy_reference(target, prompt: str, tokens: int = 40) -> tuple[list[int], list[int]]:
+    ids = target.tokenizer(prompt)["input_ids"]
+    return ids, LocalEngine(target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=tokens)).token_ids
+
+
+@pytest.mark.parametrize("mode", ["sd-block", "sprinter-exact"])
+def test_greedy_copy_branches_keep_the_targets_output_and_win(tiny_target, tiny_draft, mode):
+    """An earlier request's output (the target's own continuation) in the edge's cache: where the draft's chain
+    leaves it, the copy is a side path, and the target follows it."""
+    copy_wins = 0
+    for prompt in PROMPTS:
+        ids, reference = _greedy_reference(tiny_target, prompt)
+        memory = _copying_memory()
+        memory.cache.add(reference)
+        engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.3), suffix_memory=memory)
+        result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=40, k=4, branch_tokens=6,
+                                                     proposer="hybrid"))
+        assert result.token_ids == reference, prompt
+        assert result.stats.copy_branch_tokens > 0 and result.stats.copy_path_wins <= result.stats.side_path_wins
+        copy_wins += result.stats.copy_path_wins
+    assert copy_wins > 0
+
+
+def _quoting_memory(target) -> SuffixMemory:
+    """A cache holding an earlier output that quotes the first prompt and the target's greedy continuation: copies
+    from the root on."""
+    ids, reference = _greedy_reference(target, PROMPTS[0], 8)
+    memory = _copying_memory()
+    memory.cache.add(ids + reference)
+    return memory
+
+
+def test_sampled_copy_branches_keep_the_targets_law(tiny_target, tiny_draft):
+    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
+    pvalue, copy_wins = _joint_pvalue(engine, tiny_target, SEEDS, proposer="hybrid", wins="copy_path_wins")
+    assert copy_wins > 0
+    assert pvalue > P_PASS
+
+
+def test_a_copy_told_as_a_draw_from_the_drafts_row_is_caught(tiny_target, tiny_draft, monkeypatch):
+    """Power: a copy sent with the chain token's row (as if the draft had drawn it) instead of its point mass."""
+    from dataclasses import replace
+
+    from common.decoding import copy_branches, speculative_round
+
+    def as_drawn(chain, offers, lengths):
+        tree = copy_branches.attach_copies(chain, offers, lengths)
+        first = len(chain)
+        for offer, length in zip(offers, lengths):
+            if length:
+                tree.nodes.drafted[first] = replace(tree.nodes.drafted[first],
+                                                    p_draft=chain.drafted[offer.position].p_draft)
+            first += length
+        return tree
+
+    monkeypatch.setattr(speculative_round, "attach_copies", as_drawn)
+    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
+    pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS, proposer="hybrid")
+    assert pvalue < P_POWER
+
+
+def test_auto_sends_copies_where_the_drafts_branches_never_pay():
+    """A CPU edge: a draft step dearer than what a kept token is worth, a cheap target token. The draft's branches
+    never pay; a copy, which takes no draft step, does, as long as its tokens' gain stays above the target's cost."""
+    accept = [0.9, 0.6, 0.4, 0.7]
+    costs = CostModel(prior_draft_ms=40.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=2.0)
+    costs.observe_rtt(50.0)
+    assert auto_budget(accept, costs, room=12, branch_length=3) == 0
+    offers = [(2, [0.8] * 8), (1, [0.6] * 8)]
+    lengths = auto_copy_lengths(accept, offers, costs, room=12)
+    assert lengths[0] > 0 and sum(lengths) <= 12
+    copies, drafted = tree_budget("auto", accept, offers, costs, room=12, branch_length=3)
+    assert copies == lengths and drafted == 0
+    dear = CostModel(prior_draft_ms=40.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=10.0)
+    dear.observe_rtt(50.0)
+    assert auto_copy_lengths(accept, offers, dear, room=12)[0] < lengths[0]  # a dearer target token: shorter copies
+    assert auto_copy_lengths(accept, offers, costs, room=3) == [3, 0]
+
+
+def test_a_fixed_budget_takes_the_copies_first_then_the_drafts_branches():
+    offers = [(2, [0.8] * 4), (0, [0.7] * 3)]
+    assert tree_budget(6, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([4, 2], 0)
+    assert tree_budget(9, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([4, 3], 2)
+    assert tree_budget(9, [0.5, 0.5, 0.5], offers, None, room=5, branch_length=3) == ([4, 1], 0)
+    assert tree_budget(0, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([0, 0], 0)
+
+
+def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, tiny_draft):
+    """The hybrid edge over a real resident cloud on loopback: copy branches travel in the tree frame (point masses
+    under sampling), the cloud keeps copy paths, and the output is the target's own under greedy."""
+    from cloud.server import CloudSettings
+    from cloud_harness import ServerThread
+    from edge.decoding.decoder import EdgeSettings
+    from edge.node import EdgeNode, EdgeNodeSettings
+
+    references = [_greedy_reference(tiny_target, prompt) for prompt in PROMPTS[:2]]
+
+    async def work(address: str) -> list:
+        settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=address, dtype="float32", verifier="confidence:0.3")
+        async with EdgeNode(settings, tiny_draft) as node:
+            memory = node.decoder.suffix_memory
+            memory.model_estimate = _copying_memory().model_estimate
+            for ids, reference in references:
+                memory.cache.add(ids + reference)  # an earlier output that quoted the prompt: copies from the root on
+            greedy = [await node.decoder.generate(ids, EdgeSettings(DecodeSettings(
+                          mode=mode, max_new_tokens=40, k=4, branch_tokens=6, proposer="hybrid")))
+                      for mode in ("sd-block", "sprinter-exact") for ids, _ in references]
+            sampled = await node.decoder.generate(references[0][0], EdgeSettings(DecodeSettings(
+                mode="sprinter-exact", max_new_tokens=24, k=4, branch_tokens=6, proposer="hybrid",
+                sampling=SamplingParams(temperature=1.0, top_k=TOP_K, seed=3))))
+            return greedy, sampled
+
+    with ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1), tiny_target) as cloud:
+        results, sampled = asyncio.run(work(cloud.address))
+    assert not sampled.degraded and sampled.stats.copy_branch_tokens > 0
+    for result, (_, reference) in zip(results, references * 2):
+        assert not result.degraded and result.token_ids == reference
+    assert sum(r.stats.copy_branch_tokens for r in results) > 0
+    assert sum(r.stats.copy_path_wins for r in results) > 0
+
+
+def test_tree_layout_chain_then_copies_then_the_drafts_branches(tiny_target, tiny_draft):
+    """Nodes 0..g-1 are the chain; then each copy offer whole (point masses, a sibling of the chain's token at its
+    position, another token than it), lowest chain estimate first; then the draft's branches."""
+    from common.cached_lm import CachedLM
+    from common.decoding.copy_branches import attach_copies, copy_offers
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.decoding.hybrid_proposer import HybridProposer
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(), frozenset())
+    proposer = HybridProposer(model, _quoting_memory(tiny_target))
+    context = tiny_draft.tokenizer(PROMPTS[0])["input_ids"]
+
+    async def chain() -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, 5, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    block = run_inline(chain())
+    offers = copy_offers(proposer, context, block, depth_limit=5)
+    assert offers and all(o.run[0].token != block.tokens[o.position] for o in offers)
+    estimates = [branching.estimate(d) for d in block.drafted]
+    assert [o.position for o in offers] == sorted((o.position for o in offers), key=lambda i: (estimates[i], i))
+    lengths = [len(o.run) for o in offers]
+    tree = run_inline(branching.draft_branches(model, context, block, 3, len(block),
+                                               grown=attach_copies(block, offers, lengths)))
+    copied = len(block) + sum(lengths)
+    assert tree.nodes.tokens[:5] == block.tokens and len(tree.nodes) == copied + 3
+    assert all(d.p_draft is None and not d.from_model for d in tree.nodes.drafted[5:copied])
+    assert all(d.from_model for d in tree.nodes.drafted[copied:]) and tree.copy_tokens == sum(lengths)
+    first = len(block)
+    for offer, length in zip(offers, lengths):
+        assert tree.parents[first] == offer.position - 1 and tree.nodes.drafted[first].token == offer.run[0].token
+        assert tree.parents[first + 1:first + length] == list(range(first, first + length - 1))
+        assert max(DraftTree(tree.nodes.tokens, tree.parents).depths()) <= 5
+        first += length

@@ -94,49 +94,72 @@ def test_a_tree_names_a_method_that_reads_several_paths() -> None:
 
 class ToyPair:
     """A target and a draft as conditional tables over short prefixes of a small vocabulary (the draft near the
-    target, so that acceptances, rejections and side paths all happen)."""
+    target, so that acceptances, rejections and side paths all happen). `siblings` says what the alternatives are:
+    "draft" (i.i.d. draws from the chain token's own row), "copies" (a point mass on a token a fixed table names for
+    the prefix, as a suffix index does, then the draft's alternatives), "other" (draws from another row q' than the
+    chain token's, the rule told q'). `told_copy_row` "draft" tells the rule a copy came from the draft's row: wrong."""
 
-    def __init__(self, vocab: int, seed: int) -> None:
+    def __init__(self, vocab: int, seed: int, siblings: str = "draft", told_copy_row: str = "point") -> None:
         self.vocab, self.seed = vocab, seed
-        self.tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.siblings, self.told_copy_row = siblings, told_copy_row
+        self.tables: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
-    def rows(self, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The target's row, the draft's, another draft's (q') and the copy table's token after `prefix`."""
         if prefix not in self.tables:
             generator = torch.Generator().manual_seed(self.seed * 7919 + hash(prefix) % 1_000_003)
             target = torch.softmax(torch.randn(self.vocab, generator=generator) * 1.5, dim=-1)
             other = torch.softmax(torch.randn(self.vocab, generator=generator) * 1.5, dim=-1)
-            self.tables[prefix] = target, 0.4 * target + 0.6 * other
+            another = torch.softmax(torch.randn(self.vocab, generator=generator) * 1.5, dim=-1)
+            copied = int(torch.randint(self.vocab, (1,), generator=generator))
+            self.tables[prefix] = target, 0.4 * target + 0.6 * other, 0.3 * target + 0.7 * another, copied
         return self.tables[prefix]
 
-    def draft_tree(self, generator: torch.Generator, depth: int = 3) -> tuple[DraftTree, list[tuple[int, ...]]]:
+    def draft_tree(self, generator: torch.Generator, depth: int = 3) -> tuple[DraftTree, list[tuple[int, ...]],
+                                                                          torch.Tensor]:
         """A primary chain of `depth` draws from the draft; where the draft is unsure (its top probability under 0.6)
-        one or two alternatives, independent draws from the same row, each extended by one more draw when the draft
-        liked it. Every decision reads the draft's rows and draws only. Returns the tree and each node's prefix."""
-        tokens, parents, prefixes = [], [], []
+        one or two alternatives (`siblings`), each extended by one more draw when the draft liked it; with copies,
+        first a copy of two tokens where the table's token differs from the chain's. Nodes are drawn in index order,
+        each branch whole, every decision reading the draft's rows and draws only. Returns the tree, each node's
+        prefix and the q row the rule is told for each node."""
+        tokens, parents, prefixes, told = [], [], [], []
 
-        def draw(parent: int) -> int:
+        def add(parent: int, token: int, row: torch.Tensor) -> int:
             prefix = () if parent == ROOT else prefixes[parent]
-            token = int(torch.multinomial(self.rows(prefix)[1], 1, generator=generator))
-            tokens.append(token), parents.append(parent), prefixes.append(prefix + (token,))
+            tokens.append(token), parents.append(parent), prefixes.append(prefix + (token,)), told.append(row)
             return len(tokens) - 1
+
+        def draw(parent: int, which: int = 1) -> int:
+            row = self.rows(() if parent == ROOT else prefixes[parent])[which]
+            return add(parent, int(torch.multinomial(row, 1, generator=generator)), row)
+
+        def copy(parent: int) -> int:
+            prefix = () if parent == ROOT else prefixes[parent]
+            token = self.rows(prefix)[3]
+            row = self.rows(prefix)[1] if self.told_copy_row == "draft" else torch.nn.functional.one_hot(
+                torch.tensor(token), self.vocab).float()
+            return add(parent, token, row)
 
         chain = [ROOT]
         for _ in range(depth):
             chain.append(draw(chain[-1]))
+        if self.siblings == "copies":
+            for parent, child in zip(chain[:-1], chain[1:]):
+                if self.rows(() if parent == ROOT else prefixes[parent])[3] != tokens[child]:
+                    copy(copy(parent))
         for parent in chain[:-1]:
             q = self.rows(() if parent == ROOT else prefixes[parent])[1]
             for _ in range(int(q.max() < 0.6) + int(q.max() < 0.4)):
-                alternative = draw(parent)
+                alternative = draw(parent, 2 if self.siblings == "other" else 1)
                 if q[tokens[alternative]] > 0.2:
                     draw(alternative)
-        return DraftTree(tokens, parents), prefixes
+        return DraftTree(tokens, parents), prefixes, torch.stack(told)
 
     def first_tokens(self, generator: torch.Generator, n: int = 2) -> tuple[tuple[int, ...], bool]:
         """One round of GBV on a drafted tree, then the target itself where the round gave fewer than `n` tokens;
         and whether the round kept a side path (a node that is not its parent's first child)."""
-        tree, prefixes = self.draft_tree(generator)
+        tree, prefixes, q = self.draft_tree(generator)
         p = torch.stack([self.rows(())[0]] + [self.rows(prefix)[0] for prefix in prefixes])
-        q = torch.stack([self.rows(prefix[:-1])[1] for prefix in prefixes])
         verdict = decide(Proposal(tree.tokens, lambda v: q, parents=tree.parents), "block", T1, generator,
                          logits=p.log())
         out = tuple(tree.tokens[i] for i in verdict.path) + (verdict.next_token,)
@@ -179,4 +202,20 @@ def test_the_same_check_rejects_a_rule_that_ignores_the_residual(monkeypatch: py
 
     monkeypatch.setattr(multipath_rules, "block_stop", stop_without_residual)
     firsts, pairs, _ = _pvalues(ToyPair(4, 1), trials=2500)
+    assert min(firsts, pairs) < 1e-6, (firsts, pairs)
+
+
+@pytest.mark.parametrize("siblings", ["copies", "other"])
+def test_gbv_is_exact_with_siblings_from_their_own_rows(siblings: str) -> None:
+    """A point-mass copy beside the chain's token, and siblings drawn from another row q' than their first sibling's:
+    each node a draw from the row the rule is told, given its parent's prefix and the nodes before it."""
+    firsts, pairs, side_paths = _pvalues(ToyPair(4, 1, siblings), trials=2500)
+    assert firsts > 1e-3 and pairs > 1e-3, (firsts, pairs)
+    assert side_paths > 0.05
+
+
+def test_the_same_check_rejects_a_copy_told_as_a_draw_from_the_drafts_row() -> None:
+    """Power: a copy the rule takes for a draw from its first sibling's q (its own row is a point mass) biases the
+    output toward the copied tokens."""
+    firsts, pairs, _ = _pvalues(ToyPair(4, 1, "copies", told_copy_row="draft"), trials=2500)
     assert min(firsts, pairs) < 1e-6, (firsts, pairs)

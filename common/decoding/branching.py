@@ -10,19 +10,24 @@ Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
                     generator (duplicates kept: never top-k, never de-duplicated)
     branch          an alternative and its continuation by the draft, `branch_length(budget)` tokens at most (a
                     third of the budget, 3 to 8) and never deeper than the round's limit (a branch beside the chain's
-                    last token goes on past the chain's length); its nodes follow the chain's (and earlier branches'), so the first child
-                    of any node is on its primary chain and siblings keep the order they were drawn in
+                    last token goes on past the chain's length); its nodes follow the chain's (and earlier
+                    branches'), so the first child of any node is on its primary chain and siblings keep the order they were drawn in
+    copy branch     a run the suffix index proposes after x_1..x_{i-1} where it differs from x_i: point masses, no
+                    draft step (copy_branches.py; proposers suffix and hybrid only). Copies come right after the
+                    chain (a copy is its parent's second child, before the draft's alternatives)
     tree block      the chain, the branches, one parent per node and one q row per node (`TreeBlock`)
     budget          branch tokens per round: the user's `--branch-tokens N`, or (auto) what the cost model finds
-                    worth drafting (common/decoding/branch_budget.py), never past the verifier's max_tree_tokens
+                    worth sending (common/branch_budget.py), never past the verifier's max_tree_tokens
 
-Exactness (common/multipath_rules.py states the rule's condition; this module is built to meet it). Where the edge
-branches, how many alternatives and how far each goes depend on the context and the draft's state only (the a_i are
-the verifier's or the draft's scores of the draft's own tokens), never on the target or the rule's coins. Under
-sampling every alternative is a fresh draw from q(. | parent), so the siblings of a node are i.i.d. draws from the
-distribution its first child was drawn from, and each continuation is the draft's chain from there. Then greedy
-multi-path block verification keeps the output distributed as the target's; under greedy the tree verdict reads the
-target's argmax alone, exact for any tree.
+Exactness (common/multipath_rules.py states the rule's condition and why it holds; this module is built to meet it).
+The nodes are drawn in index order, each from the row it carries given everything drawn before it: an alternative
+is a fresh draw from q_i (so siblings from the draft are i.i.d. from the row their first sibling was drawn from),
+a continuation is the draft's chain from there, and a copy is a point mass on a token that the context, the parent's
+prefix and what the edge learned before the round determine. Where the edge branches, how many alternatives and
+copies and how far each goes depend on the context and the draft's state only (the a_i are the verifier's or the
+draft's scores of the draft's own tokens), never on the target or the rule's coins; each branch is drafted whole
+before the next. Then greedy multi-path block verification keeps the output distributed as the target's; under
+greedy the tree verdict reads the target's argmax alone, exact for any tree.
 
 Drafting a branch moves the draft's KV off the chain; the next round's `advance_to` keeps the common prefix of what
 the KV holds and what it is asked for, and feeds the rest (the draft runtime's rollback), so the output does not
@@ -77,18 +82,30 @@ class TreeBlock:
         """The kept path leaves the chain (a branch's token was kept)."""
         return self.chain_kept(path) < len(path)
 
+    @property
+    def copy_tokens(self) -> int:
+        """Branch tokens copied from text (copy branches) rather than drafted."""
+        return sum(not d.from_model for d in self.nodes.drafted[self.chain_length:])
+
+    def copy_path_won(self, path: list[int]) -> bool:
+        """The kept path leaves the chain through a copy branch."""
+        kept = self.chain_kept(path)
+        return kept < len(path) and not self.nodes.drafted[path[kept]].from_model
+
 
 def model_of(proposer: Proposer) -> ModelProposer | None:
     """The draft model behind a proposer (the suffix and hybrid proposers wrap one): what drafts the branches."""
     return proposer if isinstance(proposer, ModelProposer) else getattr(proposer, "model", None)
 
 
+def estimate(proposed: ProposedToken) -> float:
+    """A chain token's a_i (its q(x) where no verifier scored it): what branch points are ranked by."""
+    return proposed.accept_prob if proposed.accept_prob is not None else proposed.probability
+
+
 def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
     """Chain positions (0-based) that may get an alternative, lowest a_i first (earlier first on a tie): the draft's own
     tokens with the row they came from (a copied token is a point mass: its draws would all be itself)."""
-    def estimate(d: ProposedToken) -> float:
-        return d.accept_prob if d.accept_prob is not None else d.probability
-
     usable = [i for i, d in enumerate(chain.drafted)
               if d.from_model and (d.step is not None if greedy else d.p_draft is not None)]
     return sorted(usable, key=lambda i: (estimate(chain.drafted[i]), i))
@@ -128,15 +145,17 @@ def branch_length(budget: int) -> int:
 
 
 async def draft_branches(model: ModelProposer, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
-                         points: list[int] | None = None) -> TreeBlock:
+                         points: list[int] | None = None, grown: TreeBlock | None = None) -> TreeBlock:
     """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: at each branch point in turn
     (`points`, default `branch_points`, lowest a_i first) up to MAX_ALTERNATIVES alternatives, each continued by the
     draft to `branch_length(budget)` tokens in all, no node deeper than `depth_limit` (the round's limit). The budget
     goes to the least trusted position first: the chain is most often rejected there (sprinter's block ends at it),
     and a long branch there keeps more than short ones spread over positions that were kept anyway (measured by
-    `sprinter bench tree-shapes`)."""
+    `sprinter bench tree-shapes`). `grown`: the chain's tree so far (its copy branches), which the draft's branches
+    follow."""
     greedy = model.sampling.greedy
-    nodes, parents = list(chain.drafted), list(range(-1, len(chain) - 1))
+    nodes, parents = (list(grown.nodes.drafted), list(grown.parents)) if grown is not None else \
+        (list(chain.drafted), list(range(-1, len(chain) - 1)))
     points = branch_points(chain, greedy) if points is None else points
     longest, left = branch_length(budget), budget
     for position in points:

@@ -19,7 +19,9 @@ One round, in every process that decodes (local engine, edge decoder, verifier d
     limit   = block_limit(...)                        the mode's cap within the context's room
     block   = draft_block(...)                        draft after the context until the call policy sends,
                                                       the limit, EOS or the length budget
-    tree    = grow_tree(...)                          branches where a_i is lowest, within the budget (or None)
+    tree    = grow_tree(...)                          branches where a_i is lowest, and copies where the
+                                                      suffix index differs from the chain, within the budget
+                                                      (or None)
     verdict = target.verify(context, block, tree)     one target forward over the block (or tree) + the rule
     apply_verdict(...)                                commit the kept path + [next_token], cut at EOS, a stop
                                                       sequence or the length limit (generation.py); the
@@ -41,8 +43,9 @@ import torch
 
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
-from common.branch_budget import branch_budget
-from common.decoding.branching import BRANCH_LENGTH, TreeBlock, draft_branches, model_of
+from common.branch_budget import tree_budget
+from common.decoding.branching import BRANCH_LENGTH, TreeBlock, draft_branches, estimate, model_of
+from common.decoding.copy_branches import attach_copies, copy_offers
 from common.decoding.drafting import Drafter
 from common.decoding.proposals import PendingBlock, ProposedToken
 from common.decoding.generation import Generation
@@ -187,7 +190,8 @@ async def draft_block(generation: Generation, drafter: Drafter, context: list[in
 
 async def grow_tree(generation: Generation, drafter: Drafter, target: Target, context: list[int],
                     block: PendingBlock, cost_model: CostModel | None) -> TreeBlock | None:
-    """The block's tree (branching.py) when the generation branches and the target verifies trees; else None."""
+    """The block's tree (branching.py: the draft's alternatives; copy_branches.py: the suffix index's copies) when the
+    generation branches and the target verifies trees; else None."""
     setting = generation.settings.branch_tokens
     if setting == 0 or len(block) == 0:  # a chain's round goes on without the branching modules
         return None
@@ -198,11 +202,15 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
     if limit == 0:  # the verifier takes chains only
         return None
     room = None if limit is None else limit - len(block)
-    budget = branch_budget(setting, block.accept_probs, cost_model, room, BRANCH_LENGTH)
-    if budget < 1:
+    offers = copy_offers(drafter.proposer, context, block, block_limit(generation, to_verify=True))
+    copies, budget = tree_budget(setting, [estimate(d) for d in block.drafted],
+                                 [(offer.position, offer.estimates) for offer in offers], cost_model, room, BRANCH_LENGTH)
+    if budget < 1 and not any(copies):
         return None
-    with tracer.span("edge.branch", budget=budget) as span:
-        tree = await draft_branches(model, context, block, budget, block_limit(generation, True))
+    with tracer.span("edge.branch", budget=budget, copied=sum(copies)) as span:
+        tree = attach_copies(block, offers, copies)
+        if budget > 0:
+            tree = await draft_branches(model, context, block, budget, block_limit(generation, True), grown=tree)
         span.set(nodes=len(tree.nodes))
     generation.recorder.proposed(tree.nodes.drafted[len(block):])
     return tree if len(tree.nodes) > len(block) else None
@@ -227,7 +235,8 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
     generation.recorder.suffix_kept += sum(not d.from_model for d in kept_nodes)
     if on_tree:
         generation.recorder.branched(len(DraftTree(tree.nodes.tokens, tree.parents).leaves()),
-                                     len(tree.nodes) - len(block), len(kept_nodes) - chain_kept)
+                                     len(tree.nodes) - len(block), len(kept_nodes) - chain_kept,
+                                     tree.copy_tokens, tree.copy_path_won(verdict.path))
     if policy is not None:
         policy.observe_verdict(len(block), chain_kept)
     if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)

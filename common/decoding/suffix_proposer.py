@@ -224,6 +224,30 @@ class SuffixProposer:
                 break
         return proposals if expected >= self.memory.model_kept.value else []
 
+    def branch_run(self, context: list[int], room: int) -> list[ProposedToken]:
+        """The run the index proposes after `context` as a candidate path of a draft tree (copy_branches.py): point
+        masses with their a_i (the run's scores above), while the chance that the target keeps all of them stays
+        above MIN_SURVIVAL (its first token's a_i included), at most `room` tokens, ending at EOS; none without a
+        match. No COPY_MIN here: a branch displaces none of the draft's tokens, it is read only where the chain
+        failed. Reads the index, the cache and the calibration as they were before the round; changes nothing but
+        the cache's recency."""
+        found = self.lookup(context, room) if room > 0 else None
+        if found is None:
+            return []
+        source, run = found
+        proposals: list[ProposedToken] = []
+        before, survival = 1.0, 1.0
+        for i, token in enumerate(run.tokens[:room]):
+            reach = run.match_length + i
+            accept_prob = self.rate(source, reach) * run.scores[i] / before
+            before, survival = run.scores[i], survival * accept_prob
+            if survival < MIN_SURVIVAL:
+                break
+            proposals.append(ProposedToken(token, source, None, False, False, accept_prob, match_length=reach))
+            if token in self.model.eos_token_ids:
+                break
+        return proposals
+
     def rate(self, source: str, match_length: int) -> float:
         """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
         factor = (self.kept_here + REQUEST_WEIGHT) / (self.predicted_here + REQUEST_WEIGHT)

@@ -112,7 +112,7 @@ class EdgeMetrics:
                                "source (model, copied)", ["mode", "source"], registry=r)
         self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
                                    registry=r)
-        # Branching (common/decoding/branching.py): rounds sent as a tree, their paths, branch tokens sent and kept.
+        # Branching (common/decoding/branching.py, copy_branches.py): tree rounds, paths, branch and copy tokens.
         self.tree_rounds = Counter("sprinter_edge_tree_rounds", "Verify calls that sent a draft tree", ["mode"],
                                    registry=r)
         self.tree_paths = Counter("sprinter_edge_tree_paths", "Root-to-leaf paths of the trees sent (per tree round: "
@@ -121,6 +121,10 @@ class EdgeMetrics:
                                      "kept", ["mode", "outcome"], registry=r)
         self.side_path_wins = Counter("sprinter_edge_side_path_wins", "Tree rounds whose kept path left the primary "
                                       "chain", ["mode"], registry=r)
+        self.copy_branch_tokens = Counter("sprinter_edge_copy_branch_tokens", "Tree tokens beyond the primary chain "
+                                          "copied from text (suffix index), sent", ["mode"], registry=r)
+        self.copy_path_wins = Counter("sprinter_edge_copy_path_wins", "Tree rounds whose kept path left the primary "
+                                      "chain through a copy branch", ["mode"], registry=r)
         self.accepted_per_call = Histogram("sprinter_edge_accepted_per_call", "Draft tokens the target kept per call, "
                                            "by mode (acceptance by position: 1 - bucket(le=i) / count)", ["mode"],
                                            registry=r, buckets=tuple(range(17)))
@@ -159,5 +163,7 @@ class EdgeMetrics:
         self.branch_tokens.labels(stats.mode, "sent").inc(stats.branch_tokens_sent)
         self.branch_tokens.labels(stats.mode, "kept").inc(stats.branch_tokens_kept)
         self.side_path_wins.labels(stats.mode).inc(stats.side_path_wins)
+        self.copy_branch_tokens.labels(stats.mode).inc(stats.copy_branch_tokens)
+        self.copy_path_wins.labels(stats.mode).inc(stats.copy_path_wins)
         for accepted in stats.accepted_lengths:
             self.accepted_per_call.labels(stats.mode).observe(accepted)

@@ -246,7 +246,8 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
     if s.tree_rounds:  # branching: paths per tree round, branch tokens sent and kept, side paths that won
         extension["tree"] = {"rounds": s.tree_rounds, "paths_per_round": s.paths_per_round,
                              "branch_tokens_sent": s.branch_tokens_sent, "branch_tokens_kept": s.branch_tokens_kept,
-                             "side_path_wins": s.side_path_wins}
+                             "side_path_wins": s.side_path_wins, "copy_branch_tokens": s.copy_branch_tokens,
+                             "copy_path_wins": s.copy_path_wins}
     if result.error is not None:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction

@@ -50,7 +50,8 @@ from sim.processes import cloud_process
 log = logging.getLogger(__name__)
 
 TREE_SUFFIX = "+tree:"  # a variant's label: the proposer, then its branch budget (common/decoding/branching.py)
-TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins")
+TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins",
+               "copy_branch_tokens", "copy_path_wins")
 
 SUITE = Path(__file__).resolve().parent.parent / "data" / "proposer_prompts.jsonl"
 GROUNDED = ("code-edit", "summarize", "passage-qa")  # where the answer copies from the prompt: the goal
@@ -207,7 +208,8 @@ async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, pr
             "suffix_tokens": s.suffix_tokens, "suffix_kept": s.suffix_kept,
             "block_lengths": list(s.block_lengths), "accepted_lengths": list(s.accepted_lengths),
             "tree_rounds": s.tree_rounds, "tree_paths": s.tree_paths, "branch_tokens_sent": s.branch_tokens_sent,
-            "branch_tokens_kept": s.branch_tokens_kept, "side_path_wins": s.side_path_wins}
+            "branch_tokens_kept": s.branch_tokens_kept, "side_path_wins": s.side_path_wins,
+            "copy_branch_tokens": s.copy_branch_tokens, "copy_path_wins": s.copy_path_wins}
 
 
 def oracle_rate(totals: dict, cap: int) -> float:
@@ -284,14 +286,17 @@ def tree_table(summary: list[dict]) -> str:
     if not rows:
         return ""
     lines = ["", "", "Trees (sums over passes): rounds sent as a tree, their paths per round, branch tokens sent and kept "
-             "per tree round, and the share of tree rounds whose kept path left the primary chain.", "",
+             "per tree round, the share of tree rounds whose kept path left the primary chain; of the branch tokens "
+             "sent, those copied from text per tree round, and the share of tree rounds whose kept path left through a "
+             "copy.", "",
              "| mode | category | variant | tree rounds | paths/round | branch tokens sent/round | kept/round "
-             "| side path won |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| side path won | copied/round | copy path won |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         n = r["tree_rounds"]
         lines.append(f"| {r['mode']} | {r['category']} | {r['proposer']} | {n:.0f} | {r['tree_paths'] / n:.2f} | "
                      f"{r['branch_tokens_sent'] / n:.2f} | {r['branch_tokens_kept'] / n:.2f} | "
-                     f"{r['side_path_wins'] / n:.2f} |")
+                     f"{r['side_path_wins'] / n:.2f} | {r['copy_branch_tokens'] / n:.2f} | "
+                     f"{r['copy_path_wins'] / n:.2f} |")
     return "\n".join(lines)
 
 
