@@ -14,7 +14,7 @@ Glossary (tree_traces.py has the trace's)
                  tokens from j on while the draft ranks each within `oracle_rank`
     shape        how a round places its branch tokens (`TreeShape`)
 
-A round's tree is checked by the rule itself (common.multipath_rules.greedy_tree_verdict on a DraftTree): nodes whose
+A round's tree is checked by the rule itself (common.acceptance_rules.decide, the one entry, on the tree's tokens and parents): nodes whose
 tokens the trace does not hold (off the target's text, where they can never be followed) carry placeholder tokens.
 Whether the branch at j is followed, and how far, is read from the teacher-forced rows: exact under greedy.
 """
@@ -24,14 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from common.acceptance_rules import GREEDY, Proposal, decide
 from common.call_policy import CostModel, GoodputPolicy
 from common.decoding.branching import MAX_ALTERNATIVES as EDGE_ALTERNATIVES
 from common.decoding.branching import branch_length
 from common.decoding.draft_tree import ROOT, DraftTree
 from common.decoding.proposals import ends_block
-from common.multipath_rules import greedy_tree_verdict
+from common.sampling import SamplingParams
 from sim.bench.tree_traces import DraftRow, PromptTrace
 
+GREEDY_SAMPLING = SamplingParams(temperature=0.0)  # the replay is greedy: the tree rule reads the argmax alone
 ROUND_ROBIN_LENGTH = 3  # tokens per branch of the round-robin shape
 
 
@@ -141,7 +143,7 @@ def decode(item: Scored, shape: TreeShape, cost_model: CostModel, max_tokens: in
         inner = (shape.inner_alternatives, shape.inner_length) if shape.inner_alternatives else None
         left = min(shape.tokens, max(0, room - len(chain))) - sum(b.length for b in branches)
         tree, argmax = build_tree(item, s, chain, branches, inner, left, limit)
-        path, _ = greedy_tree_verdict(tree, argmax)
+        path = decide(Proposal(tree.tokens, parents=tree.parents), GREEDY, GREEDY_SAMPLING, argmax=argmax).path
         chain_kept = next((k for k, node in enumerate(path) if node != k), len(path))
         policy.observe_verdict(len(chain), chain_kept)
         cost_model.keep.observe(accept_probs, chain_kept)
