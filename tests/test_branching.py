@@ -218,13 +218,26 @@ def test_no_branching_when_the_cloud_verifies_chains_only(tiny_draft):
     assert result.stats.tree_rounds == 0
 
 
+def _drafted_chain(model, context: list[int], length: int):
+    """The draft's chain of `length` tokens after `context`, with no target (as a round's first half drafts it)."""
+    from common.decoding.proposals import PendingBlock
+    from common.decoding.speculative_round import run_inline
+
+    async def chain() -> PendingBlock:
+        block = PendingBlock()
+        async for proposed in model.propose(context, length, None, None, to_verify=False):
+            block.drafted.append(proposed)
+        return block
+
+    return run_inline(chain())
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_draft, temperature):
     """Nodes 0..g-1 are the chain; each branch hangs off the chain at a branch point, lowest a_i first, its first
     node drawn from the chain token's own row (the same q), never deeper than the chain."""
     from common.cached_lm import CachedLM
     from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.decoding.proposals import PendingBlock
     from common.decoding.speculative_round import run_inline
 
     sampling = SamplingParams(temperature=temperature, seed=0)
@@ -232,13 +245,7 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
                           frozenset())
     context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
 
-    async def chain() -> PendingBlock:
-        block = PendingBlock()
-        async for proposed in model.propose(context, 5, None, None, to_verify=False):
-            block.drafted.append(proposed)
-        return block
-
-    block = run_inline(chain())
+    block = _drafted_chain(model, context, 5)
     tree = run_inline(branching.draft_branches(model, context, block, 7, len(block)))
     draft_tree = DraftTree(tree.nodes.tokens, tree.parents)
     assert tree.nodes.tokens[:5] == block.tokens and draft_tree.primary_chain(0) == list(range(5))
@@ -313,20 +320,12 @@ def test_greedy_alternatives_follow_the_requests_shaped_logits(tiny_draft):
     from common.decoding.drafting import LocalDraft, ModelProposer
     from common.cached_lm import CachedLM
     from common.logits_processing import LogitsProcessor
-    from common.decoding.proposals import PendingBlock
-    from common.decoding.speculative_round import run_inline
 
     context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
     greedy = SamplingParams(temperature=0.0)
     plain = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), greedy, torch.Generator(), frozenset())
 
-    async def chain(model) -> PendingBlock:
-        block = PendingBlock()
-        async for proposed in model.propose(context, 2, None, None, to_verify=False):
-            block.drafted.append(proposed)
-        return block
-
-    block = run_inline(chain(plain))
+    block = _drafted_chain(plain, context, 2)
     ranked = torch.topk(block.drafted[0].step.logits.float(), 3).indices.tolist()  # the chain's token, then 2nd, 3rd
     biased = SamplingParams(temperature=0.0, logit_bias=((ranked[1], -100.0),))
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), biased, torch.Generator(), frozenset(),
@@ -474,20 +473,13 @@ def test_tree_layout_chain_then_copies_then_the_drafts_branches(tiny_target, tin
     from common.decoding.copy_branches import attach_copies, copy_offers
     from common.decoding.drafting import LocalDraft, ModelProposer
     from common.decoding.hybrid_proposer import HybridProposer
-    from common.decoding.proposals import PendingBlock
     from common.decoding.speculative_round import run_inline
 
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(), frozenset())
     proposer = HybridProposer(model, _quoting_memory(tiny_target))
     context = tiny_draft.tokenizer(PROMPTS[0])["input_ids"]
 
-    async def chain() -> PendingBlock:
-        block = PendingBlock()
-        async for proposed in model.propose(context, 5, None, None, to_verify=False):
-            block.drafted.append(proposed)
-        return block
-
-    block = run_inline(chain())
+    block = _drafted_chain(model, context, 5)
     offers = copy_offers(proposer, context, block, depth_limit=5)
     assert offers and all(o.run[0].token != block.tokens[o.position] for o in offers)
     estimates = [branching.estimate(d) for d in block.drafted]
