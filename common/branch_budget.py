@@ -115,8 +115,3 @@ def tree_budget(setting: int | str, accept_probs: Sequence[float], offers: Seque
         left -= copies[-1]
     return copies, left
 
-
-def branch_budget(setting: int | str, accept_probs: Sequence[float], cost_model: CostModel | None,
-                  room: int | None, branch_length: int) -> int:
-    """The draft's branch tokens of a round with no copy offers (`tree_budget`)."""
-    return tree_budget(setting, accept_probs, (), cost_model, room, branch_length)[1]

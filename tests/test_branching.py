@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from common.branch_budget import auto_budget, auto_copy_lengths, branch_budget, tree_budget
+from common.branch_budget import auto_budget, auto_copy_lengths, tree_budget
 from common.call_policy import CostModel, Ewma
 from common.decoding import branching
 from common.decoding.draft_tree import DraftTree
@@ -144,11 +144,11 @@ def test_auto_budget_branches_more_over_a_longer_round_trip():
 
 def test_budget_respects_the_verifiers_tree_limit():
     costs = CostModel(prior_rtt_ms=500.0)
-    assert branch_budget(6, [0.5, 0.5], costs, room=0, branch_length=3) == 0  # max_tree_tokens 0: chains only
-    assert branch_budget("auto", [0.5, 0.5], costs, room=-1, branch_length=3) == 0
-    assert branch_budget(6, [0.5, 0.5], costs, room=4, branch_length=3) == 4
-    assert branch_budget(6, [0.5, 0.5], costs, room=None, branch_length=3) == 6
-    assert branch_budget(0, [0.5, 0.5], costs, room=None, branch_length=3) == 0
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=0, branch_length=3) == ([], 0)  # max_tree_tokens 0: chains only
+    assert tree_budget("auto", [0.5, 0.5], (), costs, room=-1, branch_length=3) == ([], 0)
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=4, branch_length=3) == ([], 4)
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=None, branch_length=3) == ([], 6)
+    assert tree_budget(0, [0.5, 0.5], (), costs, room=None, branch_length=3) == ([], 0)
 
 
 @pytest.mark.parametrize("mode", ["sd", "sprinter", "cloud-sd", "target", "draft"])
