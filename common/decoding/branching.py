@@ -11,7 +11,8 @@ Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
     branch          an alternative and its continuation by the draft, `branch_length(budget)` tokens at most (a
                     third of the budget, 3 to 8) and never deeper than the round's limit (a branch beside the chain's
                     last token goes on past the chain's length); its nodes follow the chain's (and earlier
-                    branches'), so the first child of any node is on its primary chain and siblings keep the order they were drawn in
+                    branches'), so the first child of any node is on its primary chain and siblings keep the order
+                    they were drawn in
     copy branch     a run the suffix index proposes after x_1..x_{i-1} where it differs from x_i: point masses, no
                     draft step (copy_branches.py; proposers suffix and hybrid only). Copies come right after the
                     chain (a copy is its parent's second child, before the draft's alternatives)
@@ -46,7 +47,7 @@ from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Propos
 
 BRANCH_LENGTH = 3  # the branch auto's cost model prices (common/decoding/branch_budget.py): an alternative and two more
 MIN_BRANCH_LENGTH, MAX_BRANCH_LENGTH = 3, 8  # a branch's tokens (alternative and continuation), by the budget
-MAX_ALTERNATIVES = 3  # alternatives per branch point: the target's token is the draft's 2nd-4th best in 83% of rejections
+MAX_ALTERNATIVES = 3  # per branch point: the target's token was the draft's 2nd-4th best in 83% of rejections
 AUTO = "auto"  # --branch-tokens auto: the cost model's budget (branch_budget.py)
 
 
@@ -112,16 +113,14 @@ def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
 
 
 def alternative(chain: PendingBlock, position: int, nth: int, greedy: bool, generator: torch.Generator,
-                row: torch.Tensor | None = None) -> int | None:
+                row: torch.Tensor | None) -> int | None:
     """The `nth` (1-based) alternative to the chain's token at `position`: under greedy the (n+1)-th best token of
     `row`, the request-shaped logits [V] x_i was picked from (`shaped_row`; None: no token is left there that the
-    request allows); under sampling a fresh draw from the same q row (the drafter's generator)."""
-    drafted = chain.drafted[position]
+    request allows); under sampling (`row` None) a fresh draw from the same q row (the drafter's generator)."""
     if greedy:
-        logits = row if row is not None else drafted.step.logits.float()
-        best = torch.topk(logits, nth + 1)
+        best = torch.topk(row, nth + 1)
         return int(best.indices[nth]) if best.values[nth] > float("-inf") else None
-    return int(torch.multinomial(drafted.p_draft.float(), 1, generator=generator))
+    return int(torch.multinomial(chain.drafted[position].p_draft.float(), 1, generator=generator))
 
 
 def shaped_row(model: ModelProposer, context: list[int], chain: PendingBlock, position: int) -> torch.Tensor:

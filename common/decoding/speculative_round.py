@@ -203,8 +203,9 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
         return None
     room = None if limit is None else limit - len(block)
     offers = copy_offers(drafter.proposer, context, block, block_limit(generation, to_verify=True))
-    copies, budget = tree_budget(setting, [estimate(d) for d in block.drafted],
-                                 [(offer.position, offer.estimates) for offer in offers], cost_model, room, BRANCH_LENGTH)
+    offered = [(offer.position, offer.estimates) for offer in offers]
+    copies, budget = tree_budget(setting, [estimate(d) for d in block.drafted], offered, cost_model, room,
+                                 BRANCH_LENGTH)
     if budget < 1 and not any(copies):
         return None
     with tracer.span("edge.branch", budget=budget, copied=sum(copies)) as span:
