@@ -24,7 +24,7 @@ The verdict, decided in one place: a proposal and the target's rows in, (n_accep
     T          a draft tree (Proposal.parents; common/decoding/draft_tree.py): N nodes, q [N, V], p [1 + N, V]; its
                verdict also names the kept path (Decision.path). Greedy: the longest path the target's argmax follows;
                sampling: greedy multi-path block verification, GBV (common/multipath_rules.py, with its exactness
-               condition: where the edge branches depends on the draft alone, alternatives are independent draws)
+               condition: where the edge branches depends on the draft alone, each node a draw from its own row)
 
 `decide` is the one entry: no rule is called outside this module (tests/test_verdict_home.py). Every place that
 turns a block into a verdict calls it and keeps only what is its own, where the rows come from and what it does

@@ -32,8 +32,8 @@ R_tau and then the target. Trying an untried child c' of the stopping node, bloc
 verification's own exactness, PROVIDED that, given everything the rule has read so far (the nodes it verified and
 its coins), c' and its chain are draws from the rows the rule is told. So the output is the target's exactly when:
   - the nodes are drawn in index order, node n from the row q_n it carries, given its parent's prefix and any of the
-    nodes before it: a sibling's row need not be its first sibling's (a draw from another q', a point mass on a token
-    copied from text: q_n = one-hot of it); never top-k or de-duplicated draws from one row told as that row (those
+    nodes before it: a sibling's row need not be its first sibling's (a draw from another q', from q without the
+    tokens of the siblings before it, a point mass on a token copied from text: q_n = one-hot of it); never top-k or de-duplicated draws from one row told as that row (those
     are not draws from it);
   - whether node n exists, its parent and its row depend only on the context, the nodes before it and the draft's
     state (and what the edge learned before the round), never on the target's rows or the rule's coins;

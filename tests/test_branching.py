@@ -2,8 +2,8 @@
 
 * greedy: with branching on, the local engine's output is the target's own, token for token, and side paths win;
 * sampling at T=1: the first tokens' joint law with adaptive branching on is the target's (chi-square over fixed
-  seeds), and a wrong variant (the draft's next-best tokens as alternatives instead of independent draws) fails
-  the same check;
+  seeds); alternatives are drawn without replacement, each carrying its renormalised row, and a wrong variant
+  (the draft's next-best tokens told as draws from q) fails the same check;
 * the budget: more branch tokens with a longer round trip, none where the verifier takes no trees;
 * settings: modes whose rule reads one path refuse branching;
 * copy branches (common/decoding/copy_branches.py): with the hybrid proposer, where the suffix index continues a
@@ -117,12 +117,17 @@ def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft, monkey
     assert pvalue > P_PASS
 
 
-def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draft, monkeypatch):
-    """Power: siblings that are the draft's next-best tokens (not independent draws) bias the output."""
-    def next_best(chain, position, nth, greedy, generator, row=None):
-        return int(torch.topk(chain.drafted[position].p_draft, nth + 1).indices[nth])
+def _next_best(row, taken, greedy, generator):
+    """Wrong: q's best token not yet taken, told as a draw from q."""
+    rest = row.clone()
+    rest[taken] = -1.0
+    return int(torch.argmax(rest)), row
 
-    monkeypatch.setattr(branching, "alternative", next_best)
+
+def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draft, monkeypatch):
+    """Power: siblings that are the draft's next-best tokens (not draws from the row they carry) bias the output.
+    (Draws without replacement told as draws from q are caught at the rule level: tests/test_multipath_rules.py.)"""
+    monkeypatch.setattr(branching, "alternative", _next_best)
     wide_and_short(monkeypatch)
     engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
     pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS)
@@ -260,16 +265,20 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
         position = tree.parents[r] + 1
         if temperature == 0:
             assert tree.nodes.drafted[r].token != block.tokens[position]
-        else:
-            assert torch.equal(tree.nodes.drafted[r].p_draft, block.drafted[position].p_draft)
+        else:  # q without the tokens its parent already had, renormalised: the row it was drawn from
+            row = tree.nodes.drafted[r].p_draft
+            taken = [tree.nodes.drafted[k].token for k in range(r) if tree.parents[k] == tree.parents[r]]
+            q = block.drafted[position].p_draft
+            assert float(row[taken].sum()) == 0 and abs(float(row.sum()) - 1) < 1e-5
+            assert torch.allclose(row, branching.without(q, taken))
+            assert tree.nodes.drafted[r].token not in taken
     deep = run_inline(branching.draft_branches(model, context, block, 6, 9, points=[4]))  # beside the last token
     deep_tree = DraftTree(deep.nodes.tokens, deep.parents)
     assert [deep.parents[i] for i in range(5, 11) if deep.parents[i] < 5] == [3, 3]  # two alternatives of 3 tokens
     assert max(deep_tree.depths()) == 4 + 3  # past the chain's length, within the round's limit
-    if temperature == 0:  # the next-best tokens, each once
-        for p in set(positions):
-            alternatives = [tree.nodes.drafted[r].token for r, q in zip(roots, positions) if q == p]
-            assert len(set(alternatives)) == len(alternatives)
+    for p in set(positions):  # each token once: next-best under greedy, drawn without replacement under sampling
+        alternatives = [tree.nodes.drafted[r].token for r, q in zip(roots, positions) if q == p]
+        assert len(set(alternatives)) == len(alternatives) and block.tokens[p] not in alternatives
 
 
 @pytest.mark.parametrize("runtime", ["torch", "onnx"])
@@ -331,12 +340,13 @@ def test_greedy_alternatives_follow_the_requests_shaped_logits(tiny_draft):
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), biased, torch.Generator(), frozenset(),
                           processor=LogitsProcessor(biased, context))
     row = branching.shaped_row(model, context, block, 0)
-    assert branching.alternative(block, 0, 1, True, model.generator, row) == ranked[2]
-    assert branching.alternative(block, 0, 1, True, plain.generator, branching.shaped_row(plain, context, block, 0)) \
-        == ranked[1]
+    taken = [ranked[0]]  # the chain's token
+    assert branching.alternative(row, taken, True, model.generator) == (ranked[2], None)
+    assert branching.alternative(branching.shaped_row(plain, context, block, 0), taken, True, plain.generator) \
+        == (ranked[1], None)
     only_the_chains = torch.full_like(row, float("-inf"))
     only_the_chains[ranked[0]] = 0.0
-    assert branching.alternative(block, 0, 1, True, model.generator, only_the_chains) is None
+    assert branching.alternative(only_the_chains, taken, True, model.generator) is None
 
 
 def _copying_memory() -> SuffixMemory:

@@ -150,10 +150,23 @@ class ToyPair:
         for parent in chain[:-1]:
             q = self.rows(() if parent == ROOT else prefixes[parent])[1]
             for _ in range(int(q.max() < 0.6) + int(q.max() < 0.4)):
+                if self.siblings == "without":
+                    alternative = self._draw_without(parent, q, [t for t, up in zip(tokens, parents) if up == parent],
+                                                     add, generator)
+                    continue
                 alternative = draw(parent, 2 if self.siblings == "other" else 1)
                 if q[tokens[alternative]] > 0.2:
                     draw(alternative)
         return DraftTree(tokens, parents), prefixes, torch.stack(told)
+
+    def _draw_without(self, parent: int, q: torch.Tensor, taken: list[int], add, generator: torch.Generator) -> int:
+        """A draw from q without the parent's `taken` children's tokens, renormalised; the rule is told that row
+        (or q itself with `told_copy_row` "draft": wrong)."""
+        rest = q.clone()
+        rest[taken] = 0.0
+        rest /= rest.sum()
+        return add(parent, int(torch.multinomial(rest, 1, generator=generator)),
+                   q if self.told_copy_row == "draft" else rest)
 
     def first_tokens(self, generator: torch.Generator, n: int = 2) -> tuple[tuple[int, ...], bool]:
         """One round of GBV on a drafted tree, then the target itself where the round gave fewer than `n` tokens;
@@ -205,10 +218,11 @@ def test_the_same_check_rejects_a_rule_that_ignores_the_residual(monkeypatch: py
     assert min(firsts, pairs) < 1e-6, (firsts, pairs)
 
 
-@pytest.mark.parametrize("siblings", ["copies", "other"])
+@pytest.mark.parametrize("siblings", ["copies", "other", "without"])
 def test_gbv_is_exact_with_siblings_from_their_own_rows(siblings: str) -> None:
-    """A point-mass copy beside the chain's token, and siblings drawn from another row q' than their first sibling's:
-    each node a draw from the row the rule is told, given its parent's prefix and the nodes before it."""
+    """A point-mass copy beside the chain's token, siblings drawn from another row q' than their first sibling's, and
+    siblings drawn without replacement (the edge's alternatives under sampling): each node a draw from the row the
+    rule is told, given its parent's prefix and the nodes before it."""
     firsts, pairs, side_paths = _pvalues(ToyPair(4, 1, siblings), trials=2500)
     assert firsts > 1e-3 and pairs > 1e-3, (firsts, pairs)
     assert side_paths > 0.05
@@ -218,4 +232,13 @@ def test_the_same_check_rejects_a_copy_told_as_a_draw_from_the_drafts_row() -> N
     """Power: a copy the rule takes for a draw from its first sibling's q (its own row is a point mass) biases the
     output toward the copied tokens."""
     firsts, pairs, _ = _pvalues(ToyPair(4, 1, "copies", told_copy_row="draft"), trials=2500)
+    assert min(firsts, pairs) < 1e-6, (firsts, pairs)
+
+
+def test_the_same_check_rejects_draws_without_replacement_told_as_draws_from_q() -> None:
+    """Power: alternatives drawn without the tokens already there, told as draws from q itself, bias the output
+    against them (a vocabulary of 3, where the removed token is a large share of q; the right row passes there)."""
+    firsts, pairs, _ = _pvalues(ToyPair(3, 1, "without"), trials=10000)
+    assert firsts > 1e-3 and pairs > 1e-3, (firsts, pairs)
+    firsts, pairs, _ = _pvalues(ToyPair(3, 1, "without", told_copy_row="draft"), trials=10000)
     assert min(firsts, pairs) < 1e-6, (firsts, pairs)

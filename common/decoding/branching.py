@@ -6,8 +6,9 @@ Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
                     drafted there, a sibling of x_i (same parent: the context and x_1..x_{i-1}); up to
                     MAX_ALTERNATIVES of them before the next point gets any
     alternative     under greedy, the draft's next-best tokens in the row x_i was picked from; under sampling,
-                    independent draws from the same distribution q_i that x_i was drawn from, with the drafter's
-                    generator (duplicates kept: never top-k, never de-duplicated)
+                    draws without replacement: each from q_i (the row x_i was drawn from) with the tokens its parent
+                    already has (x_i, copies, earlier alternatives) removed and the rest renormalised, a row the
+                    node carries (`without`); siblings never repeat a token, and each is a draw from its own row
     branch          an alternative and its continuation by the draft, `branch_length(budget)` tokens at most (a
                     third of the budget, 3 to 8) and never deeper than the round's limit (a branch beside the chain's
                     last token goes on past the chain's length); its nodes follow the chain's (and earlier
@@ -22,8 +23,8 @@ Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
 
 Exactness (common/multipath_rules.py states the rule's condition and why it holds; this module is built to meet it).
 The nodes are drawn in index order, each from the row it carries given everything drawn before it: an alternative
-is a fresh draw from q_i (so siblings from the draft are i.i.d. from the row their first sibling was drawn from),
-a continuation is the draft's chain from there, and a copy is a point mass on a token that the context, the parent's
+is a draw from q_i without its earlier siblings' tokens, and it carries that row (a function of nodes before it), a
+continuation is the draft's chain from there, and a copy is a point mass on a token that the context, the parent's
 prefix and what the edge learned before the round determine. Where the edge branches, how many alternatives and
 copies and how far each goes depend on the context and the draft's state only (the a_i are the verifier's or the
 draft's scores of the draft's own tokens), never on the target or the rule's coins; each branch is drafted whole
@@ -112,15 +113,32 @@ def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
     return sorted(usable, key=lambda i: (estimate(chain.drafted[i]), i))
 
 
-def alternative(chain: PendingBlock, position: int, nth: int, greedy: bool, generator: torch.Generator,
-                row: torch.Tensor | None) -> int | None:
-    """The `nth` (1-based) alternative to the chain's token at `position`: under greedy the (n+1)-th best token of
-    `row`, the request-shaped logits [V] x_i was picked from (`shaped_row`; None: no token is left there that the
-    request allows); under sampling (`row` None) a fresh draw from the same q row (the drafter's generator)."""
+def alternative(row: torch.Tensor, taken: list[int], greedy: bool,
+                generator: torch.Generator) -> tuple[int, torch.Tensor | None] | None:
+    """The next sibling of the chain's token at a branch point, where `taken` are the tokens its parent already has
+    (the chain's, copies, earlier alternatives), and the row the node carries; None when no token is left.
+    Under greedy `row` is the request-shaped logits [V] the chain's token was picked from (`shaped_row`): the best of
+    the tokens not taken that the request allows (the node keeps the chain token's row: greedy reads p's argmax only).
+    Under sampling `row` is q [V], the chain token's distribution: a draw from q without the taken tokens,
+    renormalised, and that row goes with it (`without`), so that siblings never repeat a token and each node is a draw
+    from the row it carries (common/multipath_rules.py)."""
     if greedy:
-        best = torch.topk(row, nth + 1)
-        return int(best.indices[nth]) if best.values[nth] > float("-inf") else None
-    return int(torch.multinomial(chain.drafted[position].p_draft.float(), 1, generator=generator))
+        logits = row.clone()
+        logits[taken] = float("-inf")
+        best = int(torch.argmax(logits))
+        return (best, None) if logits[best] > float("-inf") else None
+    rest = without(row, taken)
+    if rest is None:
+        return None
+    return int(torch.multinomial(rest, 1, generator=generator)), rest
+
+
+def without(q: torch.Tensor, taken: list[int]) -> torch.Tensor | None:
+    """q [V] with the `taken` tokens' mass removed and the rest renormalised (None: nothing left)."""
+    rest = q.float().clone()
+    rest[taken] = 0.0
+    mass = float(rest.sum())
+    return rest / mass if mass > 0 else None
 
 
 def shaped_row(model: ModelProposer, context: list[int], chain: PendingBlock, position: int) -> torch.Tensor:
@@ -132,10 +150,12 @@ def shaped_row(model: ModelProposer, context: list[int], chain: PendingBlock, po
     return model.processor.next_row(logits, context + chain.tokens[:position]).float()
 
 
-def alternative_node(chain: PendingBlock, position: int, token: int) -> ProposedToken:
-    """A sibling of the chain's token at `position`: drawn from the same row, so it carries the same q."""
-    return replace(chain.drafted[position], token=token, flagged=False, ends_block=False, accept_prob=None,
-                   step=None, fed=0, match_length=0)
+def alternative_node(chain: PendingBlock, position: int, token: int, q: torch.Tensor | None) -> ProposedToken:
+    """A sibling of the chain's token at `position`: drawn from `q` (sampling: the chain token's row without the
+    tokens taken before it; greedy: None, it keeps the chain token's row)."""
+    p_draft = chain.drafted[position].p_draft if q is None else q
+    return replace(chain.drafted[position], token=token, p_draft=p_draft, flagged=False, ends_block=False,
+                   accept_prob=None, step=None, fed=0, match_length=0)
 
 
 def branch_length(budget: int) -> int:
@@ -158,14 +178,15 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
     points = branch_points(chain, greedy) if points is None else points
     longest, left = branch_length(budget), budget
     for position in points:
-        row = shaped_row(model, context, chain, position) if greedy else None
-        for nth in range(1, MAX_ALTERNATIVES + 1):
+        row = shaped_row(model, context, chain, position) if greedy else chain.drafted[position].p_draft
+        parent = position - 1 if position > 0 else ROOT
+        for _ in range(MAX_ALTERNATIVES):
             length = min(longest, left, depth_limit - position)
-            token = alternative(chain, position, nth, greedy, model.generator, row) if length >= 1 else None
-            if token is None:
+            taken = [node.token for node, up in zip(nodes, parents) if up == parent]
+            drawn = alternative(row, taken, greedy, model.generator) if length >= 1 else None
+            if drawn is None:
                 break
-            added = await _draft_branch(model, context, chain, position, token, length)
-            parent = position - 1 if position > 0 else ROOT
+            added = await _draft_branch(model, context, chain, position, *drawn, length)
             for k, node in enumerate(added):
                 parents.append(parent if k == 0 else len(nodes) - 1)
                 nodes.append(node)
@@ -176,10 +197,10 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
 
 
 async def _draft_branch(model: ModelProposer, context: list[int], chain: PendingBlock, position: int, token: int,
-                        length: int) -> list[ProposedToken]:
+                        q: torch.Tensor | None, length: int) -> list[ProposedToken]:
     """The alternative `token` at chain `position` and the draft's continuation of it: `length` tokens at most,
     fewer at EOS. Unjudged (no verifier scores: branch points are chosen on the chain's)."""
-    branch = PendingBlock(chain.drafted[:position] + [alternative_node(chain, position, token)])
+    branch = PendingBlock(chain.drafted[:position] + [alternative_node(chain, position, token, q)])
     while len(branch) - position < length and branch.drafted[-1].token not in model.eos_token_ids:
         proposed = await model.step(context, branch, len(branch) + 1, None, None, to_verify=False)
         branch.drafted.append(replace(proposed, source=MODEL, ends_block=False))
