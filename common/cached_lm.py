@@ -22,7 +22,10 @@ class ForwardOutput:
 
 
 class DraftLM(Protocol):
-    """What drafting needs of a runtime: the torch `CachedLM` and the edge's ONNX runtime both fit."""
+    """What drafting needs of a runtime: the torch `CachedLM` and the edge's ONNX runtime both fit. A runtime whose
+    `batches` is true also has `advance_batch` (a tree's branches at one point drafted side by side)."""
+
+    batches: bool
 
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput: ...
 
@@ -36,6 +39,19 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass
+class Fork:
+    """Copies of a cache's KV side by side (batch rows), one per branch, and the tokens each row holds."""
+
+    cache: DynamicCache
+    rows: list[list[int]]
+
+    def continued_by(self, contexts: list[list[int]]) -> bool:
+        """Each context extends its row by the same number of tokens (one or more)."""
+        return (len(contexts) == len(self.rows) and len({len(c) - len(r) for c, r in zip(contexts, self.rows)}) == 1
+                and len(contexts[0]) > len(self.rows[0]) and all(c[:len(r)] == r for c, r in zip(contexts, self.rows)))
+
+
 class CachedLM:
     def __init__(self, model: PreTrainedModel, with_hidden: bool = False) -> None:
         self.model = model
@@ -43,6 +59,7 @@ class CachedLM:
         self.cache = DynamicCache(config=model.config)
         self.tokens: list[int] = []
         self.forward_calls = 0
+        self.fork: Fork | None = None  # the branches' rows (`advance_batch`), until the next single forward
 
     def rollback(self, length: int) -> None:
         drop = len(self.tokens) - length
@@ -68,6 +85,35 @@ class CachedLM:
             self.cache.update(keys[..., :len(tokens), :], values[..., :len(tokens), :], index)
         self.tokens = list(tokens)
 
+    @property
+    def batches(self) -> bool:
+        """Whether `advance_batch` can copy this cache into rows (plain layers: `reusable`)."""
+        return self.reusable
+
+    @torch.inference_mode()
+    def advance_batch(self, contexts: list[list[int]]) -> torch.Tensor:
+        """The next-token logits [B, V] after each of `contexts`, in one batched forward: a tree's branches at one
+        point, which share everything before it and grow by the same number of tokens per call. The first call (or
+        one that does not continue the last) makes the cache hold the longest common prefix and copies it into one
+        row per context; later calls feed each row its new tokens. The cache itself keeps that prefix."""
+        if self.fork is None or not self.fork.continued_by(contexts):
+            shared = min(common_prefix_length(contexts[0], c) for c in contexts)
+            shared = min([shared] + [len(c) - 1 for c in contexts])
+            if len({len(c) for c in contexts}) != 1 or shared < 1:
+                raise ValueError("branches drafted side by side share a prefix and have one length")
+            self.advance_to(contexts[0][:shared])
+            fork = DynamicCache(config=self.model.config)
+            for index, layer in enumerate(self.cache.layers):
+                fork.update(layer.keys.repeat(len(contexts), 1, 1, 1), layer.values.repeat(len(contexts), 1, 1, 1),
+                            index)
+            self.fork = Fork(fork, [list(contexts[0][:shared]) for _ in contexts])
+        new_tokens = [c[len(r):] for c, r in zip(contexts, self.fork.rows)]
+        out = self.model(input_ids=torch.tensor(new_tokens, device=self.model.device),
+                         past_key_values=self.fork.cache, use_cache=True, logits_to_keep=1)
+        self.fork.rows = [list(c) for c in contexts]
+        self.forward_calls += 1
+        return out.logits[:, -1].float().cpu()
+
     @torch.inference_mode()
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:
         """Make the cache hold `context`; return logits (and hidden states) of its last `n_logits` positions.
@@ -76,6 +122,7 @@ class CachedLM:
         """
         if not context:
             raise ValueError("context must hold at least one token")
+        self.fork = None
         keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
         self.rollback(keep)
         new_tokens = context[keep:]

@@ -281,6 +281,38 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
         assert len(set(alternatives)) == len(alternatives) and block.tokens[p] not in alternatives
 
 
+class _OneAtATime:
+    """A draft runtime that cannot batch (as the ONNX export): the branches are drafted one after another."""
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+
+    def advance_to(self, context: list[int], n_logits: int = 1):
+        return self.lm.advance_to(context, n_logits)
+
+
+def test_branches_at_a_point_drafted_side_by_side_are_those_drafted_one_after_another(tiny_draft):
+    """Under greedy, the alternatives at one point continued in one batched forward per token give the tokens that
+    drafting them one after another gives, in fewer forwards; the EOS-free branches run to their length."""
+    from common.cached_lm import CachedLM
+    from common.decoding.drafting import LocalDraft, ModelProposer
+    from common.decoding.speculative_round import run_inline
+
+    context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
+    trees, calls = [], []
+    for batched in (True, False):
+        lm = CachedLM(tiny_draft.model)
+        model = ModelProposer(LocalDraft(lm if batched else _OneAtATime(lm)), SamplingParams(temperature=0.0),
+                              torch.Generator(), frozenset())
+        block = _drafted_chain(model, context, 5)
+        before = lm.forward_calls
+        trees.append(run_inline(branching.draft_branches(model, context, block, 12, 9, points=[2])))
+        calls.append(lm.forward_calls - before)
+    assert trees[0].nodes.tokens == trees[1].nodes.tokens and trees[0].parents == trees[1].parents
+    assert len(trees[0].nodes) == 5 + 12  # three alternatives of 4 tokens at position 2
+    assert calls[0] < calls[1]  # 1 + 3 (the prefix, then each token of the three rows at once) against 3 x 3
+
+
 @pytest.mark.parametrize("runtime", ["torch", "onnx"])
 def test_branching_over_a_real_cloud_keeps_the_targets_output(tiny_target, tiny_draft, runtime):
     """An edge over a real resident cloud on loopback (tree forward, GBV's greedy form, keep_path): every lossless

@@ -172,36 +172,67 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
     and a long branch there keeps more than short ones spread over positions that were kept anyway (measured by
     `sprinter bench tree-shapes`). `grown`: the chain's tree so far (its copy branches), which the draft's branches
     follow."""
-    greedy = model.sampling.greedy
     nodes, parents = (list(grown.nodes.drafted), list(grown.parents)) if grown is not None else \
         (list(chain.drafted), list(range(-1, len(chain) - 1)))
-    points = branch_points(chain, greedy) if points is None else points
-    longest, left = branch_length(budget), budget
+    points = branch_points(chain, model.sampling.greedy) if points is None else points
+    left = budget
     for position in points:
-        row = shaped_row(model, context, chain, position) if greedy else chain.drafted[position].p_draft
         parent = position - 1 if position > 0 else ROOT
-        for _ in range(MAX_ALTERNATIVES):
-            length = min(longest, left, depth_limit - position)
-            taken = [node.token for node, up in zip(nodes, parents) if up == parent]
-            drawn = alternative(row, taken, greedy, model.generator) if length >= 1 else None
-            if drawn is None:
-                break
-            added = await _draft_branch(model, context, chain, position, *drawn, length)
-            for k, node in enumerate(added):
+        taken = [node.token for node, up in zip(nodes, parents) if up == parent]
+        starts, lengths = _alternatives(model, context, chain, position, taken, left, depth_limit,
+                                        branch_length(budget))
+        for branch in await _continue(model, context, chain, position, starts, lengths):
+            for k, node in enumerate(branch):
                 parents.append(parent if k == 0 else len(nodes) - 1)
                 nodes.append(node)
-            left -= len(added)
+            left -= len(branch)
         if left <= 0:
             break
     return TreeBlock(PendingBlock(nodes), parents, len(chain))
 
 
-async def _draft_branch(model: ModelProposer, context: list[int], chain: PendingBlock, position: int, token: int,
-                        q: torch.Tensor | None, length: int) -> list[ProposedToken]:
-    """The alternative `token` at chain `position` and the draft's continuation of it: `length` tokens at most,
-    fewer at EOS. Unjudged (no verifier scores: branch points are chosen on the chain's)."""
-    branch = PendingBlock(chain.drafted[:position] + [alternative_node(chain, position, token, q)])
-    while len(branch) - position < length and branch.drafted[-1].token not in model.eos_token_ids:
-        proposed = await model.step(context, branch, len(branch) + 1, None, None, to_verify=False)
-        branch.drafted.append(replace(proposed, source=MODEL, ends_block=False))
-    return branch.drafted[position:]
+def _alternatives(model: ModelProposer, context: list[int], chain: PendingBlock, position: int, taken: list[int],
+                  left: int, depth_limit: int, longest: int) -> tuple[list[ProposedToken], list[int]]:
+    """The alternatives at chain `position` (each drawn without the tokens `taken` there before it) and each one's
+    branch length, within `left` tokens in all."""
+    greedy = model.sampling.greedy
+    row = shaped_row(model, context, chain, position) if greedy else chain.drafted[position].p_draft
+    starts: list[ProposedToken] = []
+    lengths: list[int] = []
+    for _ in range(MAX_ALTERNATIVES):
+        length = min(longest, left - sum(lengths), depth_limit - position)
+        drawn = alternative(row, taken + [s.token for s in starts], greedy, model.generator) if length >= 1 else None
+        if drawn is None:
+            break
+        starts.append(alternative_node(chain, position, *drawn))
+        lengths.append(length)
+    return starts, lengths
+
+
+async def _continue(model: ModelProposer, context: list[int], chain: PendingBlock, position: int,
+                    starts: list[ProposedToken], lengths: list[int]) -> list[list[ProposedToken]]:
+    """Each alternative in `starts` continued by the draft to its length (fewer at EOS): side by side in one batched
+    forward per token where the runtime batches (`BatchedDraftForward`), else one branch after another. Unjudged
+    (no verifier scores: branch points are chosen on the chain's). Either way each node is drawn from its own row
+    given its prefix, with fresh draws, so the tree's law is the same (common/multipath_rules.py)."""
+    branches = [[start] for start in starts]
+    prefix = chain.drafted[:position]
+    if getattr(model.forward, "batches", False) and len(branches) > 1:
+        rows = [list(branch) for branch in branches]  # every row grows in step; a finished branch stops taking
+        while not all(_done(model, branch, length) for branch, length in zip(branches, lengths)):
+            proposed = await model.branch_steps(context, [PendingBlock(prefix + row) for row in rows])
+            for branch, length, row, token in zip(branches, lengths, rows, proposed):
+                if not _done(model, branch, length):
+                    branch.append(token)
+                row.append(token)
+        return branches
+    for branch, length in zip(branches, lengths):
+        while not _done(model, branch, length):
+            drafted = PendingBlock(prefix + branch)
+            proposed = await model.step(context, drafted, len(drafted) + 1, None, None, to_verify=False)
+            branch.append(replace(proposed, source=MODEL, ends_block=False))
+    return branches
+
+
+def _done(model: ModelProposer, branch: list[ProposedToken], length: int) -> bool:
+    return len(branch) >= length or branch[-1].token in model.eos_token_ids

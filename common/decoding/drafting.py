@@ -50,6 +50,16 @@ class DraftForward(Protocol):
         ...
 
 
+class BatchedDraftForward(DraftForward, Protocol):
+    """A forward that can also draft a tree's branches at one point side by side (`batches` true)."""
+
+    batches: bool
+
+    async def batch(self, contexts: list[list[int]]) -> list[DraftRow]:
+        """The draft's rows after each of `contexts` (one shared prefix, one length) in one batched forward."""
+        ...
+
+
 @dataclass
 class LocalDraft:
     """A `DraftLM` in this process; `offload` runs its forwards in a worker thread (the edge's event loop)."""
@@ -61,6 +71,15 @@ class LocalDraft:
         out: ForwardOutput = (await asyncio.to_thread(self.draft_lm.advance_to, context) if self.offload
                               else self.draft_lm.advance_to(context))
         return DraftRow(out.logits[-1], out.hidden[-1] if out.hidden is not None else None)
+
+    @property
+    def batches(self) -> bool:
+        return getattr(self.draft_lm, "batches", False)
+
+    async def batch(self, contexts: list[list[int]]) -> list[DraftRow]:
+        logits = (await asyncio.to_thread(self.draft_lm.advance_batch, contexts) if self.offload
+                  else self.draft_lm.advance_batch(contexts))
+        return [DraftRow(row) for row in logits]
 
 
 @dataclass
@@ -114,6 +133,18 @@ class ModelProposer:
             cost_model.observe_draft_step((time.perf_counter() - started) * 1e3)
         ends = ends_block(len(block) + 1, token, accept_probs, limit, self.eos_token_ids, policy)
         return ProposedToken(token, MODEL, p_draft, flagged, ends, accept_prob, step, fed)
+
+    async def branch_steps(self, context: list[int], branches: list[PendingBlock]) -> list[ProposedToken]:
+        """The draft's next token on each branch after `context` (one shared prefix, one length), from one batched
+        forward (`BatchedDraftForward`); unjudged, as a branch's tokens are. Drawn in the branches' order."""
+        fulls = [context + branch.tokens for branch in branches]
+        rows = await self.forward.batch(fulls)
+        self.held = fulls[0][:min(common_prefix_length(fulls[0], full) for full in fulls)]  # what the KV keeps
+        proposed = []
+        for full, row, branch in zip(fulls, rows, branches):
+            step, p_draft, _ = self._judge(full, row, branch, to_verify=False)
+            proposed.append(ProposedToken(step.token, MODEL, p_draft, False, False, None, step, fed=1))
+        return proposed
 
     def _kept(self, context: list[int]) -> int:
         """How much of `context` the draft's KV already holds (the list comparison runs in C: the usual case)."""

@@ -194,6 +194,15 @@ class ReusingDraftLM:
     def forward_calls(self) -> int:
         return getattr(self.inner, "forward_calls", 0)
 
+    @property
+    def batches(self) -> bool:
+        return getattr(self.inner, "batches", False)
+
+    def advance_batch(self, contexts: list[list[int]]) -> torch.Tensor:
+        """The inner runtime's batched branch rows (after the prefill: branches follow a drafted chain)."""
+        with self._lock:
+            return self.inner.advance_batch(contexts)
+
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:
         with self._lock:
             if self._prefilled or not self.inner.reusable:

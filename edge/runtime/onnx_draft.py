@@ -90,6 +90,7 @@ class OnnxCachedLM:
         del self.tokens[length:]
 
     reusable = True  # one contiguous tensor per layer: any prefix of it is the KV of that prefix
+    batches = False  # the export's batch axis is fixed at 1: a tree's branches are drafted one after another
 
     def kv_snapshot(self) -> tuple[list[ort.OrtValue | np.ndarray], int]:
         """An owned copy of the KV of `tokens` (the edge's draft cache keeps it across requests), and its bytes;
