@@ -41,9 +41,10 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Fork:
-    """Copies of a cache's KV side by side (batch rows), one per branch, and the tokens each row holds."""
+    """Copies of a cache's KV side by side (batch rows), one per branch, and the tokens each row holds: a
+    `DynamicCache` in `CachedLM`, the past tensors in the ONNX runtime."""
 
-    cache: DynamicCache
+    cache: object
     rows: list[list[int]]
 
     def continued_by(self, contexts: list[list[int]]) -> bool:
@@ -59,7 +60,7 @@ class CachedLM:
         self.cache = DynamicCache(config=model.config)
         self.tokens: list[int] = []
         self.forward_calls = 0
-        self.fork: Fork | None = None  # the branches' rows (`advance_batch`), until the next single forward
+        self._fork: Fork | None = None  # the branches' rows (`advance_batch`), until the next single forward
 
     def rollback(self, length: int) -> None:
         drop = len(self.tokens) - length
@@ -96,9 +97,8 @@ class CachedLM:
         point, which share everything before it and grow by the same number of tokens per call. The first call (or
         one that does not continue the last) makes the cache hold the longest common prefix and copies it into one
         row per context; later calls feed each row its new tokens. The cache itself keeps that prefix."""
-        if self.fork is None or not self.fork.continued_by(contexts):
-            shared = min(common_prefix_length(contexts[0], c) for c in contexts)
-            shared = min([shared] + [len(c) - 1 for c in contexts])
+        if self._fork is None or not self._fork.continued_by(contexts):
+            shared = min([common_prefix_length(contexts[0], c) for c in contexts] + [len(c) - 1 for c in contexts])
             if len({len(c) for c in contexts}) != 1 or shared < 1:
                 raise ValueError("branches drafted side by side share a prefix and have one length")
             self.advance_to(contexts[0][:shared])
@@ -106,11 +106,11 @@ class CachedLM:
             for index, layer in enumerate(self.cache.layers):
                 fork.update(layer.keys.repeat(len(contexts), 1, 1, 1), layer.values.repeat(len(contexts), 1, 1, 1),
                             index)
-            self.fork = Fork(fork, [list(contexts[0][:shared]) for _ in contexts])
-        new_tokens = [c[len(r):] for c, r in zip(contexts, self.fork.rows)]
+            self._fork = Fork(fork, [list(contexts[0][:shared]) for _ in contexts])
+        new_tokens = [c[len(r):] for c, r in zip(contexts, self._fork.rows)]
         out = self.model(input_ids=torch.tensor(new_tokens, device=self.model.device),
-                         past_key_values=self.fork.cache, use_cache=True, logits_to_keep=1)
-        self.fork.rows = [list(c) for c in contexts]
+                         past_key_values=self._fork.cache, use_cache=True, logits_to_keep=1)
+        self._fork.rows = [list(c) for c in contexts]
         self.forward_calls += 1
         return out.logits[:, -1].float().cpu()
 
@@ -122,7 +122,7 @@ class CachedLM:
         """
         if not context:
             raise ValueError("context must hold at least one token")
-        self.fork = None
+        self._fork = None
         keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
         self.rollback(keep)
         new_tokens = context[keep:]

@@ -96,7 +96,7 @@ def test_export_layout_and_cache_location(tiny_target: LoadedModel, tiny_onnx: P
     assert [i.name for i in graph.input] == onnx_export.input_names(n_layers)
     assert [o.name for o in graph.output] == onnx_export.output_names(n_layers)
     past_dims = [d.dim_param or d.dim_value for d in graph.input[2].type.tensor_type.shape.dim]
-    assert past_dims[0] == 1 and isinstance(past_dims[2], str)  # past length is symbolic
+    assert isinstance(past_dims[0], str) and isinstance(past_dims[2], str)  # batch and past length are symbolic
     info = read_export_info(tiny_onnx)
     assert info["dtype"] == "float32" and info["n_layers"] == n_layers and info["verify_relative_error"]["logits"] < 1e-3
 
@@ -280,3 +280,23 @@ def test_io_binding_rolls_back_through_the_slice_graph(tiny_onnx: Path, monkeypa
     bound_logits = rejected_then_accepted(bound, prompt, drafted, 1)
     assert all(isinstance(p, ort.OrtValue) for p in bound._past)
     assert torch.equal(bound_logits, plain_logits)
+
+
+@pytest.mark.parametrize("io_binding", [False, True], ids=["numpy", "io-binding"])
+def test_branches_side_by_side_match_each_branch_alone(tiny_target: LoadedModel, tiny_onnx: Path,
+                                                       io_binding: bool) -> None:
+    """`advance_batch`: rows that share a prefix, grown in step, give each row's logits as torch's cache alone does;
+    the cache keeps the prefix, and the next single forward goes on from it."""
+    lm = OnnxDraftModel(tiny_onnx, threads=1, io_binding=io_binding).new_lm()
+    prefix = list(range(30, 50))
+    rows = [prefix + [7], prefix + [8], prefix + [9]]
+    lm.advance_to(prefix + [1, 2])  # the chain, drafted past the branch point first
+    for grown in ([], [11, 12, 13], [21, 22, 23]):
+        rows = [row + [token] for row, token in zip(rows, grown)] if grown else rows
+        got = lm.advance_batch(rows)
+        assert got.shape == (3, tiny_target.model.config.vocab_size)
+        for row, logits in zip(rows, got):
+            assert relative_error(CachedLM(tiny_target.model).advance_to(row).logits[-1], logits) < 1e-4
+    assert lm.tokens == prefix and lm.forward_calls == 1 + 1 + 3  # the chain, the prefix's refeed, three steps
+    assert relative_error(CachedLM(tiny_target.model).advance_to(prefix + [4]).logits[-1],
+                          lm.advance_to(prefix + [4]).logits[-1]) < 1e-4

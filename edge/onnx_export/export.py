@@ -1,16 +1,17 @@
 """Export a draft LM to ONNX once, with its KV cache as explicit inputs and outputs, and cache the file.
 
-Graph interface (one sequence, no padding, so no attention mask: positions and the causal mask are
-derived inside the graph from the past length):
+Graph interface (b sequences of one length, no padding, so no attention mask: positions and the causal mask are
+derived inside the graph from the past length). b is 1 but for a draft tree's branches at one point, drafted side by
+side (`OnnxCachedLM.advance_batch`):
 
-    inputs   input_ids        int64   [1, n]        the tokens not yet in the cache
+    inputs   input_ids        int64   [b, n]        the tokens not yet in the cache
              logits_index     int64   [k]           which of those n positions go through the LM head
-             past_key_i       float32 [1, kv_heads, past, head_dim]   per layer i (past may be 0)
-             past_value_i     float32 [1, kv_heads, past, head_dim]
-    outputs  logits           float32 [1, k, V]
-             hidden           float32 [1, n, H]     last hidden state, after the final norm
-             present_key_i    float32 [1, kv_heads, past + n, head_dim]
-             present_value_i  float32 [1, kv_heads, past + n, head_dim]
+             past_key_i       float32 [b, kv_heads, past, head_dim]   per layer i (past may be 0)
+             past_value_i     float32 [b, kv_heads, past, head_dim]
+    outputs  logits           float32 [b, k, V]
+             hidden           float32 [b, n, H]     last hidden state, after the final norm
+             present_key_i    float32 [b, kv_heads, past + n, head_dim]
+             present_value_i  float32 [b, kv_heads, past + n, head_dim]
 
 `logits_index` exists for the same reason as `logits_to_keep` in `CachedLM`: on a prompt, the LM head
 over every position would cost more than the whole decoder stack.
@@ -68,7 +69,7 @@ from common.models import LoadedModel, cache_root
 log = logging.getLogger(__name__)
 
 # Bump when the graph interface or the export recipe changes: old cache entries then stop matching.
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2  # 2: a batch axis (a tree's branches side by side)
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)
 INFO_FILE = "export.json"
@@ -77,7 +78,7 @@ WEIGHT_FORMATS = ("float32", "int8")
 # Relative error `verify_export` accepts: float32 differs from torch by summation order only.
 _TOLERANCE = {"float32": 1e-3, "int8": 0.1}
 # Example sizes for tracing: all distinct and > 1, so torch.export specialises none of them.
-_EXAMPLE_NEW, _EXAMPLE_PAST, _EXAMPLE_KEEP = 3, 7, 2
+_EXAMPLE_NEW, _EXAMPLE_PAST, _EXAMPLE_KEEP, _EXAMPLE_BATCH = 3, 7, 2, 4
 
 
 class DraftExportError(SprinterError, RuntimeError):
@@ -103,7 +104,8 @@ class _FlatCacheLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, logits_index: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.n_layers)]
         cache = DynamicCache(pairs, config=self.model.config)
-        # One unpadded sequence: positions continue from the cache, and the causal mask needs nothing else.
+        # Unpadded sequences of one length: positions continue from the cache (the same in every row, broadcast),
+        # and the causal mask needs nothing else.
         position_ids = (torch.arange(input_ids.shape[1]) + past[0].shape[2]).unsqueeze(0)
         out = self.model.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state
@@ -291,11 +293,11 @@ def _example_inputs(model: PreTrainedModel) -> tuple[tuple, tuple]:
 
     kv_heads, head_dim = kv_shape(model)
     n_layers = model.config.num_hidden_layers
-    input_ids = torch.randint(0, model.config.vocab_size, (1, _EXAMPLE_NEW))
+    input_ids = torch.randint(0, model.config.vocab_size, (_EXAMPLE_BATCH, _EXAMPLE_NEW))
     logits_index = torch.arange(_EXAMPLE_NEW - _EXAMPLE_KEEP, _EXAMPLE_NEW)
-    past = tuple(torch.zeros(1, kv_heads, _EXAMPLE_PAST, head_dim) for _ in range(2 * n_layers))
-    new, keep, past_len = Dim("n", min=1), Dim("k", min=1), Dim("past", min=0)
-    dynamic_shapes = ({1: new}, {0: keep}, tuple({2: past_len} for _ in past))
+    past = tuple(torch.zeros(_EXAMPLE_BATCH, kv_heads, _EXAMPLE_PAST, head_dim) for _ in range(2 * n_layers))
+    batch, new, keep, past_len = Dim("batch", min=1), Dim("n", min=1), Dim("k", min=1), Dim("past", min=0)
+    dynamic_shapes = ({0: batch, 1: new}, {0: keep}, tuple({0: batch, 2: past_len} for _ in past))
     return (input_ids, logits_index, *past), dynamic_shapes
 
 

@@ -1,6 +1,7 @@
 """Cut a KV cache held as `OrtValue`s to its first positions, on the device that holds it.
 
-A rollback keeps the first `length` positions of every past tensor [1, kv_heads, past, head_dim].
+A rollback keeps the first `length` positions of every past tensor [1, kv_heads, past, head_dim]; a tree's branches
+drafted side by side start from that past repeated along the batch axis (`tiled`, a second graph of Tile ops).
 ORT has no slicing call for an `OrtValue`, and going through numpy would copy a CUDA cache to the
 host and back. So this builds, in code (no file shipped), a tiny graph of one `Slice` per past
 tensor plus one `length` input, and runs it with IO binding on the draft's execution provider: the
@@ -33,7 +34,22 @@ def slice_graph(n_tensors: int, kv_heads: int | str, head_dim: int | str) -> onn
         nodes.append(helper.make_node("Slice", [f"past_{i}", "zero", "length", "axis"], [f"kept_{i}"]))
         inputs.append(helper.make_tensor_value_info(f"past_{i}", TensorProto.FLOAT, [1, kv_heads, "past", head_dim]))
         outputs.append(helper.make_tensor_value_info(f"kept_{i}", TensorProto.FLOAT, [1, kv_heads, "kept", head_dim]))
-    graph = helper.make_graph(nodes, "kv_slice", inputs, outputs)
+    return _model(nodes, "kv_slice", inputs, outputs)
+
+
+def tile_graph(n_tensors: int, kv_heads: int | str, head_dim: int | str) -> onnx.ModelProto:
+    """`rows_i = past_i` repeated `repeats` = [b, 1, 1, 1] times along the batch axis (a tree's branches)."""
+    inputs = [helper.make_tensor_value_info("repeats", TensorProto.INT64, [4])]
+    nodes, outputs = [], []
+    for i in range(n_tensors):
+        nodes.append(helper.make_node("Tile", [f"past_{i}", "repeats"], [f"kept_{i}"]))
+        inputs.append(helper.make_tensor_value_info(f"past_{i}", TensorProto.FLOAT, [1, kv_heads, "past", head_dim]))
+        outputs.append(helper.make_tensor_value_info(f"kept_{i}", TensorProto.FLOAT, ["b", kv_heads, "past", head_dim]))
+    return _model(nodes, "kv_tile", inputs, outputs)
+
+
+def _model(nodes: list, name: str, inputs: list, outputs: list) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
     model.ir_version = 8  # what ORT >= 1.14 reads; onnx's default may be newer than the installed ORT knows
     onnx.checker.check_model(model)
@@ -48,8 +64,9 @@ class KvSlicer:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1  # memory copies: more threads would only compete with the draft's
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        model = slice_graph(n_tensors, kv_heads, head_dim)
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.session, self.tiles = (
+            ort.InferenceSession(graph(n_tensors, kv_heads, head_dim).SerializeToString(), options,
+                                 providers=providers) for graph in (slice_graph, tile_graph))
         self.device = device
         log.debug("KV slicer for %d tensors on %s", n_tensors, self.session.get_providers()[0])
         self._inputs = [f"past_{i}" for i in range(n_tensors)]
@@ -57,11 +74,19 @@ class KvSlicer:
 
     def bound(self, past: list[ort.OrtValue], length: int) -> list[ort.OrtValue]:
         """New, contiguous `OrtValue`s on `device` holding the first `length` positions of each of `past`."""
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("length", np.asarray([length], dtype=np.int64))
+        return self._run(self.session, "length", np.asarray([length], dtype=np.int64), past)
+
+    def tiled(self, past: list[ort.OrtValue], rows: int) -> list[ort.OrtValue]:
+        """New `OrtValue`s on `device`: each of `past` (batch 1) repeated `rows` times along the batch axis."""
+        return self._run(self.tiles, "repeats", np.asarray([rows, 1, 1, 1], dtype=np.int64), past)
+
+    def _run(self, session: ort.InferenceSession, argument: str, value: np.ndarray,
+             past: list[ort.OrtValue]) -> list[ort.OrtValue]:
+        binding = session.io_binding()
+        binding.bind_cpu_input(argument, value)
         for name, value in zip(self._inputs, past):
             binding.bind_ortvalue_input(name, value)
         for name in self._outputs:
             binding.bind_output(name, self.device)
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return list(binding.get_outputs())

@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from common.cached_lm import ForwardOutput, common_prefix_length
+from common.cached_lm import Fork, ForwardOutput, common_prefix_length
 from edge.runtime.kv_slice import KvSlicer
 from edge.runtime.ort_sessions import make_session
 
@@ -65,6 +65,7 @@ class OnnxCachedLM:
         self._slicer = (slicer or kv_slicer(self.session)) if self.io_binding else None
         self.tokens: list[int] = []
         self.forward_calls = 0
+        self._fork: Fork | None = None  # the branches' rows (`advance_batch`), until the next single forward
         # OrtValues with IO binding, numpy arrays without (the plain `session.run` path).
         self._past: list[ort.OrtValue | np.ndarray] = self._empty_past()
 
@@ -90,7 +91,7 @@ class OnnxCachedLM:
         del self.tokens[length:]
 
     reusable = True  # one contiguous tensor per layer: any prefix of it is the KV of that prefix
-    batches = False  # the export's batch axis is fixed at 1: a tree's branches are drafted one after another
+    batches = True  # the export has a batch axis: a tree's branches at one point are drafted side by side
 
     def kv_snapshot(self) -> tuple[list[ort.OrtValue | np.ndarray], int]:
         """An owned copy of the KV of `tokens` (the edge's draft cache keeps it across requests), and its bytes;
@@ -116,6 +117,7 @@ class OnnxCachedLM:
         """
         if not context:
             raise ValueError("context must hold at least one token")
+        self._fork = None
         keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
         self.rollback(keep)
         new_tokens = context[keep:]
@@ -123,28 +125,51 @@ class OnnxCachedLM:
         k = n if n_logits <= 0 else min(n_logits, n)
         input_ids = np.asarray([new_tokens], dtype=np.int64)
         logits_index = np.arange(n - k, n, dtype=np.int64)
-        logits, hidden = self._run(input_ids, logits_index)
+        logits, hidden, self._past = self._run(input_ids, logits_index, self._past)
         self.tokens.extend(new_tokens)
         self.forward_calls += 1
         hidden_rows = torch.from_numpy(hidden[0, n - k:]) if self.with_hidden else None
         return ForwardOutput(logits=torch.from_numpy(logits[0]), hidden=hidden_rows)
 
-    def _run(self, input_ids: np.ndarray, logits_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One forward; replaces the cache with the presents. Returns logits [1, k, V] and hidden [1, n, H]."""
-        if self.io_binding:
-            return self._run_bound(input_ids, logits_index)
-        feed = {"input_ids": input_ids, "logits_index": logits_index}
-        feed.update(zip(self._past_names, self._past))
-        outputs = self.session.run(self._output_names, feed)
-        self._past = outputs[2:]
-        return outputs[0], outputs[1]
+    def advance_batch(self, contexts: list[list[int]]) -> torch.Tensor:
+        """The next-token logits [B, V] after each of `contexts`, in one batched run: a tree's branches at one point
+        (one shared prefix, one length, growing in step). As `CachedLM.advance_batch`: the first call makes the cache
+        hold the common prefix and copies it into one row per context (a bound cache on its device, `KvSlicer.tiled`);
+        later calls feed each row its new tokens. The cache itself keeps that prefix."""
+        fork = self._fork
+        if fork is None or not fork.continued_by(contexts):
+            shared = min([common_prefix_length(contexts[0], c) for c in contexts] + [len(c) - 1 for c in contexts])
+            if len({len(c) for c in contexts}) != 1 or shared < 1:
+                raise ValueError("branches drafted side by side share a prefix and have one length")
+            self.advance_to(contexts[0][:shared])
+            rows = (self._slicer.tiled(self._past, len(contexts)) if self.io_binding
+                    else [np.repeat(p, len(contexts), axis=0) for p in self._past])
+            fork = Fork(rows, [contexts[0][:shared]] * len(contexts))
+        new_tokens = np.asarray([c[len(r):] for c, r in zip(contexts, fork.rows)], dtype=np.int64)
+        logits, _, fork.cache = self._run(new_tokens, np.asarray([new_tokens.shape[1] - 1], dtype=np.int64),
+                                          fork.cache)
+        fork.rows = [list(c) for c in contexts]
+        self._fork = fork
+        self.forward_calls += 1
+        return torch.from_numpy(logits[:, -1])
 
-    def _run_bound(self, input_ids: np.ndarray, logits_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, input_ids: np.ndarray, logits_index: np.ndarray,
+             past: list) -> tuple[np.ndarray, np.ndarray, list]:
+        """One forward over `past`. Returns logits [b, k, V], hidden [b, n, H] and the presents (the new past)."""
+        if self.io_binding:
+            return self._run_bound(input_ids, logits_index, past)
+        feed = {"input_ids": input_ids, "logits_index": logits_index}
+        feed.update(zip(self._past_names, past))
+        outputs = self.session.run(self._output_names, feed)
+        return outputs[0], outputs[1], outputs[2:]
+
+    def _run_bound(self, input_ids: np.ndarray, logits_index: np.ndarray,
+                   past: list[ort.OrtValue]) -> tuple[np.ndarray, np.ndarray, list[ort.OrtValue]]:
         """`_run` through IO binding: the cache goes in and out as OrtValues on the provider's device."""
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("logits_index", logits_index)
-        for name, value in zip(self._past_names, self._past):
+        for name, value in zip(self._past_names, past):
             binding.bind_ortvalue_input(name, value)
         # logits and hidden come back to the host; presents stay wherever the provider put them.
         binding.bind_output("logits", "cpu")
@@ -153,8 +178,7 @@ class OnnxCachedLM:
             binding.bind_output(name, self._device)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        self._past = list(outputs[2:])
-        return outputs[0].numpy(), outputs[1].numpy()
+        return outputs[0].numpy(), outputs[1].numpy(), list(outputs[2:])
 
 
 class OnnxDraftModel:
