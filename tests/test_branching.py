@@ -141,19 +141,44 @@ def test_auto_budget_branches_more_over_a_longer_round_trip():
         costs = CostModel(prior_draft_ms=5.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=2.0)
         costs.observe_rtt(rtt)
         costs.observe_rtt(rtt)
-        budgets.append(auto_budget(accept, costs, room=12, branch_length=3))
+        budgets.append(auto_budget(accept, costs, room=24, depth_limit=8)[0])
     assert budgets[0] <= budgets[1] <= budgets[2]
     assert budgets[0] < budgets[2]
-    assert auto_budget([0.99, 0.99], CostModel(prior_draft_ms=50.0), room=12, branch_length=3) == 0
+    assert auto_budget([0.99, 0.99], CostModel(prior_draft_ms=50.0), room=12, depth_limit=8)[0] == 0
+
+
+def test_auto_prices_the_shape_the_edge_drafts():
+    """Auto's tokens are whole branches of its length in the shape's order (the least trusted position first, up to
+    three alternatives there), and a cheaper extra row of the batched draft step buys more of them."""
+    accept = [0.9, 0.6, 0.4, 0.7]
+    plans = []
+    for extra_row in (1.0, 0.1):
+        costs = CostModel(prior_draft_ms=5.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=2.0,
+                          prior_extra_row_share=extra_row)
+        costs.observe_rtt(200.0)
+        plans.append(auto_budget(accept, costs, room=24, depth_limit=8))
+    (sequential, length_s), (batched, length_b) = plans
+    assert sequential % length_s == 0 and batched % length_b == 0  # whole branches (none cut by room or depth)
+    assert batched > sequential >= length_s  # the second alternative pays when its steps are nearly free
+    costs.observe_rtt(1000.0)
+    wide, length = auto_budget(accept, costs, room=24, depth_limit=8)
+    assert wide > batched and branching.MIN_BRANCH_LENGTH <= length <= branching.MAX_BRANCH_LENGTH
+    assert 0 < auto_budget(accept, costs, room=24, depth_limit=3)[0] < wide  # the third position: branches 1 deep
+    costs = CostModel(prior_draft_ms=20.0)
+    costs.observe_draft_step(20.0)
+    costs.observe_batched_step(26.0, rows=3)
+    assert costs.extra_row_share < 0.25  # learned from the step: (26 / 20 - 1) / 2 = 0.15, pulled from the prior
+    costs.observe_sequential_rows()
+    assert costs.extra_row_share > 0.3
 
 
 def test_budget_respects_the_verifiers_tree_limit():
     costs = CostModel(prior_rtt_ms=500.0)
-    assert tree_budget(6, [0.5, 0.5], (), costs, room=0, branch_length=3) == ([], 0)  # max_tree_tokens 0: chains only
-    assert tree_budget("auto", [0.5, 0.5], (), costs, room=-1, branch_length=3) == ([], 0)
-    assert tree_budget(6, [0.5, 0.5], (), costs, room=4, branch_length=3) == ([], 4)
-    assert tree_budget(6, [0.5, 0.5], (), costs, room=None, branch_length=3) == ([], 6)
-    assert tree_budget(0, [0.5, 0.5], (), costs, room=None, branch_length=3) == ([], 0)
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=0, depth_limit=8).budget == 0  # max_tree_tokens 0: chains only
+    assert tree_budget("auto", [0.5, 0.5], (), costs, room=-1, depth_limit=8).budget == 0
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=4, depth_limit=8).budget == 4
+    assert tree_budget(6, [0.5, 0.5], (), costs, room=None, depth_limit=8).budget == 6
+    assert tree_budget(0, [0.5, 0.5], (), costs, room=None, depth_limit=8).budget == 0
 
 
 @pytest.mark.parametrize("mode", ["sd", "sprinter", "cloud-sd", "target", "draft"])
@@ -454,12 +479,12 @@ def test_auto_sends_copies_where_the_drafts_branches_never_pay():
     accept = [0.9, 0.6, 0.4, 0.7]
     costs = CostModel(prior_draft_ms=40.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=2.0)
     costs.observe_rtt(50.0)
-    assert auto_budget(accept, costs, room=12, branch_length=3) == 0
+    assert auto_budget(accept, costs, room=12, depth_limit=8)[0] == 0
     offers = [(2, [0.8] * 8), (1, [0.6] * 8)]
     lengths = auto_copy_lengths(accept, offers, costs, room=12)
     assert lengths[0] > 0 and sum(lengths) <= 12
-    copies, drafted = tree_budget("auto", accept, offers, costs, room=12, branch_length=3)
-    assert copies == lengths and drafted == 0
+    plan = tree_budget("auto", accept, offers, costs, room=12, depth_limit=8)
+    assert plan.copies == lengths and plan.budget == 0
     dear = CostModel(prior_draft_ms=40.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=10.0)
     dear.observe_rtt(50.0)
     assert auto_copy_lengths(accept, offers, dear, room=12)[0] < lengths[0]  # a dearer target token: shorter copies
@@ -468,10 +493,14 @@ def test_auto_sends_copies_where_the_drafts_branches_never_pay():
 
 def test_a_fixed_budget_takes_the_copies_first_then_the_drafts_branches():
     offers = [(2, [0.8] * 4), (0, [0.7] * 3)]
-    assert tree_budget(6, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([4, 2], 0)
-    assert tree_budget(9, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([4, 3], 2)
-    assert tree_budget(9, [0.5, 0.5, 0.5], offers, None, room=5, branch_length=3) == ([4, 1], 0)
-    assert tree_budget(0, [0.5, 0.5, 0.5], offers, None, room=None, branch_length=3) == ([0, 0], 0)
+    def plan(n, room):
+        made = tree_budget(n, [0.5, 0.5, 0.5], offers, None, room=room, depth_limit=8)
+        return made.copies, made.budget
+
+    assert plan(6, None) == ([4, 2], 0)
+    assert plan(9, None) == ([4, 3], 2)
+    assert plan(9, 5) == ([4, 1], 0)
+    assert plan(0, None) == ([0, 0], 0)
 
 
 def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, tiny_draft):

@@ -38,15 +38,16 @@ depend on it: it costs refeeding the kept tokens after the branch point.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from common.call_policy import CostModel
 from common.decoding.drafting import ModelProposer
 from common.decoding.draft_tree import ROOT
 from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Proposer
 
-BRANCH_LENGTH = 3  # the branch auto's cost model prices (common/decoding/branch_budget.py): an alternative and two more
 MIN_BRANCH_LENGTH, MAX_BRANCH_LENGTH = 3, 8  # a branch's tokens (alternative and continuation), by the budget
 MAX_ALTERNATIVES = 3  # per branch point: the target's token was the draft's 2nd-4th best in 83% of rejections
 AUTO = "auto"  # --branch-tokens auto: the cost model's budget (branch_budget.py)
@@ -164,10 +165,12 @@ def branch_length(budget: int) -> int:
 
 
 async def draft_branches(model: ModelProposer, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
-                         points: list[int] | None = None, grown: TreeBlock | None = None) -> TreeBlock:
+                         points: list[int] | None = None, grown: TreeBlock | None = None, length: int | None = None,
+                         cost_model: CostModel | None = None) -> TreeBlock:
     """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: at each branch point in turn
     (`points`, default `branch_points`, lowest a_i first) up to MAX_ALTERNATIVES alternatives, each continued by the
-    draft to `branch_length(budget)` tokens in all, no node deeper than `depth_limit` (the round's limit). The budget
+    draft to `length` tokens in all (default `branch_length(budget)`; auto picks its own), no node deeper than
+    `depth_limit` (the round's limit). `cost_model` learns what one more row of a batched draft step costs. The budget
     goes to the least trusted position first: the chain is most often rejected there (sprinter's block ends at it),
     and a long branch there keeps more than short ones spread over positions that were kept anyway (measured by
     `sprinter bench tree-shapes`). `grown`: the chain's tree so far (its copy branches), which the draft's branches
@@ -180,8 +183,8 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
         parent = position - 1 if position > 0 else ROOT
         taken = [node.token for node, up in zip(nodes, parents) if up == parent]
         starts, lengths = _alternatives(model, context, chain, position, taken, left, depth_limit,
-                                        branch_length(budget))
-        for branch in await _continue(model, context, chain, position, starts, lengths):
+                                        length or branch_length(budget))
+        for branch in await _continue(model, context, chain, position, starts, lengths, cost_model):
             for k, node in enumerate(branch):
                 parents.append(parent if k == 0 else len(nodes) - 1)
                 nodes.append(node)
@@ -210,7 +213,8 @@ def _alternatives(model: ModelProposer, context: list[int], chain: PendingBlock,
 
 
 async def _continue(model: ModelProposer, context: list[int], chain: PendingBlock, position: int,
-                    starts: list[ProposedToken], lengths: list[int]) -> list[list[ProposedToken]]:
+                    starts: list[ProposedToken], lengths: list[int],
+                    cost_model: CostModel | None) -> list[list[ProposedToken]]:
     """Each alternative in `starts` continued by the draft to its length (fewer at EOS): side by side in one batched
     forward per token where the runtime batches (`BatchedDraftForward`), else one branch after another. Unjudged
     (no verifier scores: branch points are chosen on the chain's). Either way each node is drawn from its own row
@@ -220,12 +224,17 @@ async def _continue(model: ModelProposer, context: list[int], chain: PendingBloc
     if getattr(model.forward, "batches", False) and len(branches) > 1:
         rows = [list(branch) for branch in branches]  # every row grows in step; a finished branch stops taking
         while not all(_done(model, branch, length) for branch, length in zip(branches, lengths)):
+            started = time.perf_counter()
             proposed = await model.branch_steps(context, [PendingBlock(prefix + row) for row in rows])
+            if cost_model is not None and len(rows[0]) > 1:  # the first call also refed the prefix's last token
+                cost_model.observe_batched_step((time.perf_counter() - started) * 1e3, len(rows))
             for branch, length, row, token in zip(branches, lengths, rows, proposed):
                 if not _done(model, branch, length):
                     branch.append(token)
                 row.append(token)
         return branches
+    if cost_model is not None and len(branches) > 1:  # one after another: each further row costs a whole step
+        cost_model.observe_sequential_rows()
     for branch, length in zip(branches, lengths):
         while not _done(model, branch, length):
             drafted = PendingBlock(prefix + branch)

@@ -44,7 +44,7 @@ import torch
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
 from common.branch_budget import tree_budget
-from common.decoding.branching import BRANCH_LENGTH, TreeBlock, draft_branches, estimate, model_of
+from common.decoding.branching import TreeBlock, draft_branches, estimate, model_of
 from common.decoding.copy_branches import attach_copies, copy_offers
 from common.decoding.drafting import Drafter
 from common.decoding.proposals import PendingBlock, ProposedToken
@@ -202,16 +202,17 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
     if limit == 0:  # the verifier takes chains only
         return None
     room = None if limit is None else limit - len(block)
-    offers = copy_offers(drafter.proposer, context, block, block_limit(generation, to_verify=True))
+    depth_limit = block_limit(generation, to_verify=True)
+    offers = copy_offers(drafter.proposer, context, block, depth_limit)
     offered = [(offer.position, offer.estimates) for offer in offers]
-    copies, budget = tree_budget(setting, [estimate(d) for d in block.drafted], offered, cost_model, room,
-                                 BRANCH_LENGTH)
-    if budget < 1 and not any(copies):
+    plan = tree_budget(setting, [estimate(d) for d in block.drafted], offered, cost_model, room, depth_limit)
+    if plan.budget < 1 and not any(plan.copies):
         return None
-    with tracer.span("edge.branch", budget=budget, copied=sum(copies)) as span:
-        tree = attach_copies(block, offers, copies)
-        if budget > 0:
-            tree = await draft_branches(model, context, block, budget, block_limit(generation, True), grown=tree)
+    with tracer.span("edge.branch", budget=plan.budget, copied=sum(plan.copies)) as span:
+        tree = attach_copies(block, offers, plan.copies)
+        if plan.budget > 0:
+            tree = await draft_branches(model, context, block, plan.budget, depth_limit, grown=tree,
+                                        length=plan.branch_length, cost_model=cost_model)
         span.set(nodes=len(tree.nodes))
     generation.recorder.proposed(tree.nodes.drafted[len(block):])
     return tree if len(tree.nodes) > len(block) else None
