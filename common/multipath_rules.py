@@ -37,9 +37,12 @@ its coins), c' and its chain are draws from the rows the rule is told. So the ou
     are not draws from it);
   - whether node n exists, its parent and its row depend only on the context, the nodes before it and the draft's
     state (and what the edge learned before the round), never on the target's rows or the rule's coins;
-  - a branch (a node and its first-child descendants, its primary chain) takes consecutive indices, drafted whole
-    before the next node, so that everything the rule reads before trying c' was drawn before c' and tells nothing
-    about c' beyond its row, and nothing is drawn between the nodes of c''s chain;
+  - a branch (a node and its first-child descendants, its primary chain) takes consecutive indices, and the nodes'
+    law factors in index order: each node, given every node before it in index order, is a draw from its row,
+    whatever later nodes are. So everything the rule reads before trying c' tells nothing about c' beyond its row.
+    Drafting each branch whole before the next meets it; so does drafting a point's siblings side by side (the
+    alternatives first, then their continuations in step, each draw fresh and reading its own branch's prefix
+    only: no node's draw reads a node of a later index);
   - children are tried in index order, the first child continuing its parent's primary chain.
 Why the order matters: the rule's state when it tries c' (the kept path, R_tau, its coins) is a function of nodes
 before c' and of coins independent of all nodes; c' is, given those nodes, a draw from q_{c'}; the conditional law of

@@ -10,7 +10,7 @@ Glossary (speculative_round.py and common/decoding/draft_tree.py have the rest)
                     already has (x_i, copies, earlier alternatives) removed and the rest renormalised, a row the
                     node carries (`without`); siblings never repeat a token, and each is a draw from its own row
     branch          an alternative and its continuation by the draft, `branch_length(budget)` tokens at most (a
-                    third of the budget, 3 to 8) and never deeper than the round's limit (a branch beside the chain's
+                    third of the budget, 3 to 8; auto picks its own) and never deeper than the round's limit (a branch beside the chain's
                     last token goes on past the chain's length); its nodes follow the chain's (and earlier
                     branches'), so the first child of any node is on its primary chain and siblings keep the order
                     they were drawn in
@@ -27,13 +27,15 @@ is a draw from q_i without its earlier siblings' tokens, and it carries that row
 continuation is the draft's chain from there, and a copy is a point mass on a token that the context, the parent's
 prefix and what the edge learned before the round determine. Where the edge branches, how many alternatives and
 copies and how far each goes depend on the context and the draft's state only (the a_i are the verifier's or the
-draft's scores of the draft's own tokens), never on the target or the rule's coins; each branch is drafted whole
-before the next. Then greedy multi-path block verification keeps the output distributed as the target's; under
+draft's scores of the draft's own tokens), never on the target or the rule's coins. A point's alternatives are
+drawn first, then continued side by side (one batched draft step per token, where the runtime batches): each draw is
+fresh and reads its own branch's prefix only, so the nodes' law factors in index order as the rule needs. Then greedy multi-path block verification keeps the output distributed as the target's; under
 greedy the tree verdict reads the target's argmax alone, exact for any tree.
 
-Drafting a branch moves the draft's KV off the chain; the next round's `advance_to` keeps the common prefix of what
-the KV holds and what it is asked for, and feeds the rest (the draft runtime's rollback), so the output does not
-depend on it: it costs refeeding the kept tokens after the branch point.
+Drafting a branch moves the draft's KV off the chain (side by side: the KV keeps the branch point's prefix, and the
+rows are copies of it); the next round's `advance_to` keeps the common prefix of what the KV holds and what it is
+asked for, and feeds the rest (the draft runtime's rollback), so the output does not depend on it: it costs
+refeeding the kept tokens after the branch point.
 """
 
 from __future__ import annotations
