@@ -265,7 +265,8 @@ def _drafted_chain(model, context: list[int], length: int):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_draft, temperature):
     """Nodes 0..g-1 are the chain; each branch hangs off the chain at a branch point, lowest a_i first, its first
-    node drawn from the chain token's own row (the same q), never deeper than the chain."""
+    node drawn from the chain token's row without the tokens already there (and carrying that row), never deeper
+    than the round's limit."""
     from common.cached_lm import CachedLM
     from common.decoding.drafting import LocalDraft, ModelProposer
     from common.decoding.speculative_round import run_inline
