@@ -53,6 +53,15 @@ class Fork:
                 and len(contexts[0]) > len(self.rows[0]) and all(c[:len(r)] == r for c, r in zip(contexts, self.rows)))
 
 
+def shared_prefix(contexts: list[list[int]]) -> int:
+    """The length of the prefix rows drafted side by side start from: what all `contexts` share, each keeping at
+    least one token to feed. They must have one length (the rows grow in step)."""
+    shared = min([common_prefix_length(contexts[0], c) for c in contexts] + [len(c) - 1 for c in contexts])
+    if len({len(c) for c in contexts}) != 1 or shared < 1:
+        raise ValueError("branches drafted side by side share a prefix and have one length")
+    return shared
+
+
 class CachedLM:
     def __init__(self, model: PreTrainedModel, with_hidden: bool = False) -> None:
         self.model = model
@@ -98,9 +107,7 @@ class CachedLM:
         one that does not continue the last) makes the cache hold the longest common prefix and copies it into one
         row per context; later calls feed each row its new tokens. The cache itself keeps that prefix."""
         if self._fork is None or not self._fork.continued_by(contexts):
-            shared = min([common_prefix_length(contexts[0], c) for c in contexts] + [len(c) - 1 for c in contexts])
-            if len({len(c) for c in contexts}) != 1 or shared < 1:
-                raise ValueError("branches drafted side by side share a prefix and have one length")
+            shared = shared_prefix(contexts)
             self.advance_to(contexts[0][:shared])
             fork = DynamicCache(config=self.model.config)
             for index, layer in enumerate(self.cache.layers):

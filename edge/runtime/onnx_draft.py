@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from common.cached_lm import Fork, ForwardOutput, common_prefix_length
+from common.cached_lm import Fork, ForwardOutput, common_prefix_length, shared_prefix
 from edge.runtime.kv_slice import KvSlicer
 from edge.runtime.ort_sessions import make_session
 
@@ -138,9 +138,7 @@ class OnnxCachedLM:
         later calls feed each row its new tokens. The cache itself keeps that prefix."""
         fork = self._fork
         if fork is None or not fork.continued_by(contexts):
-            shared = min([common_prefix_length(contexts[0], c) for c in contexts] + [len(c) - 1 for c in contexts])
-            if len({len(c) for c in contexts}) != 1 or shared < 1:
-                raise ValueError("branches drafted side by side share a prefix and have one length")
+            shared = shared_prefix(contexts)
             self.advance_to(contexts[0][:shared])
             rows = (self._slicer.tiled(self._past, len(contexts)) if self.io_binding
                     else [np.repeat(p, len(contexts), axis=0) for p in self._past])
