@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
-from common.cached_lm import DraftLM, ForwardOutput, common_prefix_length
+from common.cached_lm import DraftLM, ForwardOutput, common_prefix_length, shared_prefix
 from common.call_policy import CallPolicy, CostModel
 from common.companion import Companion
 from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Proposer, ends_block
@@ -139,7 +139,7 @@ class ModelProposer:
         forward (`BatchedDraftForward`); unjudged, as a branch's tokens are. Drawn in the branches' order."""
         fulls = [context + branch.tokens for branch in branches]
         rows = await self.forward.batch(fulls)
-        self.held = fulls[0][:min(common_prefix_length(fulls[0], full) for full in fulls)]  # what the KV keeps
+        self.held = fulls[0][:shared_prefix(fulls)]  # what the draft's own KV keeps: the branch point's prefix
         proposed = []
         for full, row, branch in zip(fulls, rows, branches):
             step, p_draft, _ = self._judge(full, row, branch, to_verify=False)
