@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: `edge serve --help` reads the default below without loading torch
+    import torch
+
     from common.cached_lm import DraftLM, ForwardOutput
     from common.stats import StatsRecorder
 
