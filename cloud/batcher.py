@@ -4,8 +4,9 @@ The target model is used by one worker thread only (it is not thread-safe, and t
 would just split the same cores). Whenever that thread is free and work is waiting, the next forward
 takes every verify request that has arrived (up to `max_batch` requests and `max_forward_tokens`
 tokens): under load, requests pile up during a forward and all join the next one. Each forward is
-one packed, unpadded pass over resident KV caches (cloud/packed_forward.py), so joining a batch
-costs a request neither padding nor a copy of anyone's past.
+one packed, unpadded pass over resident KV caches (cloud/packed_forward.py; the llama.cpp engine's
+is one `llama_decode` over sequences), so joining a batch costs a request neither padding nor a copy
+of anyone's past.
 
 Stragglers: right after a forward, if fewer verifies wait than sessions are open (`demand`), the
 next forward is held for at most `straggler_share` of the previous forward's time, capped at
@@ -28,17 +29,23 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
-from transformers import PreTrainedModel
-
-from cloud.engine import ForwardResult, ForwardStats
-from cloud.packed_forward import forward_packed, install
+from cloud.engine import ForwardResult, ForwardStats, TargetRows
 from cloud.resident_kv import ResidentKV
 
 log = logging.getLogger(__name__)
 STRAGGLER_SHARE = 0.25  # the hold right after a forward: this share of it (module docstring) ...
 MAX_HOLD_S = 0.02  # ... at most this long
+
+
+class PackedForward(Protocol):
+    """One forward over every request of a batch: session i's `new_tokens[i]` appended to `caches[i]` (in place), the
+    rows of its last `n_logits[i]` positions back (cloud/packed_forward.py: the resident engine's; the llama.cpp
+    engine's: one `llama_decode`)."""
+
+    def __call__(self, caches: list[Any], new_tokens: list[list[int]], n_logits: list[int], full_logits: list[bool],
+                 trees: list[list[int] | None]) -> list[TargetRows]: ...
 
 
 @dataclass
@@ -56,13 +63,12 @@ class ForwardRequest:
 class Batcher:
     """The engine's scheduler: `forward` (a verify, a decode step) and `prefill` queue work; one thread runs it."""
 
-    def __init__(self, model: PreTrainedModel, window_s: float = 0.0, max_batch: int = 8,
+    def __init__(self, forward: PackedForward, window_s: float = 0.0, max_batch: int = 8,
                  on_batch: Callable[[ForwardStats], None] | None = None,
                  demand: Callable[[], int] | None = None, max_prefill_chunk: int = 256,
                  max_forward_tokens: int = 1024, straggler_share: float = STRAGGLER_SHARE, max_hold_s: float = MAX_HOLD_S,
                  worker: ThreadPoolExecutor | None = None) -> None:
-        install(model)
-        self.model = model
+        self.packed_forward = forward
         self.window_s = window_s
         self.straggler_share = straggler_share
         self.max_hold_s = max_hold_s
@@ -204,7 +210,7 @@ class Batcher:
             request.cache.in_forward = True
         try:
             rows, started, forward_s = await asyncio.get_running_loop().run_in_executor(
-                self._worker, _timed_forward, self.model, [r.cache for r in batch], [r.new_tokens for r in batch],
+                self._worker, _timed_forward, self.packed_forward, [r.cache for r in batch], [r.new_tokens for r in batch],
                 [r.n_logits for r in batch], [r.full_logits for r in batch], [r.tree for r in batch])
         except Exception as err:  # a failed forward fails its requests, never the batcher
             log.exception("target forward failed for a batch of %d", len(batch))
@@ -225,9 +231,9 @@ class Batcher:
                     request_rows, len(batch), (started - request.enqueued_at) * 1e3, forward_s * 1e3))
 
 
-def _timed_forward(*args: object) -> tuple[list, float, float]:
-    """forward_packed, when it began and the seconds it ran, timed on the worker: a forward waiting for the thread
-    (another batcher's, sharing it) is queueing, not forward time."""
+def _timed_forward(forward: PackedForward, *args: Any) -> tuple[list, float, float]:
+    """The packed forward, when it began and the seconds it ran, timed on the worker: a forward waiting for the
+    thread (another batcher's, sharing it) is queueing, not forward time."""
     started = time.perf_counter()
-    rows = forward_packed(*args)
+    rows = forward(*args)
     return rows, started, time.perf_counter() - started

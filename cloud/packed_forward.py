@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,16 @@ def install(model: PreTrainedModel) -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the SDPA fallback gets the masks SDPA would
     if model.config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
+
+
+def packed_forward_of(model: PreTrainedModel) -> Callable[..., list[TargetRows]]:
+    """`model`'s packed forward as the batcher calls it (cloud/batcher.py: PackedForward), its attention installed."""
+    install(model)
+
+    def forward(*args: Any) -> list[TargetRows]:
+        return forward_packed(model, *args)  # looked up per call: a test's spy may stand in for it
+
+    return forward
 
 
 def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_logits: list[int],

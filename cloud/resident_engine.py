@@ -85,7 +85,7 @@ class ResidentEngine:
         caches = [self.new_session_kv(), self.new_session_kv()]
         try:
             for new_tokens in ([[0]], [[0] * 3, [0] * 4]):
-                forward_packed(self.batcher.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens))
+                forward_packed(self.target.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens))
         except Exception as err:
             if self.kv_pool is None:
                 raise

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
 from cloud.target_host import TargetHost
+from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats, TargetEngine
 from cloud.frames import ServiceLimits
@@ -219,7 +220,7 @@ class CloudServer:
         # The pool holds the budget, plus a forward's and the Generate calls' page rounding of slack.
         kv_pool = KVPool(kv_layout, settings.kv_budget_bytes, slack_tokens=settings.max_forward_tokens
                          + settings.max_batch * kv_layout.page_tokens) if paged else None
-        async with Batcher(target.model, settings.batch_window_ms / 1e3, settings.max_batch,
+        async with Batcher(packed_forward_of(target.model), settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher, \
@@ -249,7 +250,8 @@ class CloudServer:
             raise ValueError(f"--draft {settings.draft} does not share the target's tokenizer ({settings.target}): "
                              "its tokens could not be verified")
         kv_layout = KVLayout.of(draft.model, max_tokens=settings.max_context + settings.max_block + 1)
-        async with Batcher(draft.model, max_batch=settings.max_batch, on_batch=self._observe_draft_batch,
+        async with Batcher(packed_forward_of(draft.model), max_batch=settings.max_batch,
+                           on_batch=self._observe_draft_batch,
                            demand=lambda: self.servicer.open_streams, max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens, worker=target_batcher.worker) as batcher:
             yield DraftEngine(draft, batcher, kv_layout)

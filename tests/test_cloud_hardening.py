@@ -2,7 +2,7 @@
 budget that never evicts what it just admitted, dead peers that release what they hold, safe defaults,
 and Generate's finish reason. Real CloudServer on loopback, real gRPC clients.
 
-`ForwardSpy` wraps the real `cloud.batcher.forward_packed` (it still runs): it records what every
+`ForwardSpy` wraps the real `cloud.packed_forward.forward_packed` (it still runs): it records what every
 target forward carried and can hold the forward worker, so a test can queue work behind it.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-import cloud.batcher
+import cloud.packed_forward
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
 from sprinter.v1 import decoding_pb2 as pb
@@ -36,12 +36,12 @@ class ForwardSpy:
     """The real forward_packed, recording each forward's rows (the new tokens of each session) and able to hold."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real = cloud.batcher.forward_packed
+        self.real = cloud.packed_forward.forward_packed
         self.calls: list[list[list[int]]] = []
         self.released = threading.Event()
         self.released.set()
         self.entered = threading.Event()
-        monkeypatch.setattr(cloud.batcher, "forward_packed", self)
+        monkeypatch.setattr(cloud.packed_forward, "forward_packed", self)
 
     def hold(self) -> None:
         """The next forward waits in the worker until `release()`."""

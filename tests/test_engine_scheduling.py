@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-import cloud.batcher
+import cloud.packed_forward
+from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
 from cloud.resident_kv import KVLayout, ResidentKV
@@ -17,13 +18,13 @@ from cloud.resident_kv import KVLayout, ResidentKV
 def forwards(monkeypatch) -> list[list[int]]:
     """Each forward's requests, as their token counts (the real forward still runs)."""
     calls: list[list[int]] = []
-    real = cloud.batcher.forward_packed
+    real = cloud.packed_forward.forward_packed
 
     def spy(model, caches, new_tokens, *rest):
         calls.append([len(tokens) for tokens in new_tokens])
         return real(model, caches, new_tokens, *rest)
 
-    monkeypatch.setattr(cloud.batcher, "forward_packed", spy)
+    monkeypatch.setattr(cloud.packed_forward, "forward_packed", spy)
     return calls
 
 
@@ -33,7 +34,7 @@ def _caches(model, n: int) -> list[ResidentKV]:
 
 def test_a_lone_verify_on_an_idle_engine_waits_for_nothing(tiny_target, forwards):
     async def run() -> float:
-        async with Batcher(tiny_target.model, demand=lambda: 8) as batcher:  # 8 open streams, 1 request
+        async with Batcher(packed_forward_of(tiny_target.model), demand=lambda: 8) as batcher:  # 8 open streams, 1 request
             result = await batcher.forward(_caches(tiny_target.model, 1)[0], [1, 2, 3], n_logits=2)
             return result.queue_ms
 
@@ -45,7 +46,8 @@ def test_requests_waiting_during_a_forward_all_join_the_next_within_the_budgets(
     stats: list[ForwardStats] = []
 
     async def run() -> None:
-        async with Batcher(tiny_target.model, max_batch=3, max_forward_tokens=12, on_batch=stats.append) as batcher:
+        async with Batcher(packed_forward_of(tiny_target.model), max_batch=3, max_forward_tokens=12,
+                           on_batch=stats.append) as batcher:
             caches = _caches(tiny_target.model, 6)
             blocking = asyncio.create_task(batcher.forward(caches[0], [7] * 2, 1))
             await asyncio.sleep(0)  # the first forward starts alone ...
@@ -60,7 +62,7 @@ def test_requests_waiting_during_a_forward_all_join_the_next_within_the_budgets(
 
 def test_a_prefill_rides_along_in_chunks_one_per_forward(tiny_target, forwards):
     async def run() -> None:
-        async with Batcher(tiny_target.model, max_prefill_chunk=8) as batcher:
+        async with Batcher(packed_forward_of(tiny_target.model), max_prefill_chunk=8) as batcher:
             prompt, busy = _caches(tiny_target.model, 2)
             await batcher.forward(busy, [1, 2], 1)
             prefill = asyncio.create_task(batcher.prefill(prompt, list(range(20))))
@@ -78,16 +80,17 @@ def test_a_prefill_rides_along_in_chunks_one_per_forward(tiny_target, forwards):
 
 def test_after_a_forward_stragglers_are_held_for_a_share_of_it(tiny_target, forwards, monkeypatch):
     """Two sessions that answer at once would otherwise take turns; the hold merges them."""
-    spy = cloud.batcher.forward_packed
+    spy = cloud.packed_forward.forward_packed
 
     def slow(*args):  # forwards of 50 ms, as a real target's: the hold is a share of that
         time.sleep(0.05)
         return spy(*args)
 
-    monkeypatch.setattr(cloud.batcher, "forward_packed", slow)
+    monkeypatch.setattr(cloud.packed_forward, "forward_packed", slow)
 
     async def run() -> None:
-        async with Batcher(tiny_target.model, demand=lambda: 2, straggler_share=0.5, max_hold_s=0.5) as batcher:
+        async with Batcher(packed_forward_of(tiny_target.model), demand=lambda: 2, straggler_share=0.5,
+                           max_hold_s=0.5) as batcher:
             first, second = _caches(tiny_target.model, 2)
             await batcher.forward(first, [1, 2, 3, 4], 1)
             late = asyncio.create_task(_after(0.005, batcher.forward(second, [5], 1)))

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloud.target_host import TargetHost
+from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits
@@ -43,7 +44,7 @@ async def _program(target, paged: bool, cached: bool, ops: list[tuple[str, int]]
     budget = BUDGET_PAGES * layout.bytes_per_page
     pool = KVPool(layout, budget, slack_tokens=4 * PAGE) if paged else None
     prefix_cache = PrefixCache(layout, pool) if cached else None
-    async with Batcher(model, max_batch=4) as batcher:
+    async with Batcher(packed_forward_of(model), max_batch=4) as batcher:
         engine = ResidentEngine(target, batcher, layout, pool, prefix_cache=prefix_cache)
         breaches = []
         store = SessionStore(SessionLimits(max_sessions=5, kv_budget_bytes=budget, idle_timeout_s=1000),
@@ -141,7 +142,7 @@ def test_a_generate_that_ends_at_eos_gives_its_pages_back_at_once(tiny_target):
         layout = KVLayout.of(tiny_target.model, page_tokens=PAGE, max_tokens=BUDGET_PAGES * PAGE)
         budget = BUDGET_PAGES * layout.bytes_per_page
         pool = KVPool(layout, budget, slack_tokens=4 * PAGE)
-        async with Batcher(tiny_target.model, max_batch=4) as batcher:
+        async with Batcher(packed_forward_of(tiny_target.model), max_batch=4) as batcher:
             engine = ResidentEngine(tiny_target, batcher, layout, pool)
             store = SessionStore(SessionLimits(kv_budget_bytes=budget), layout.bytes_per_token)
             host = TargetHost(engine, ServiceLimits(max_context=BUDGET_PAGES * PAGE - 8), store, CloudMetrics())

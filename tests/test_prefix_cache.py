@@ -19,6 +19,7 @@ import torch
 
 import cloud.packed_forward
 from cloud.target_host import TargetHost
+from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
 from cloud.frames import ServiceLimits
@@ -49,10 +50,11 @@ async def _backend(target, paged: bool, budget_pages: int = 64, share: bool = Fa
     cache = PrefixCache(layout, pool, share, on_evict=metrics.prefix_cache_evictions.inc)
     async with contextlib.AsyncExitStack() as stack:
         batcher = await stack.enter_async_context(
-            Batcher(target.model, max_batch=8, on_batch=forwards.append if forwards is not None else None))
+            Batcher(packed_forward_of(target.model), max_batch=8, on_batch=forwards.append if forwards is not None else None))
         drafting = None
         if draft is not None:
-            draft_batcher = await stack.enter_async_context(Batcher(draft.model, worker=batcher.worker))
+            draft_batcher = await stack.enter_async_context(Batcher(packed_forward_of(draft.model),
+                                                                    worker=batcher.worker))
             drafting = DraftEngine(draft, draft_batcher, KVLayout.of(draft.model))
         engine = ResidentEngine(target, batcher, layout, pool, drafting, prefix_cache=cache)
         store = SessionStore(SessionLimits(max_sessions=16, kv_budget_bytes=budget, idle_timeout_s=1000),
