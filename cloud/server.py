@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
 from cloud.target_host import TargetHost
+from cloud.llama_cpp_engine import LlamaCppEngine, default_threads
 from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats, TargetEngine
@@ -207,6 +208,10 @@ class CloudServer:
             finally:
                 engine.shutdown()
             return
+        if settings.engine == "llama.cpp":
+            async with self._llama_cpp_engine() as engine:
+                yield engine
+            return
         target = self.preloaded_target
         if target is None:
             device = resolve_device(settings.device)
@@ -233,6 +238,26 @@ class CloudServer:
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
                 await asyncio.to_thread(engine.warm_up)
             yield engine
+
+    @asynccontextmanager
+    async def _llama_cpp_engine(self) -> AsyncIterator[LlamaCppEngine]:
+        """The target's GGUF on llama.cpp, its forwards through a batcher of its own."""
+        settings = self.settings
+        log.info("loading target %s into llama.cpp", settings.target)
+        engine = await asyncio.to_thread(
+            LlamaCppEngine.load, settings.target, settings.threads or default_threads(), settings.kv_budget_bytes,
+            settings.max_context + settings.max_verify_tokens + 1, 2 * settings.max_sessions,
+            settings.max_forward_tokens)
+        try:
+            settings.check_kv_budget(engine.kv_bytes_per_token)
+            async with Batcher(engine.packed_forward, settings.batch_window_ms / 1e3, settings.max_batch,
+                               on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
+                               max_prefill_chunk=settings.max_prefill_chunk,
+                               max_forward_tokens=settings.max_forward_tokens) as batcher:
+                engine.batcher = batcher
+                yield engine
+        finally:
+            engine.close()
 
     @asynccontextmanager
     async def _draft_engine(self, target: LoadedModel, target_batcher: Batcher) -> AsyncIterator[DraftEngine | None]:

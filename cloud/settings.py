@@ -14,7 +14,7 @@ from common.decoding.modes import PROPOSERS
 from common.devices import DeviceError, resolve_device
 
 
-ENGINES = ("resident", "vllm")
+ENGINES = ("resident", "vllm", "llama.cpp")
 ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout and attention (cloud/packed_forward.py)
 
 
@@ -27,7 +27,8 @@ class CloudSettings:
     dtype: str = "bfloat16"
     device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
-    engine: str = "resident"  # cloud/engine.py: the embedded engine, or vLLM (its own environment, `make vllm`)
+    engine: str = "resident"  # cloud/engine.py: the embedded engine, vLLM (its own environment, `make vllm`) or llama.cpp
+    threads: int | None = None  # llama.cpp's threads (--engine llama.cpp); None: one per core this process may use
     # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None  # instead of --kv-budget-mb: a share of each GPU's memory
@@ -145,9 +146,9 @@ class CloudSettings:
             (self.suffix_cache in ("on", "off"), f"--suffix-cache must be on or off, got {self.suffix_cache!r}"),
             (self.proposer == "model" or self.draft is not None,
              f"--proposer {self.proposer} proposes around the cloud's draft model: it needs --draft"),
-            (self.engine != "vllm" or self.max_tree_tokens in (0, CloudSettings.max_tree_tokens),
-             f"--max-tree-tokens {self.max_tree_tokens} does not apply to --engine vllm: it has no tree attention and "
-             "verifies chains only (its limits always say 0 tree tokens)"),
+            (self.engine == "resident" or self.max_tree_tokens in (0, CloudSettings.max_tree_tokens),
+             f"--max-tree-tokens {self.max_tree_tokens} does not apply to --engine {self.engine}: it has no tree "
+             "attention and verifies chains only (its limits always say 0 tree tokens)"),
             (self.proposer == "model" or self.engine != "vllm",
              f"--proposer {self.proposer} does not apply to --engine vllm: its cloud-sd is vLLM's own draft-model "
              "speculation, which proposes from the draft model alone"),
@@ -162,26 +163,37 @@ class CloudSettings:
         return []
 
     def _engine_problems(self) -> list[str]:
-        """Flags that mean something to one engine only are refused on the other, never ignored."""
+        """Flags that mean something to one engine only are refused on the others, never ignored."""
         defaults = CloudSettings.__dataclass_fields__
+        vllm_only = {
+            "tensor_parallel_size": "--tensor-parallel-size", "gpu_memory_utilization": "--gpu-memory-utilization",
+            "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens", "vllm_eager": "--vllm-eager",
+            "max_logprobs": f"--max-logprobs (the {self.engine} engine reads whole rows)",
+            "draft_block": f"--draft-block (the {self.engine} engine drafts each request's own speculation.block)",
+        }
         if self.engine == "vllm":
-            resident_only = {
+            not_here = {
                 "batch_window_ms": "--batch-window-ms (vLLM schedules its own batches)",
                 "max_prefill_chunk": "--max-prefill-chunk (vLLM chunks prefills within --max-forward-tokens)",
                 "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
                 "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
                 "attention": "--attention (vLLM has its own attention backends)",
                 "share_prefix_cache": "--share-prefix-cache (vLLM keeps each session's cache blocks its own)",
+                "threads": "--threads (llama.cpp's)",
+            }
+        elif self.engine == "llama.cpp":
+            not_here = vllm_only | {
+                "device": "--device (this llama.cpp build runs on the CPU)",
+                "attention": "--attention (llama.cpp has its own attention)",
+                "dtype": "--dtype (llama.cpp computes in the GGUF file's own types)",
+                "share_prefix_cache": "--share-prefix-cache (the llama.cpp engine keeps no prefix cache yet)",
+                "draft": "--draft (cloud-sd on the llama.cpp engine is not built yet: draft on the edge)",
             }
         else:
-            resident_only = {
-                "tensor_parallel_size": "--tensor-parallel-size", "gpu_memory_utilization": "--gpu-memory-utilization",
-                "quantization": "--quantization", "kv_block_tokens": "--kv-block-tokens", "vllm_eager": "--vllm-eager",
-                "max_logprobs": "--max-logprobs (the resident engine reads whole rows)",
-                "draft_block": "--draft-block (the resident engine drafts each request's own speculation.block)",
-            }
-        return [f"{flag} does not apply to --engine {self.engine}" for name, flag in resident_only.items()
-                if getattr(self, name) != defaults[name].default]
+            not_here = vllm_only | {"threads": "--threads (llama.cpp's; the resident engine uses torch's threads)"}
+        threads = [] if self.threads is None or self.threads >= 1 else [f"--threads must be >= 1, got {self.threads}"]
+        return threads + [f"{flag} does not apply to --engine {self.engine}" for name, flag in not_here.items()
+                          if getattr(self, name) != defaults[name].default]
 
     def paged(self, device_type: str) -> bool:
         """Whether the resident engine keeps its KV in one page pool (`--attention`, auto by device)."""

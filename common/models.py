@@ -151,6 +151,23 @@ def model_dir(spec: str) -> Path | str:
     return saved
 
 
+def gguf_file(spec: str) -> Path:
+    """The GGUF file behind `spec`, for an engine that runs GGUF as shipped (llama.cpp): a GGUF preset's (assembled
+    and checked on first use) or a path to a .gguf file; anything else is refused, saying what would do."""
+    if spec in GGUF_PRESETS:
+        return gguf_path(spec, cache_root())
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return Path(spec)
+    presets = ", ".join(GGUF_PRESETS)
+    raise UnknownModel(f"model {spec!r} is not a GGUF file: this engine loads a GGUF preset ({presets}) or a path to "
+                       "a .gguf file as it is, never a converted or truncated model")
+
+
+def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer a GGUF file carries (transformers reads it from the file's metadata, not its weights)."""
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 def load_pair(target_spec: str, draft_spec: str, dtype: torch.dtype = torch.bfloat16) -> tuple[LoadedModel, LoadedModel]:
     target = load_model(target_spec, dtype)
     draft = target if draft_spec == target_spec else load_model(draft_spec, dtype)

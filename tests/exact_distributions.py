@@ -20,15 +20,27 @@ def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: 
                               n_tokens: int) -> dict[tuple[int, ...], float]:
     """P(first `n_tokens` tokens) under the target with `sampling`, exactly (a sequence ends at EOS); the
     request's logit_bias and penalties, if it has any, transform each step's logits."""
+    @torch.inference_mode()
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        return target.model(torch.tensor([ids])).logits[0, -1].float()
+
+    return rows_distribution(next_logits, target.eos_token_ids, prompt, sampling, n_tokens,
+                             target.grammars if sampling.grammar else None)
+
+
+def rows_distribution(next_logits: Callable[[list[int]], torch.Tensor], eos_token_ids: frozenset[int],
+                      prompt: list[int], sampling: SamplingParams, n_tokens: int,
+                      grammars=None) -> dict[tuple[int, ...], float]:
+    """P(first `n_tokens` tokens) when each step's distribution is `sampling` applied to `next_logits(context)`: the
+    law of whatever engine computes those rows (a torch model's, llama.cpp's)."""
     dist: dict[tuple[int, ...], float] = {}
-    processor = processor_for(sampling, prompt, target.grammars if sampling.grammar else None)
+    processor = processor_for(sampling, prompt, grammars)
 
     def expand(prefix: tuple[int, ...], p: float) -> None:
-        if len(prefix) == n_tokens or (prefix and prefix[-1] in target.eos_token_ids):
+        if len(prefix) == n_tokens or (prefix and prefix[-1] in eos_token_ids):
             dist[prefix] = dist.get(prefix, 0.0) + p
             return
-        with torch.inference_mode():
-            logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        logits = next_logits(prompt + list(prefix))
         if processor is not None:
             logits = processor.next_row(logits, prompt + list(prefix))
         probs = logits_to_probs(logits, sampling)
