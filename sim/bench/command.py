@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|prefix|prefix-fleet|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer|tree-shapes`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|prefix-fleet|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer|tree-shapes|llama-cpp`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -17,33 +17,26 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench placement --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-placement
     sprinter bench proposer --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-proposer
     sprinter bench tree-shapes --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-tree-shapes
+    sprinter bench llama-cpp --target qwen2.5-coder-1.5b --out results/bench-llama-cpp
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
 from common.devices import add_device_argument
 from common.results_page import add_page_arguments
-from sim.bench import chaos, dashboards, soak
+from sim.bench import chaos, dashboards, llama_cpp_command, soak
 from sim.bench.policy import PolicyBenchSettings
+from sim.bench.registry import described as _described
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
                             run_placement, run_policy, run_prefill, run_prefix,
                             run_prefix_fleet, run_proposer, run_rollout, run_tree_shapes, run_uplink)
 from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
                                 PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
-
-
-def _described(module: str) -> dict[str, object]:
-    """A bench's --help is its module's docstring, read from the source: importing the module would load torch."""
-    source = Path(importlib.util.find_spec(module).origin).read_text()
-    return {"description": ast.get_docstring(ast.parse(source), clean=False),
-            "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -69,6 +62,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_placement(benches)
     _register_proposer(benches)
     _register_tree_shapes(benches)
+    llama_cpp_command.register(benches, _described("sim.bench.llama_cpp"))
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 

@@ -1,0 +1,231 @@
+"""`sprinter bench llama-cpp`: the cloud's llama.cpp engine against llama.cpp's own programs, same core, same GGUF.
+
+Each measurement runs beside what a user of this machine would run instead, on the same pinned core:
+
+  verify   EDGES sessions of CONTEXT tokens each verify a BLOCK-token block, in process (the engine and its
+           batcher): all in one forward (the engine's batching), then one after another; beside them
+           llama-bench's pp(EDGES x BLOCK) and pp(BLOCK) at depth CONTEXT, the same work in llama.cpp's own tool.
+  decode   mode target: the cloud (`cloud serve --engine llama.cpp --threads 1`) streams a Generate per prompt
+           over gRPC; llama-server (-t 1) streams /completion for the same token ids; greedy, no prompt cache,
+           one request at a time, interleaved. Tokens over wall time (prefill included), and decode tokens/s
+           (the tokens after the first over the time after it).
+
+    sprinter bench llama-cpp --target qwen2.5-coder-1.5b --out results/bench-llama-cpp
+
+Writes results.json, table.md and plot.png into --out; the verify step's prefill (EDGES x CONTEXT tokens)
+takes a few minutes on one core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+
+import grpc
+
+from common import wire
+from common.models import gguf_file, load_gguf_tokenizer
+from common.prompting import encode_prompt
+from common.results_page import commit, machine
+from common.sampling import SamplingParams
+from sim.bench.llama_cpp_command import LlamaCppBenchSettings
+from sim.bench.prompts import load_bench_prompts
+from sim.processes import CloudProcess, free_port, stop_process
+from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+
+@dataclass
+class LlamaCppBenchResult:
+    settings: dict
+    machine: str
+    commit: str
+    date: str
+    verify: dict = field(default_factory=dict)
+    decode: dict = field(default_factory=dict)
+
+
+def bench_llama_cpp(settings: LlamaCppBenchSettings) -> tuple[str, LlamaCppBenchResult]:
+    result = LlamaCppBenchResult(_jsonable(asdict(settings)), machine(), commit(), time.strftime("%Y-%m-%d"))
+    gguf = gguf_file(settings.target)
+    if "verify" in settings.steps:
+        result.verify = measure_verify(settings, gguf)
+    if "decode" in settings.steps:
+        result.decode = measure_decode(settings, gguf)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    (settings.out / "results.json").write_text(json.dumps(asdict(result), indent=2))
+    table = format_table(result)
+    (settings.out / "table.md").write_text(table + "\n")
+    plot(result, settings.out / "plot.png")
+    return table, result
+
+
+def _jsonable(values: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+
+
+def measure_verify(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
+    """Verified tokens/s of EDGES blocks at CONTEXT: batched, one by one (ours), and llama-bench's."""
+    from sim.bench.llama_cpp_verify import timed_verifies
+
+    os.sched_setaffinity(0, {settings.core})
+    batched_s, alone_s = asyncio.run(timed_verifies(settings.target, settings.edges, settings.block,
+                                                    settings.context, settings.repeats))
+    tokens = settings.edges * settings.block
+    bench = llama_bench(gguf, settings.core, [tokens, settings.block], settings.context)
+    return {"verified_tokens": tokens,
+            "batched_tokens_per_s": tokens / median(batched_s), "batched_forward_s": batched_s,
+            "one_by_one_tokens_per_s": tokens / sum(median(s) for s in alone_s),
+            "one_forward_s": [median(s) for s in alone_s],
+            f"llama_bench_pp{tokens}_tokens_per_s": bench[tokens],
+            f"llama_bench_pp{settings.block}_tokens_per_s": bench[settings.block]}
+
+
+def llama_bench(gguf: Path, core: int, prompt_sizes: list[int], depth: int) -> dict[int, float]:
+    """llama-bench's prompt-processing tokens/s for each size at `depth`, one thread on `core`."""
+    command = ["taskset", "-c", str(core), _program("llama-bench"), "-m", str(gguf), "-t", "1", "-n", "0", "-r", "3",
+               "-p", ",".join(map(str, prompt_sizes)), "-d", str(depth), "-o", "json"]
+    rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    return {row["n_prompt"]: row["avg_ts"] for row in rows}
+
+
+def _program(name: str) -> str:
+    """llama.cpp's programs, built by `make llama-cpp` next to this environment's python."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `make llama-cpp` (it builds llama.cpp's programs too)")
+    return str(path)
+
+
+def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
+    """Mode target on our cloud against llama-server, the same prompts' token ids, interleaved per prompt."""
+    tokenizer = load_gguf_tokenizer(gguf)
+    prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
+    cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1",
+                         cpus={settings.core}, log_path=settings.out / "cloud.log")
+    settings.out.mkdir(parents=True, exist_ok=True)
+    server = _start_llama_server(gguf, settings.core, settings.out / "llama-server.log")
+    ours, theirs = [], []
+    try:
+        cloud.start()
+        for ids in prompts:
+            ours.append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
+            theirs.append(_llama_server_stream(server[1], ids, settings.max_new_tokens))
+    finally:
+        cloud.stop(grace_s=10)
+        stop_process(server[0], 15, 10)
+    return {"sprinter_llama_cpp": _rates(ours), "llama_server": _rates(theirs),
+            "prompts": len(prompts), "per_prompt": {"sprinter_llama_cpp": ours, "llama_server": theirs}}
+
+
+def _rates(runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    return {"tokens": tokens, "tokens_per_s": tokens / sum(r["wall_s"] for r in runs),
+            "decode_tokens_per_s": sum(r["tokens"] - 1 for r in runs) / sum(r["wall_s"] - r["first_s"] for r in runs),
+            "ttft_s_median": median(r["first_s"] for r in runs)}
+
+
+async def _generate_stream(address: str, prompt: list[int], max_new: int) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        started, first, tokens = time.perf_counter(), None, []
+        async for chunk in stub.Generate(wire.generate_request(prompt, SamplingParams(), max_new)):
+            tokens += list(chunk.token_ids)
+            first = first or time.perf_counter()
+        return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
+                "token_ids": tokens}
+
+
+def _start_llama_server(gguf: Path, core: int, log_path: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    command = ["taskset", "-c", str(core), _program("llama-server"), "-m", str(gguf), "-t", "1", "-tb", "1",
+               "--port", str(port), "-c", "4096", "-np", "1", "--no-webui"]
+    process = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, port
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise TimeoutError(f"llama-server did not come up within 120 s (see {log_path})")
+
+
+def _llama_server_stream(port: int, prompt: list[int], max_new: int) -> dict:
+    """/completion streamed (server-sent events), greedy, for `prompt` as token ids, its prompt cache off."""
+    body = json.dumps({"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "stream": True,
+                       "cache_prompt": False, "return_tokens": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                     {"Content-Type": "application/json"})
+    started, first, tokens = time.perf_counter(), None, []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("tokens"):
+                tokens += event["tokens"]
+                first = first or time.perf_counter()
+            if event.get("stop"):
+                break
+    return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
+            "token_ids": tokens}
+
+
+def format_table(result: LlamaCppBenchResult) -> str:
+    lines = [f"Measured {result.date} on {result.machine}, commit {result.commit}; one core, one thread each.", ""]
+    v, d = result.verify, result.decode
+    if v:
+        n = v["verified_tokens"]
+        block = n // result.settings["edges"]
+        lines += ["| verify | tokens/s | vs llama-bench pp |", "| --- | --- | --- |",
+                  f"| sprinter llama.cpp engine, {result.settings['edges']} blocks in one forward | "
+                  f"{v['batched_tokens_per_s']:.1f} | {v['batched_tokens_per_s'] / v[f'llama_bench_pp{n}_tokens_per_s']:.2f}x pp{n} |",
+                  f"| the same blocks one by one | {v['one_by_one_tokens_per_s']:.1f} | "
+                  f"{v['one_by_one_tokens_per_s'] / v[f'llama_bench_pp{block}_tokens_per_s']:.2f}x pp{block} |",
+                  f"| llama-bench pp{n} at depth {result.settings['context']} | {v[f'llama_bench_pp{n}_tokens_per_s']:.1f} | 1.00x |",
+                  f"| llama-bench pp{block} at depth {result.settings['context']} | "
+                  f"{v[f'llama_bench_pp{block}_tokens_per_s']:.1f} | |",
+                  "", f"Batching gives {v['batched_tokens_per_s'] / v['one_by_one_tokens_per_s']:.2f}x one by one.", ""]
+    if d:
+        ours, theirs = d["sprinter_llama_cpp"], d["llama_server"]
+        lines += ["| mode target | tokens/s (wall) | decode tokens/s | TTFT p50 (s) |", "| --- | --- | --- | --- |"]
+        for name, r in (("sprinter cloud, --engine llama.cpp (gRPC Generate)", ours), ("llama-server", theirs)):
+            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | {r['ttft_s_median']:.3f} |")
+        lines += ["", f"Decode: {ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x llama-server's; "
+                      f"wall: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x ({d['prompts']} prompts)."]
+    return "\n".join(lines)
+
+
+def plot(result: LlamaCppBenchResult, path: Path) -> None:
+    from common.plots import pyplot
+
+    plt = pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    v, d = result.verify, result.decode
+    if v:
+        n, block = v["verified_tokens"], v["verified_tokens"] // result.settings["edges"]
+        bars = {"ours, batched": v["batched_tokens_per_s"], "ours, one by one": v["one_by_one_tokens_per_s"],
+                f"llama-bench pp{n}": v[f"llama_bench_pp{n}_tokens_per_s"],
+                f"llama-bench pp{block}": v[f"llama_bench_pp{block}_tokens_per_s"]}
+        axes[0].barh(list(bars), list(bars.values()), color=["C0", "C0", "C1", "C1"])
+        axes[0].set_title(f"verify: {result.settings['edges']} x {block} tokens at {result.settings['context']}")
+        axes[0].set_xlabel("verified tokens/s")
+    if d:
+        bars = {"ours (gRPC Generate)": d["sprinter_llama_cpp"]["decode_tokens_per_s"],
+                "llama-server": d["llama_server"]["decode_tokens_per_s"]}
+        axes[1].barh(list(bars), list(bars.values()), color=["C0", "C1"])
+        axes[1].set_title("mode target: decode")
+        axes[1].set_xlabel("tokens/s")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,55 @@
+"""`sprinter bench llama-cpp`'s flags and settings (sim/bench/llama_cpp.py measures; its docstring is the help)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from sim.bench.registry import add_settings_arguments, settings_from
+
+
+@dataclass(frozen=True)
+class LlamaCppBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    edges: int = 8
+    block: int = 6
+    context: int = 1024
+    repeats: int = 5
+    prompts: int = 6  # of sim/data/bench_prompts.jsonl, for the decode step
+    max_new_tokens: int = 48
+    core: int = 1  # every process measured runs pinned to this core, one thread
+    steps: tuple[str, ...] = ("verify", "decode")
+    out: Path = Path("results/bench-llama-cpp")
+
+
+HELPS = {
+    "target": "a GGUF preset or a .gguf path, run as shipped",
+    "edges": "sessions whose blocks verify in one forward",
+    "block": "tokens per block",
+    "context": "tokens each session holds before its block",
+    "repeats": "timed rounds of the verify step",
+    "prompts": "bench prompts for the decode step (sim/data/bench_prompts.jsonl)",
+    "max_new_tokens": "tokens each decode request asks for",
+    "core": "the core every measured process is pinned to",
+    "steps": "verify, decode",
+}
+
+
+def register(benches: argparse._SubParsersAction, described: dict[str, object]) -> None:
+    p = benches.add_parser("llama-cpp", help="the llama.cpp engine against llama-bench and llama-server, one core",
+                           **described)
+    add_settings_arguments(p, LlamaCppBenchSettings, HELPS)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.results_page import publish_if_asked
+    from sim.bench.llama_cpp import bench_llama_cpp
+
+    settings = settings_from(args, LlamaCppBenchSettings)
+    table, _ = bench_llama_cpp(settings)
+    print(table)
+    print(f"\nwrote {settings.out}/results.json, table.md, plot.png")
+    publish_if_asked(args, table, (settings.out / "plot.png",))
+    return 0
