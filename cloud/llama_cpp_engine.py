@@ -43,7 +43,7 @@ from cloud.engine import EngineSession, TargetInfo, TargetRows
 from cloud.errors import exhausted
 from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
 from cloud.resident_kv import KVLayout
-from common.models import gguf_file, load_gguf_tokenizer, vocab_fingerprint
+from common.models import eos_token_ids, gguf_file, load_gguf_tokenizer, vocab_fingerprint
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class LlamaCppEngine(BatchedEngine):
         model = LlamaCppModel(path, shape)
         layers, kv_heads, head_dim = model.layout()
         layout = KVLayout(layers, kv_heads, head_dim, torch.float16, page_tokens=PAGE_TOKENS, max_tokens=max_tokens)
-        eos = frozenset(t for t in (tokenizer.eos_token_id, *model.end_tokens()) if t is not None)
-        info = TargetInfo(spec, model.vocab_size, eos, vocab_fingerprint(tokenizer))
+        # the stops of the same preset loaded by transformers (the edge's draft, the resident engine)
+        info = TargetInfo(spec, model.vocab_size, eos_token_ids(model.eos_token(), tokenizer), vocab_fingerprint(tokenizer))
         log.info("llama.cpp: %s (%s), %d KV cells, %d sequences, %d threads", path.name,
                  model.metadata("general.architecture"), model.cells, shape.sequences, threads)
         return cls(model, info, tokenizer, layout)

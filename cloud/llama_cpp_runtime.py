@@ -77,6 +77,7 @@ class ContextShape:
     batch_tokens: int
     threads: int
     flash_attention: bool | None = None  # None: llama.cpp's own choice (auto), as llama-server makes it
+    unified: bool = True  # False: each sequence its own stream of cells/sequences cells (as llama-server's slots)
 
 
 class LlamaCppModel:
@@ -98,7 +99,7 @@ class LlamaCppModel:
         params.n_batch = params.n_ubatch = shape.batch_tokens
         params.n_seq_max = shape.sequences
         params.n_threads = params.n_threads_batch = shape.threads
-        params.kv_unified = True
+        params.kv_unified = shape.unified
         params.no_perf = True
         if shape.flash_attention is not None:
             params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attention
@@ -129,10 +130,10 @@ class LlamaCppModel:
         return (lib.llama_model_n_layer(self.model), lib.llama_model_n_head_kv(self.model),
                 lib.llama_model_n_embd(self.model) // lib.llama_model_n_head(self.model))
 
-    def end_tokens(self) -> tuple[int, ...]:
-        """The GGUF's end-of-sequence and end-of-turn tokens (those it has)."""
-        lib = self.lib
-        return tuple(t for t in (lib.llama_vocab_eos(self.vocab), lib.llama_vocab_eot(self.vocab)) if t >= 0)
+    def eos_token(self) -> int | None:
+        """The GGUF's end-of-sequence token (as transformers reads it into a converted model's generation config)."""
+        token = self.lib.llama_vocab_eos(self.vocab)
+        return token if token >= 0 else None
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text (e.g. general.architecture), or None."""

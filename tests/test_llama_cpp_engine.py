@@ -21,7 +21,7 @@ import torch
 
 from cloud.settings import CloudSettings
 from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel, UnknownModel, gguf_file
+from common.models import LoadedModel, UnknownModel, gguf_file, vocab_fingerprint
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
@@ -245,3 +245,15 @@ def test_a_refused_session_names_what_to_change(llama_cloud, smollm2):
         assert opened.WhichOneof("frame") == "opened"
         assert opened.opened.limits.max_tree_tokens == 0  # chains only: edges never send it a tree
         stream.close()
+
+
+def test_the_engine_describes_its_target_as_the_edge_loads_it(smollm2):
+    """The vocabulary fingerprint, logits per row and stops equal the same preset loaded by transformers, so an edge
+    drafting with it accepts this cloud and both stop on the same tokens."""
+    engine = _engine()
+    try:
+        assert engine.info.vocab_fingerprint == vocab_fingerprint(smollm2.tokenizer)
+        assert engine.info.vocab_size == smollm2.vocab_size
+        assert engine.info.eos_token_ids == smollm2.eos_token_ids
+    finally:
+        engine.close()

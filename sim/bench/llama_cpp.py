@@ -182,7 +182,7 @@ def _llama_server_stream(port: int, prompt: list[int], max_new: int) -> dict:
 
 
 def format_table(result: LlamaCppBenchResult) -> str:
-    lines = [f"Measured {result.date} on {result.machine}, commit {result.commit}; one core, one thread each.", ""]
+    lines = ["Every row on one pinned core, one thread; the same GGUF file.", ""]
     v, d = result.verify, result.decode
     if v:
         n = v["verified_tokens"]
