@@ -26,7 +26,7 @@ from common.devices import DEVICE_HELP
 from common.fleet_plane.command import broker_url
 from common.results_page import add_page_arguments, publish_if_asked
 from sim.processes import quiet_http_clients
-from sim.sweep.settings import DEFAULT_MODES, SimulateSettings
+from sim.sweep.settings import BASELINES, DEFAULT_MODES, ENGINES, SimulateSettings
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", help="draft model spec (default qwen2.5-coder-0.5b)")
     p.add_argument("--verifier", help="the edge's --verifier (default auto)")
     p.add_argument("--modes", type=names, help=f"comma-separated (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--baselines", type=names, help=f"what a user would run instead, measured beside the modes on the "
+                                                   f"same cores and prompts: any of {', '.join(BASELINES)} (default none)")
+    p.add_argument("--engine", choices=ENGINES, help="the cloud's --engine (default resident)")
     p.add_argument("--pipeline", type=names, help="comma-separated edge pipelines of off,ahead,send-ahead (default off); "
                                       "another axis of the sweep for sd, sd-block and sprinter-exact (the other "
                                       "modes run once, off)")

@@ -33,7 +33,7 @@ from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit
 from sim.fleet.engine import run_fleet
 from sim.fleet.result import compare_with_measured
 from sim.sweep.results import pipeline_of
-from sim.sweep.settings import SimulateSettings
+from sim.sweep.settings import SimulateSettings, is_baseline
 from sim.sweep.summary import token_gaps_ms
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _groups(records: list[dict[str, Any]]) -> dict[tuple[float, str], list[dict[
         # A degraded request measured the draft, not the system; a 'mode@policy' method has no fleet
         # profile of its own (the simulator models each mode with its default policy); a pipelined run
         # is not compared (its hit rate is a simulator input, not something calibrated here).
-        if not r["degraded"] and "@" not in r["mode"] and pipeline_of(r) == "off":
+        if not r["degraded"] and "@" not in r["mode"] and pipeline_of(r) == "off" and not is_baseline(r["mode"]):
             groups.setdefault((r["rtt_ms"], r["mode"]), []).append(r)
     return groups
 

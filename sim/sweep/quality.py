@@ -24,7 +24,7 @@ from common.prompt_sets import PromptRecord
 from common.prompting import encode_prompt
 from common.quality import agreement, target_nll_per_token
 from sim.sweep.results import ResultKey, result_key
-from sim.sweep.settings import SimulateSettings
+from sim.sweep.settings import SimulateSettings, is_baseline
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def judge(settings: SimulateSettings, prompts: list[PromptRecord], records: list
     at_rtt: dict[tuple[float, str], list[int]] = {}  # the target mode's output per (rtt, prompt)
     any_rtt: dict[str, list[int]] = {}
     for r in records:
-        if mode_of(r["mode"]).reference and not r["degraded"]:
+        if not is_baseline(r["mode"]) and mode_of(r["mode"]).reference and not r["degraded"]:
             at_rtt[(r["rtt_ms"], r["prompt_id"])] = ids[result_key(r)]
             any_rtt.setdefault(r["prompt_id"], ids[result_key(r)])
     if settings.greedy and not any_rtt:

@@ -32,7 +32,7 @@ def read_csv(path: Path) -> list[SummaryRow]:
     def parse(name: str, text: str) -> Any:
         if text == "":
             return None
-        if name in ("mode", "pipeline"):
+        if name in ("mode", "pipeline", "engine"):
             return text
         return int(text) if name in ("requests", "tokens", "degraded", "candidate_hits") else float(text)
 
@@ -45,12 +45,12 @@ def _fmt(value: float | None, digits: int) -> str:
 
 
 def markdown_table(rows: list[SummaryRow]) -> str:
-    lines = ["| RTT ms | mode | pipeline | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
+    lines = ["| RTT ms | mode | engine | pipeline | tokens/s | target calls/token | tokens/call | block length | TTFT p50 ms "
              "| ITL p50 ms | ITL p99 ms | target NLL/token | agreement | exact match | degraded | hindsight-oracle calls/token "
              "| ahead hit rate | candidate hits | uplink bytes/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.rtt_ms:g} | {r.mode} | {r.pipeline} | {_fmt(r.tokens_per_s, 2)} | "
+        lines.append(f"| {r.rtt_ms:g} | {r.mode} | {r.engine or '-'} | {r.pipeline} | {_fmt(r.tokens_per_s, 2)} | "
                      f"{_fmt(r.target_calls_per_token, 3)} | "
                      f"{_fmt(r.tokens_per_call, 2)} | {_fmt(r.block_length_mean, 2)} | {_fmt(r.ttft_ms_p50, 0)} | "
                      f"{_fmt(r.itl_ms_p50, 1)} | {_fmt(r.itl_ms_p99, 1)} | {_fmt(r.target_nll_per_token, 3)} | "
@@ -87,12 +87,29 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
     speedups = speedup_lines(rows)
     if speedups:
         parts += ["", "tokens/s relative to sd (pipeline off):", *speedups]
-    lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and mode_of(r.mode).lossless
+    against = baseline_lines(rows)
+    if against:
+        parts += ["", "tokens/s relative to llama-server alone (what a user would run instead, on the cloud's core):",
+                  *against]
+    lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and r.mode in MODES
+                    and mode_of(r.mode).lossless
                     and r.exact_match_rate < 1.0})
     if lossy:
         parts += ["", f"Lossless modes below 100% exact match: {', '.join(lossy)} "
                       f"({'expected in bfloat16: see docs/getting-started.md, Exactness' if settings.dtype == 'bfloat16' else 'a bug: float32 should match'})."]
     return "\n".join(parts) + "\n"
+
+
+def baseline_lines(rows: list[SummaryRow]) -> list[str]:
+    """Per RTT, every other row's tokens/s over llama-server's (measured at the same RTT, though it has no link)."""
+    lines = []
+    for rtt in sorted({r.rtt_ms for r in rows}):
+        base = next((r.tokens_per_s for r in rows if r.rtt_ms == rtt and r.mode == "llama-server"), None)
+        if base:
+            parts = [f"{run_label(r.mode, r.pipeline)} {r.tokens_per_s / base:.2f}x" for r in rows
+                     if r.rtt_ms == rtt and r.mode != "llama-server"]
+            lines.append(f"- RTT {rtt:g} ms: " + ", ".join(parts))
+    return lines
 
 
 def write_report(settings: SimulateSettings, records: list[dict[str, Any]],

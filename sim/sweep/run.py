@@ -24,8 +24,9 @@ from common.prompt_sets import PromptRecord
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process, edge_daemon_async, free_port
+from sim.sweep.baselines import LocalBaselines
 from sim.sweep.results import ResultStore
-from sim.sweep.settings import SimulateSettings, run_label
+from sim.sweep.settings import SimulateSettings, is_baseline, run_label
 from sim.sweep.telemetry import TELEMETRY_FILE, TelemetryRecorder, cloud_fleet_args, edge_fleet_args, sweep_broker
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class SweepSystem:
         self.rtt_ms: float | None = None
         self.upstream: tuple[str, int] | None = None
         self.base = ""
+        self.baselines: LocalBaselines | None = None  # llama-server processes, with --baselines
         self._stack = AsyncExitStack()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0))
 
@@ -82,8 +84,10 @@ class SweepSystem:
             # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
             # the cloud drafts too only where a mode asks it to (cloud-sd): the draft's weights cost its memory
             drafts = ["--draft", s.draft] if any(mode_of(m).cloud_drafts for m in s.modes) else []
+            # llama.cpp runs the GGUF in its own types, on the CPU, a thread per core it is pinned to
+            engine = ["--engine", "llama.cpp"] if s.engine == "llama.cpp" else ["--dtype", s.dtype, "--device", s.device]
             address = self._stack.enter_context(cloud_process(
-                "--target", s.target, "--dtype", s.dtype, "--device", s.device, "--drain-s", "2", *drafts,
+                "--target", s.target, *engine, "--drain-s", "2", *drafts,
                 *cloud_fleet_args(self.mqtt_url),
                 log_path=s.out / "cloud.log",
                 startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))
@@ -100,6 +104,9 @@ class SweepSystem:
             # The edge asks the cloud (through the link, in this loop) while it starts: wait without blocking.
             self.base = await self._stack.enter_async_context(edge_daemon_async(
                 edge_args, free_port(), s.out / "edge.log", cpus=edge_cpus, env=thread_env(threads_edge)))
+            if s.baselines:
+                self.baselines = self._stack.enter_context(LocalBaselines(s.baselines, s.target, s.draft, s.out,
+                                                                          cloud_cpus, edge_cpus))
         except BaseException:
             await self._stack.aclose()
             raise
@@ -140,7 +147,12 @@ class SweepSystem:
         log.warning("the cloud stayed unreachable through the link at rtt %s ms: results may be degraded", self.rtt_ms)
 
     async def request(self, prompt: PromptRecord, mode: str, pipeline: str = "off") -> dict[str, Any]:
-        record = await stream_request(self.client, self.base, prompt, mode, self.settings, pipeline=pipeline)
+        s = self.settings
+        if is_baseline(mode):
+            record = await self.baselines.request(self.client, prompt, mode, s.max_new_tokens, s.temperature, s.seed)
+        else:
+            record = await stream_request(self.client, self.base, prompt, mode, s, pipeline=pipeline)
+            record["engine"] = "llama.cpp" if s.engine == "llama.cpp" else f"resident ({s.dtype})"
         return {"rtt_ms": float(self.rtt_ms), **record}
 
 

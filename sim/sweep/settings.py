@@ -14,6 +14,15 @@ from common.decoding.modes import MODES, PIPELINES, DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact, cloud-sd
+ENGINES = ("resident", "llama.cpp")  # the cloud's --engine the sweep starts it with
+# What a user would run instead, beside our modes (sim/sweep/baselines.py): llama.cpp's server alone, and with its
+# own speculative decoding
+BASELINES = ("llama-server", "llama-server-sd")
+
+
+def is_baseline(method: str) -> bool:
+    """A baseline row (sim/sweep/baselines.py) rather than one of our modes."""
+    return method in BASELINES
 
 
 def base_mode(method: str) -> str:
@@ -31,9 +40,9 @@ def run_label(method: str, pipeline: str = "off") -> str:
 # mqtt is not here: the fleet plane only watches the sweep (telemetry.jsonl), it changes no result.
 RESULT_IDENTITY = ("target", "draft", "verifier", "temperature", "max_new_tokens", "policy", "dtype", "threads",
                    "pin_cpus", "jitter_ms", "jitter_distribution", "bandwidth_mbps", "loss", "prompts", "seed", "device",
-                   "proposer")
+                   "proposer", "engine")
 # Settings added to RESULT_IDENTITY later: an OUT from before ran with these values.
-IDENTITY_BEFORE = {"device": "auto", "proposer": "model"}
+IDENTITY_BEFORE = {"device": "auto", "proposer": "model", "engine": "resident"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class SimulateSettings:
     draft: str = "qwen2.5-coder-0.5b"
     verifier: str = "auto"
     modes: tuple[str, ...] = DEFAULT_MODES
+    baselines: tuple[str, ...] = ()  # BASELINES measured beside the modes, same prompts and cores
+    engine: str = "resident"  # the cloud's --engine
     pipeline: tuple[str, ...] = ("off",)  # edge/decoding/pipeline.py; for the modes that pipeline, the others run "off"
     rtt_ms: tuple[float, ...] = (0.0, 20.0, 50.0, 100.0, 200.0)
     jitter_ms: float = 0.0  # one-way, per direction (sim.link.shaping.LinkSettings)
@@ -74,6 +85,13 @@ class SimulateSettings:
             mode, _, policy = method.partition("@")
             if policy:
                 DecodeSettings(mode=mode, policy=policy)  # raises ValueError naming what is wrong
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "llama.cpp" and any(mode_of(m).cloud_drafts for m in self.modes):
+            raise ValueError("cloud-sd does not run on the llama.cpp engine yet (its cloud has no draft): drop it from "
+                             "modes, or use engine resident")
+        if any(b not in BASELINES for b in self.baselines):
+            raise ValueError(f"baselines must be a list of {', '.join(BASELINES)}, got {self.baselines}")
         if not self.pipeline or any(p not in PIPELINES for p in self.pipeline):
             raise ValueError(f"pipeline must be a non-empty list of {', '.join(PIPELINES)}, got {self.pipeline}")
         if not self.rtt_ms or any(r < 0 for r in self.rtt_ms):
@@ -94,7 +112,7 @@ class SimulateSettings:
     def runs(self) -> list[tuple[str, str]]:
         """Every (method, pipeline) the sweep measures: methods whose mode has no pipeline run once, "off"."""
         pairs = [(m, p if mode_of(m).pipelines else "off") for m in self.modes for p in self.pipeline]
-        return list(dict.fromkeys(pairs))
+        return list(dict.fromkeys(pairs)) + [(b, "off") for b in self.baselines]
 
     def identity(self) -> dict[str, Any]:
         data = self.to_dict()
@@ -116,7 +134,7 @@ class SimulateSettings:
             name = key.replace("-", "_")
             if name not in known:
                 raise ValueError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
-            if value is not None and name in ("modes", "pipeline", "rtt_ms"):
+            if value is not None and name in ("modes", "pipeline", "rtt_ms", "baselines"):
                 items = value.split(",") if isinstance(value, str) else value
                 value = tuple(float(v) if name == "rtt_ms" else str(v).strip() for v in items if str(v).strip())
             elif value is not None and name in ("out", "prompts"):

@@ -55,6 +55,7 @@ class SummaryRow:
     ahead_hit_rate: float | None = None
     candidate_hits: int = 0
     uplink_bytes_per_token: float | None = None
+    engine: str = ""  # what computed the target's rows: the cloud's engine, or the baseline's program
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -152,6 +153,6 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             agreement_with_target=_mean(agreements),
             exact_match_rate=_mean(exact),
             degraded=sum(bool(r["degraded"]) for r in group),
-            oracle_calls_per_token=hindsight_calls_per_token(group, tokens),
+            oracle_calls_per_token=hindsight_calls_per_token(group, tokens), engine=group[0].get("engine", ""),
             **_pipeline_columns(group, tokens)))
     return rows

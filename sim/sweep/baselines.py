@@ -1,0 +1,133 @@
+"""What a user of this machine would run instead, measured in the sweep beside our modes (`--baselines`).
+
+    llama-server      llama.cpp's server, the target's GGUF alone, on the cloud's core
+    llama-server-sd   the same with llama.cpp's own speculative decoding: the draft's GGUF (`-md`,
+                      `--spec-type draft-simple`) drafting on the edge's core
+
+Both run locally: there is no network in them, so they are measured at every RTT of the sweep like any
+other row (their figures do not depend on it). Each request is the same prompt, as the same token ids
+(the target's chat template applied by the same tokenizer), streamed from /completion with greedy or
+the sweep's temperature; its record has the fields of an edge request's (sim/sweep/run.py), so the
+summary, the quality judge and the plots read it as they read ours.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.models import gguf_file, load_gguf_tokenizer
+from common.prompt_sets import PromptRecord
+from common.prompting import encode_prompt
+from sim.processes import free_port, stop_process
+DRAFT_BLOCK = 5  # llama.cpp's --spec-draft-n-max, as the edge's block (k) defaults to
+STARTUP_S = 180.0
+
+
+def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: set[int] | None,
+                   edge_cpus: set[int] | None) -> list[str]:
+    """llama-server's command line for a baseline: one thread for the target (and one for the draft), pinned."""
+    program = str(Path(shutil.which("llama-server") or _next_to_python("llama-server")))
+    command = [program, "-m", str(target), "-t", "1", "-tb", "1", "--port", str(port), "-c", "4096", "-np", "1",
+               "--no-webui"]
+    cores = set(cloud_cpus or ())
+    if name == "llama-server-sd":
+        command += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(DRAFT_BLOCK),
+                    "-td", "1", "-tbd", "1"]
+        if cloud_cpus and edge_cpus:
+            (cloud,), (edge,) = sorted(cloud_cpus)[:1], sorted(edge_cpus)[:1]
+            command += ["-Cr", f"{cloud}-{cloud}", "-Crd", f"{edge}-{edge}"]
+            cores |= edge_cpus
+    return (["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []) + command
+
+
+def _next_to_python(name: str) -> Path:
+    import sys
+
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise FileNotFoundError(f"{name} is missing: run `make llama-cpp` (it builds llama.cpp's programs)")
+    return path
+
+
+class LocalBaselines:
+    """The baselines' llama-server processes, started together, each on its own port; `request` streams one."""
+
+    def __init__(self, names: tuple[str, ...], target: str, draft: str, out: Path,
+                 cloud_cpus: set[int] | None, edge_cpus: set[int] | None) -> None:
+        self.names = names
+        self.target, self.draft = gguf_file(target), gguf_file(draft)
+        self.tokenizer = load_gguf_tokenizer(self.target)
+        self.out, self.cloud_cpus, self.edge_cpus = out, cloud_cpus, edge_cpus
+        self.ports: dict[str, int] = {}
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "LocalBaselines":
+        try:
+            for name in self.names:
+                self.ports[name] = self._start(name)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _start(self, name: str) -> int:
+        port = free_port()
+        command = server_command(name, self.target, self.draft, port, self.cloud_cpus, self.edge_cpus)
+        log_file = open(self.out / f"{name}.log", "w")
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        log_file.close()
+        self._stack.callback(stop_process, process, 15, 10)
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode} (see {self.out / f'{name}.log'})")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return port
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{name} did not come up within {STARTUP_S:.0f} s (see {self.out / f'{name}.log'})")
+
+    async def request(self, client: httpx.AsyncClient, prompt: PromptRecord, name: str, max_tokens: int,
+                      temperature: float, seed: int) -> dict[str, Any]:
+        """One streamed /completion of `prompt`'s token ids, timed at the client, as a sweep record."""
+        ids = encode_prompt(self.tokenizer, prompt.prompt, prompt.chat)
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": temperature, "seed": seed, "top_k": 0,
+                "top_p": 1.0, "min_p": 0.0, "stream": True, "return_tokens": True}
+        if temperature == 0:
+            body["top_k"] = 1
+        tokens, text, event_ms, ttft_ms, stop = [], [], [], None, None
+        started = time.perf_counter()
+        async with client.stream("POST", f"http://127.0.0.1:{self.ports[name]}/completion", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: "):])
+                now_ms = (time.perf_counter() - started) * 1e3
+                if event.get("tokens"):
+                    ttft_ms = now_ms if ttft_ms is None else ttft_ms
+                    tokens += event["tokens"]
+                    event_ms += [now_ms] * len(event["tokens"])
+                    text.append(event.get("content", ""))
+                if event.get("stop"):
+                    stop = "stop" if event.get("stop_type") == "eos" else "length"
+                    break
+        wall_ms = (time.perf_counter() - started) * 1e3
+        return {"mode": name, "pipeline": "off", "prompt_id": prompt.id, "category": prompt.category,
+                "chat": prompt.chat, "ttft_ms": ttft_ms, "wall_ms": wall_ms, "text": "".join(text), "token_ids": tokens,
+                "prompt_tokens": len(ids), "completion_tokens": len(tokens), "finish_reason": stop, "degraded": False,
+                "client_event_ms": event_ms, "engine": "llama.cpp (llama-server)",
+                "sprinter": {"token_ids": tokens, "target_calls": 0, "stats": {"token_times_ms": event_ms}}}
