@@ -25,8 +25,10 @@ COMPOSE_SCHEMA := .cache/compose-spec/.dclint-$(COMPOSE_SCHEMA_DCLINT)
 .PHONY: llama-cpp cmake mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
-demo: $(VENV)/.models-qwen $(STUBS)
-	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT) --dtype $(DTYPE)
+# ENGINE=llama.cpp puts the cloud's target on llama.cpp; either way llama.cpp's own server is measured beside it.
+ENGINE ?= resident
+demo: $(VENV)/.models-qwen $(VENV)/.llama-cpp $(STUBS)
+	$(VENV)/bin/sprinter demo --target $(TARGET) --draft $(DRAFT) --dtype $(DTYPE) --engine $(ENGINE)
 
 # A local fleet (tiny pair, 2 cloud replicas, 3 edges, a broker) loses a replica mid-run: what happened, printed.
 demo-fleet: $(VENV)/.project $(STUBS) mosquitto

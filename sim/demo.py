@@ -11,6 +11,11 @@ here after the processes stopped; lower is better, and equal to the target's own
 the same). In bfloat16 a lossless mode may agree below 1: CPU kernels round a one-token and a
 k-token target forward differently, so near-ties flip (docs/getting-started.md, Exactness); a footnote says so, and
 `--dtype float32` shows exact identity at about half the speed.
+
+Beside our modes the table has what a user of this machine would run instead (`--baselines`, by default
+whenever the models are GGUF presets and llama.cpp is built: `make llama-cpp`): llama.cpp's server alone,
+and with its own speculative decoding, on the same prompts after our processes stopped. Every row names
+the engine that computed the target's rows; `--engine llama.cpp` puts the cloud's target on llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.decoding.modes import mode_of
-from common.arguments import DTYPE_NAMES
+from common.arguments import DTYPE_NAMES, names
 from sim.processes import cloud_process, edge_daemon, free_port
+from sim.sweep.settings import BASELINES, is_baseline
 
 if TYPE_CHECKING:  # openai is the `test` extra: imported when the demo runs
     from openai import OpenAI
@@ -45,6 +51,7 @@ class ModeAnswers:
     """What one mode answered to every prompt, as the client received it."""
 
     mode: str
+    engine: str = ""  # what computed the target's rows
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
@@ -63,6 +70,7 @@ class DemoRow:
     target_nll_per_token: float | None
     tokens: int
     degraded: int = 0
+    engine: str = ""
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -76,13 +84,59 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
                    help=f"how many of the {len(PROMPTS)} demo prompts to send")
+    p.add_argument("--engine", default="resident", choices=("resident", "llama.cpp"),
+                   help="the cloud's target engine (llama.cpp: the GGUF as shipped; cloud-sd is then left out)")
+    p.add_argument("--baselines", type=names, default=None,
+                   help=f"rows of what a user would run instead: any of {', '.join(BASELINES)}, or '' for none "
+                        "(default: both, where the models are GGUF presets and llama.cpp is built)")
     p.add_argument("--out", type=Path, default=Path("results/demo"))
     p.set_defaults(run=run)
 
 
-def ask_in_mode(client: OpenAI, mode: str, prompts: tuple[str, ...], max_tokens: int) -> ModeAnswers:
+def baselines_to_run(args: argparse.Namespace) -> tuple[str, ...]:
+    """What --baselines asks for; by default both where llama.cpp can run the models (said when it cannot)."""
+    if args.baselines is not None:
+        return tuple(b for b in args.baselines if b)
+    from common.models import gguf_file
+    from sim.sweep.baselines import server_program
+
+    try:
+        gguf_file(args.target), gguf_file(args.draft), server_program()
+    except (OSError, ValueError) as err:
+        print(f"no llama.cpp baselines: {err}")
+        return ()
+    return BASELINES
+
+
+def ask_baselines(names: tuple[str, ...], args: argparse.Namespace, prompts: tuple[str, ...]) -> list[ModeAnswers]:
+    """Every prompt through each baseline's llama-server, greedy, as the same token ids our edge sent."""
+    import asyncio
+
+    import httpx
+
+    from common.prompt_sets import PromptRecord
+    from sim.sweep.baselines import LocalBaselines
+
+    async def ask(servers: LocalBaselines, name: str) -> ModeAnswers:
+        answers = ModeAnswers(name, engine="llama.cpp (llama-server)")
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i, prompt in enumerate(prompts):
+                record = await servers.request(client, PromptRecord(id=str(i), category="demo", chat=True, prompt=prompt), name,
+                                               args.max_tokens, 0.0, 0)
+                answers.seconds += record["wall_ms"] / 1e3
+                answers.texts.append(record["text"])
+                answers.token_ids.append(record["token_ids"])
+                answers.tokens += record["completion_tokens"]
+                print(f"  {name:15s} {record['completion_tokens']:3d} tokens  {prompt[:48]}", flush=True)
+        return answers
+
+    with LocalBaselines(names, args.target, args.draft, args.out, None, None) as servers:
+        return [asyncio.run(ask(servers, name)) for name in names]
+
+
+def ask_in_mode(client: OpenAI, mode: str, prompts: tuple[str, ...], max_tokens: int, engine: str = "") -> ModeAnswers:
     """Every prompt in one mode, greedy."""
-    answers = ModeAnswers(mode)
+    answers = ModeAnswers(mode, engine)
     for prompt in prompts:
         started = time.perf_counter()
         reply = client.chat.completions.create(
@@ -109,27 +163,26 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     transformers_logging.disable_progress_bar()  # the cloud already converted the weights: a bar here is noise
     target = load_model(target_spec, DTYPES[dtype])
     prompt_ids = [encode_prompt(target.tokenizer, prompt, chat=True) for prompt in prompts]
-    references = next(a for a in answers if mode_of(a.mode).reference).token_ids
+    references = next(a for a in answers if a.mode == "target").token_ids
     rows = []
     for a in answers:
         agreements = [agreement(ids, ref) for ids, ref in zip(a.token_ids, references)]
         nlls = [target_nll_per_token(target, p, ids) for p, ids in zip(prompt_ids, a.token_ids)]
-        rows.append(DemoRow(a.mode, mode_of(a.mode).lossless, a.tokens / a.seconds if a.seconds else 0.0,
-                            a.target_calls / a.tokens if a.tokens else 0.0, sum(agreements) / len(agreements),
-                            sum(nlls) / len(nlls), a.tokens, a.degraded))
+        rows.append(DemoRow(a.mode, is_baseline(a.mode) or mode_of(a.mode).lossless,
+                            a.tokens / a.seconds if a.seconds else 0.0, a.target_calls / a.tokens if a.tokens else 0.0,
+                            sum(agreements) / len(agreements), sum(nlls) / len(nlls), a.tokens, a.degraded, a.engine))
     return rows
 
 
 def format_table(rows: list[DemoRow], dtype: str) -> str:
     """The comparison table, then one footnote line per thing a reader could mistake for a bug."""
-    lines = ["| mode | lossless | tokens/s | target calls per token | agreement with target | target NLL/token |",
-             "|---|---|---|---|---|---|"]
-    below = [r for r in rows if r.lossless and not mode_of(r.mode).reference and r.agreement_with_target < 1
-             and not r.degraded]
+    lines = ["| mode | engine | lossless | tokens/s | target calls per token | agreement with target | target NLL/token |",
+             "|---|---|---|---|---|---|---|"]
+    below = [r for r in rows if r.lossless and r.mode != "target" and r.agreement_with_target < 1 and not r.degraded]
     for row in rows:
         mark = "*" if row.mode in {r.mode for r in below} else ""
         nll = "-" if row.target_nll_per_token is None else f"{row.target_nll_per_token:.3f}"
-        lines.append(f"| {row.mode} | {'yes' if row.lossless else 'no'} | {row.tokens_per_s:.2f} | "
+        lines.append(f"| {row.mode} | {row.engine or '-'} | {'yes' if row.lossless else 'no'} | {row.tokens_per_s:.2f} | "
                      f"{row.target_calls_per_token:.3f} | {row.agreement_with_target:.3f}{mark} | {nll} |")
     names = ", ".join(r.mode for r in below)
     if below and dtype == "bfloat16":
@@ -158,9 +211,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     prompts = PROMPTS[:args.prompts]
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"starting the cloud ({args.target}, {args.dtype}) and the edge daemon ({args.draft}, verifier "
+    llama = args.engine == "llama.cpp"
+    modes = tuple(m for m in MODES if not (llama and mode_of(m).cloud_drafts))  # its cloud has no draft yet
+    engine = "llama.cpp" if llama else f"resident ({args.dtype})"
+    baselines = baselines_to_run(args)
+    print(f"starting the cloud ({args.target} on {engine}) and the edge daemon ({args.draft}, verifier "
           f"{args.verifier}); the first run converts and exports the models once", flush=True)
-    with cloud_process("--target", args.target, "--draft", args.draft, "--dtype", args.dtype, "--drain-s", "5",
+    cloud_args = ["--engine", "llama.cpp"] if llama else ["--draft", args.draft, "--dtype", args.dtype]
+    with cloud_process("--target", args.target, *cloud_args, "--drain-s", "5",
                        log_path=args.out / "cloud.log", startup_timeout_s=900) as cloud_address, \
             edge_daemon(["--draft", args.draft, "--verifier", args.verifier, "--cloud", cloud_address,
                          "--mode", "sprinter-exact", "--dtype", args.dtype,
@@ -168,10 +226,11 @@ def run(args: argparse.Namespace) -> int:
                         free_port(), args.out / "edge.log") as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="local", timeout=600, max_retries=0)
         print(f"cloud on {cloud_address}, edge API on {base}/v1\n", flush=True)
-        answers = [ask_in_mode(client, mode, prompts, args.max_tokens) for mode in MODES]
+        answers = [ask_in_mode(client, mode, prompts, args.max_tokens, engine) for mode in modes]
+    answers += ask_baselines(baselines, args, prompts) if baselines else []
     print("\nscoring every output with the target (NLL per token)", flush=True)
     rows = score(answers, prompts, args.target, args.dtype)
-    print(f"\nsample ({MODES[-1]}): {prompts[0]}\n{answers[-1].texts[0]}\n")
+    print(f"\nsample ({modes[-1]}): {prompts[0]}\n{answers[len(modes) - 1].texts[0]}\n")
     print(format_table(rows, args.dtype))
     (args.out / "demo.json").write_text(json.dumps(
         {"dtype": args.dtype, "prompts": prompts, "rows": [asdict(r) for r in rows],

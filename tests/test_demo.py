@@ -32,22 +32,24 @@ def test_float32_demo_shows_lossless_modes_identical_and_the_nll_column(tmp_path
     for mode in ("target", "cloud-sd", "sd-block", "sprinter-exact"):
         assert rows[mode]["lossless"] and rows[mode]["degraded"] == 0
         assert rows[mode]["agreement_with_target"] == 1.0, mode
-        assert f"| {mode} | yes |" in out and "| 1.000 |" in next(l for l in out.splitlines() if l.startswith(f"| {mode} |"))
+        assert f"| {mode} | resident (float32) | yes |" in out
+        assert "| 1.000 |" in next(line for line in out.splitlines() if line.startswith(f"| {mode} |"))
         # identical tokens, identical score
         assert rows[mode]["target_nll_per_token"] == pytest.approx(rows["target"]["target_nll_per_token"], abs=1e-4)
     assert "* " not in out  # no footnote: nothing to explain
+    assert "no llama.cpp baselines" in out  # tiny random models are no GGUF: said, not hidden
     assert not [r for r in caplog.records if r.getMessage().startswith("HTTP Request")]  # no per-request noise
 
 
 def _row(mode: str, agreement: float) -> demo.DemoRow:
-    return demo.DemoRow(mode, mode_of(mode).lossless, 10.0, 0.3, agreement, 1.5, 64)
+    return demo.DemoRow(mode, mode_of(mode).lossless, 10.0, 0.3, agreement, 1.5, 64, engine="resident (bfloat16)")
 
 
 def test_bf16_table_footnotes_a_lossless_mode_below_one():
     rows = [_row("target", 1.0), _row("sd-block", 0.707), _row("sprinter", 0.5), _row("sprinter-exact", 1.0)]
     table = demo.format_table(rows, "bfloat16")
-    assert "| sd-block | yes | 10.00 | 0.300 | 0.707* | 1.500 |" in table
-    assert "| sprinter-exact | yes | 10.00 | 0.300 | 1.000 | 1.500 |" in table  # no mark where nothing to explain
+    assert "| sd-block | resident (bfloat16) | yes | 10.00 | 0.300 | 0.707* | 1.500 |" in table
+    assert "| sprinter-exact | resident (bfloat16) | yes | 10.00 | 0.300 | 1.000 | 1.500 |" in table  # no mark where nothing to explain
     footnote = next(line for line in table.splitlines() if line.startswith("* "))
     assert "sd-block" in footnote and "sprinter-exact" not in footnote
     assert "bfloat16" in footnote and "DTYPE=float32" in footnote and "--dtype float32" in footnote

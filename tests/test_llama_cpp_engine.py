@@ -257,3 +257,30 @@ def test_the_engine_describes_its_target_as_the_edge_loads_it(smollm2):
         assert engine.info.eos_token_ids == smollm2.eos_token_ids
     finally:
         engine.close()
+
+
+def test_the_llama_server_baseline_answers_the_same_prompt_ids_as_our_target_mode(llama_cloud, smollm2, tmp_path):
+    """The sweep's and the demo's baseline row (sim/sweep/baselines.py): llama-server on the same GGUF, the same
+    prompt token ids, greedy; its record reads like an edge request's, and its tokens are llama.cpp's target's."""
+    import httpx
+
+    from common import wire
+    from common.prompt_sets import PromptRecord
+    from sim.sweep.baselines import LocalBaselines
+    from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+    prompt = PromptRecord(id="p", category="qa", chat=True, prompt=PROMPTS[0])
+
+    async def ask(servers: LocalBaselines) -> dict:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await servers.request(client, prompt, "llama-server", 12, 0.0, 0)
+
+    with LocalBaselines(("llama-server",), "smollm2-135m", "smollm2-135m", tmp_path, None, None) as servers:
+        record = asyncio.run(ask(servers))
+    ids = encode_prompt(smollm2.tokenizer, prompt.prompt, chat=True)
+    with grpc.insecure_channel(llama_cloud.address) as channel:
+        ours = [t for chunk in pb_grpc.TargetServiceStub(channel).Generate(
+            wire.generate_request(ids, SamplingParams(), 12)) for t in chunk.token_ids]
+    assert record["prompt_tokens"] == len(ids) and record["completion_tokens"] == 12
+    assert record["engine"] == "llama.cpp (llama-server)" and len(record["client_event_ms"]) == 12
+    assert record["token_ids"] == ours

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,7 +35,7 @@ STARTUP_S = 180.0
 def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: set[int] | None,
                    edge_cpus: set[int] | None) -> list[str]:
     """llama-server's command line for a baseline: one thread for the target (and one for the draft), pinned."""
-    program = str(Path(shutil.which("llama-server") or _next_to_python("llama-server")))
+    program = server_program()
     command = [program, "-m", str(target), "-t", "1", "-tb", "1", "--port", str(port), "-c", "4096", "-np", "1",
                "--no-webui"]
     cores = set(cloud_cpus or ())
@@ -48,13 +49,14 @@ def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: 
     return (["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []) + command
 
 
-def _next_to_python(name: str) -> Path:
-    import sys
-
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise FileNotFoundError(f"{name} is missing: run `make llama-cpp` (it builds llama.cpp's programs)")
-    return path
+def server_program() -> str:
+    """llama-server, as `make llama-cpp` links it beside this environment's python (or on the PATH)."""
+    path = Path(sys.executable).parent / "llama-server"
+    if path.exists():
+        return str(path)
+    if found := shutil.which("llama-server"):
+        return found
+    raise FileNotFoundError("llama-server is missing: run `make llama-cpp` (it builds llama.cpp's programs)")
 
 
 class LocalBaselines:
