@@ -163,7 +163,7 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     transformers_logging.disable_progress_bar()  # the cloud already converted the weights: a bar here is noise
     target = load_model(target_spec, DTYPES[dtype])
     prompt_ids = [encode_prompt(target.tokenizer, prompt, chat=True) for prompt in prompts]
-    references = next(a for a in answers if a.mode == "target").token_ids
+    references = next(a for a in answers if _is_reference(a.mode)).token_ids
     rows = []
     for a in answers:
         agreements = [agreement(ids, ref) for ids, ref in zip(a.token_ids, references)]
@@ -174,11 +174,17 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     return rows
 
 
+def _is_reference(mode: str) -> bool:
+    """The row the others are compared with: the target mode (a baseline row is none of our modes)."""
+    return not is_baseline(mode) and mode_of(mode).reference
+
+
 def format_table(rows: list[DemoRow], dtype: str) -> str:
     """The comparison table, then one footnote line per thing a reader could mistake for a bug."""
     lines = ["| mode | engine | lossless | tokens/s | target calls per token | agreement with target | target NLL/token |",
              "|---|---|---|---|---|---|---|"]
-    below = [r for r in rows if r.lossless and r.mode != "target" and r.agreement_with_target < 1 and not r.degraded]
+    below = [r for r in rows if r.lossless and not _is_reference(r.mode) and r.agreement_with_target < 1
+             and not r.degraded]
     for row in rows:
         mark = "*" if row.mode in {r.mode for r in below} else ""
         nll = "-" if row.target_nll_per_token is None else f"{row.target_nll_per_token:.3f}"

@@ -36,7 +36,7 @@ from common.models import gguf_file, load_gguf_tokenizer
 from common.prompting import encode_prompt
 from common.results_page import commit, machine
 from common.sampling import SamplingParams
-from sim.bench.llama_cpp_command import LlamaCppBenchSettings
+from sim.bench.settings import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess, free_port, stop_process
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc

@@ -3,24 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
-
 from sim.bench.registry import add_settings_arguments, settings_from
-
-
-@dataclass(frozen=True)
-class LlamaCppBenchSettings:
-    target: str = "qwen2.5-coder-1.5b"
-    edges: int = 8
-    block: int = 6
-    context: int = 1024
-    repeats: int = 5
-    prompts: int = 6  # of sim/data/bench_prompts.jsonl, for the decode step
-    max_new_tokens: int = 48
-    core: int = 1  # every process measured runs pinned to this core, one thread
-    steps: tuple[str, ...] = ("verify", "decode")
-    out: Path = Path("results/bench-llama-cpp")
+from sim.bench.settings import LlamaCppBenchSettings
 
 
 HELPS = {

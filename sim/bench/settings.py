@@ -290,3 +290,17 @@ class PlacementBenchSettings:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if any(rtt < 0 for rtt in self.rtts_ms + self.load_rtts_ms):
             raise ValueError("--rtt-ms and --load-rtt-ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class LlamaCppBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    edges: int = 8
+    block: int = 6
+    context: int = 1024
+    repeats: int = 5
+    prompts: int = 6  # of sim/data/bench_prompts.jsonl, for the decode step
+    max_new_tokens: int = 48
+    core: int = 1  # every process measured runs pinned to this core, one thread
+    steps: tuple[str, ...] = ("verify", "decode")
+    out: Path = Path("results/bench-llama-cpp")
