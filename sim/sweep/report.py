@@ -13,6 +13,7 @@ from typing import Any
 from common.decoding.modes import MODES, mode_of
 from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality
+from sim.sweep.results import pipeline_of
 from sim.sweep.settings import SimulateSettings, run_label
 from sim.sweep.summary import SummaryRow, summarize
 from sim.sweep.telemetry_plot import plot_telemetry
@@ -76,7 +77,26 @@ def speedup_lines(rows: list[SummaryRow]) -> list[str]:
     return lines
 
 
-def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
+def category_table(records: list[dict[str, Any]]) -> str:
+    """tokens/s (total tokens over total client wall time) per RTT and prompt category, a column per row label:
+    where speculation pays depends on the prompt as much as on the link."""
+    cells: dict[tuple[float, str, str], list[float]] = {}
+    for r in records:
+        label = run_label(r["mode"], pipeline_of(r))
+        totals = cells.setdefault((r["rtt_ms"], r.get("category") or "-", label), [0.0, 0.0])
+        totals[0] += r["completion_tokens"]
+        totals[1] += r["wall_ms"] / 1e3
+    labels = list(dict.fromkeys(label for _, _, label in cells))
+    lines = ["| RTT ms | category | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for rtt, category in sorted({(rtt, category) for rtt, category, _ in cells}):
+        values = [cells.get((rtt, category, label)) for label in labels]
+        lines.append(f"| {rtt:g} | {category} | " + " | ".join(
+            _fmt(v[0] / v[1], 2) if v and v[1] else "-" for v in values) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow],
+                     records: list[dict[str, Any]] | None = None) -> str:
     link = f"jitter {settings.jitter_ms:g} ms ({settings.jitter_distribution})" if settings.jitter_ms else "no jitter"
     link += f", {settings.bandwidth_mbps:g} Mbit/s" if settings.bandwidth_mbps else ", unlimited bandwidth"
     link += f", loss {settings.loss:g}" if settings.loss else ""
@@ -91,6 +111,8 @@ def summary_markdown(settings: SimulateSettings, rows: list[SummaryRow]) -> str:
     if against:
         parts += ["", "tokens/s relative to llama-server alone (what a user would run instead, on the cloud's core):",
                   *against]
+    if records and len({r.get("category") for r in records}) > 1:
+        parts += ["", "tokens/s by prompt category:", "", category_table(records)]
     lossy = sorted({run_label(r.mode, r.pipeline) for r in rows if r.exact_match_rate is not None and r.mode in MODES
                     and mode_of(r.mode).lossless
                     and r.exact_match_rate < 1.0})
@@ -117,7 +139,7 @@ def write_report(settings: SimulateSettings, records: list[dict[str, Any]],
     out = settings.out
     rows = summarize(records, quality)
     write_csv(rows, out / "summary.csv")
-    (out / "summary.md").write_text(summary_markdown(settings, rows))
+    (out / "summary.md").write_text(summary_markdown(settings, rows, records))
     written = {"results": out / "results.jsonl", "summary_csv": out / "summary.csv", "summary_md": out / "summary.md"}
     for path in plot_all(rows, records, out):
         written[path.stem] = path
