@@ -57,7 +57,7 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the prefix cache holds sessions in weak sets
 class SequenceKV:
     """EngineSession.cache on this engine: one sequence of the shared context; what the batcher and the session
     store read of a session's KV (length, capacity, grants), counted in llama.cpp's cells."""
@@ -69,7 +69,8 @@ class SequenceKV:
     cells: int = 0  # positions llama.cpp holds for it, read after each forward and removal (>= length until trimmed)
     granted: int = 0
     copied_bytes: int = 0  # llama.cpp never moves a sequence's cells
-    shared_tokens: int = 0
+    shared_tokens: int = 0  # its first cells are the prefix cache's (charged there)
+    started_from: Any = None  # (the prefix cache's entry, tokens) its cells began with (cloud/llama_cpp_prefix.py)
     released: bool = False
     in_forward: bool = False
 
@@ -113,7 +114,6 @@ class LlamaCppEngine(BatchedEngine):
     """`TargetEngine` over a `LlamaCppModel` and a batcher running its forwards (the caller runs the batcher)."""
 
     name = "llama.cpp"
-    prefix_cache = None
     tree_attention = False
     draft_spec = None
 
@@ -124,7 +124,8 @@ class LlamaCppEngine(BatchedEngine):
         self.layout = layout
         self.kv_bytes_per_token = layout.bytes_per_token
         self.kv_bytes_per_page = layout.bytes_per_page
-        self.batcher: Batcher | None = None  # set by `serving`, before the first session
+        self.batcher: Batcher | None = None  # set by the server before the first session
+        self.prefix_cache: Any = None  # cloud/llama_cpp_prefix.py, set likewise unless the cloud keeps none
         self._free = list(range(model.shape.sequences - 1, -1, -1))  # sequence ids, taken from the end
         self._held: dict[int, SequenceKV] = {}
         self._lock = threading.Lock()  # ids come back on the worker thread
@@ -151,18 +152,43 @@ class LlamaCppEngine(BatchedEngine):
         self.model.close()
 
     def new_session_kv(self) -> SequenceKV:
-        with self._lock:
-            if not self._free:
-                raise exhausted(f"all {self.model.shape.sequences} llama.cpp sequences of this cloud are in use by "
-                                "sessions and Generate calls; retry shortly", SEQUENCE_RETRY_MS)
-            seq = self._free.pop()
+        seq = self.take_sequence(self.prefix_cache.evict_one if self.prefix_cache is not None else None)
+        if seq is None:
+            raise exhausted(f"all {self.model.shape.sequences} llama.cpp sequences of this cloud are in use by "
+                            "sessions and Generate calls; retry shortly", SEQUENCE_RETRY_MS)
         cache = SequenceKV(self.layout, seq, self._release)
         self._held[seq] = cache
         return cache
 
     def kv_bytes_in_use(self) -> int:
-        """The cells llama.cpp holds for every live sequence, as read after its last forward or removal."""
-        return sum(cache.cells for cache in list(self._held.values())) * self.layout.bytes_per_token
+        """The cells llama.cpp holds for every live sequence, as read after its last forward or removal, those it
+        shares with the prefix cache once, and the prefix cache's."""
+        held = sum(max(0, cache.cells - cache.shared_tokens) for cache in list(self._held.values()))
+        cached = self.prefix_cache.tokens if self.prefix_cache is not None else 0
+        return (held + cached) * self.layout.bytes_per_token
+
+    def take_sequence(self, evict: Callable[[], bool] | None = None) -> int | None:
+        """A free sequence id, evicting idle prefix-cache entries for one if `evict` is given; None: none free."""
+        while True:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+            if evict is None or not evict():
+                return None
+
+    def share(self, source: int, cache: SequenceKV, length: int) -> None:
+        """Begin `cache` with the first `length` cells of sequence `source` (shared, on the worker, before any
+        later forward of the cache)."""
+        cache.length = length
+        self._on_worker(lambda c: self._shared(source, c, length), cache)
+
+    def _shared(self, source: int, cache: SequenceKV, length: int) -> None:
+        self.model.share(source, cache.seq, length)
+        cache.cells = self.model.positions(cache.seq)
+
+    def free_sequence(self, seq: int) -> None:
+        """A prefix-cache entry's sequence given back: its cells removed, then its id free (on the worker)."""
+        self.batcher.worker.submit(self._free_id, seq).add_done_callback(_log_failure)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling setting: each row comes back whole, as llama.cpp computed it."""
@@ -203,16 +229,21 @@ class LlamaCppEngine(BatchedEngine):
         cache.cells = self.model.positions(cache.seq)
 
     def _release(self, cache: SequenceKV) -> None:
-        self._on_worker(self._free_sequence, cache)
+        """The session is gone: its sequence is kept by the prefix cache (trimmed to what an entry keeps), or freed."""
+        kept = self.prefix_cache.kept(cache.seq) if self.prefix_cache is not None else None
+        if self._held.get(cache.seq) is cache:
+            del self._held[cache.seq]
+        if kept is None:
+            self._on_worker(lambda c: self._free_id(c.seq), cache)
+        else:
+            cache.length = kept
+            self._on_worker(self._trim, cache)
 
-    def _free_sequence(self, cache: SequenceKV) -> None:
+    def _free_id(self, seq: int) -> None:
         """On the worker: the sequence's cells removed, then its id free for the next open."""
-        self.model.remove(cache.seq)
-        cache.length = cache.cells = 0
+        self.model.remove(seq)
         with self._lock:
-            if self._held.get(cache.seq) is cache:
-                del self._held[cache.seq]
-                self._free.append(cache.seq)
+            self._free.append(seq)
 
     def _on_worker(self, function: Callable[[SequenceKV], None], cache: SequenceKV) -> None:
         """Queue `function(cache)` behind the forwards already on the worker (llama.cpp is used by that thread only):

@@ -24,6 +24,7 @@ from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
 from cloud.target_host import TargetHost
 from cloud.llama_cpp_engine import LlamaCppEngine, default_threads
+from cloud.llama_cpp_prefix import LlamaCppPrefixCache
 from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats, TargetEngine
@@ -255,6 +256,9 @@ class CloudServer:
                                max_prefill_chunk=settings.max_prefill_chunk,
                                max_forward_tokens=settings.max_forward_tokens) as batcher:
                 engine.batcher = batcher
+                if settings.prefix_cache:
+                    engine.prefix_cache = LlamaCppPrefixCache(engine, settings.share_prefix_cache,
+                                                              on_evict=self.metrics.prefix_cache_evictions.inc)
                 yield engine
         finally:
             engine.close()

@@ -276,7 +276,7 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        if remember and self.prefix_cache is not None and isinstance(session.cache, (ResidentKV, PagedKV)):
+        if remember and self.prefix_cache is not None and not isinstance(session.cache, ExternalKV):
             self.prefix_cache.remember(session.cache, self.prefix_cache.scope(session.owner),
                                        session.tokens[:session.cached_tokens])
         session.cache.release()

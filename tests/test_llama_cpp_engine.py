@@ -284,3 +284,82 @@ def test_the_llama_server_baseline_answers_the_same_prompt_ids_as_our_target_mod
     assert record["prompt_tokens"] == len(ids) and record["completion_tokens"] == 12
     assert record["engine"] == "llama.cpp (llama-server)" and len(record["client_event_ms"]) == 12
     assert record["token_ids"] == ours
+
+
+def test_a_next_turn_shares_the_cells_of_the_last_and_computes_the_same_rows(smollm2, engine_path):
+    """cloud/llama_cpp_prefix.py: a session's context, kept when it ends, starts the next turn's session (its cells
+    shared, not copied); the rows after it are those of one session that computed both turns in the same chunks
+    (llama.cpp's rows depend on how a context was chunked: the same chunks, the same rows); each cell is charged
+    once, and an idle entry gives its sequence back when evicted."""
+    from cloud.llama_cpp_prefix import LlamaCppPrefixCache
+    from cloud.prefix_cache import reusing
+
+    first = encode_prompt(smollm2.tokenizer, PROMPTS[0], chat=True)
+    answer = [504, 7302, 314, 253, 906, 28]
+    second = first + answer + encode_prompt(smollm2.tokenizer, PROMPTS[1], chat=True)
+    engine = _engine()
+
+    async def run():
+        async with Batcher(engine.packed_forward) as batcher:
+            engine.batcher = batcher
+            engine.prefix_cache = cache = LlamaCppPrefixCache(engine)
+            turn = engine.new_session_kv()
+            async with reusing(cache, turn, "edge", first[:-1]) as cold:
+                await batcher.prefill(turn, first[:-1])
+            await batcher.forward(turn, first[-1:] + answer, n_logits=1)
+            cache.remember(turn, "edge", first + answer)  # as the session store does when the session closes
+            turn.release()
+            nxt = engine.new_session_kv()
+            async with reusing(cache, nxt, "edge", second[:-1]) as warm:
+                await batcher.prefill(nxt, second[len(first + answer):-1])
+            result = await batcher.forward(nxt, second[-1:] + [42], n_logits=2)
+            in_use = engine.kv_bytes_in_use()
+            nxt.release()
+            other = LlamaCppPrefixCache(engine).match("another-edge", second)  # scoped by identity
+            evicted = cache.evict_one(), cache.evict_one(), cache.evict_one()
+            await asyncio.get_running_loop().run_in_executor(batcher.worker, lambda: None)
+            return cold, warm, result, in_use, other, evicted, engine.kv_bytes_in_use()
+
+    try:
+        cold, warm, result, in_use, other, evicted, after = asyncio.run(run())
+    finally:
+        engine.close()
+    assert cold.tokens == 0 and warm.tokens == len(first + answer)  # the whole first turn, answer included
+    assert in_use == (len(second) + 1) * engine.kv_bytes_per_token  # shared cells counted once
+    assert other == (None, 0)
+    assert evicted == (True, True, False) and after == 0 and len(engine._free) == 8
+    reference = _engine()
+
+    async def both_turns_in_one_session():
+        async with Batcher(reference.packed_forward) as batcher:
+            reference.batcher = batcher
+            cache = reference.new_session_kv()
+            await batcher.prefill(cache, first[:-1])
+            await batcher.forward(cache, first[-1:] + answer, n_logits=1)
+            await batcher.prefill(cache, second[len(first + answer):-1])
+            return await batcher.forward(cache, second[-1:] + [42], n_logits=2)
+
+    try:
+        cold = asyncio.run(both_turns_in_one_session())
+    finally:
+        reference.close()
+    assert result.rows.argmax.tolist() == cold.rows.argmax.tolist()
+    assert np.abs(result.rows.logits.numpy() - cold.rows.logits.numpy()).max() < 1e-3
+
+
+def test_a_second_turn_over_grpc_reads_the_first_from_the_cache(llama_cloud, smollm2):
+    from common import wire
+    from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+    first = encode_prompt(smollm2.tokenizer, "Tell me about the moon.", chat=True)
+
+    def generate(stub, prompt: list[int], n: int) -> tuple[list[int], int]:
+        chunks = list(stub.Generate(wire.generate_request(prompt, SamplingParams(), n)))
+        return [t for c in chunks for t in c.token_ids], chunks[0].cached_tokens
+
+    with grpc.insecure_channel(llama_cloud.address) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        answer, cold = generate(stub, first, 8)
+        _, warm = generate(stub, first + answer + encode_prompt(smollm2.tokenizer, "And the sun?", chat=True), 4)
+    # the chat template's system prompt is cached from the module's earlier sessions: shared as any prefix is
+    assert cold < len(first) - 8 and warm >= len(first) + len(answer) - 1
