@@ -113,10 +113,11 @@ def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
-    """cloud/prefix_cache.py: the resident engine's KV reused across sessions by prompt prefix."""
+    """cloud/prefix_cache.py (cloud/llama_cpp_prefix.py): KV reused across sessions by prompt prefix."""
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="resident engine: reuse no KV across sessions (by default a prompt starts from the longest "
-                        "prefix of whole KV pages an earlier session of the same edge identity computed)")
+                   help="reuse no KV across sessions (by default a prompt starts from the longest prefix an earlier "
+                        "session of the same edge identity computed: whole KV pages on the resident engine, any "
+                        "length on llama.cpp's)")
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="let every edge identity reuse every other's cached prefixes (by default reuse stays within "
                         "one --auth-tokens identity; without --auth-tokens all edges are one identity)")

@@ -9,6 +9,8 @@ Each measurement runs beside what a user of this machine would run instead, on t
            over gRPC; llama-server (-t 1) streams /completion for the same token ids; greedy, no prompt cache,
            one request at a time, interleaved. Tokens over wall time (prefill included), and decode tokens/s
            (the tokens after the first over the time after it).
+  turns    a conversation's second turn (the first turn's prompt and answer, then the next question): its
+           time to the first token with the prefix cache, and on a cloud started with --no-prefix-cache.
 
     sprinter bench llama-cpp --target qwen2.5-coder-1.5b --out results/bench-llama-cpp
 
@@ -50,15 +52,19 @@ class LlamaCppBenchResult:
     date: str
     verify: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
+    turns: dict = field(default_factory=dict)
 
 
 def bench_llama_cpp(settings: LlamaCppBenchSettings) -> tuple[str, LlamaCppBenchResult]:
     result = LlamaCppBenchResult(_jsonable(asdict(settings)), machine(), commit(), time.strftime("%Y-%m-%d"))
     gguf = gguf_file(settings.target)
+    settings.out.mkdir(parents=True, exist_ok=True)
     if "verify" in settings.steps:
         result.verify = measure_verify(settings, gguf)
     if "decode" in settings.steps:
         result.decode = measure_decode(settings, gguf)
+    if "turns" in settings.steps:
+        result.turns = measure_turns(settings, gguf)
     settings.out.mkdir(parents=True, exist_ok=True)
     (settings.out / "results.json").write_text(json.dumps(asdict(result), indent=2))
     table = format_table(result)
@@ -110,7 +116,6 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
     cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1",
                          cpus={settings.core}, log_path=settings.out / "cloud.log")
-    settings.out.mkdir(parents=True, exist_ok=True)
     server = _start_llama_server(gguf, settings.core, settings.out / "llama-server.log")
     ours, theirs = [], []
     try:
@@ -125,6 +130,35 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
             "prompts": len(prompts), "per_prompt": {"sprinter_llama_cpp": ours, "llama_server": theirs}}
 
 
+def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
+    """A conversation's second turn (the first turn's prompt and answer, then the next question): its time to the
+    first token on a cloud with the prefix cache and on one without, the same turns."""
+    tokenizer = load_gguf_tokenizer(gguf)
+    texts = [p["prompt"] for p in load_bench_prompts()[:settings.prompts + 1]]
+    firsts = [encode_prompt(tokenizer, text, True) for text in texts[:-1]]
+    follow = [tokenizer(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)["input_ids"] for text in texts[1:]]
+    out: dict = {}
+    for label, flags in (("cached", ()), ("cold", ("--no-prefix-cache",))):
+        cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1", *flags,
+                             cpus={settings.core}, log_path=settings.out / f"cloud-turns-{label}.log")
+        ttft, cached = [], []
+        try:
+            cloud.start()
+            for first, then in zip(firsts, follow):
+                answer = asyncio.run(_generate_stream(cloud.address, first, settings.max_new_tokens))["token_ids"]
+                second = asyncio.run(_generate_stream(cloud.address, first + answer + then, 1))
+                ttft.append(second["first_s"])
+                cached.append(second["cached_tokens"])
+                out.setdefault("second_turn_tokens", []).append(len(first + answer + then))
+        finally:
+            cloud.stop(grace_s=10)
+        out[label] = {"ttft_s": ttft, "ttft_s_median": median(ttft), "cached_tokens": cached}
+    out["second_turn_tokens"] = out["second_turn_tokens"][:len(firsts)]
+    out["cached_over_cold"] = out["cached"]["ttft_s_median"] / out["cold"]["ttft_s_median"]
+    return out
+
+
 def _rates(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     return {"tokens": tokens, "tokens_per_s": tokens / sum(r["wall_s"] for r in runs),
@@ -135,12 +169,13 @@ def _rates(runs: list[dict]) -> dict:
 async def _generate_stream(address: str, prompt: list[int], max_new: int) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.TargetServiceStub(channel)
-        started, first, tokens = time.perf_counter(), None, []
+        started, first, tokens, cached = time.perf_counter(), None, [], 0
         async for chunk in stub.Generate(wire.generate_request(prompt, SamplingParams(), max_new)):
             tokens += list(chunk.token_ids)
+            cached = cached or chunk.cached_tokens
             first = first or time.perf_counter()
         return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
-                "token_ids": tokens}
+                "token_ids": tokens, "cached_tokens": cached}
 
 
 def _start_llama_server(gguf: Path, core: int, log_path: Path) -> tuple[subprocess.Popen, int]:
@@ -202,7 +237,15 @@ def format_table(result: LlamaCppBenchResult) -> str:
         for name, r in (("sprinter cloud, --engine llama.cpp (gRPC Generate)", ours), ("llama-server", theirs)):
             lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | {r['ttft_s_median']:.3f} |")
         lines += ["", f"Decode: {ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x llama-server's; "
-                      f"wall: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x ({d['prompts']} prompts)."]
+                      f"wall: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x ({d['prompts']} prompts).", ""]
+    t = result.turns
+    if t:
+        lines += ["| a conversation's second turn | time to first token p50 (s) | prompt tokens from the cache |",
+                  "| --- | --- | --- |",
+                  f"| prefix cache on | {t['cached']['ttft_s_median']:.3f} | {median(t['cached']['cached_tokens']):.0f} |",
+                  f"| --no-prefix-cache | {t['cold']['ttft_s_median']:.3f} | 0 |", "",
+                  f"The second turn ({median(t['second_turn_tokens']):.0f} prompt tokens, median) starts in "
+                  f"{t['cached_over_cold']:.2f}x the cold time."]
     return "\n".join(lines)
 
 

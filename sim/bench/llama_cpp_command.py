@@ -16,7 +16,7 @@ HELPS = {
     "prompts": "bench prompts for the decode step (sim/data/bench_prompts.jsonl)",
     "max_new_tokens": "tokens each decode request asks for",
     "core": "the core every measured process is pinned to",
-    "steps": "verify, decode",
+    "steps": "verify, decode, turns (a conversation's second turn, prefix cache on and off)",
 }
 
 

@@ -302,5 +302,5 @@ class LlamaCppBenchSettings:
     prompts: int = 6  # of sim/data/bench_prompts.jsonl, for the decode step
     max_new_tokens: int = 48
     core: int = 1  # every process measured runs pinned to this core, one thread
-    steps: tuple[str, ...] = ("verify", "decode")
+    steps: tuple[str, ...] = ("verify", "decode", "turns")
     out: Path = Path("results/bench-llama-cpp")
