@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import torch
 
-from cloud.batched_engine import BatchedEngine
 from cloud.batcher import Batcher
 from cloud.engine import EngineSession, TargetInfo, TargetRows
 from cloud.errors import exhausted
 from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
+from cloud.resident_engine import BatchedEngine
 from cloud.resident_kv import KVLayout
 from common.models import eos_token_ids, gguf_file, load_gguf_tokenizer, vocab_fingerprint
 from common.sampling import SamplingParams
