@@ -199,7 +199,7 @@ def test_sampled_output_follows_llama_cpps_rows(llama_cloud, smollm2, engine_pat
     """The law is computed from llama.cpp's rows decoded alone; the cloud's come from batched blocks and round a
     little differently (up to about 0.1 in a logit). The prompt is one whose top-2 supports hold by a margin of over
     0.3 logits at every step (checked), so the two laws have one support and differ by less than 200 draws can show:
-    the test sees the rule, not the rounding (120 draws: p about 1e-6 for a rule that drew from the draft instead)."""
+    the test sees the rule, not the rounding."""
     sampling = SamplingParams(temperature=1.0, top_k=2)
     prompt = encode_prompt(smollm2.tokenizer, "Hello!", chat=True)
     model = LlamaCppModel(engine_path, ContextShape(kv_bytes=16 << 20, slack_cells=512, sequences=1,
