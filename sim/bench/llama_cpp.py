@@ -6,8 +6,8 @@ Each measurement runs beside what a user of this machine would run instead, on t
            batcher): all in one forward (the engine's batching), then one after another; beside them
            llama-bench's pp(EDGES x BLOCK) and pp(BLOCK) at depth CONTEXT, the same work in llama.cpp's own tool.
   decode   mode target: the cloud (`cloud serve --engine llama.cpp --threads 1`) streams a Generate per prompt
-           over gRPC; llama-server (-t 1) streams /completion for the same token ids; greedy, no prompt cache,
-           one request at a time, interleaved. Tokens over wall time (prefill included), and decode tokens/s
+           over gRPC; llama-server (-t 1) streams /completion for the same token ids; greedy, each with its
+           prompt cache (the shared chat template's prefix), one request at a time, interleaved. Tokens over wall time (prefill included), and decode tokens/s
            (the tokens after the first over the time after it).
   turns    a conversation's second turn (the first turn's prompt and answer, then the next question): its
            time to the first token with the prefix cache, and on a cloud started with --no-prefix-cache.
@@ -196,9 +196,10 @@ def _start_llama_server(gguf: Path, core: int, log_path: Path) -> tuple[subproce
 
 
 def _llama_server_stream(port: int, prompt: list[int], max_new: int) -> dict:
-    """/completion streamed (server-sent events), greedy, for `prompt` as token ids, its prompt cache off."""
+    """/completion streamed (server-sent events), greedy, for `prompt` as token ids, with its prompt cache (as our
+    cloud has its prefix cache)."""
     body = json.dumps({"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "stream": True,
-                       "cache_prompt": False, "return_tokens": True}).encode()
+                       "cache_prompt": True, "return_tokens": True}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                      {"Content-Type": "application/json"})
     started, first, tokens = time.perf_counter(), None, []
