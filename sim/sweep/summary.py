@@ -83,6 +83,13 @@ def _calls(record: dict[str, Any]) -> tuple[list[int], int]:
     return list(blocks or []), calls
 
 
+def _engine(record: dict[str, Any]) -> str:
+    """What computed the target's rows for this row: a mode that never calls the cloud (draft) had none."""
+    if record["mode"] in MODES and not mode_of(record["mode"]).uses_cloud:
+        return "-"
+    return record.get("engine", "")
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -153,6 +160,6 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             agreement_with_target=_mean(agreements),
             exact_match_rate=_mean(exact),
             degraded=sum(bool(r["degraded"]) for r in group),
-            oracle_calls_per_token=hindsight_calls_per_token(group, tokens), engine=group[0].get("engine", ""),
+            oracle_calls_per_token=hindsight_calls_per_token(group, tokens), engine=_engine(group[0]),
             **_pipeline_columns(group, tokens)))
     return rows
