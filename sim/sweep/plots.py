@@ -12,7 +12,7 @@ import numpy as np
 
 from common.plots import pyplot
 from sim.sweep.results import pipeline_of
-from sim.sweep.settings import run_label
+from sim.sweep.settings import BASELINES, is_baseline, run_label
 from sim.sweep.summary import SummaryRow, mode_rank, pipeline_rank, token_gaps_ms
 
 if TYPE_CHECKING:  # matplotlib is the optional `bench` extra: imported only when drawing
@@ -27,7 +27,9 @@ def _runs(rows: list[SummaryRow]) -> list[Run]:
     return sorted({(r.mode, r.pipeline) for r in rows}, key=lambda mp: (mode_rank(mp[0]), mp[0], pipeline_rank(mp[1])))
 
 
-def _color(mode: str) -> str:  # the same colour for a mode in every plot
+def _color(mode: str) -> str:  # the same colour for a mode in every plot; the baselines black and grey
+    if is_baseline(mode):
+        return ("black", "dimgray")[BASELINES.index(mode) % 2]
     return f"C{mode_rank(mode)}"
 
 
