@@ -26,12 +26,12 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
 import grpc
+import httpx
 
 from common import wire
 from common.models import gguf_file, load_gguf_tokenizer
@@ -40,7 +40,8 @@ from common.results_page import commit, machine
 from common.sampling import SamplingParams
 from sim.bench.settings import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
-from sim.processes import CloudProcess, free_port, stop_process
+from sim.processes import CloudProcess
+from sim.sweep.baselines import LocalBaselines
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 
@@ -116,16 +117,16 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
     cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1",
                          cpus={settings.core}, log_path=settings.out / "cloud.log")
-    server = _start_llama_server(gguf, settings.core, settings.out / "llama-server.log")
     ours, theirs = [], []
-    try:
-        cloud.start()
-        for ids in prompts:
-            ours.append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
-            theirs.append(_llama_server_stream(server[1], ids, settings.max_new_tokens))
-    finally:
-        cloud.stop(grace_s=10)
-        stop_process(server[0], 15, 10)
+    with LocalBaselines(("llama-server",), settings.target, settings.target, settings.out, {settings.core},
+                        None) as server:
+        try:
+            cloud.start()
+            for ids in prompts:
+                ours.append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
+                theirs.append(asyncio.run(_llama_server_stream(server, ids, settings.max_new_tokens)))
+        finally:
+            cloud.stop(grace_s=10)
     return {"sprinter_llama_cpp": _rates(ours), "llama_server": _rates(theirs),
             "prompts": len(prompts), "per_prompt": {"sprinter_llama_cpp": ours, "llama_server": theirs}}
 
@@ -159,6 +160,13 @@ def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     return out
 
 
+async def _llama_server_stream(server: LocalBaselines, ids: list[int], max_new: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        streamed = await server.stream(client, "llama-server", ids, max_new)
+    return {"tokens": len(streamed["token_ids"]), "first_s": streamed["first_s"], "wall_s": streamed["wall_s"],
+            "token_ids": streamed["token_ids"]}
+
+
 def _rates(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     return {"tokens": tokens, "tokens_per_s": tokens / sum(r["wall_s"] for r in runs),
@@ -176,45 +184,6 @@ async def _generate_stream(address: str, prompt: list[int], max_new: int) -> dic
             first = first or time.perf_counter()
         return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
                 "token_ids": tokens, "cached_tokens": cached}
-
-
-def _start_llama_server(gguf: Path, core: int, log_path: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    command = ["taskset", "-c", str(core), _program("llama-server"), "-m", str(gguf), "-t", "1", "-tb", "1",
-               "--port", str(port), "-c", "4096", "-np", "1", "--no-webui"]
-    process = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, port
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise TimeoutError(f"llama-server did not come up within 120 s (see {log_path})")
-
-
-def _llama_server_stream(port: int, prompt: list[int], max_new: int) -> dict:
-    """/completion streamed (server-sent events), greedy, for `prompt` as token ids, with its prompt cache (as our
-    cloud has its prefix cache)."""
-    body = json.dumps({"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "stream": True,
-                       "cache_prompt": True, "return_tokens": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                     {"Content-Type": "application/json"})
-    started, first, tokens = time.perf_counter(), None, []
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for line in response:
-            if not line.startswith(b"data: "):
-                continue
-            event = json.loads(line[6:])
-            if event.get("tokens"):
-                tokens += event["tokens"]
-                first = first or time.perf_counter()
-            if event.get("stop"):
-                break
-    return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
-            "token_ids": tokens}
 
 
 def format_table(result: LlamaCppBenchResult) -> str:

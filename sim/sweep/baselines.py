@@ -106,11 +106,24 @@ class LocalBaselines:
                       temperature: float, seed: int) -> dict[str, Any]:
         """One streamed /completion of `prompt`'s token ids, timed at the client, as a sweep record."""
         ids = encode_prompt(self.tokenizer, prompt.prompt, prompt.chat)
+        streamed = await self.stream(client, name, ids, max_tokens, temperature, seed)
+        tokens, event_ms = streamed["token_ids"], streamed["event_ms"]
+        return {"mode": name, "pipeline": "off", "prompt_id": prompt.id, "category": prompt.category,
+                "chat": prompt.chat, "ttft_ms": streamed["first_s"] * 1e3, "wall_ms": streamed["wall_s"] * 1e3,
+                "text": streamed["text"], "token_ids": tokens, "prompt_tokens": len(ids),
+                "completion_tokens": len(tokens), "finish_reason": streamed["finish_reason"], "degraded": False,
+                "client_event_ms": event_ms, "engine": "llama.cpp (llama-server)",
+                "sprinter": {"token_ids": tokens, "target_calls": 0, "stats": {"token_times_ms": event_ms}}}
+
+    async def stream(self, client: httpx.AsyncClient, name: str, ids: list[int], max_tokens: int,
+                     temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+        """/completion streamed for the token ids `ids` (with llama-server's prompt cache, its default): the tokens,
+        the text, each token's arrival (ms) and the seconds to the first token and to the end."""
         body = {"prompt": ids, "n_predict": max_tokens, "temperature": temperature, "seed": seed, "top_k": 0,
                 "top_p": 1.0, "min_p": 0.0, "stream": True, "return_tokens": True}
         if temperature == 0:
             body["top_k"] = 1
-        tokens, text, event_ms, ttft_ms, stop = [], [], [], None, None
+        tokens, text, event_ms, first_s, stop = [], [], [], None, None
         started = time.perf_counter()
         async with client.stream("POST", f"http://127.0.0.1:{self.ports[name]}/completion", json=body) as response:
             response.raise_for_status()
@@ -118,18 +131,14 @@ class LocalBaselines:
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[len("data: "):])
-                now_ms = (time.perf_counter() - started) * 1e3
+                now_s = time.perf_counter() - started
                 if event.get("tokens"):
-                    ttft_ms = now_ms if ttft_ms is None else ttft_ms
+                    first_s = now_s if first_s is None else first_s
                     tokens += event["tokens"]
-                    event_ms += [now_ms] * len(event["tokens"])
+                    event_ms += [now_s * 1e3] * len(event["tokens"])
                     text.append(event.get("content", ""))
                 if event.get("stop"):
                     stop = "stop" if event.get("stop_type") == "eos" else "length"
                     break
-        wall_ms = (time.perf_counter() - started) * 1e3
-        return {"mode": name, "pipeline": "off", "prompt_id": prompt.id, "category": prompt.category,
-                "chat": prompt.chat, "ttft_ms": ttft_ms, "wall_ms": wall_ms, "text": "".join(text), "token_ids": tokens,
-                "prompt_tokens": len(ids), "completion_tokens": len(tokens), "finish_reason": stop, "degraded": False,
-                "client_event_ms": event_ms, "engine": "llama.cpp (llama-server)",
-                "sprinter": {"token_ids": tokens, "target_calls": 0, "stats": {"token_times_ms": event_ms}}}
+        return {"token_ids": tokens, "text": "".join(text), "event_ms": event_ms, "first_s": first_s,
+                "wall_s": time.perf_counter() - started, "finish_reason": stop}
