@@ -363,3 +363,30 @@ def test_a_second_turn_over_grpc_reads_the_first_from_the_cache(llama_cloud, smo
         _, warm = generate(stub, first + answer + encode_prompt(smollm2.tokenizer, "And the sun?", chat=True), 4)
     # the chat template's system prompt is cached from the module's earlier sessions: shared as any prefix is
     assert cold < len(first) - 8 and warm >= len(first) + len(answer) - 1
+
+
+def test_logprobs_and_penalties_come_from_llama_cpps_rows(llama_cloud, smollm2, smollm2_4_layers, engine_path):
+    """Generate's logprobs are the log-softmax of llama.cpp's rows; with a repetition penalty, speculation keeps the
+    penalized target's greedy output (the penalty applied to llama.cpp's rows, as to the resident engine's)."""
+    from common import wire
+    from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
+    prompt = encode_prompt(smollm2.tokenizer, "List three colours.", chat=True)
+    with grpc.insecure_channel(llama_cloud.address) as channel:
+        chunks = list(pb_grpc.TargetServiceStub(channel).Generate(
+            wire.generate_request(prompt, SamplingParams(logprobs=2), 4)))
+    tokens = [t for c in chunks for t in c.token_ids]
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert len(logprobs) == len(tokens) == 4
+    row = torch.from_numpy(_alone(engine_path, prompt, 1)[0]).log_softmax(-1)
+    assert abs(logprobs[0].logprob - float(row[tokens[0]])) < 0.05
+    assert list(logprobs[0].top_ids) == row.topk(2).indices.tolist()
+
+    penalized = SamplingParams(repetition_penalty=1.3)
+
+    async def work(node: EdgeNode):
+        return await asyncio.gather(*(node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+            mode=mode, max_new_tokens=16, k=4, sampling=penalized))) for mode in ("target", "sd-block")))
+
+    target, speculative = asyncio.run(_on_edge(llama_cloud.address, smollm2_4_layers, work))
+    assert not speculative.degraded and speculative.token_ids == target.token_ids
