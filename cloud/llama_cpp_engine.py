@@ -115,7 +115,6 @@ class LlamaCppEngine(BatchedEngine):
 
     name = "llama.cpp"
     tree_attention = False
-    draft_spec = None
 
     def __init__(self, model: LlamaCppModel, info: TargetInfo, tokenizer: Any, layout: KVLayout) -> None:
         self.model = model
@@ -126,6 +125,7 @@ class LlamaCppEngine(BatchedEngine):
         self.kv_bytes_per_page = layout.bytes_per_page
         self.batcher: Batcher | None = None  # set by the server before the first session
         self.prefix_cache: Any = None  # cloud/llama_cpp_prefix.py, set likewise unless the cloud keeps none
+        self.draft: LlamaCppEngine | None = None  # the cloud's own draft (`--draft`, mode cloud-sd): its own context
         self._free = list(range(model.shape.sequences - 1, -1, -1))  # sequence ids, taken from the end
         self._held: dict[int, SequenceKV] = {}
         self._lock = threading.Lock()  # ids come back on the worker thread
@@ -149,6 +149,12 @@ class LlamaCppEngine(BatchedEngine):
         return cls(model, info, tokenizer, layout)
 
     def close(self) -> None:
+        """Free the context once the worker has run what was queued for it (a shared worker may still hold edits)."""
+        if self.batcher is not None:
+            try:
+                self.batcher.worker.submit(lambda: None).result(timeout=60)
+            except RuntimeError:  # the worker was shut down, after running everything queued
+                pass
         self.model.close()
 
     def new_session_kv(self) -> SequenceKV:
@@ -201,8 +207,20 @@ class LlamaCppEngine(BatchedEngine):
     def keep_path(self, session: EngineSession, start: int, node_indices: list[int]) -> None:
         raise ValueError("the llama.cpp engine verifies chains only (its open's limits say 0 tree tokens)")
 
-    async def speculate(self, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError("this engine has no draft model: cloud-sd on the llama.cpp engine is not built yet")
+    # As the cloud's draft (cloud/speculation.py: what CloudSpeculation reads of a DraftEngine): its spec, its
+    # logits per row and a generation's cache.
+    @property
+    def spec(self) -> str:
+        return self.info.spec
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def new_cache(self, tokens: int) -> SequenceKV:
+        cache = self.new_session_kv()
+        cache.reserve(tokens)
+        return cache
 
     def packed_forward(self, caches: list[SequenceKV], new_tokens: list[list[int]], n_logits: list[int],
                        full_logits: list[bool], trees: list[list[int] | None]) -> list[TargetRows]:
@@ -210,6 +228,9 @@ class LlamaCppEngine(BatchedEngine):
         session's tokens, each after its own context."""
         if any(tree is not None for tree in trees):
             raise ValueError("the llama.cpp engine verifies chains only")
+        for cache in caches:  # a length moved back without a rollback (cloud-sd's rounds): its tail goes first
+            if cache.cells > cache.length:
+                self._trim(cache)
         segments = [Segment(cache.seq, cache.length, list(tokens), n)
                     for cache, tokens, n in zip(caches, new_tokens, n_logits)]
         decoded = None

@@ -47,6 +47,7 @@ class BatchedEngine:
     batcher: Batcher
     info: TargetInfo
     prefix_cache: PrefixCache | None
+    draft: DraftEngine | None  # the cloud's own draft (`--draft`): cloud-sd; DraftEngine's or the llama.cpp engine's
 
     def new_session_kv(self) -> Any:
         raise NotImplementedError
@@ -123,6 +124,46 @@ class BatchedEngine:
             cache.release()
 
 
+    @property
+    def draft_spec(self) -> str | None:
+        return self.draft.spec if self.draft is not None else None
+
+    async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
+                        processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
+                        speculation: SpeculationRequest,
+                        prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
+        """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
+        counting the prefills and bringing the prompt's logprobs when asked (echo)."""
+        if self.draft is None:
+            raise ValueError("this engine has no draft model (start the cloud with --draft)")
+        room = len(context) + max_new + speculation.cap  # a verify writes its whole block before the rollback
+        target_cache, draft_cache = self.new_session_kv(), self.draft.new_cache(room)
+        try:
+            target_cache.reserve(room)
+            started = time.perf_counter()
+            prompt_logprobs, reuse = await self._prefill(target_cache, context, sampling.prompt_logprobs, prefix_scope)
+            if len(context) > 1:
+                await self.draft.batcher.prefill(draft_cache, context[:-1])
+            prefill_ms = (time.perf_counter() - started) * 1e3
+            rounds_of = CloudSpeculation(self.draft, target_cache, draft_cache, sampling, self.info.vocab_size,
+                                         self.info.eos_token_ids, *processors, speculation)
+
+            async def target_forward(new_tokens: list[int], n_logits: int) -> ForwardResult:
+                return await self.batcher.forward(target_cache, new_tokens, n_logits,
+                                                  full_logits=sampling.reads_logits)
+
+            async with contextlib.aclosing(rounds_of.rounds(context, max_new, target_forward)) as rounds:
+                async for speculated in rounds:
+                    yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs,
+                                  cached_tokens=reuse.tokens)
+                    prefill_ms, prompt_logprobs, reuse = 0.0, (), Reuse()
+                    context = context + speculated.tokens
+        finally:
+            self._remember(target_cache, prefix_scope, context)
+            target_cache.release()
+            draft_cache.release()
+
+
 def target_info(target: LoadedModel) -> TargetInfo:
     return TargetInfo(target.spec, target.vocab_size, target.eos_token_ids, vocab_fingerprint(target.tokenizer))
 
@@ -183,42 +224,3 @@ class ResidentEngine(BatchedEngine):
         entries from `start` (where node 0's was written), nothing after them. Moves entries within the session's
         own capacity: the KV budget charged is unchanged, and the length only drops."""
         session.cache.keep_path(start, node_indices)
-
-    @property
-    def draft_spec(self) -> str | None:
-        return self.draft.model.spec if self.draft is not None else None
-
-    async def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
-                        processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
-                        speculation: SpeculationRequest,
-                        prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
-        """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
-        counting the prefills and bringing the prompt's logprobs when asked (echo)."""
-        if self.draft is None:
-            raise ValueError("this engine has no draft model (start the cloud with --draft)")
-        room = len(context) + max_new + speculation.cap  # a verify writes its whole block before the rollback
-        target_cache, draft_cache = self.new_session_kv(), self.draft.new_cache(room)
-        try:
-            target_cache.reserve(room)
-            started = time.perf_counter()
-            prompt_logprobs, reuse = await self._prefill(target_cache, context, sampling.prompt_logprobs, prefix_scope)
-            if len(context) > 1:
-                await self.draft.batcher.prefill(draft_cache, context[:-1])
-            prefill_ms = (time.perf_counter() - started) * 1e3
-            rounds_of = CloudSpeculation(self.draft, target_cache, draft_cache, sampling, self.info.vocab_size,
-                                         self.info.eos_token_ids, *processors, speculation)
-
-            async def target_forward(new_tokens: list[int], n_logits: int) -> ForwardResult:
-                return await self.batcher.forward(target_cache, new_tokens, n_logits,
-                                                  full_logits=sampling.reads_logits)
-
-            async with contextlib.aclosing(rounds_of.rounds(context, max_new, target_forward)) as rounds:
-                async for speculated in rounds:
-                    yield replace(speculated, step_ms=speculated.step_ms + prefill_ms, prompt_logprobs=prompt_logprobs,
-                                  cached_tokens=reuse.tokens)
-                    prefill_ms, prompt_logprobs, reuse = 0.0, (), Reuse()
-                    context = context + speculated.tokens
-        finally:
-            self._remember(target_cache, prefix_scope, context)
-            target_cache.release()
-            draft_cache.release()

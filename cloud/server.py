@@ -13,7 +13,7 @@ import signal
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -242,24 +242,41 @@ class CloudServer:
 
     @asynccontextmanager
     async def _llama_cpp_engine(self) -> AsyncIterator[LlamaCppEngine]:
-        """The target's GGUF on llama.cpp, its forwards through a batcher of its own."""
+        """The target's GGUF on llama.cpp, its forwards through a batcher of its own; with `--draft`, the draft's GGUF
+        in a context of its own, its batcher on the target's forward thread (the two take turns)."""
         settings = self.settings
-        log.info("loading target %s into llama.cpp", settings.target)
+        async with self._llama_cpp(settings.target) as (engine, batcher):
+            if settings.prefix_cache:
+                engine.prefix_cache = LlamaCppPrefixCache(engine, settings.share_prefix_cache,
+                                                          on_evict=self.metrics.prefix_cache_evictions.inc)
+            if settings.draft is None:
+                yield engine
+                return
+            async with self._llama_cpp(settings.draft, batcher.worker) as (draft, _):
+                if draft.info.vocab_fingerprint != engine.info.vocab_fingerprint:
+                    raise ValueError(f"--draft {settings.draft} does not share the target's tokenizer "
+                                     f"({settings.target}): its tokens could not be verified")
+                engine.draft = draft
+                yield engine
+
+    @asynccontextmanager
+    async def _llama_cpp(self, spec: str, worker: Any = None) -> AsyncIterator[tuple[LlamaCppEngine, Batcher]]:
+        """One GGUF loaded into a llama.cpp context sized by the service's limits, with a batcher running it."""
+        settings = self.settings
+        log.info("loading %s into llama.cpp", spec)
         engine = await asyncio.to_thread(
-            LlamaCppEngine.load, settings.target, settings.threads or default_threads(), settings.kv_budget_bytes,
+            LlamaCppEngine.load, spec, settings.threads or default_threads(), settings.kv_budget_bytes,
             settings.max_context + settings.max_verify_tokens + 1, 2 * settings.max_sessions,
             settings.max_forward_tokens)
         try:
             settings.check_kv_budget(engine.kv_bytes_per_token)
+            observe = self._observe_batch if worker is None else self._observe_draft_batch
             async with Batcher(engine.packed_forward, settings.batch_window_ms / 1e3, settings.max_batch,
-                               on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
+                               on_batch=observe, demand=lambda: self.servicer.open_streams,
                                max_prefill_chunk=settings.max_prefill_chunk,
-                               max_forward_tokens=settings.max_forward_tokens) as batcher:
+                               max_forward_tokens=settings.max_forward_tokens, worker=worker) as batcher:
                 engine.batcher = batcher
-                if settings.prefix_cache:
-                    engine.prefix_cache = LlamaCppPrefixCache(engine, settings.share_prefix_cache,
-                                                              on_evict=self.metrics.prefix_cache_evictions.inc)
-                yield engine
+                yield engine, batcher
         finally:
             engine.close()
 

@@ -186,7 +186,6 @@ class CloudSettings:
                 "device": "--device (this llama.cpp build runs on the CPU)",
                 "attention": "--attention (llama.cpp has its own attention)",
                 "dtype": "--dtype (llama.cpp computes in the GGUF file's own types)",
-                "draft": "--draft (cloud-sd on the llama.cpp engine is not built yet: draft on the edge)",
             }
         else:
             not_here = vllm_only | {"threads": "--threads (llama.cpp's; the resident engine uses torch's threads)"}

@@ -99,6 +99,14 @@ class DraftEngine:
     batcher: Batcher
     kv_layout: KVLayout
 
+    @property
+    def spec(self) -> str:
+        return self.model.spec
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
     def new_cache(self, tokens: int) -> ResidentKV:
         cache = ResidentKV(self.kv_layout)
         cache.reserve(tokens)
@@ -155,7 +163,7 @@ class CloudSpeculation:
         memory = spec.memory if spec.memory is not None or spec.proposer == "model" else suffix_memory(cache=False)
         wrap = proposer_for(spec.settings(self.sampling), memory) if memory is not None else None
         # a wrapping proposer's policy scores the draft's tokens from its logits: a greedy draft must bring them too
-        full = self.sampling.reads_logits or self.draft.model.vocab_size != self.vocab_size or wrap is not None
+        full = self.sampling.reads_logits or self.draft.vocab_size != self.vocab_size or wrap is not None
         model = ModelProposer(BatchedDraft(self.draft, self.draft_cache, self.vocab_size, full), self.sampling,
                               self.generator, self.eos_token_ids, processor=self.draft_processor)
         self.proposer: Proposer = wrap(model) if wrap is not None else model

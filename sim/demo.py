@@ -85,7 +85,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
                    help=f"how many of the {len(PROMPTS)} demo prompts to send")
     p.add_argument("--engine", default="resident", choices=("resident", "llama.cpp"),
-                   help="the cloud's target engine (llama.cpp: the GGUF as shipped; cloud-sd is then left out)")
+                   help="the cloud's target engine (llama.cpp: the GGUF as shipped, the cloud's draft's too)")
     p.add_argument("--baselines", type=names, default=None,
                    help=f"rows of what a user would run instead: any of {', '.join(BASELINES)}, or '' for none "
                         "(default: both, where the models are GGUF presets and llama.cpp is built)")
@@ -218,12 +218,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = PROMPTS[:args.prompts]
     args.out.mkdir(parents=True, exist_ok=True)
     llama = args.engine == "llama.cpp"
-    modes = tuple(m for m in MODES if not (llama and mode_of(m).cloud_drafts))  # its cloud has no draft yet
+    modes = MODES
     engine = "llama.cpp" if llama else f"resident ({args.dtype})"
     baselines = baselines_to_run(args)
     print(f"starting the cloud ({args.target} on {engine}) and the edge daemon ({args.draft}, verifier "
           f"{args.verifier}); the first run converts and exports the models once", flush=True)
-    cloud_args = ["--engine", "llama.cpp"] if llama else ["--draft", args.draft, "--dtype", args.dtype]
+    cloud_args = ["--draft", args.draft] + (["--engine", "llama.cpp"] if llama else ["--dtype", args.dtype])
     with cloud_process("--target", args.target, *cloud_args, "--drain-s", "5",
                        log_path=args.out / "cloud.log", startup_timeout_s=900) as cloud_address, \
             edge_daemon(["--draft", args.draft, "--verifier", args.verifier, "--cloud", cloud_address,

@@ -390,3 +390,28 @@ def test_logprobs_and_penalties_come_from_llama_cpps_rows(llama_cloud, smollm2, 
 
     target, speculative = asyncio.run(_on_edge(llama_cloud.address, smollm2_4_layers, work))
     assert not speculative.degraded and speculative.token_ids == target.token_ids
+
+
+def test_cloud_sd_drafts_with_a_gguf_draft_in_the_same_engine(tmp_path, smollm2, smollm2_4_layers, engine_path):
+    """`--draft` on the llama.cpp engine: the draft's GGUF in a context of its own, its forwards taking turns with
+    the target's; cloud-sd keeps the target's greedy output where llama.cpp's rows do not round apart, and its
+    sampled rounds reject and resample through rollbacks of both caches."""
+    cloud = _llama_cloud(tmp_path, "--draft", "smollm2-135m")
+    cloud.start()
+    prompt = encode_prompt(smollm2.tokenizer, PROMPTS[2], chat=True)
+    try:
+        async def work(node: EdgeNode):
+            greedy = await asyncio.gather(*(node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+                mode=mode, max_new_tokens=24, k=4))) for mode in ("target", "cloud-sd")))
+            sampled = await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(
+                mode="cloud-sd", max_new_tokens=24, k=4, sampling=SamplingParams(temperature=1.5, seed=3))))
+            return greedy, sampled
+
+        (target, speculated), sampled = asyncio.run(_on_edge(cloud.address, smollm2_4_layers, work))
+    finally:
+        cloud.stop(grace_s=10)
+    assert not speculated.degraded and len(speculated.token_ids) == 24 and speculated.stats.drafted_tokens > 0
+    at = next((i for i, (a, b) in enumerate(zip(target.token_ids, speculated.token_ids)) if a != b), None)
+    assert at is None or _top2_gap(engine_path, prompt + target.token_ids[:at]) < 0.1
+    assert not sampled.degraded and len(sampled.token_ids) == 24
+    assert sum(sampled.stats.accepted_lengths) < sampled.stats.drafted_tokens  # some drafted tokens were rejected

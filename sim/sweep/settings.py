@@ -87,9 +87,6 @@ class SimulateSettings:
                 DecodeSettings(mode=mode, policy=policy)  # raises ValueError naming what is wrong
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "llama.cpp" and any(mode_of(m).cloud_drafts for m in self.modes):
-            raise ValueError("cloud-sd does not run on the llama.cpp engine yet (its cloud has no draft): drop it from "
-                             "modes, or use engine resident")
         if any(b not in BASELINES for b in self.baselines):
             raise ValueError(f"baselines must be a list of {', '.join(BASELINES)}, got {self.baselines}")
         if not self.pipeline or any(p not in PIPELINES for p in self.pipeline):
