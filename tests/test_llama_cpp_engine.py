@@ -134,7 +134,7 @@ def test_what_llama_cpp_cannot_take_is_refused_in_one_line():
     with pytest.raises(UnknownModel, match="not a GGUF file"):
         gguf_file("smollm2-135m:layers=4")
     for flags, named in (({"dtype": "float32"}, "--dtype"), ({"device": "cpu"}, "--device"),
-                         ({"draft": "smollm2-135m"}, "--draft"), ({"max_logprobs": 8}, "--max-logprobs")):
+                         ({"attention": "paged"}, "--attention"), ({"max_logprobs": 8}, "--max-logprobs")):
         with pytest.raises(ValueError, match=named):
             CloudSettings(engine="llama.cpp", target="smollm2-135m", **flags)
     with pytest.raises(ValueError, match="--threads"):

@@ -152,7 +152,7 @@ def test_a_pipelined_sweep_measures_each_pipeline_of_a_lossless_mode(pipelined_s
     assert rows[("sd-block", "off")].ahead_hit_rate is None
     assert all(row.exact_match_rate == 1.0 for row in rows.values())  # send-ahead is lossless too
     summary = (pipelined_sweep.out / "summary.md").read_text()
-    assert "| 40 | sd-block | send-ahead |" in summary and "ahead hit rate" in summary
+    assert "| 40 | sd-block | resident (float32) | send-ahead |" in summary and "ahead hit rate" in summary
     assert "(sd-block/send-ahead)/sd" not in summary  # no sd in this sweep: no ratio to it
 
 
