@@ -98,7 +98,8 @@ class SequenceKV:
         self.length = length
 
     def release(self) -> None:
-        """The session is gone: its sequence's cells are removed (after the forward under way, if any)."""
+        """The session is gone: its sequence's cells are removed, or kept as far as the prefix cache keeps them (after
+        the forward under way, if any)."""
         if not self.released:
             self.released = True
             if not self.in_forward:
