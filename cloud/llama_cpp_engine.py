@@ -1,14 +1,15 @@
 """The llama.cpp engine: the target on llama.cpp's CPU kernels, its GGUF file as shipped (never dequantized).
 
-On a CPU this is what a user would run the target on (on one core of an AVX-512 EPYC it decodes the Qwen
-1.5B preset 5.5x faster than the resident engine's eager PyTorch in bfloat16). It sits behind the same seam and scheduler
-as the resident engine: the batcher (cloud/batcher.py) gathers whatever verifies wait, and one
+On a CPU this is what a user would run the target on: llama.cpp's kernels, built for the CPU at hand
+(docs/benchmarks/llama-cpp.md measures it against llama-server and the resident engine). It sits behind
+the same seam and scheduler as the resident engine: the batcher (cloud/batcher.py) gathers whatever verifies wait, and one
 `llama_decode` runs them all, each session's block as its own sequence, logits only at the rows the
 rule reads (cloud/llama_cpp_runtime.py).
 
 Glossary
     sequence      a session's (or a Generate's) KV in llama.cpp's one context: a sequence id; ids are
-                  taken at open and given back, their cells removed, at close
+                  taken at open and given back at close, their cells removed or kept by the prefix
+                  cache (cloud/llama_cpp_prefix.py)
     cell          one token's KV (llama.cpp's unit); the session store charges cells as the resident
                   engine's entries, in pages of PAGE_TOKENS, against the same --kv-budget-mb
     rollback      llama.cpp's per-sequence removal (`llama_memory_seq_rm`) of the rejected tail
@@ -23,8 +24,9 @@ them unchanged (penalties and logit_bias applied to them here as to the resident
 is not batch-invariant: a block's rows may differ from one-token decoding by rounding, so greedy
 speculation can part from llama.cpp's own one-token output at near-ties (docs/llama-cpp-engine.md).
 
-Not here yet: draft trees (a tree's tokens would need a sequence per branch; the open's limits say 0
-tree tokens), the cross-session prefix cache, and cloud-sd (`--draft`): each refused at start or open.
+With `--draft` the engine is also its own draft's (cloud-sd): the draft's GGUF in a context of its
+own, its batcher on this one's worker thread. Not here yet: draft trees (a tree's tokens would need a
+sequence per branch; the open's limits say 0 tree tokens, so edges send chains).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ class LlamaCppEngine(BatchedEngine):
         layout = KVLayout(layers, kv_heads, head_dim, torch.float16, page_tokens=PAGE_TOKENS, max_tokens=max_tokens)
         # the stops of the same preset loaded by transformers (the edge's draft, the resident engine)
         info = TargetInfo(spec, model.vocab_size, eos_token_ids(model.eos_token(), tokenizer), vocab_fingerprint(tokenizer))
-        log.info("llama.cpp: %s (%s), %d KV cells, %d sequences, %d threads", path.name,
-                 model.metadata("general.architecture"), model.cells, shape.sequences, threads)
+        log.info("llama.cpp: %s, %d KV cells, %d sequences, %d threads", path.name, model.cells, shape.sequences,
+                 threads)
         return cls(model, info, tokenizer, layout)
 
     def close(self) -> None:

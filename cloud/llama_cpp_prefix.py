@@ -5,8 +5,9 @@ when the turn ends: instead of removing it, the session's sequence is kept as an
 the remembered tokens removed), and a later prompt that starts with the same tokens shares those cells
 (`llama_memory_seq_cp` in unified KV makes the new sequence part of the same cells: nothing is copied
 or computed) and prefills only the rest. A session's prompt is an entry from its prefill on, so
-sessions opened while it lives (the n choices of a request) share it too. It plays the role of the resident engine's page cache (cloud/prefix_cache.py) behind the same
-calls (start, remember, evict_one, tokens), at another granularity:
+sessions opened while it lives (the n choices of a request) share it too. It plays the role of the
+resident engine's page cache (cloud/prefix_cache.py) behind the same calls (start, remember,
+evict_one, tokens), at another granularity:
 
 Glossary
     entry      a remembered context: its scope, its tokens and the sequence that holds their cells (the
@@ -25,8 +26,6 @@ together each prefill it (there is no claim on a prefix being computed): measure
 
 from __future__ import annotations
 
-import logging
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ from common.prefix_digests import MAX_ANNOUNCED_PREFIXES, prefix_digests
 if TYPE_CHECKING:
     from cloud.llama_cpp_engine import LlamaCppEngine, SequenceKV
 
-log = logging.getLogger(__name__)
 MIN_REUSE_TOKENS = 16  # a shorter match saves less than the bookkeeping costs
 
 
@@ -50,7 +48,6 @@ class Entry:
     parent: Entry | None = None  # the entry its session started from: its first `shared` cells are the parent's
     shared: int = 0
     holders: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    used: float = field(default_factory=time.monotonic)
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
@@ -124,8 +121,7 @@ class LlamaCppPrefixCache:
         return len(entry.tokens) if entry is not None else None
 
     def _touch(self, entry: Entry) -> None:
-        entry.used = time.monotonic()
-        self.entries.move_to_end(entry.seq)
+        self.entries.move_to_end(entry.seq)  # the order is the recency
 
     def idle(self, entry: Entry) -> bool:
         """No live session reads its cells."""
@@ -153,9 +149,6 @@ class LlamaCppPrefixCache:
                 break
         return list(dict.fromkeys(found))[:MAX_ANNOUNCED_PREFIXES]
 
-    def nbytes(self) -> int:
-        return self.tokens * self.engine.kv_bytes_per_token
-
     async def wait_for_pending(self, scope: str, tokens: list[int]) -> None:
         """No claims here: concurrent opens of one prefix each prefill it (module docstring)."""
 
@@ -164,7 +157,3 @@ class LlamaCppPrefixCache:
 
     def settle(self, claimed: list[bytes]) -> None:
         """Nothing was claimed."""
-
-    def clear(self) -> None:
-        for entry in list(self.entries.values()):
-            self._drop(entry)

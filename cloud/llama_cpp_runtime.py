@@ -76,8 +76,6 @@ class ContextShape:
     sequences: int
     batch_tokens: int
     threads: int
-    flash_attention: bool | None = None  # None: llama.cpp's own choice (auto), as llama-server makes it
-    unified: bool = True  # False: each sequence its own stream of cells/sequences cells (as llama-server's slots)
 
 
 class LlamaCppModel:
@@ -99,11 +97,8 @@ class LlamaCppModel:
         params.n_batch = params.n_ubatch = shape.batch_tokens
         params.n_seq_max = shape.sequences
         params.n_threads = params.n_threads_batch = shape.threads
-        params.kv_unified = shape.unified
+        params.kv_unified = True  # flash attention stays llama.cpp's own choice (auto), as llama-server makes it
         params.no_perf = True
-        if shape.flash_attention is not None:
-            params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attention
-                                      else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.context = lib.llama_init_from_model(self.model, params)
         if not self.context:
             lib.llama_model_free(self.model)
@@ -119,9 +114,7 @@ class LlamaCppModel:
     @property
     def bytes_per_cell(self) -> int:
         """One token's K and V over every layer, in f16: what a cell takes."""
-        lib = self.lib
-        layers, kv_heads = lib.llama_model_n_layer(self.model), lib.llama_model_n_head_kv(self.model)
-        head_dim = lib.llama_model_n_embd(self.model) // lib.llama_model_n_head(self.model)
+        layers, kv_heads, head_dim = self.layout()
         return 2 * layers * kv_heads * head_dim * F16_BYTES
 
     def layout(self) -> tuple[int, int, int]:
@@ -134,12 +127,6 @@ class LlamaCppModel:
         """The GGUF's end-of-sequence token (as transformers reads it into a converted model's generation config)."""
         token = self.lib.llama_vocab_eos(self.vocab)
         return token if token >= 0 else None
-
-    def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value as text (e.g. general.architecture), or None."""
-        buffer = ctypes.create_string_buffer(256)
-        n = self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
-        return buffer.value.decode(errors="replace") if n >= 0 else None
 
     def decode(self, segments: list[Segment], full_rows: list[bool]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Every segment's tokens in one `llama_decode` (llama.cpp splits it into micro-batches by itself);

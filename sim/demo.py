@@ -98,10 +98,10 @@ def baselines_to_run(args: argparse.Namespace) -> tuple[str, ...]:
     if args.baselines is not None:
         return tuple(b for b in args.baselines if b)
     from common.models import gguf_file
-    from sim.sweep.baselines import server_program
+    from sim.sweep.baselines import llama_program
 
     try:
-        gguf_file(args.target), gguf_file(args.draft), server_program()
+        gguf_file(args.target), gguf_file(args.draft), llama_program("llama-server")
     except (OSError, ValueError) as err:
         print(f"no llama.cpp baselines: {err}")
         return ()

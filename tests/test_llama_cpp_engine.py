@@ -19,6 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from cloud.batcher import Batcher
+from cloud.llama_cpp_engine import LlamaCppEngine
+from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, LlamaCppUnavailable, Segment, bindings
 from cloud.settings import CloudSettings
 from common.decoding.modes import DecodeSettings
 from common.models import LoadedModel, UnknownModel, gguf_file, vocab_fingerprint
@@ -29,23 +32,12 @@ from edge.node import EdgeNode, EdgeNodeSettings
 from exact_distributions import chi_square_pvalue, near_draft, rows_distribution, seeded_generations
 from sim.processes import CloudProcess
 
-
-def _llama_cpp_missing() -> str | None:
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as err:
-        return f"llama-cpp-python is not built here (make llama-cpp): {err}"
-    return None
-
-
-if (_reason := _llama_cpp_missing()) is not None:
+try:
+    bindings()  # the one check of the engine itself, and its one-line message
+except LlamaCppUnavailable as missing:
     if os.environ.get("SPRINTER_REQUIRE_LLAMA_CPP") == "1":
-        raise RuntimeError(f"SPRINTER_REQUIRE_LLAMA_CPP=1 but {_reason}")
-    pytest.skip(_reason, allow_module_level=True)
-
-from cloud.batcher import Batcher  # noqa: E402 - after the skip: the engine needs llama_cpp
-from cloud.llama_cpp_engine import LlamaCppEngine  # noqa: E402
-from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment  # noqa: E402
+        raise RuntimeError(f"SPRINTER_REQUIRE_LLAMA_CPP=1 but {missing}") from missing
+    pytest.skip(str(missing), allow_module_level=True)
 
 pytestmark = pytest.mark.smollm2
 PROMPTS = ("What causes the seasons on Earth?", "Write a haiku about rain.", "List three prime numbers.")
@@ -235,7 +227,7 @@ def test_sampled_output_follows_llama_cpps_rows(llama_cloud, smollm2, engine_pat
     assert chi_square_pvalue(seen, exact) > 1e-3
 
 
-def test_a_refused_session_names_what_to_change(llama_cloud, smollm2):
+def test_a_session_opens_with_limits_that_say_chains_only(llama_cloud, smollm2):
     from cloud_harness import SessionStream
 
     prompt = encode_prompt(smollm2.tokenizer, PROMPTS[0], chat=True)

@@ -5,8 +5,9 @@ Each measurement runs beside what a user of this machine would run instead, on t
   verify   EDGES sessions of CONTEXT tokens each verify a BLOCK-token block, in process (the engine and its
            batcher): all in one forward (the engine's batching), then one after another; beside them
            llama-bench's pp(EDGES x BLOCK) and pp(BLOCK) at depth CONTEXT, the same work in llama.cpp's own tool.
-  decode   mode target: the cloud (`cloud serve --engine llama.cpp --threads 1`) streams a Generate per prompt
-           over gRPC; llama-server (-t 1) streams /completion for the same token ids; greedy, each with its
+  decode   mode target: the cloud (`cloud serve --engine llama.cpp --threads 1`, and `--engine resident` in
+           bfloat16 where the target is a preset) streams a Generate per prompt over gRPC; llama-server (-t 1)
+           streams /completion for the same token ids; greedy, each with its
            prompt cache (the shared chat template's prefix), one request at a time, interleaved. Tokens over wall time (prefill included), and decode tokens/s
            (the tokens after the first over the time after it).
   turns    a conversation's second turn (the first turn's prompt and answer, then the next question): its
@@ -24,7 +25,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,13 +35,14 @@ import httpx
 
 from common import wire
 from common.models import gguf_file, load_gguf_tokenizer
+from common.presets import GGUF_PRESETS
 from common.prompting import encode_prompt
 from common.results_page import commit, machine
 from common.sampling import SamplingParams
 from sim.bench.settings import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess
-from sim.sweep.baselines import LocalBaselines
+from sim.sweep.baselines import LocalBaselines, llama_program
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 
@@ -97,38 +98,42 @@ def measure_verify(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
 
 def llama_bench(gguf: Path, core: int, prompt_sizes: list[int], depth: int) -> dict[int, float]:
     """llama-bench's prompt-processing tokens/s for each size at `depth`, one thread on `core`."""
-    command = ["taskset", "-c", str(core), _program("llama-bench"), "-m", str(gguf), "-t", "1", "-n", "0", "-r", "3",
+    command = ["taskset", "-c", str(core), llama_program("llama-bench"), "-m", str(gguf), "-t", "1", "-n", "0", "-r", "3",
                "-p", ",".join(map(str, prompt_sizes)), "-d", str(depth), "-o", "json"]
     rows = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
     return {row["n_prompt"]: row["avg_ts"] for row in rows}
 
 
-def _program(name: str) -> str:
-    """llama.cpp's programs, built by `make llama-cpp` next to this environment's python."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `make llama-cpp` (it builds llama.cpp's programs too)")
-    return str(path)
+DECODE_ROWS = {"sprinter_llama_cpp": "sprinter cloud, --engine llama.cpp (gRPC Generate)",
+               "sprinter_resident": "sprinter cloud, --engine resident, bfloat16 (gRPC Generate)",
+               "llama_server": "llama-server"}
 
 
 def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
-    """Mode target on our cloud against llama-server, the same prompts' token ids, interleaved per prompt."""
+    """Mode target on our cloud, on each engine (the resident one where the target is a preset it loads), against
+    llama-server: the same prompts' token ids, interleaved per prompt, every process on the same core."""
     tokenizer = load_gguf_tokenizer(gguf)
     prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
-    cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1",
-                         cpus={settings.core}, log_path=settings.out / "cloud.log")
-    ours, theirs = [], []
+    engines = {"sprinter_llama_cpp": ("--engine", "llama.cpp", "--threads", "1")}
+    if settings.target in GGUF_PRESETS:
+        engines["sprinter_resident"] = ("--engine", "resident", "--dtype", "bfloat16")
+    clouds = {name: CloudProcess("--target", settings.target, *args, cpus={settings.core},
+                                 env={"OMP_NUM_THREADS": "1"}, log_path=settings.out / f"cloud-{name}.log")
+              for name, args in engines.items()}
+    runs: dict[str, list[dict]] = {name: [] for name in [*clouds, "llama_server"]}
     with LocalBaselines(("llama-server",), settings.target, settings.target, settings.out, {settings.core},
                         None) as server:
         try:
-            cloud.start()
+            for cloud in clouds.values():
+                cloud.start()
             for ids in prompts:
-                ours.append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
-                theirs.append(asyncio.run(_llama_server_stream(server, ids, settings.max_new_tokens)))
+                for name, cloud in clouds.items():
+                    runs[name].append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
+                runs["llama_server"].append(asyncio.run(_llama_server_stream(server, ids, settings.max_new_tokens)))
         finally:
-            cloud.stop(grace_s=10)
-    return {"sprinter_llama_cpp": _rates(ours), "llama_server": _rates(theirs),
-            "prompts": len(prompts), "per_prompt": {"sprinter_llama_cpp": ours, "llama_server": theirs}}
+            for cloud in clouds.values():
+                cloud.stop(grace_s=10)
+    return {**{name: _rates(r) for name, r in runs.items()}, "prompts": len(prompts), "per_prompt": runs}
 
 
 def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
@@ -139,7 +144,7 @@ def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     firsts = [encode_prompt(tokenizer, text, True) for text in texts[:-1]]
     follow = [tokenizer(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
                         add_special_tokens=False)["input_ids"] for text in texts[1:]]
-    out: dict = {}
+    out: dict = {"second_turn_tokens": []}
     for label, flags in (("cached", ()), ("cold", ("--no-prefix-cache",))):
         cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1", *flags,
                              cpus={settings.core}, log_path=settings.out / f"cloud-turns-{label}.log")
@@ -151,11 +156,11 @@ def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
                 second = asyncio.run(_generate_stream(cloud.address, first + answer + then, 1))
                 ttft.append(second["first_s"])
                 cached.append(second["cached_tokens"])
-                out.setdefault("second_turn_tokens", []).append(len(first + answer + then))
+                if label == "cached":
+                    out["second_turn_tokens"].append(len(first + answer + then))
         finally:
             cloud.stop(grace_s=10)
         out[label] = {"ttft_s": ttft, "ttft_s_median": median(ttft), "cached_tokens": cached}
-    out["second_turn_tokens"] = out["second_turn_tokens"][:len(firsts)]
     out["cached_over_cold"] = out["cached"]["ttft_s_median"] / out["cold"]["ttft_s_median"]
     return out
 
@@ -202,12 +207,15 @@ def format_table(result: LlamaCppBenchResult) -> str:
                   f"{v[f'llama_bench_pp{block}_tokens_per_s']:.1f} | |",
                   "", f"Batching gives {v['batched_tokens_per_s'] / v['one_by_one_tokens_per_s']:.2f}x one by one.", ""]
     if d:
-        ours, theirs = d["sprinter_llama_cpp"], d["llama_server"]
-        lines += ["| mode target | tokens/s (wall) | decode tokens/s | TTFT p50 (s) |", "| --- | --- | --- | --- |"]
-        for name, r in (("sprinter cloud, --engine llama.cpp (gRPC Generate)", ours), ("llama-server", theirs)):
-            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | {r['ttft_s_median']:.3f} |")
-        lines += ["", f"Decode: {ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x llama-server's; "
-                      f"wall: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x ({d['prompts']} prompts).", ""]
+        theirs = d["llama_server"]
+        lines += ["| mode target | tokens/s (wall) | decode tokens/s | decode vs llama-server | TTFT p50 (s) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for key, name in DECODE_ROWS.items():
+            if key in d:
+                r = d[key]
+                lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | "
+                             f"{r['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x | {r['ttft_s_median']:.3f} |")
+        lines += ["", f"{d['prompts']} prompts, interleaved.", ""]
     t = result.turns
     if t:
         lines += ["| a conversation's second turn | time to first token p50 (s) | prompt tokens from the cache |",
@@ -234,9 +242,10 @@ def plot(result: LlamaCppBenchResult, path: Path) -> None:
         axes[0].set_title(f"verify: {result.settings['edges']} x {block} tokens at {result.settings['context']}")
         axes[0].set_xlabel("verified tokens/s")
     if d:
-        bars = {"ours (gRPC Generate)": d["sprinter_llama_cpp"]["decode_tokens_per_s"],
-                "llama-server": d["llama_server"]["decode_tokens_per_s"]}
-        axes[1].barh(list(bars), list(bars.values()), color=["C0", "C1"])
+        labels = {"sprinter_llama_cpp": "ours, llama.cpp", "sprinter_resident": "ours, resident bf16",
+                  "llama_server": "llama-server"}
+        bars = {label: d[key]["decode_tokens_per_s"] for key, label in labels.items() if key in d}
+        axes[1].barh(list(bars), list(bars.values()), color=["C1" if "llama-server" in b else "C0" for b in bars])
         axes[1].set_title("mode target: decode")
         axes[1].set_xlabel("tokens/s")
     figure.tight_layout()

@@ -30,7 +30,9 @@ def register(benches: argparse._SubParsersAction, described: dict[str, object]) 
 def run(args: argparse.Namespace) -> int:
     from common.results_page import publish_if_asked
     from sim.bench.llama_cpp import bench_llama_cpp
+    from sim.processes import quiet_http_clients
 
+    quiet_http_clients()  # a line per llama-server request would bury the progress
     settings = settings_from(args, LlamaCppBenchSettings)
     table, _ = bench_llama_cpp(settings)
     print(table)

@@ -35,7 +35,7 @@ STARTUP_S = 180.0
 def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: set[int] | None,
                    edge_cpus: set[int] | None) -> list[str]:
     """llama-server's command line for a baseline: one thread for the target (and one for the draft), pinned."""
-    program = server_program()
+    program = llama_program("llama-server")
     command = [program, "-m", str(target), "-t", "1", "-tb", "1", "--port", str(port), "-c", "4096", "-np", "1",
                "--no-webui"]
     cores = set(cloud_cpus or ())
@@ -49,14 +49,15 @@ def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: 
     return (["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []) + command
 
 
-def server_program() -> str:
-    """llama-server, as `make llama-cpp` links it beside this environment's python (or on the PATH)."""
-    path = Path(sys.executable).parent / "llama-server"
+def llama_program(name: str) -> str:
+    """One of llama.cpp's programs (llama-server, llama-bench), as `make llama-cpp` links them beside this
+    environment's python (or on the PATH)."""
+    path = Path(sys.executable).parent / name
     if path.exists():
         return str(path)
-    if found := shutil.which("llama-server"):
+    if found := shutil.which(name):
         return found
-    raise FileNotFoundError("llama-server is missing: run `make llama-cpp` (it builds llama.cpp's programs)")
+    raise FileNotFoundError(f"{name} is missing: run `make llama-cpp` (it builds llama.cpp's programs)")
 
 
 class LocalBaselines:
