@@ -2,9 +2,9 @@
 
 On a CPU this is what a user would run the target on: llama.cpp's kernels, built for the CPU at hand
 (docs/benchmarks/llama-cpp.md measures it against llama-server and the resident engine). It sits behind
-the same seam and scheduler as the resident engine: the batcher (cloud/batcher.py) gathers whatever verifies wait, and one
-`llama_decode` runs them all, each session's block as its own sequence, logits only at the rows the
-rule reads (cloud/llama_cpp_runtime.py).
+the same seam and scheduler as the resident engine: the batcher (cloud/batcher.py) gathers whatever
+verifies wait, and one `llama_decode` runs them all, each session's block as its own sequence, logits
+only at the rows the rule reads (cloud/llama_cpp_runtime.py).
 
 Glossary
     sequence      a session's (or a Generate's) KV in llama.cpp's one context: a sequence id; ids are
@@ -146,7 +146,8 @@ class LlamaCppEngine(BatchedEngine):
         layers, kv_heads, head_dim = model.layout()
         layout = KVLayout(layers, kv_heads, head_dim, torch.float16, page_tokens=PAGE_TOKENS, max_tokens=max_tokens)
         # the stops of the same preset loaded by transformers (the edge's draft, the resident engine)
-        info = TargetInfo(spec, model.vocab_size, eos_token_ids(model.eos_token(), tokenizer), vocab_fingerprint(tokenizer))
+        info = TargetInfo(spec, model.vocab_size, eos_token_ids(model.eos_token(), tokenizer),
+                          vocab_fingerprint(tokenizer))
         log.info("llama.cpp: %s, %d KV cells, %d sequences, %d threads", path.name, model.cells, shape.sequences,
                  threads)
         return cls(model, info, tokenizer, layout)
@@ -247,7 +248,8 @@ class LlamaCppEngine(BatchedEngine):
                 for argmax, rows in decoded]
 
     def _trim(self, cache: SequenceKV) -> None:
-        """On the worker: remove the sequence's cells past its length (a rollback's rejected tail); read what is left."""
+        """On the worker: remove the sequence's cells past its length (a rollback's rejected tail); read what is
+        left."""
         if self.model.positions(cache.seq) > cache.length:
             self.model.remove(cache.seq, cache.length)
         cache.cells = self.model.positions(cache.seq)
