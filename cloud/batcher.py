@@ -113,15 +113,19 @@ class Batcher:
         self._arrived.set()
         return await request.future
 
-    async def prefill(self, cache: ResidentKV, tokens: list[int], abandoned: Callable[[], bool] | None = None) -> None:
-        """Append `tokens` to `cache` in chunks, one per forward; raises CancelledError if the caller left."""
+    async def prefill(self, cache: ResidentKV, tokens: list[int], abandoned: Callable[[], bool] | None = None,
+                      full_logits: bool = True) -> ForwardResult | None:
+        """Append `tokens` to `cache` in chunks, one per forward, and return the last chunk's (the row after the last
+        token: a Generate's first token); raises CancelledError if the caller left."""
         # The whole prompt at once (a session's spare pages are the session store's grant): no copy mid-prefill.
         cache.reserve(cache.length + len(tokens))
+        result = None
         for start in range(0, len(tokens), self.max_prefill_chunk):
-            request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned)
+            request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned, full_logits)
             self._prefills.append(request)
             self._arrived.set()
-            await request.future
+            result = await request.future
+        return result
 
     @property
     def worker(self) -> ThreadPoolExecutor:

@@ -68,18 +68,21 @@ class Segment:
 
 @dataclass(frozen=True)
 class ContextShape:
-    """How the context is sized: its cells (all sequences together, unified: `kv_bytes` of them, plus
-    `slack_cells`), its sequences, and the tokens one decode may carry."""
+    """How the context is sized: its cells (all sequences together: `kv_bytes` of them, plus `slack_cells`), its
+    sequences, and the tokens one decode may carry. `unified` False gives each sequence a KV stream of its own (the
+    cells split evenly; a prefix copy between streams copies whole buffers): the engine keeps unified KV, which
+    shares prefixes and lets a sequence take any free cell; `sprinter bench llama-cpp` measures both."""
 
     kv_bytes: int
     slack_cells: int
     sequences: int
     batch_tokens: int
     threads: int
+    unified: bool = True
 
 
 class LlamaCppModel:
-    """A GGUF model and one llama.cpp context over it (unified KV, `shape.sequences` sequences)."""
+    """A GGUF model and one llama.cpp context over it (`shape.sequences` sequences)."""
 
     def __init__(self, path: Path, shape: ContextShape) -> None:
         lib = self.lib = bindings()
@@ -97,7 +100,7 @@ class LlamaCppModel:
         params.n_batch = params.n_ubatch = shape.batch_tokens
         params.n_seq_max = shape.sequences
         params.n_threads = params.n_threads_batch = shape.threads
-        params.kv_unified = True  # flash attention stays llama.cpp's own choice (auto), as llama-server makes it
+        params.kv_unified = shape.unified  # flash attention stays llama.cpp's own choice (auto), as llama-server's
         params.no_perf = True
         self.context = lib.llama_init_from_model(self.model, params)
         if not self.context:

@@ -106,23 +106,34 @@ class BatchedEngine:
         try:
             cache.reserve(len(context) + max_new)
             started = time.perf_counter()
-            prompt_logprobs, reuse = await self._prefill(cache, context, sampling.prompt_logprobs, prefix_scope)
-            prefill_ms = (time.perf_counter() - started) * 1e3
-            new_tokens = context[-1:]
-            for _ in range(max_new):
-                result = await self.batcher.forward(cache, new_tokens, n_logits=1, full_logits=sampling.reads_logits)
+            result, prompt_logprobs, reuse = await self._open_generation(cache, context, sampling, prefix_scope)
+            ms = (time.perf_counter() - started) * 1e3
+            for step in range(max_new):
+                if step:
+                    result = await self.batcher.forward(cache, context[-1:], 1, full_logits=sampling.reads_logits)
+                    ms, prompt_logprobs, reuse = result.queue_ms + result.forward_ms, (), Reuse()
                 token = result.rows.shaped(processor, context, []).next_token(sampling, generator)
                 logprob = next(iter(result.rows.logprobs(sampling, [token])), None)
                 context.append(token)
-                yield GeneratedToken(token, prefill_ms + result.queue_ms + result.forward_ms, logprob, prompt_logprobs,
-                                     reuse.tokens)
+                yield GeneratedToken(token, ms, logprob, prompt_logprobs, reuse.tokens)
                 if token in self.info.eos_token_ids:
                     return
-                new_tokens, prefill_ms, prompt_logprobs, reuse = [token], 0.0, (), Reuse()
         finally:
             self._remember(cache, prefix_scope, context)
             cache.release()
 
+    async def _open_generation(self, cache: Any, context: list[int], sampling: SamplingParams,
+                               scope: str | None) -> tuple[ForwardResult, tuple[TokenLogprob, ...], Reuse]:
+        """The prompt into `cache` and the rows after its last token. Without prompt logprobs the last token rides
+        in the prefill's last chunk, so the first token costs no forward of its own (a conversation's next turn: its
+        new tokens and the first step in one forward)."""
+        if sampling.prompt_logprobs is not None:
+            prompt_logprobs, reuse = await self._prefill(cache, context, sampling.prompt_logprobs, scope)
+            result = await self.batcher.forward(cache, context[-1:], 1, full_logits=sampling.reads_logits)
+            return result, prompt_logprobs, reuse
+        async with reusing(self.prefix_cache, cache, scope if len(context) > 1 else None, context[:-1]) as reuse:
+            result = await self.batcher.prefill(cache, context[reuse.tokens:], full_logits=sampling.reads_logits)
+        return result, (), reuse
 
     @property
     def draft_spec(self) -> str | None:

@@ -415,3 +415,41 @@ def test_cloud_sd_drafts_with_a_gguf_draft_in_the_same_engine(tmp_path, smollm2,
     assert at is None or _top2_gap(engine_path, prompt + target.token_ids[:at]) < 0.1
     assert not sampled.degraded and len(sampled.token_ids) == 24
     assert sum(sampled.stats.accepted_lengths) < sampled.stats.drafted_tokens  # some drafted tokens were rejected
+
+
+def test_a_generations_first_token_comes_from_the_prefills_last_forward(smollm2, engine_path):
+    """Generate (mode target) feeds the prompt's last token with the prefill, not in a forward of its own: a prompt
+    of one chunk and 3 tokens take 3 forwards, and the first token is the prompt's argmax alone."""
+    prompt = encode_prompt(smollm2.tokenizer, PROMPTS[1], chat=True)
+    engine, forwards = _engine(), []
+
+    async def run():
+        async with Batcher(engine.packed_forward, on_batch=forwards.append) as batcher:
+            engine.batcher = batcher
+            return [t.token async for t in engine.generate(prompt, 3, SamplingParams(), None)]
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        engine.close()
+    assert len(forwards) == 3 and forwards[0].tokens == len(prompt)
+    assert tokens[0] == int(_alone(engine_path, prompt, 1)[0].argmax())
+
+
+def test_bench_llama_cpp_measures_the_verify_beside_llama_cpp_alone(smollm2, tmp_path):
+    """`sprinter bench llama-cpp --steps verify` at a toy size: the engine batched and one by one, llama.cpp's C API
+    on the same blocks (unified KV and a stream per sequence), llama-bench; a table names each."""
+    from sim.bench.llama_cpp import LlamaCppBenchResult, format_table, measure_verify
+    from sim.bench.settings import LlamaCppBenchSettings
+
+    settings = LlamaCppBenchSettings(target="smollm2-135m", edges=2, block=3, context=32, repeats=1, core=0,
+                                     steps=("verify",), out=tmp_path)
+    affinity = os.sched_getaffinity(0)
+    try:
+        verify = measure_verify(settings, gguf_file("smollm2-135m"))
+    finally:
+        os.sched_setaffinity(0, affinity)  # the step pins this process to its core
+    rates = ("batched", "one_by_one", "c_api_unified", "c_api_streams", "llama_bench_pp6", "llama_bench_pp3")
+    assert all(verify[f"{name}_tokens_per_s"] > 0 for name in rates)
+    table = format_table(LlamaCppBenchResult({"edges": 2, "context": 32}, "", "", "", verify=verify))
+    assert "C API alone" in table and "a KV stream per sequence" in table and "llama-bench pp6" in table

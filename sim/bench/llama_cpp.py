@@ -3,8 +3,9 @@
 Each measurement runs beside what a user of this machine would run instead, on the same pinned core:
 
   verify   EDGES sessions of CONTEXT tokens each verify a BLOCK-token block, in process (the engine and its
-           batcher): all in one forward (the engine's batching), then one after another; beside them
-           llama-bench's pp(EDGES x BLOCK) and pp(BLOCK) at depth CONTEXT, the same work in llama.cpp's own tool.
+           batcher): all in one forward (the engine's batching), then one after another; beside them the same
+           blocks in one llama_decode through llama.cpp's C API alone (unified KV, then a KV stream per sequence),
+           and llama-bench's pp(EDGES x BLOCK) and pp(BLOCK) at depth CONTEXT (one sequence, one row read).
   decode   mode target: the cloud (`cloud serve --engine llama.cpp --threads 1`, and `--engine resident` in
            bfloat16 where the target is a preset) streams a Generate per prompt over gRPC; llama-server (-t 1)
            streams /completion for the same token ids; greedy, each with its
@@ -81,14 +82,17 @@ def _jsonable(values: dict) -> dict:
 
 def measure_verify(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     """Verified tokens/s of EDGES blocks at CONTEXT: batched, one by one (ours), and llama-bench's."""
-    from sim.bench.llama_cpp_verify import timed_verifies
+    from sim.bench.llama_cpp_verify import c_api_verifies, timed_verifies
 
     os.sched_setaffinity(0, {settings.core})
     batched_s, alone_s = asyncio.run(timed_verifies(settings.target, settings.edges, settings.block,
                                                     settings.context, settings.repeats))
     tokens = settings.edges * settings.block
+    c_api = {unified: median(c_api_verifies(settings.target, settings.edges, settings.block, settings.context,
+                                            settings.repeats, unified)) for unified in (True, False)}
     bench = llama_bench(gguf, settings.core, [tokens, settings.block], settings.context)
     return {"verified_tokens": tokens,
+            "c_api_unified_tokens_per_s": tokens / c_api[True], "c_api_streams_tokens_per_s": tokens / c_api[False],
             "batched_tokens_per_s": tokens / median(batched_s), "batched_forward_s": batched_s,
             "one_by_one_tokens_per_s": tokens / sum(median(s) for s in alone_s),
             "one_forward_s": [median(s) for s in alone_s],
@@ -202,10 +206,16 @@ def format_table(result: LlamaCppBenchResult) -> str:
                   f"{v['batched_tokens_per_s']:.1f} | {v['batched_tokens_per_s'] / v[f'llama_bench_pp{n}_tokens_per_s']:.2f}x pp{n} |",
                   f"| the same blocks one by one | {v['one_by_one_tokens_per_s']:.1f} | "
                   f"{v['one_by_one_tokens_per_s'] / v[f'llama_bench_pp{block}_tokens_per_s']:.2f}x pp{block} |",
+                  f"| llama.cpp's C API alone, the same blocks in one llama_decode, unified KV | "
+                  f"{v['c_api_unified_tokens_per_s']:.1f} | {v['c_api_unified_tokens_per_s'] / v[f'llama_bench_pp{n}_tokens_per_s']:.2f}x pp{n} |",
+                  f"| the same, a KV stream per sequence | {v['c_api_streams_tokens_per_s']:.1f} | "
+                  f"{v['c_api_streams_tokens_per_s'] / v[f'llama_bench_pp{n}_tokens_per_s']:.2f}x pp{n} |",
                   f"| llama-bench pp{n} at depth {result.settings['context']} | {v[f'llama_bench_pp{n}_tokens_per_s']:.1f} | 1.00x |",
                   f"| llama-bench pp{block} at depth {result.settings['context']} | "
                   f"{v[f'llama_bench_pp{block}_tokens_per_s']:.1f} | |",
-                  "", f"Batching gives {v['batched_tokens_per_s'] / v['one_by_one_tokens_per_s']:.2f}x one by one.", ""]
+                  "", f"Batching gives {v['batched_tokens_per_s'] / v['one_by_one_tokens_per_s']:.2f}x one by one; the "
+                  f"engine gives {v['batched_tokens_per_s'] / v['c_api_unified_tokens_per_s']:.2f}x llama.cpp's own "
+                  f"decode of the same batch. llama-bench's pp{n} is one sequence over one context, reading one row.", ""]
     if d:
         theirs = d["llama_server"]
         lines += ["| mode target | tokens/s (wall) | decode tokens/s | decode vs llama-server | TTFT p50 (s) |",
@@ -236,9 +246,11 @@ def plot(result: LlamaCppBenchResult, path: Path) -> None:
     if v:
         n, block = v["verified_tokens"], v["verified_tokens"] // result.settings["edges"]
         bars = {"ours, batched": v["batched_tokens_per_s"], "ours, one by one": v["one_by_one_tokens_per_s"],
+                "C API, unified KV": v["c_api_unified_tokens_per_s"],
+                "C API, stream per seq": v["c_api_streams_tokens_per_s"],
                 f"llama-bench pp{n}": v[f"llama_bench_pp{n}_tokens_per_s"],
                 f"llama-bench pp{block}": v[f"llama_bench_pp{block}_tokens_per_s"]}
-        axes[0].barh(list(bars), list(bars.values()), color=["C0", "C0", "C1", "C1"])
+        axes[0].barh(list(bars), list(bars.values()), color=["C0", "C0", "C1", "C1", "C1", "C1"])
         axes[0].set_title(f"verify: {result.settings['edges']} x {block} tokens at {result.settings['context']}")
         axes[0].set_xlabel("verified tokens/s")
     if d:
