@@ -91,7 +91,8 @@ def test_the_bench_end_to_end_on_the_tiny_pair(tmp_path) -> None:
     assert {(r["mode"], r["edges"], r["rtt_ms"]) for r in rows} == {
         (m, e, t) for m in settings.modes for e in (1, 2) for t in (0.0, 10.0)}
     assert all(r["tokens"] > 0 and r["tokens_per_s_per_user"] > 0 and r["itl_ms_p99"] is not None for r in rows)
-    assert all(0 < r["cloud_cpu_share"] and r["edges_cpu_share"] >= 0 for r in rows)
+    # measured, not assumed: a loaded machine can leave the cloud a share that rounds to 0, never a negative one
+    assert all(r["cloud_cpu_share"] >= 0 and r["edges_cpu_share"] >= 0 for r in rows)
     for row in rows:  # every generation of a point emits the recorded tokens, however it gets them
         assert row["tokens"] == sum(r["tokens"] for r in rows if (r["edges"], r["rtt_ms"]) == (row["edges"], row["rtt_ms"])
                                     and r["mode"] == "target")
