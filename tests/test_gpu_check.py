@@ -104,7 +104,7 @@ def test_the_dry_run_writes_what_comes_back_and_the_page_reads_it(dry_run):
     text = section_text(out, out / "plot.png")
     assert "| verify p50 ms, 2 edges x 6 tokens, context 32 |" in text and "not captured" in text
     assert "from 128 cached tokens" in text
-    assert "| 2 | " in text.split("**A draft tree in the verify forward**")[1] and "6 paths (2 sessions batched)" in text
+    assert "| 2 | " in text.split("**A draft tree in the verify forward**")[1] and "6 paths (2 sessions batched, float32)" in text
     assert (out / "plot.png").stat().st_size > 0
 
 

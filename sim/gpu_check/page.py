@@ -118,9 +118,10 @@ def tree_text(row: dict | None) -> str:
     if "check" in row:
         c = row["check"]
         parts.append(f"The tree's rows against a chain forward of each of its {c['paths']} paths ({c['sessions']} "
-                     f"sessions batched): max abs diff {c['max_abs_diff']} (logits up to {c['max_abs_logit']}; "
-                     f"tolerance {c['atol']} + {c['rtol']} x |logit|: {'within' if c['within_tolerance'] else 'NOT within'}), "
-                     f"argmax agreeing on {c['argmax_agree']:.1%} of rows.")
+                     f"sessions batched, {c.get('dtype', 'the run dtype')}): max abs diff {c['max_abs_diff']:.2g} "
+                     f"(logits up to {c['max_abs_logit']}; bound {c['atol']}: "
+                     f"{'within' if c['within_tolerance'] else 'NOT within'}), argmax agreeing on "
+                     f"{c['argmax_agree']:.1%} of rows.")
     return "\n\n".join(parts)
 
 

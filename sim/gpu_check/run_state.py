@@ -28,7 +28,7 @@ class CheckRun:
     sizes: Sizes
     out: Path
     dtype: str = "bfloat16"
-    _model: tuple[str, torch.nn.Module] | None = field(default=None, repr=False)  # one model on the device at a time
+    _model: tuple[tuple[str, str], torch.nn.Module] | None = field(default=None, repr=False)  # one on the device
 
     @property
     def default_layout(self) -> str:
@@ -40,16 +40,18 @@ class CheckRun:
         other = "per-session" if self.default_layout == "paged" else "paged"
         return self.default_layout, other
 
-    def model(self, name: str) -> torch.nn.Module:
-        """Architecture `name` with random weights on the device, installed for packed forwards (kept until another)."""
-        if self._model is not None and self._model[0] == name:
+    def model(self, name: str, dtype: str | None = None) -> torch.nn.Module:
+        """Architecture `name` with random weights on the device, in `dtype` (default: the run's), installed for
+        packed forwards (kept until another)."""
+        key = (name, dtype or self.dtype)
+        if self._model is not None and self._model[0] == key:
             return self._model[1]
         self._model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        model = random_model(name, DTYPES[self.dtype], self.device)
+        model = random_model(name, DTYPES[key[1]], self.device)
         install(model)
-        self._model = (name, model)
+        self._model = (key, model)
         return model
 
     def bench_settings(self, rounds: int | None = None) -> EngineBenchSettings:
