@@ -186,7 +186,7 @@ class TargetEngine(Protocol):
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
         """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions. `tree`: the
-        new tokens' parents (cloud/token_tree.py), only where `tree_attention`."""
+        new tokens' parents (common/decoding/draft_tree.py), only where `tree_attention`."""
 
     def rollback(self, session: EngineSession, keep: int) -> None:
         """Keep the KV of the first `keep` context tokens only."""

@@ -23,6 +23,7 @@ from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from cloud.tree_verify import shaped_tree_rows
 from common import wire
+from common.decoding.draft_tree import depths
 from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
 from common.acceptance_rules import TREE_METHODS, Decision, Proposal, decide
 from common.logits_processing import LogitsProcessor
@@ -158,13 +159,11 @@ def check_tree(parents: list[int], g: int, limits: ServiceLimits) -> int:
                       "(ServiceInfo.limits.max_tree_tokens)")
     if len(parents) != g:
         raise invalid(f"verify.parents has {len(parents)} entries for {g} draft tokens: one parent per token")
-    depths: list[int] = []
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise invalid(f"verify.parents[{i}] is {parent}: a parent is -1 (the session's last token) or an earlier "
                           f"draft token's index, 0 .. {i - 1}")
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return max(depths)
+    return max(depths(parents))
 
 
 def _check_tree_frame(frame: pb.VerifyBlock, method: str) -> None:

@@ -87,8 +87,8 @@ class BatchedEngine:
 
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
-        """`tree`: `new_tokens` as a tree of tokens, their parents in the block (cloud/token_tree.py); rows as a
-        chain's, row r after the path to the r-th of the last `n_logits` tokens."""
+        """`tree`: `new_tokens` as a tree of tokens, their parents in the block (common/decoding/draft_tree.py); rows
+        as a chain's, row r after the path to the r-th of the last `n_logits` tokens."""
         return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
                                           full_logits=session.sampling.reads_logits, tree=tree)
 

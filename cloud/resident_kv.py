@@ -143,8 +143,8 @@ class ResidentKV:
 
     @torch.inference_mode()  # the buffers are the forward's inference tensors
     def keep_path(self, start: int, path: list[int]) -> None:
-        """Keep entries `start + path[m]` (a tree block's chosen path, cloud/token_tree.py) as `start + m`, and
-        nothing after them: the path's KV moves into place, then the length drops to `start + len(path)`."""
+        """Keep entries `start + path[m]` (a tree block's chosen path, common/decoding/draft_tree.py) as `start + m`,
+        and nothing after them: the path's KV moves into place, then the length drops to `start + len(path)`."""
         source, target = moved_entries(self.length, start, path)
         self.keys[:, :, target] = self.keys[:, :, source]  # gathered first: a source overwritten early is read intact
         self.values[:, :, target] = self.values[:, :, source]

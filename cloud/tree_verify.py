@@ -24,8 +24,8 @@ from common.logits_processing import LogitsProcessor
 
 
 def forward_parents(uncached: int, parents: list[int]) -> list[int]:
-    """The forward's parents over `uncached` chained tokens then the tree (cloud/token_tree.py): the tree's roots
-    follow the last uncached token."""
+    """The forward's parents over `uncached` chained tokens then the tree (common/decoding/draft_tree.py): the tree's
+    roots follow the last uncached token."""
     chain = list(range(-1, uncached - 1))
     return chain + [parent + uncached if parent != ROOT else uncached - 1 for parent in parents]
 

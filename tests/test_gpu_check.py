@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from cloud.token_tree import depths
+from common.decoding.draft_tree import depths
 from sim.gpu_check.page import section_text
 from sim.gpu_check.tree import SHAPES
 from sim.gpu_check.unpack import BundleError, read_manifest, unpack
@@ -136,7 +136,7 @@ def test_a_bundle_for_another_python_is_refused_in_one_line():
 def test_the_tree_step_verifies_a_branching_rounds_shape():
     parents = SHAPES["tree16"]
     assert len(parents) == len(SHAPES["chain16"]) == 16 and SHAPES["chain6"] == parents[:6]
-    assert max(depths(parents)) == 5  # 6 deep: no path longer than the chain
+    assert max(depths(parents)) == 6  # no path longer than the chain
     alternatives = list(range(6, 16, 2))  # each a sibling of chain token b, followed by one token
     assert [parents[node] for node in alternatives] == [-1, 0, 1, 2, 3] == [parents[b] for b in range(5)]
     assert [parents[node + 1] for node in alternatives] == alternatives

@@ -1,8 +1,8 @@
 """A tree of draft tokens in one packed forward: each node's row is its own path's, and a kept side path's KV is
 that of a session that only ever saw it.
 
-Conventions as a verify's (cloud/token_tree.py): the block is the root (the session's pending token) then N nodes;
-`parents[i]` is node i's parent, -1 for the root. The reference for a node is the model's own forward, no cache,
+Conventions as a verify's (common/decoding/draft_tree.py): the block is the root (the session's pending token)
+then N nodes; `parents[i]` is node i's parent, -1 for the root. The reference for a node is the model's own forward, no cache,
 over the context and the path to that node; both KV layouts run, batched with other sessions' chains.
 """
 
@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
-from cloud.token_tree import ancestors, check_path, depths, path_to
+from common.decoding.draft_tree import ancestors, check_path, depths, path_to
 
 ATOL = 1e-4
 # A root with three branches of different depths, one of them branching again: node 4 follows node 2's sibling.
@@ -65,7 +65,7 @@ def _prefilled(model, rng, paged, pool, length) -> tuple[ResidentKV | PagedKV, l
 
 
 def test_tree_helpers():
-    assert depths(PARENTS) == [0, 1, 0, 1, 1, 2, 0, 2]
+    assert depths(PARENTS) == [1, 2, 1, 2, 2, 3, 1, 3]  # 1: right after the past
     assert path_to(PARENTS, 5) == [2, 4, 5]
     seen = ancestors(PARENTS)
     assert seen[5].nonzero().flatten().tolist() == [2, 4, 5] and seen[7].nonzero().flatten().tolist() == [0, 1, 7]
@@ -127,7 +127,7 @@ def test_bad_trees_and_paths_are_refused_and_change_nothing(model):
     cache = ResidentKV(KVLayout.of(model, page_tokens=8))
     with pytest.raises(ValueError, match=r"session 0: parents\[1\] = 1"):
         forward_packed(model, [cache], [[1, 2, 3]], [1], trees=[[-1, 1, 0]])
-    with pytest.raises(ValueError, match="needs 3 parents"):
+    with pytest.raises(ValueError, match="one parent per token: 3 tokens, 2 parents"):
         forward_packed(model, [cache], [[1, 2, 3]], [1], trees=[[-1, 0]])
     assert cache.length == 0
     forward_packed(model, [cache], [[1, 2, 3, 4]], [1], trees=[[-1, 0, -1, 2]])

@@ -12,13 +12,71 @@ A chain of g tokens is the tree with parents [-1, 0, 1, ..., g - 2]. The rows th
 
 Children are kept in index order: the first child of a node is its primary continuation, later children its
 alternatives, in the order they were drafted (the multi-path rule reads them in that order).
+
+The functions below read a parents list alone, for whoever holds no tokens: the cloud's forward lays out a block
+(the uncached tokens, then the tree; cloud/tree_verify.py `forward_parents`) by them. A node of depth d sits at RoPE
+position `past + d - 1` (its distance from the context, minus one) while its KV goes at entry `past + i` (its place
+in the block), and it attends to the past and its ancestors (itself included), never to a sibling's branch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 ROOT = -1  # the parent of the tokens drafted right after the context
+
+
+def check_parents(parents: list[int], n_tokens: int) -> None:
+    """Raise ValueError unless `parents` make a tree over `n_tokens` nodes, parents before children."""
+    if len(parents) != n_tokens:
+        raise ValueError(f"a draft tree needs one parent per token: {n_tokens} tokens, {len(parents)} parents")
+    for i, parent in enumerate(parents):
+        if not ROOT <= parent < i:  # also rules out cycles: every edge points to an earlier node
+            raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 (the root) or an earlier node "
+                             f"(parents before children)")
+
+
+def is_chain(parents: list[int] | None) -> bool:
+    """Whether `parents` (None: a block without a tree) make one path: each node the child of the one before."""
+    return parents is None or all(parent == i - 1 for i, parent in enumerate(parents))
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Node i's depth: 1 for a child of the root (its position after the context), its parent's + 1 otherwise."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent == ROOT else out[parent] + 1)
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to `node`, inclusive."""
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def check_path(parents: list[int], path: list[int]) -> None:
+    """Raise ValueError unless `path` is a root-to-node path of the tree (each node the previous one's child)."""
+    previous = ROOT
+    for node in path:
+        if not 0 <= node < len(parents) or parents[node] != previous:
+            raise ValueError(f"{path} is not a path of the tree with parents {parents}: {node} does not follow "
+                             f"{previous}")
+        previous = node
+
+
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: row i marks node i's ancestors and i itself (what node i attends to among the nodes)."""
+    seen = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent != ROOT:
+            seen[i] |= seen[parent]
+    return seen
 
 
 @dataclass(frozen=True)
@@ -27,13 +85,7 @@ class DraftTree:
     parents: list[int]
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(f"a draft tree needs one parent per token: {len(self.tokens)} tokens, "
-                             f"{len(self.parents)} parents")
-        for i, parent in enumerate(self.parents):
-            if not ROOT <= parent < i:  # also rules out cycles: every edge points to an earlier node
-                raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 (the root) or an earlier node "
-                                 f"(parents before children)")
+        check_parents(self.parents, len(self.tokens))
 
     @classmethod
     def chain(cls, tokens: list[int]) -> "DraftTree":
@@ -45,7 +97,7 @@ class DraftTree:
 
     @property
     def is_chain(self) -> bool:
-        return self.parents == list(range(-1, len(self.tokens) - 1))
+        return is_chain(self.parents)
 
     def children(self, node: int) -> list[int]:
         """The children of `node` (ROOT for the tokens right after the context), in index order."""
@@ -53,10 +105,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Node i's depth: 1 for a child of the root (its position after the context)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
-        return depths
+        return depths(self.parents)
 
     def tokens_along(self, path: list[int]) -> list[int]:
         """The tokens of the nodes `path` (a root-to-node path, or any nodes), in its order."""
@@ -64,11 +113,7 @@ class DraftTree:
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node`, inclusive."""
-        path = []
-        while node != ROOT:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(self.parents, node)
 
     def primary_chain(self, node: int) -> list[int]:
         """`node` and its first-child descendants down to a leaf: the path the rule checks first from `node`."""

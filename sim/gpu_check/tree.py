@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from cloud.packed_forward import forward_packed
-from cloud.token_tree import path_to
 from cloud.tree_verify import forward_parents
+from common.decoding.draft_tree import path_to
 from sim.bench.engine import BenchSession, release
 from sim.gpu_check.run_state import CheckRun, Deadline
 
