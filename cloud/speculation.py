@@ -131,6 +131,7 @@ class BatchedDraft:
     cache: ResidentKV
     vocab_size: int  # the target's
     full: bool  # bring back the logits (sampling, processors, a vocabulary to map); else the argmax is all it reads
+    batches = False  # a tree's branches are not drafted here: cloud-sd's rounds are chains
 
     async def __call__(self, context: list[int]) -> DraftRow:
         result = await self.draft.batcher.forward(self.cache, context[self.cache.length:], n_logits=1,

@@ -151,7 +151,7 @@ def test_a_run_must_promise_more_kept_tokens_than_the_drafts_own_blocks(tiny_dra
 
 
 def _drafted(proposer, context: list[int], limit: int, policy=None, on_passed=None):
-    drafter = Drafter(proposer, getattr(proposer, "model", proposer).eos_token_ids)
+    drafter = Drafter(proposer, proposer.draft_model.eos_token_ids)
     return run_inline(drafter.draft(context, limit, policy, None, on_passed=on_passed))
 
 

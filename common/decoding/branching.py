@@ -46,9 +46,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.call_policy import CostModel
-from common.decoding.drafting import ModelProposer
 from common.decoding.draft_tree import ROOT
-from common.decoding.proposals import MODEL, PendingBlock, ProposedToken, Proposer
+from common.decoding.proposals import MODEL, DraftModel, PendingBlock, ProposedToken
 
 MIN_BRANCH_LENGTH, MAX_BRANCH_LENGTH = 3, 8  # a branch's tokens (alternative and continuation), by the budget
 MAX_ALTERNATIVES = 3  # per branch point: the target's token was the draft's 2nd-4th best in 83% of rejections
@@ -98,11 +97,6 @@ class TreeBlock:
         return kept < len(path) and not self.nodes.drafted[path[kept]].from_model
 
 
-def model_of(proposer: Proposer) -> ModelProposer | None:
-    """The draft model behind a proposer (the suffix and hybrid proposers wrap one): what drafts the branches."""
-    return proposer if isinstance(proposer, ModelProposer) else getattr(proposer, "model", None)
-
-
 def estimate(proposed: ProposedToken) -> float:
     """A chain token's a_i (its q(x) where no verifier scored it): what branch points are ranked by."""
     return proposed.accept_prob if proposed.accept_prob is not None else proposed.probability
@@ -144,7 +138,7 @@ def without(q: torch.Tensor, taken: list[int]) -> torch.Tensor | None:
     return rest / mass if mass > 0 else None
 
 
-def shaped_row(model: ModelProposer, context: list[int], chain: PendingBlock, position: int) -> torch.Tensor:
+def shaped_row(model: DraftModel, context: list[int], chain: PendingBlock, position: int) -> torch.Tensor:
     """The logits x_i was picked from under greedy, as the request shapes them (bias, penalties, grammar): what its
     next-best tokens are ranked by, so that an alternative is never a token the request rules out or demotes."""
     logits = chain.drafted[position].step.logits
@@ -166,7 +160,7 @@ def branch_length(budget: int) -> int:
     return max(MIN_BRANCH_LENGTH, min(MAX_BRANCH_LENGTH, budget // MAX_ALTERNATIVES))
 
 
-async def draft_branches(model: ModelProposer, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
+async def draft_branches(model: DraftModel, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
                          points: list[int] | None = None, grown: TreeBlock | None = None, length: int | None = None,
                          cost_model: CostModel | None = None) -> TreeBlock:
     """The tree of `chain` (drafted after `context`) with up to `budget` branch tokens: at each branch point in turn
@@ -196,7 +190,7 @@ async def draft_branches(model: ModelProposer, context: list[int], chain: Pendin
     return TreeBlock(PendingBlock(nodes), parents, len(chain))
 
 
-def _alternatives(model: ModelProposer, context: list[int], chain: PendingBlock, position: int, taken: list[int],
+def _alternatives(model: DraftModel, context: list[int], chain: PendingBlock, position: int, taken: list[int],
                   left: int, depth_limit: int, longest: int) -> tuple[list[ProposedToken], list[int]]:
     """The alternatives at chain `position` (each drawn without the tokens `taken` there before it) and each one's
     branch length, within `left` tokens in all."""
@@ -214,7 +208,7 @@ def _alternatives(model: ModelProposer, context: list[int], chain: PendingBlock,
     return starts, lengths
 
 
-async def _continue(model: ModelProposer, context: list[int], chain: PendingBlock, position: int,
+async def _continue(model: DraftModel, context: list[int], chain: PendingBlock, position: int,
                     starts: list[ProposedToken], lengths: list[int],
                     cost_model: CostModel | None) -> list[list[ProposedToken]]:
     """Each alternative in `starts` continued by the draft to its length (fewer at EOS): side by side in one batched
@@ -223,7 +217,7 @@ async def _continue(model: ModelProposer, context: list[int], chain: PendingBloc
     given its prefix, with fresh draws, so the tree's law is the same (common/multipath_rules.py)."""
     branches = [[start] for start in starts]
     prefix = chain.drafted[:position]
-    if getattr(model.forward, "batches", False) and len(branches) > 1:
+    if model.drafts_side_by_side and len(branches) > 1:
         rows = [list(branch) for branch in branches]  # every row grows in step; a finished branch stops taking
         while not all(_done(model, branch, length) for branch, length in zip(branches, lengths)):
             started = time.perf_counter()
@@ -245,5 +239,5 @@ async def _continue(model: ModelProposer, context: list[int], chain: PendingBloc
     return branches
 
 
-def _done(model: ModelProposer, branch: list[ProposedToken], length: int) -> bool:
+def _done(model: DraftModel, branch: list[ProposedToken], length: int) -> bool:
     return len(branch) >= length or branch[-1].token in model.eos_token_ids

@@ -2,7 +2,7 @@
 `--proposer suffix` or `hybrid`; the draft model alone keeps no suffix index, so `--proposer model` has none).
 
     copy offer   at chain position i (0: right after the context), the run the suffix index proposes after the
-                 context and x_1..x_{i-1} (`SuffixProposer.branch_run`) where its first token differs from x_i: a
+                 context and x_1..x_{i-1} (`Proposer.copy_run`) where its first token differs from x_i: a
                  sibling path of x_i, each token a point mass (p_draft None, source CONTEXT or CACHE) carrying its
                  calibrated a
     length       while the chance that the target keeps the whole run stays above MIN_SURVIVAL, at most
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from common.decoding.branching import TreeBlock, estimate
 from common.decoding.draft_tree import ROOT
 from common.decoding.proposals import PendingBlock, ProposedToken, Proposer
-from common.decoding.suffix_proposer import SuffixProposer
 
 # A copy costs no draft step, only the target's forward over its tokens, so it may run as long as the draft's longest
 # branch (MAX_BRANCH_LENGTH); the survival rule ends most runs sooner, and eight keeps one copy within half of a
@@ -46,15 +45,12 @@ class CopyOffer:
 
 
 def copy_offers(proposer: Proposer, context: list[int], chain: PendingBlock, depth_limit: int) -> list[CopyOffer]:
-    """The copies the proposer's suffix index offers along `chain` (drafted after `context`), lowest chain estimate
-    first; none for a proposer without a suffix index. No node deeper than `depth_limit`."""
-    if not isinstance(proposer, SuffixProposer):
-        return []
-    proposer.index.extend_to(context)
+    """The copies the proposer offers along `chain` (drafted after `context`), lowest chain estimate first; none for
+    a proposer that keeps no text. No node deeper than `depth_limit`."""
     offers = []
     for position in sorted(range(len(chain)), key=lambda i: (estimate(chain.drafted[i]), i)):
         room = min(COPY_BRANCH_LENGTH, depth_limit - position)
-        run = proposer.branch_run(context + chain.tokens[:position], room)
+        run = proposer.copy_run(context, chain.tokens[:position], room)
         if run and run[0].token != chain.drafted[position].token:
             offers.append(CopyOffer(position, run))
     return offers

@@ -45,6 +45,8 @@ class DraftRow:
 
 
 class DraftForward(Protocol):
+    batches: bool  # it can also draft a tree's branches at one point side by side (`BatchedDraftForward.batch`)
+
     async def __call__(self, context: list[int]) -> DraftRow:
         """The draft's row after `context`; its KV follows `context`, feeding what it lacks in one forward."""
         ...
@@ -52,8 +54,6 @@ class DraftForward(Protocol):
 
 class BatchedDraftForward(DraftForward, Protocol):
     """A forward that can also draft a tree's branches at one point side by side (`batches` true)."""
-
-    batches: bool
 
     async def batch(self, contexts: list[list[int]]) -> list[DraftRow]:
         """The draft's rows after each of `contexts` (one shared prefix, one length) in one batched forward."""
@@ -169,6 +169,18 @@ class ModelProposer:
         step = DraftStep(token, row.logits, row.hidden, signals, previous)
         return step, p_draft, verifier.score(step) if verifier is not None else None
 
+    @property
+    def draft_model(self) -> ModelProposer:
+        return self
+
+    def copy_run(self, context: list[int], drafted: list[int], room: int) -> list[ProposedToken]:
+        """The draft keeps no text to copy from."""
+        return []
+
+    @property
+    def drafts_side_by_side(self) -> bool:
+        return self.forward.batches
+
     async def next_logits(self, context: list[int]) -> torch.Tensor:
         self.held = list(context)
         row = await self.forward(context)
@@ -213,6 +225,13 @@ class Drafter:
             if on_passed is not None and not proposed.ends_block:
                 on_passed(proposed)
         return block
+
+    async def next_logits(self, context: list[int]) -> torch.Tensor:
+        """The draft model's raw logits [V] after `context`: a guess at the target's next token."""
+        model = self.proposer.draft_model
+        if model is None:
+            raise ValueError("this proposer has no draft model to guess the target's next token with")
+        return await model.next_logits(context)
 
 
 def model_drafter(draft_lm: DraftLM, sampling: SamplingParams, generator: torch.Generator,

@@ -26,8 +26,10 @@ from typing import AsyncIterator, Protocol
 import torch
 
 from common.call_policy import CallPolicy, CostModel
+from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob, logprobs_of
 from common.sampling import SparseDistribution
+from common.sampling_params import SamplingParams
 from common.verifier import DraftStep
 
 MODEL, CONTEXT, CACHE = "model", "context", "cache"  # sources: the draft, this request's text, another request's output
@@ -119,6 +121,34 @@ class PendingBlock:
         return logprobs_of(torch.stack([d.step.logits for d in rows]), [d.token for d in rows], top_n, "draft")
 
 
+class DraftModel(Protocol):
+    """The draft model behind a proposer (common/decoding/drafting.py `ModelProposer`): what grows a draft tree's
+    branches (common/decoding/branching.py) and guesses the target's next token (edge/decoding/pipeline.py)."""
+
+    eos_token_ids: frozenset[int]
+    sampling: SamplingParams
+    generator: torch.Generator  # the generation's seeded stream: alternatives are drawn from it
+    processor: LogitsProcessor | None  # the request's bias and penalties: alternatives obey them
+
+    @property
+    def drafts_side_by_side(self) -> bool:
+        """Whether a tree's branches at one point go as rows of one batched forward (`branch_steps`)."""
+        ...
+
+    async def step(self, context: list[int], block: PendingBlock, limit: int, policy: CallPolicy | None,
+                   cost_model: CostModel | None, to_verify: bool = True) -> ProposedToken:
+        """The draft's next token after `context` + `block`."""
+        ...
+
+    async def branch_steps(self, context: list[int], branches: list[PendingBlock]) -> list[ProposedToken]:
+        """The draft's next token on each branch (one shared prefix, one length), from one batched forward."""
+        ...
+
+    async def next_logits(self, context: list[int]) -> torch.Tensor:
+        """The draft's raw logits [V] after `context`."""
+        ...
+
+
 class Proposer(Protocol):
     """One generation's source of proposals (see the module docstring)."""
 
@@ -129,8 +159,15 @@ class Proposer(Protocol):
         stands as drafted: no scores, and only the draft's own tokens)."""
         ...
 
-    async def next_logits(self, context: list[int]) -> torch.Tensor:
-        """The draft's raw logits [V] after `context` (a guess at the target's next token: edge/decoding/pipeline.py)."""
+    @property
+    def draft_model(self) -> DraftModel | None:
+        """The draft model behind the proposer, or None: what grows a tree's branches and guesses the next token."""
+        ...
+
+    def copy_run(self, context: list[int], drafted: list[int], room: int) -> list[ProposedToken]:
+        """A run copied from text seen before, after `context` (the generation's) and `drafted` (a block's tokens
+        so far), as a candidate branch of a draft tree: at most `room` tokens; none for a proposer that keeps no
+        text (common/decoding/copy_branches.py)."""
         ...
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:

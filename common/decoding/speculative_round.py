@@ -44,7 +44,7 @@ import torch
 from common.cached_lm import CachedLM
 from common.call_policy import CallPolicy, CostModel
 from common.branch_budget import tree_budget
-from common.decoding.branching import TreeBlock, draft_branches, estimate, model_of
+from common.decoding.branching import TreeBlock, draft_branches, estimate
 from common.decoding.copy_branches import attach_copies, copy_offers
 from common.decoding.drafting import Drafter
 from common.decoding.proposals import PendingBlock, ProposedToken
@@ -195,7 +195,7 @@ async def grow_tree(generation: Generation, drafter: Drafter, target: Target, co
     setting = generation.settings.branch_tokens
     if setting == 0 or len(block) == 0:  # a chain's round goes on without the branching modules
         return None
-    model = model_of(drafter.proposer)
+    model = drafter.proposer.draft_model
     if model is None:
         return None
     limit = target.max_tree_tokens

@@ -257,8 +257,13 @@ class SuffixProposer:
     def calibration(self) -> SuffixCalibration:
         return self.memory.calibration_for(self.model.sampling.greedy)
 
-    async def next_logits(self, context: list[int]) -> torch.Tensor:
-        return await self.model.next_logits(context)
+    @property
+    def draft_model(self) -> ModelProposer:
+        return self.model
+
+    def copy_run(self, context: list[int], drafted: list[int], room: int) -> list[ProposedToken]:
+        self.index.extend_to(context)  # the generation's own tokens, never a block's unverified ones
+        return self.branch_run(context + drafted, room)
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
         """Calibrate: each copied token the target reached (all before it kept) counts, kept or not; a block of the

@@ -226,7 +226,7 @@ class PipelinedRounds:
         send = self.pipeline == "send-ahead"
         if not send and any(t in self.drafter.eos_token_ids for t in block.tokens):
             return []  # all kept would end the generation: nothing to draft for
-        bonus_logits = await self.drafter.proposer.next_logits(context + block.tokens)
+        bonus_logits = await self.drafter.next_logits(context + block.tokens)
         generation.recorder.draft_forwards += 1
         processor = self.drafter.processor
         outcomes = likely_outcomes(block, bonus_logits, self.drafter.eos_token_ids, BONUS_GUESSES if send else 1,
