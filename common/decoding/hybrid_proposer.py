@@ -45,13 +45,10 @@ class HybridProposer(SuffixProposer):
         bar = max(COPY_MIN, self.memory.model_estimate.value)
         accept_probs = block.accept_probs
         proposals: list[ProposedToken] = []
-        before, survival = 1.0, 1.0
-        for i, token in enumerate(found.tokens[:limit - len(block)]):
-            reach = found.match_length + i  # the run's i-th token follows this many agreeing tokens
-            accept_prob = self.rate(source, reach) * found.scores[i] / before
-            if accept_prob < bar or survival * accept_prob < MIN_SURVIVAL:
+        room = limit - len(block)
+        for i, (token, reach, accept_prob, survival) in enumerate(self.scored(source, found, room)):
+            if accept_prob < bar or survival < MIN_SURVIVAL:
                 break
-            before, survival = found.scores[i], survival * accept_prob
             accept_probs.append(accept_prob)
             flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
                                                  or policy.should_send([accept_prob], cap=limit))

@@ -42,7 +42,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
@@ -204,14 +204,10 @@ class SuffixProposer:
         tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
         source, found = run
         length = min(len(found.tokens), limit - len(block))
-        proposals, before, survival, expected = [], 1.0, 1.0, 0.0
-        for i, token in enumerate(found.tokens[:length]):
-            # the run's i-th token follows a match of match_length + i tokens, should the ones before it be kept
-            reach = found.match_length + i
-            accept_prob = self.rate(source, reach) * found.scores[i] / before
+        proposals, expected = [], 0.0
+        for i, (token, reach, accept_prob, survival) in enumerate(self.scored(source, found, length)):
             if i == 0 and accept_prob < COPY_MIN:
                 return []
-            before, survival = found.scores[i], survival * accept_prob
             if proposals and survival < MIN_SURVIVAL:
                 proposals[-1] = replace(proposals[-1], ends_block=True)
                 break
@@ -236,17 +232,24 @@ class SuffixProposer:
             return []
         source, run = found
         proposals: list[ProposedToken] = []
-        before, survival = 1.0, 1.0
-        for i, token in enumerate(run.tokens[:room]):
-            reach = run.match_length + i
-            accept_prob = self.rate(source, reach) * run.scores[i] / before
-            before, survival = run.scores[i], survival * accept_prob
+        for token, reach, accept_prob, survival in self.scored(source, run, room):
             if survival < MIN_SURVIVAL:
                 break
             proposals.append(ProposedToken(token, source, None, False, False, accept_prob, match_length=reach))
             if token in self.model.eos_token_ids:
                 break
         return proposals
+
+    def scored(self, source: str, found: Continuation, room: int) -> Iterator[tuple[int, int, float, float]]:
+        """The run's first `room` tokens, each with what it carries: (token, reach, a_i, survival). The i-th token
+        follows a match of reach = match_length + i tokens should the ones before it be kept; a_i is the module
+        docstring's; survival is the chance that the target keeps the run up to and with it."""
+        before, survival = 1.0, 1.0
+        for i, token in enumerate(found.tokens[:room]):
+            reach = found.match_length + i
+            accept_prob = self.rate(source, reach) * found.scores[i] / before
+            before, survival = found.scores[i], survival * accept_prob
+            yield token, reach, accept_prob, survival
 
     def rate(self, source: str, match_length: int) -> float:
         """The edge's calibrated rate, scaled by how this request's copies have done against it so far."""
