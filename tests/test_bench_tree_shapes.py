@@ -16,8 +16,8 @@ import torch
 from common.cached_lm import CachedLM
 from common.prompt_sets import PromptRecord
 from common.decoding.branching import MAX_ALTERNATIVES, branch_length
-from sim.bench.tree_rounds import Branch, RoundCosts, Scored, TreeShape, decode, place
-from sim.bench.tree_traces import DraftRow, PromptTrace, TraceSettings, build_trace
+from sim.bench.tree_rounds import Branch, CostPriors, Scored, TreeShape, decode, place
+from sim.bench.tree_traces import DraftTopTokens, PromptTrace, TraceSettings, build_trace
 
 OUTPUT = list(range(10, 22))  # the target's 12 tokens; no EOS: the output ends at max_tokens
 EOS = 0
@@ -30,12 +30,13 @@ def constructed(deviate_after: bool = False) -> Scored:
     """Rows that follow the target except at REJECTED, where the draft proposes EOS and ranks the target's token
     second: the chain that reaches it ends there, rejected at its last token (as goodput's blocks often are). With
     `deviate_after`, the draft's best after the target's token there is not the target's next either (its second)."""
-    rows = [DraftRow([token, 90 + p, 91 + p, 92 + p], [0.7, 0.2, 0.05, 0.05], 1.0) for p, token in enumerate(OUTPUT)]
-    rows[REJECTED] = DraftRow([EOS, OUTPUT[REJECTED], 51, 52], [0.4, 0.3, 0.2, 0.1], 2.0)
+    rows = [DraftTopTokens([token, 90 + p, 91 + p, 92 + p], [0.7, 0.2, 0.05, 0.05], 1.0)
+            for p, token in enumerate(OUTPUT)]
+    rows[REJECTED] = DraftTopTokens([EOS, OUTPUT[REJECTED], 51, 52], [0.4, 0.3, 0.2, 0.1], 2.0)
     forks, fork_estimates = {REJECTED: []}, {REJECTED: []}
     if deviate_after:
-        rows[REJECTED + 1] = DraftRow([70, OUTPUT[REJECTED + 1], 71, 72], [0.5, 0.3, 0.1, 0.1], 1.5)
-        forks[REJECTED + 1] = [DraftRow([60 + k], [0.9], 0.5) for k in range(CAP)]
+        rows[REJECTED + 1] = DraftTopTokens([70, OUTPUT[REJECTED + 1], 71, 72], [0.5, 0.3, 0.1, 0.1], 1.5)
+        forks[REJECTED + 1] = [DraftTopTokens([60 + k], [0.9], 0.5) for k in range(CAP)]
         fork_estimates[REJECTED + 1] = [0.95] * CAP
     trace = PromptTrace("p", "c", 5, OUTPUT, [EOS], rows, forks)
     estimates = [LOW if p == REJECTED else 0.99 for p in range(len(OUTPUT))]
@@ -43,7 +44,7 @@ def constructed(deviate_after: bool = False) -> Scored:
 
 
 def replay(shape: TreeShape, oracle_rank: int = 5, deviate_after: bool = False):
-    costs = RoundCosts(draft_ms=1.0, rtt_ms=1e7, verify_ms=1.0, verify_per_token_ms=0.0)
+    costs = CostPriors(draft_ms=1.0, rtt_ms=1e7, verify_ms=1.0, verify_per_token_ms=0.0)
     return decode(constructed(deviate_after), shape, costs.cost_model(), len(OUTPUT), CAP, None, oracle_rank)
 
 

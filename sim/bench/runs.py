@@ -200,7 +200,7 @@ def run_proposer(args: argparse.Namespace) -> int:
 def run_tree_shapes(args: argparse.Namespace) -> int:
     from sim.bench import tree_rounds, tree_shapes
     extra = {"prompts": args.prompts} if args.prompts else {}
-    costs = tree_rounds.RoundCosts(draft_ms=args.draft_ms, rtt_ms=args.rtt_ms, verify_ms=args.verify_ms,
+    costs = tree_rounds.CostPriors(draft_ms=args.draft_ms, rtt_ms=args.rtt_ms, verify_ms=args.verify_ms,
                                    verify_per_token_ms=args.verify_per_token_ms)
     try:
         settings = tree_shapes.TreeShapesSettings(

@@ -31,14 +31,14 @@ from common.decoding.branching import branch_length
 from common.decoding.draft_tree import ROOT, DraftTree
 from common.decoding.proposals import ends_block
 from common.sampling import SamplingParams
-from sim.bench.tree_traces import DraftRow, PromptTrace
+from sim.bench.tree_traces import DraftTopTokens, PromptTrace
 
 GREEDY_SAMPLING = SamplingParams(temperature=0.0)  # the replay is greedy: the tree rule reads the argmax alone
 ROUND_ROBIN_LENGTH = 3  # tokens per branch of the round-robin shape
 
 
 @dataclass(frozen=True)
-class RoundCosts:
+class CostPriors:
     """The goodput policy's costs (CostModel priors, never updated here): what decides where a block ends."""
 
     draft_ms: float = 165.0
@@ -115,7 +115,7 @@ class Scored:
     forks: dict[int, list[float]]
 
 
-def scored(trace: PromptTrace, estimate: Callable[[Sequence[DraftRow]], list[float]]) -> Scored:
+def scored(trace: PromptTrace, estimate: Callable[[Sequence[DraftTopTokens]], list[float]]) -> Scored:
     return Scored(trace, estimate(trace.rows), {j: estimate(rows) for j, rows in trace.forks.items()})
 
 
@@ -156,11 +156,11 @@ def decode(item: Scored, shape: TreeShape, cost_model: CostModel, max_tokens: in
 
 
 def draft_chain(item: Scored, s: int, limit: int,
-                policy: GoodputPolicy) -> tuple[list[DraftRow], list[float], int | None]:
+                policy: GoodputPolicy) -> tuple[list[DraftTopTokens], list[float], int | None]:
     """The rows of the chain a round drafts after output[:s] (its tokens their best), its a_i, and its rejection."""
     trace = item.trace
     eos = frozenset(trace.eos_ids)
-    chain: list[DraftRow] = []
+    chain: list[DraftTopTokens] = []
     accept_probs: list[float] = []
     rejection = None
     while True:

@@ -42,9 +42,9 @@ import numpy as np
 
 from common.prompt_sets import load_prompts
 from sim.bench.proposer import SUITE, chosen_prompts
-from sim.bench.tree_rounds import PromptResult, RoundCosts, Scored, TreeShape, decode, scored
+from sim.bench.tree_rounds import PromptResult, CostPriors, Scored, TreeShape, decode, scored
 from sim.bench.tree_shape_report import plot, report_table, summarize
-from sim.bench.tree_traces import DraftRow, TraceSettings, load_traces
+from sim.bench.tree_traces import DraftTopTokens, TraceSettings, load_traces
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class TreeShapesSettings:
     round_cap: int = 20  # DecodeSettings.max_run_length: the longest block a round sends
     top: int = 16  # tokens kept per teacher-forced row: round-robin:16 may try up to 15 alternatives at one point
     estimate: str = "verifier"  # the a_i: the shipped verifier's score, or the draft's probability of its token
-    costs: RoundCosts = RoundCosts()
+    costs: CostPriors = CostPriors()
     max_tree_tokens: int = 32  # nodes a tree may hold in all (the cloud's --max-tree-tokens); 0: no cap
     budgets: tuple[int, ...] = (6, 16)
     oracle_rank: int = 1 + MAX_ALTERNATIVES  # the oracle path's tokens are within the draft's best this many
@@ -150,14 +150,14 @@ def estimator(settings: TreeShapesSettings):
     verifier = greedy[0]
     names = tuple(verifier.metadata["features"])
 
-    def features(row: DraftRow) -> list[float]:
+    def features(row: DraftTopTokens) -> list[float]:
         known = {"token_prob": row.probs[0], "max_prob": row.probs[0], "entropy": row.entropy}  # greedy: its argmax
         missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(f"the verifier reads {missing}, which a trace does not keep: use --estimate draft")
         return [known[n] for n in names]
 
-    def estimate(rows: Sequence[DraftRow]) -> list[float]:
+    def estimate(rows: Sequence[DraftTopTokens]) -> list[float]:
         if not rows:
             return []
         return [float(a) for a in verifier.score_features(np.array([features(r) for r in rows], dtype=np.float32))]

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DraftRow:
+class DraftTopTokens:
     """The draft's distribution at one position: its `top` tokens best first, their probabilities, its entropy."""
 
     top: list[int]
@@ -70,8 +70,8 @@ class PromptTrace:
     prompt_tokens: int
     output: list[int]
     eos_ids: list[int]
-    rows: list[DraftRow]
-    forks: dict[int, list[DraftRow]]
+    rows: list[DraftTopTokens]
+    forks: dict[int, list[DraftTopTokens]]
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -96,8 +96,8 @@ class PromptTrace:
     @classmethod
     def from_json(cls, data: dict) -> "PromptTrace":
         return cls(data["prompt_id"], data["category"], data["prompt_tokens"], data["output"], data["eos_ids"],
-                   [DraftRow(**r) for r in data["rows"]],
-                   {int(j): [DraftRow(**r) for r in rows] for j, rows in data["forks"].items()},
+                   [DraftTopTokens(**r) for r in data["rows"]],
+                   {int(j): [DraftTopTokens(**r) for r in rows] for j, rows in data["forks"].items()},
                    data.get("timings_ms", {}))
 
 
@@ -159,15 +159,15 @@ def greedy_output(target: CachedLM, prompt: list[int], max_tokens: int, eos: fro
     return output
 
 
-def teacher_forced_rows(draft: CachedLM, prompt: list[int], output: list[int], top: int) -> list[DraftRow]:
+def teacher_forced_rows(draft: CachedLM, prompt: list[int], output: list[int], top: int) -> list[DraftTopTokens]:
     """Row j of the draft at each output position j: one forward over prompt + output."""
     logits = draft.advance_to(prompt + output, n_logits=len(output) + 1).logits[:len(output)]
     return [row_of(row, top) for row in logits]
 
 
-def fork_rows(draft: CachedLM, context: list[int], count: int, eos: frozenset[int]) -> list[DraftRow]:
+def fork_rows(draft: CachedLM, context: list[int], count: int, eos: frozenset[int]) -> list[DraftTopTokens]:
     """The draft's greedy chain after `context`: `count` rows at most, the last one EOS when it stops there."""
-    rows: list[DraftRow] = []
+    rows: list[DraftTopTokens] = []
     while len(rows) < count:
         row = row_of(draft.advance_to(context + [r.token for r in rows]).logits[-1], 1)
         rows.append(row)
@@ -176,8 +176,8 @@ def fork_rows(draft: CachedLM, context: list[int], count: int, eos: frozenset[in
     return rows
 
 
-def row_of(logits: torch.Tensor, top: int) -> DraftRow:
+def row_of(logits: torch.Tensor, top: int) -> DraftTopTokens:
     p = torch.softmax(logits.float(), dim=-1)
     entropy = float(-(p * torch.log(p.clamp_min(1e-12))).sum())
     values, indices = torch.topk(p, top)
-    return DraftRow([int(i) for i in indices], [float(v) for v in values], entropy)
+    return DraftTopTokens([int(i) for i in indices], [float(v) for v in values], entropy)

@@ -36,7 +36,7 @@ import numpy as np
 from sim.fleet.cloud_rounds import CloudRounds
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.pipeline import PipelineModel
-from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, DRAFT, GENERATION, ROUND, ROUTINGS, Replica, ReplicaPool
+from sim.fleet.replicas import ARRIVE, DEADLINE, DONE, DRAFT, GENERATION, ROUND, ROUTINGS, SimulatedReplica, ReplicaPool
 from sim.fleet.result import FleetResult, itl_per_token_percentiles, itl_percentiles, percentile
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class _Simulation(CloudRounds):
             elif not (self.pipelined and self._pipelined(edge, t, t_reply)):
                 self._round(edge, t_reply)
 
-    def _target_tokens(self, replica: Replica, batch: list[tuple[int, int, float]], t: float) -> None:
+    def _target_tokens(self, replica: SimulatedReplica, batch: list[tuple[int, int, float]], t: float) -> None:
         """target mode: each token streams down to its edge; the cloud queues the session's next step at once."""
         down = self.costs.downlink_ms()
         for request in batch:

@@ -34,7 +34,7 @@ ROUTINGS = ("least-loaded", "round-robin")
 Request = tuple[int, int, float]  # (edge, tokens in the forward, sent at)
 
 
-class Replica:
+class SimulatedReplica:
     __slots__ = ("batch", "busy", "busy_ms", "calls", "draft_calls", "draft_forwards", "draft_queue", "forwards",
                  "gather_id", "gathering", "kind", "last_end", "last_forward_ms", "queue", "queues", "ready", "sessions")
 
@@ -66,7 +66,7 @@ class ReplicaPool:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, not {routing!r}")
         self.costs, self.routing, self.heap, self.seq, self.horizon = costs, routing, heap, seq, horizon
-        self.replicas = [Replica() for _ in range(n_replicas)]
+        self.replicas = [SimulatedReplica() for _ in range(n_replicas)]
         self.rr = itertools.count()
 
     def place(self) -> int:
@@ -74,7 +74,7 @@ class ReplicaPool:
             return next(self.rr) % len(self.replicas)
         return min(range(len(self.replicas)), key=lambda r: self.replicas[r].sessions)
 
-    def _limit(self, replica: Replica) -> int:
+    def _limit(self, replica: SimulatedReplica) -> int:
         return max(1, min(self.costs.max_batch, replica.sessions))
 
     def arrive(self, r: int, request: Request, t: float, kind: int = TARGET) -> None:
@@ -106,7 +106,7 @@ class ReplicaPool:
             replica.gather_id += 1
             heapq.heappush(self.heap, (t + hold, next(self.seq), DEADLINE, r, replica.gather_id))
 
-    def _hold_ms(self, replica: Replica, t: float) -> float:
+    def _hold_ms(self, replica: SimulatedReplica, t: float) -> float:
         """How long a short batch gathers: the window, or (continuous batching) the straggler hold right after a
         forward, none after an idle spell (cloud/batcher.py)."""
         if self.costs.window_ms > 0:
@@ -146,7 +146,7 @@ class ReplicaPool:
         replica.busy_ms += max(0.0, min(duration, self.horizon - t))
         heapq.heappush(self.heap, (t + duration, next(self.seq), DONE, r, batch))
 
-    def done(self, r: int) -> Replica:
+    def done(self, r: int) -> SimulatedReplica:
         """The forward on replica r finished: it is free (the caller then calls `next_batch`); its `kind` says
         which kind of forward it was."""
         replica = self.replicas[r]
