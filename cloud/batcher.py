@@ -85,7 +85,7 @@ class Batcher:
         self._prefills: deque[ForwardRequest] = deque()
         self._prefill_first = False  # a chunk left out of a full forward goes first in the next
         self._arrived = asyncio.Event()
-        # One thread runs the forwards. Another batcher on the same device (the cloud's draft, cloud/speculation.py)
+        # One thread runs the forwards. Another batcher on the same device (the cloud's draft, cloud/cloud_sd.py)
         # shares it: two models' forwards at once would only split the same cores, and while one kind runs, the
         # other kind's requests gather into a bigger batch.
         self._own_worker = worker is None

@@ -97,7 +97,7 @@ def _add_frame_limit_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:
-    """Mode cloud-sd (cloud/speculation.py): the cloud's own draft, and what proposes around it."""
+    """Mode cloud-sd (cloud/cloud_sd.py): the cloud's own draft, and what proposes around it."""
     p.add_argument("--draft", metavar="SPEC", help="a draft model beside the target (preset, Hugging Face id or "
                    "directory; the target's tokenizer): edges may then ask the cloud to speculate by itself (mode "
                    "cloud-sd, --placement cloud)")

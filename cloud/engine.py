@@ -139,7 +139,7 @@ class GeneratedToken:
     logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first step's, when the sampling asked for them (echo)
     cached_tokens: int = 0  # the first step's: prompt tokens whose KV came from the prefix cache
-    drafted = 0  # as a cloud-sd round (cloud/speculation.py) reads: no draft proposed this token
+    drafted = 0  # as a cloud-sd round (cloud/cloud_sd.py) reads: no draft proposed this token
     draft_ms = 0.0
     copied = 0  # nor copied any
     copied_kept = 0
@@ -206,7 +206,7 @@ class TargetEngine(Protocol):
     def speculate(self, context: list[int], max_new: int, sampling: SamplingParams,
                   processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
                   speculation: Any, prefix_scope: str | None = None) -> AsyncIterator[Any]:
-        """cloud-sd (cloud/speculation.py): rounds of `speculation.block` tokens (SpeculationRequest) proposed by its
+        """cloud-sd (cloud/cloud_sd.py): rounds of `speculation.block` tokens (SpeculationRequest) proposed by its
         proposer over the cloud's draft and block-verified by the target (SpeculatedRound); `processors`: the
         request's, one for the target's logits, one for the draft's."""
 

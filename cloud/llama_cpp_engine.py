@@ -211,7 +211,7 @@ class LlamaCppEngine(BatchedEngine):
     def keep_path(self, session: EngineSession, start: int, node_indices: list[int]) -> None:
         raise ValueError("the llama.cpp engine verifies chains only (its open's limits say 0 tree tokens)")
 
-    # As the cloud's draft (cloud/speculation.py: what CloudSpeculation reads of a DraftEngine): its spec, its
+    # As the cloud's draft (cloud/cloud_sd.py: what CloudSpeculation reads of a DraftEngine): its spec, its
     # logits per row and a generation's cache.
     @property
     def spec(self) -> str:

@@ -74,7 +74,7 @@ class CloudMetrics:
                                             buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
 
     def _cloud_draft_metrics(self, r: CollectorRegistry) -> None:
-        """cloud-sd's own draft (cloud/speculation.py): its forwards are work the edges' drafting saves."""
+        """cloud-sd's own draft (cloud/cloud_sd.py): its forwards are work the edges' drafting saves."""
         self.cloud_drafted = Counter("sprinter_cloud_draft_tokens", "Tokens the cloud's draft proposed (cloud-sd)",
                                      registry=r)
         self.cloud_draft_accepted = Counter("sprinter_cloud_draft_tokens_accepted",

@@ -5,7 +5,7 @@ attention per session) or in pages of one pool (cloud/kv_pool.py, one attention 
 all sessions: `--attention paged`, the default on CUDA). Concurrent sessions' new tokens go through
 one packed, unpadded forward with continuous batching and prefill chunks (cloud/batcher.py). The
 session store charges every page to the KV budget (cloud/sessions.py). With a draft (`--draft`) it
-also speculates by itself, for mode cloud-sd (cloud/speculation.py): the draft's steps go through a
+also speculates by itself, for mode cloud-sd (cloud/cloud_sd.py): the draft's steps go through a
 batcher of their own; its per-generation KV is the draft's, apart from the target's budget.
 
 `BatchedEngine` is the part of it that any engine whose forwards go through the batcher shares: prefill,
@@ -34,7 +34,7 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.prefix_cache import PrefixCache, Reuse, reusing
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
-from cloud.speculation import CloudSpeculation, DraftEngine, SpeculatedRound, SpeculationRequest
+from cloud.cloud_sd import CloudSpeculation, DraftEngine, SpeculatedRound, SpeculationRequest
 from common.models import LoadedModel, vocab_fingerprint
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
@@ -143,7 +143,7 @@ class BatchedEngine:
                         processors: tuple[LogitsProcessor | None, LogitsProcessor | None],
                         speculation: SpeculationRequest,
                         prefix_scope: str | None = None) -> AsyncIterator[SpeculatedRound]:
-        """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/speculation.py), the first
+        """cloud-sd: both prompts prefilled apart from other work, then rounds (cloud/cloud_sd.py), the first
         counting the prefills and bringing the prompt's logprobs when asked (echo)."""
         if self.draft is None:
             raise ValueError("this engine has no draft model (start the cloud with --draft)")

@@ -41,7 +41,7 @@ from cloud.kv_pool import KVPool
 from cloud.prefix_cache import PrefixCache
 from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout
-from cloud.speculation import DraftEngine
+from cloud.cloud_sd import DraftEngine
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
 from common.devices import resolve_device

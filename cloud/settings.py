@@ -21,7 +21,7 @@ ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout
 @dataclass(frozen=True)
 class CloudSettings:
     target: str = "tiny-random"
-    draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/speculation.py); None: the cloud drafts nothing
+    draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/cloud_sd.py); None: the cloud drafts nothing
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (Speculation.proposer overrides it)
     suffix_cache: str = "on"  # cloud-sd's copying proposers also copy an edge identity's earlier outputs ("off": not)
     dtype: str = "bfloat16"

@@ -26,7 +26,7 @@ from cloud.metrics import CloudMetrics
 from cloud.prefix_cache import reusing
 from cloud.residual import PendingResidual, ResidualSettings
 from cloud.sessions import Session, SessionStore
-from cloud.speculation import SpeculatedRound, SpeculationRequest
+from cloud.cloud_sd import SpeculatedRound, SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
 from cloud.tree_verify import forward_parents, kept_path
 from common import wire
@@ -307,7 +307,7 @@ class TargetHost:
 
     async def generate(self, owner: str, request: pb.GenerateRequest, abandoned: Abandoned | None = None,
                        tell: Tell | None = None) -> AsyncIterator[pb.GenerateChunk]:
-        """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/speculation.py), its KV held inside
+        """Target-only decoding, or with a speculation cloud-sd's rounds (cloud/cloud_sd.py), its KV held inside
         the budget; a chunk per token (per round), the last says why it finished. Without room it waits in the
         line sessions wait in, telling `tell` its place (an edge that reads queue tickets)."""
         self._check_fingerprint(request.vocab_fingerprint)

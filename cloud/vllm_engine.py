@@ -62,7 +62,7 @@ from cloud.engine import Abandoned, ExternalKV, ForwardResult, ForwardStats, Gen
 from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
-from cloud.speculation import SpeculationRequest
+from cloud.cloud_sd import SpeculationRequest
 from common.logits_processing import LogitsProcessor
 from common.logprobs import TokenLogprob
 from common.models import eos_token_ids, model_dir, vocab_fingerprint

@@ -34,7 +34,7 @@ with the verdict:
     TargetHost.verify       cloud/target_host.py                   a cloud session's forward, decided by
                                                                    cloud/frames.py `frame_decision`; q from
                                                                    the frame (cloud/frames.py `frame_proposal`)
-    CloudSpeculation        cloud/speculation.py                   cloud-sd's forward; q from the cloud's draft
+    CloudSpeculation        cloud/cloud_sd.py                   cloud-sd's forward; q from the cloud's draft
     the engine bench        sim/bench/engine.py                    greedy rows of a packed forward
 
 Under greedy decoding only the rows' argmax is read (`greedy_verdict`), so the engine need not bring back its

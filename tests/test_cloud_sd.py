@@ -1,4 +1,4 @@
-"""Mode cloud-sd: speculative decoding wholly in the cloud (cloud/speculation.py), over a real cloud on loopback.
+"""Mode cloud-sd: speculative decoding wholly in the cloud (cloud/cloud_sd.py), over a real cloud on loopback.
 
 The cloud drafts with its own draft next to the target and block-verifies; the edge only streams. It is lossless:
 greedy output equals the target's own (SmolLM2 in float32), and sampled output follows the target's law (chi-square

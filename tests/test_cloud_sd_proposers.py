@@ -19,7 +19,7 @@ import pytest
 from cloud.auth import ANONYMOUS
 from cloud.errors import CloudError
 from cloud.server import CloudSettings
-from cloud.speculation import SpeculationRequest
+from cloud.cloud_sd import SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
 from cloud.vllm_engine import check_vllm_speculation
 from cloud_harness import ServerThread

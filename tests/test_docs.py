@@ -134,7 +134,7 @@ def test_every_benchmark_table_says_its_date_and_command() -> None:
 
 
 def test_the_reference_pages_name_what_the_code_has(tmp_path: Path) -> None:
-    from sim.reference import write_reference
+    from sim.reference_pages import write_reference
 
     write_reference(tmp_path)
     cli, metrics, grpc = ((tmp_path / name).read_text() for name in ("cli.md", "metrics.md", "grpc.md"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sim.reference import side_metrics
+from sim.reference_pages import side_metrics
 from test_deploy import COMPOSE, compose, compose_command_lines, missing, parse
 
 ROOT = Path(__file__).resolve().parent.parent

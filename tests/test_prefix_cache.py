@@ -30,7 +30,7 @@ from cloud.prefix_cache import PrefixCache
 from cloud.resident_engine import ResidentEngine
 from cloud.resident_kv import KVLayout
 from cloud.sessions import KVInvariant, SessionLimits, SessionStore
-from cloud.speculation import DraftEngine
+from cloud.cloud_sd import DraftEngine
 from sprinter.v1 import decoding_pb2 as pb
 
 PAGE = 8

@@ -2,7 +2,7 @@
 
 `ModelProposer` is what every drafting site runs: the local engine and the edge over a `DraftLM`
 (`LocalDraft`; the edge runs each forward off its event loop so that it keeps serving other requests),
-and the cloud's cloud-sd rounds over its batched draft engine (cloud/speculation.py). Where the block
+and the cloud's cloud-sd rounds over its batched draft engine (cloud/cloud_sd.py). Where the block
 ends is the call policy's decision (common/call_policy.py): after each token it sees a_1..a_g, each
 token's estimated probability that the target accepts it.
 

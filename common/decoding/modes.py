@@ -13,7 +13,7 @@ verdict, local or in the cloud, is decided by `common.acceptance_rules.decide`, 
 Every lossless rule reduces to greedy_verify on one-hot distributions; sprinter is not lossless and
 checks only the flagged last token, so it keeps its own rule under greedy too.
 
-`cloud-sd` is speculative decoding wholly in the cloud (cloud/speculation.py): the cloud's own copy of
+`cloud-sd` is speculative decoding wholly in the cloud (cloud/cloud_sd.py): the cloud's own copy of
 the draft proposes k tokens per round next to the target, which block-verifies them, and the edge only
 streams the tokens (a Generate call with a speculation). Where a request drafts is its placement:
 `placed_mode(mode, "cloud")` moves the lossless edge-drafting modes there; lossy sprinter has no cloud form.

@@ -1,4 +1,4 @@
-"""Mode cloud-sd in the fleet simulator: speculation rounds that run wholly at the replica (cloud/speculation.py).
+"""Mode cloud-sd in the fleet simulator: speculation rounds that run wholly at the replica (cloud/cloud_sd.py).
 
 A generation opens with one Generate call: half an RTT (and the prompt's uplink) to the replica. Then, per
 round, with (g, emitted) drawn from the profile's record as an edge-drafting round draws it:
