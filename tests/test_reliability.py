@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from common.stats import percentile_ceil_rank
 from sim.bench import chaos, soak
-from sim.bench.load import parse_metrics, percentile
+from sim.bench.load import parse_metrics
 
 TINY = ("--target", "tiny-random", "--draft", "tiny-random-draft")
 
@@ -119,4 +120,5 @@ def test_metrics_parsing_and_percentiles():
     text = ('# HELP sprinter_cloud_kv_cache_bytes KV\n# TYPE sprinter_cloud_kv_cache_bytes gauge\n'
             'sprinter_cloud_kv_cache_bytes 1.5e+06\nsprinter_cloud_errors_total{code="NOT_FOUND"} 2.0\n')
     assert parse_metrics(text) == {"sprinter_cloud_kv_cache_bytes": 1.5e6, 'sprinter_cloud_errors_total{code="NOT_FOUND"}': 2.0}
-    assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and percentile([], 50) is None
+    assert percentile_ceil_rank([3, 1, 2, 4], 50) == 2 and percentile_ceil_rank([3, 1, 2, 4], 99) == 4
+    assert percentile_ceil_rank([], 50) is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from common.prompting import encode_prompt
 from common.sampling import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
-from sim.bench.load import parse_metrics
+from sim.bench.load import scrape_metrics
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 from sim.processes import CloudProcess, free_port
@@ -64,8 +63,7 @@ def _vllm_cloud(tmp_path: Path, name: str, *args: str) -> CloudProcess:
 
 def _metric(cloud: CloudProcess, name: str) -> float:
     port = cloud.command[cloud.command.index("--metrics-port") + 1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return parse_metrics(response.read().decode())[name]
+    return scrape_metrics(int(port), timeout_s=5)[name]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from common.fleet_plane.topics import check_identifier
 from common.fleet_plane.connection import BrokerSettings, FleetConnection, publish_properties
 from common.fleet_plane.messages import (BadMessage, CloudLoad, ConfigApplied, EdgeState, EdgeTelemetry, FleetConfig,
                                          VerifierArtifact, decode, encode)
+from common.table_cells import cell
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,6 @@ def _age(then: float, now: float) -> str:
     return f"{now - then:.0f}s"
 
 
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_status(snapshot: FleetSnapshot, now: float | None = None) -> str:
     """Two plain-text tables, edges then clouds; a stale edge (no recent telemetry) says so."""
     now = time.time() if now is None else now
@@ -105,14 +102,14 @@ def format_status(snapshot: FleetSnapshot, now: float | None = None) -> str:
             status = "online (stale)"
         lines.append(f"| {edge_id} | {status} | {state.group} | {state.mode} | {state.policy or '-'} "
                      f"| {state.verifier.get('id', '-')} | {state.config_version} "
-                     f"| {_fmt(tele and tele.tokens_per_s)} | {_fmt(tele and tele.target_calls_per_token, '.3f')} "
+                     f"| {cell(tele and tele.tokens_per_s, '.2f')} | {cell(tele and tele.target_calls_per_token, '.3f')} "
                      f"| {tele.active_requests if tele else '-'} | {tele.degraded_requests if tele else '-'} "
                      f"| {(tele.cloud if tele else None) or '-'} | {_age(tele.time if tele else state.time, now)} |")
     lines += ["", "clouds", "| replica | status | model | endpoint | sessions | queue | batch | verify ms p50 "
               "| KV used / budget | seen |", "|" + "---|" * 10]
     for replica_id, load in sorted(snapshot.clouds.items()):
         lines.append(f"| {replica_id} | {load.status} | {load.model_id} | {load.endpoint} | {load.open_sessions} "
-                     f"| {load.queue_depth} | {load.batch_size_mean:.2f} | {_fmt(load.verify_ms_p50, '.1f')} "
+                     f"| {load.queue_depth} | {load.batch_size_mean:.2f} | {cell(load.verify_ms_p50, '.1f')} "
                      f"| {load.kv_bytes_used >> 20} / {load.kv_bytes_budget >> 20} MiB | {_age(load.time, now)} |")
     return "\n".join(lines)
 

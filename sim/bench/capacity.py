@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -67,7 +66,7 @@ from common.sampling import SamplingParams
 from sim.bench.capacity_projection import format_projection, plot_projection, project
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
                                       replayed_length, summarise)
-from sim.bench.load import cpu_seconds, parse_metrics
+from sim.bench.load import cpu_seconds, scrape_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import CapacityBenchSettings
 from sim.processes import CloudProcess, free_port
@@ -211,11 +210,6 @@ async def record(address: str, prompt_ids: list[list[int]], k: int, max_new: int
         return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return parse_metrics(response.read().decode())
-
-
 @contextmanager
 def _pinned_apart(settings: CapacityBenchSettings) -> Iterator[set[int]]:
     """The cloud's core, and this process (the edges) moved onto the others for the while."""
@@ -265,9 +259,9 @@ def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[l
         for rtt_ms in settings.rtts:
             for edges in settings.edges:
                 for name, mode in modes.items():
-                    before, cpu = _scrape(metrics_port), (cpu_seconds(cloud.pid), time.process_time())
+                    before, cpu = scrape_metrics(metrics_port), (cpu_seconds(cloud.pid), time.process_time())
                     per_edge = asyncio.run(_point(cloud.address, settings, mode, edges, rtt_ms, recorded, len(tokenizer)))
-                    rows.append(summarise(name, edges, rtt_ms, settings.k, per_edge, before, _scrape(metrics_port)))
+                    rows.append(summarise(name, edges, rtt_ms, settings.k, per_edge, before, scrape_metrics(metrics_port)))
                     _cpu_shares(rows[-1], cpu, cpu_seconds(cloud.pid))
                     # a long run leaves what it has measured so far, should it be stopped
                     (settings.out / "rows.partial.json").write_text(json.dumps(rows, indent=1))

@@ -42,6 +42,7 @@ from typing import Any
 from cloud.batcher import MAX_HOLD_S, STRAGGLER_SHARE
 from common.decoding.modes import mode_of
 from common.plots import pyplot
+from common.table_cells import cell
 from sim.bench.capacity_report import edges_per_replica, replayed_length
 from sim.fleet.capacity import project_capacity
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, fit_forward_model
@@ -227,10 +228,6 @@ def project(results: dict[str, Any], edges: list[int], rtts_ms: list[float], pro
             "check": checked, **projection}
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _model(fwd: dict[str, float] | None) -> str:
     return "-" if fwd is None else f"{fwd['c0_ms']:.1f} + {fwd['c_tok_ms']:.2f} n + {fwd['c_seq_ms']:.2f} b ms"
 
@@ -239,10 +236,10 @@ def _check_table(checked: dict[str, Any]) -> list[str]:
     lines = ["| mode | RTT ms | edges | tokens/s per user: measured | simulated | error | ITL p99 ms: measured | "
              "simulated | target batch: measured | simulated |", "|---" * 10 + "|"]
     for p in checked["points"]:
-        lines.append(f"| {p['mode']} | {p['rtt_ms']:g} | {p['edges']} | {_fmt(p['measured_tokens_per_s_per_user'], '.2f')} | "
-                     f"{_fmt(p['simulated_tokens_per_s_per_user'], '.2f')} | {_fmt(p['rel_error'], '+.0%')} | "
-                     f"{_fmt(p['measured_itl_ms_p99'])} | {_fmt(p['simulated_itl_ms_p99'])} | "
-                     f"{_fmt(p['measured_target_batch_mean'], '.2f')} | {_fmt(p['simulated_target_batch_mean'], '.2f')} |")
+        lines.append(f"| {p['mode']} | {p['rtt_ms']:g} | {p['edges']} | {cell(p['measured_tokens_per_s_per_user'], '.2f')} | "
+                     f"{cell(p['simulated_tokens_per_s_per_user'], '.2f')} | {cell(p['rel_error'], '+.0%')} | "
+                     f"{cell(p['measured_itl_ms_p99'])} | {cell(p['simulated_itl_ms_p99'])} | "
+                     f"{cell(p['measured_target_batch_mean'], '.2f')} | {cell(p['simulated_target_batch_mean'], '.2f')} |")
     lines += ["", "| mode | edges per replica (RTT 0, E in the run's list): measured | simulated |", "|---|---|---|"]
     lines += [f"| {m} | {c['measured'] or '< 1'} | {c['simulated'] or '< 1'} |" for m, c in checked["edges_per_replica"].items()]
     return lines
@@ -256,7 +253,7 @@ def _projection_tables(projection: dict[str, Any]) -> list[str]:
         lines += ["", f"Simulated tokens/s per user, RTT {rtt:g} ms:", "",
                   "| edges | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
         for i, e in enumerate(at[labels[0]]["edges"]):
-            lines.append(f"| {e} | " + " | ".join(_fmt(at[m]["tokens_per_s_per_user"][i], ".2f") for m in labels) + " |")
+            lines.append(f"| {e} | " + " | ".join(cell(at[m]["tokens_per_s_per_user"][i], ".2f") for m in labels) + " |")
     lines += ["", f"Simulated edges per replica at per-token ITL p99 <= {projection['itl_p99_ms']:.1f} ms:", "",
               "| RTT ms | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for rtt in dict.fromkeys(r["rtt_ms"] for r in rows):
@@ -270,8 +267,8 @@ def _projection_tables(projection: dict[str, Any]) -> list[str]:
                   "| RTT ms | edge / cloud | gamma | t_d ms | t_v ms | formula | simulated | measured | saturated |",
                   "|---" * 9 + "|"]
         lines += [f"| {f['rtt_ms']:g} | {f['edge_label']} / {f['cloud_label']} | {f['gamma']:.2f} | {f['t_d_ms']:.1f} | "
-                  f"{f['t_v_ms']:.1f} | {f['predicted']:.2f} | {_fmt(f['simulated'], '.2f')} | {_fmt(f['measured'], '.2f')} | "
-                  f"{_fmt(f['saturated_throughput'], '.2f')} |" for f in projection["formula"]]
+                  f"{f['t_v_ms']:.1f} | {f['predicted']:.2f} | {cell(f['simulated'], '.2f')} | {cell(f['measured'], '.2f')} | "
+                  f"{cell(f['saturated_throughput'], '.2f')} |" for f in projection["formula"]]
     return lines
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from common.plots import pyplot
 from common.stats import percentile
+from common.table_cells import cell
 
 
 @dataclass
@@ -150,20 +151,16 @@ def prediction(rows: list[dict[str, Any]], cloud_mode: str, edge_mode: str, itl_
     return out
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     lines = ["| mode | RTT ms | edges | tokens/s per user | ITL p50 ms | ITL p99 ms | tokens/round | acceptance | "
              "target fwd ms (batch) | draft fwd ms (batch) | replica's core share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["cloud"]
-        lines.append(f"| {r['mode']} | {r['rtt_ms']:g} | {r['edges']} | {_fmt(r['tokens_per_s_per_user'])} | "
-                     f"{_fmt(r['itl_ms_p50'])} | {_fmt(r['itl_ms_p99'])} | {_fmt(r['tokens_per_round'], '.2f')} | "
-                     f"{_fmt(r['acceptance'], '.2f')} | {_fmt(c['target_forward_ms'])} ({_fmt(c['target_batch_mean'])}) | "
-                     f"{_fmt(c['draft_forward_ms'])} ({_fmt(c['draft_batch_mean'])}) | "
-                     f"{_fmt(r.get('cloud_cpu_share'), '.0%')} |")
+        lines.append(f"| {r['mode']} | {r['rtt_ms']:g} | {r['edges']} | {cell(r['tokens_per_s_per_user'])} | "
+                     f"{cell(r['itl_ms_p50'])} | {cell(r['itl_ms_p99'])} | {cell(r['tokens_per_round'], '.2f')} | "
+                     f"{cell(r['acceptance'], '.2f')} | {cell(c['target_forward_ms'])} ({cell(c['target_batch_mean'])}) | "
+                     f"{cell(c['draft_forward_ms'])} ({cell(c['draft_batch_mean'])}) | "
+                     f"{cell(r.get('cloud_cpu_share'), '.0%')} |")
     lines += ["", f"Replaying edges' draft time: {summary['edge_draft_ms']:g} ms a block token.",
               "", f"Edges per replica at per-token ITL p99 <= {summary['itl_p99_target_ms']:.1f} ms (RTT 0; "
               f"{summary['itl_p99_target_basis']}):", "", "| mode | edges per replica |", "|---|---|"]
@@ -175,7 +172,7 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             lines.append(f"\nPredicted edge-drafting gain {name.replace('_', ' ')} (E={p['edges']}): 1 + gamma t_d / t_v = "
                          f"1 + {p['gamma']:.2f} x {p['t_d_ms']:.1f} / {p['t_v_ms']:.1f} = {p['predicted_ratio']:.2f}x")
     lines.append(f"Measured: edges per replica {pred['edge_mode']} / {pred['cloud_mode']} = "
-                 f"{_fmt(pred['measured_ratio'], '.2f')}")
+                 f"{cell(pred['measured_ratio'], '.2f')}")
     return "\n".join(lines)
 
 

@@ -24,7 +24,6 @@ import json
 import logging
 import statistics
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,8 @@ from common.decoding.modes import DecodeSettings
 from common.models import load_model
 from common.plots import pyplot
 from common.prompting import encode_prompt
-from sim.bench.load import parse_metrics
+from common.stats import percentile
+from sim.bench.load import scrape_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import CloudBenchSettings
 from sim.processes import cloud_process, free_port
@@ -142,11 +142,6 @@ async def measure(address: str, edges: list[RecordedEdge], n_edges: int, rounds:
         return verified / (time.perf_counter() - started), latencies_ms, batch_sizes
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def format_table(rows: list[BenchRow]) -> str:
     """speedup: over the same engine unbatched; vs old: over the first other engine's row with the same batching."""
     lines = ["| target | engine | context | edges | batching | verified tokens/s | speedup | vs other engine | "
@@ -210,8 +205,7 @@ class CacheCounters:
     start: dict[str, float] = field(default_factory=dict)
 
     def read(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
-            return parse_metrics(response.read().decode())
+        return scrape_metrics(self.port)
 
     def mark(self) -> None:
         self.start = self.read()

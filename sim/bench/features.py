@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from common.grammar import GrammarCompiler
 from common.models import model_dir
 from common.sampling_params import GrammarSpec
 from common.tool_calls import tool_call_lark
-from sim.processes import cloud_process, edge_daemon_process, free_port
+from sim.processes import can_pin_apart, cloud_process, edge_daemon_process, free_port
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +77,12 @@ class Run:
 
 def bench_features(settings: FeaturesBenchSettings) -> str:
     settings.out.mkdir(parents=True, exist_ok=True)
-    two_cores = (os.cpu_count() or 1) >= 2
+    apart = can_pin_apart()  # then the cloud runs on core 0 and the edge on core 1, out of each other's way
     edge_args = ["--draft", settings.draft, "--dtype", settings.dtype, "--verifier", "auto"]
     with cloud_process("--target", settings.target, "--dtype", settings.dtype, log_path=settings.out / "cloud.log",
-                       cpus={0} if two_cores else None) as address:
+                       cpus={0} if apart else None) as address:
         with edge_daemon_process([*edge_args, "--cloud", address], free_port(), settings.out / "edge.log",
-                                 cpus={1} if two_cores else None) as edge:
+                                 cpus={1} if apart else None) as edge:
             runs = _drive(edge.base, settings)
     steps = grammar_step_us(settings.target, [r for r in runs if r.feature in ("json_schema", "tool_call")])
     (settings.out / "results.json").write_text(json.dumps({"settings": {**asdict(settings), "out": str(settings.out)},

@@ -20,7 +20,6 @@ import logging
 import os
 import statistics
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -32,10 +31,12 @@ from common.models import load_model, vocab_fingerprint
 from common.plots import pyplot
 from common.prompting import encode_prompt
 from common.sampling import SamplingParams
+from common.stats import percentile
+from common.table_cells import cell
 from edge.cloud_link.client import CloudEndpoint
 from edge.cloud_link.replicas import ReplicaSet
-from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, percentile, record_edges
-from sim.bench.load import cpu_seconds, parse_metrics
+from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, record_edges
+from sim.bench.load import cpu_seconds, scrape_metrics
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import FleetBenchSettings
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, demo_profiles, fit_forward_model
@@ -115,20 +116,20 @@ def machine_cpu_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
-def _scrape(url: str) -> dict[str, float]:
+def _scrape(port: int) -> dict[str, float]:
+    """A replica's metrics; none (a warning) when they are unreadable: its side of the row is then left out."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return parse_metrics(response.read().decode())
+        return scrape_metrics(port, timeout_s=5)
     except OSError as err:
-        log.warning("metrics %s unreadable: %s", url, err)
+        log.warning("metrics on port %d unreadable: %s", port, err)
         return {}
 
 
-def _cloud_side(replicas: list[tuple[CloudProcess, str]], before: list[dict], cpu_before: list[float | None]) -> list[dict]:
+def _cloud_side(replicas: list[tuple[CloudProcess, int]], before: list[dict], cpu_before: list[float | None]) -> list[dict]:
     """Each replica over the measured phase, from its metrics (differences) and its CPU time."""
     rows = []
-    for (cloud, url), start, cpu0 in zip(replicas, before, cpu_before):
-        end, cpu1 = _scrape(url), cpu_seconds(cloud.pid)
+    for (cloud, metrics_port), start, cpu0 in zip(replicas, before, cpu_before):
+        end, cpu1 = _scrape(metrics_port), cpu_seconds(cloud.pid)
         diff = lambda name: end.get(name, 0.0) - start.get(name, 0.0)  # noqa: E731
         forwards = diff("sprinter_cloud_batch_size_count")
         rows.append({"address": cloud.address, "forwards": int(forwards),
@@ -137,14 +138,14 @@ def _cloud_side(replicas: list[tuple[CloudProcess, str]], before: list[dict], cp
     return rows
 
 
-async def _drive(settings: FleetBenchSettings, replicas: list[tuple[CloudProcess, str]], recorded: list[RecordedEdge],
+async def _drive(settings: FleetBenchSettings, replicas: list[tuple[CloudProcess, int]], recorded: list[RecordedEdge],
                  fingerprint: str) -> tuple[Calls, list[dict]]:
     """Warm up, then the measured phase: what the edges saw, and each replica's side."""
     endpoint = lambda address, server_name: CloudEndpoint(address, tls_server_name=server_name)  # noqa: E731
     async with ReplicaSet([c.address for c, _ in replicas], endpoint, fingerprint) as clouds:
         edges = range(settings.edges)
         await asyncio.gather(*(run_edge(clouds, recorded, e, WARMUP, None, Calls(), WARMUP) for e in edges))
-        before = [await asyncio.to_thread(_scrape, url) for _, url in replicas]
+        before = [await asyncio.to_thread(_scrape, port) for _, port in replicas]
         cpu_before = [cpu_seconds(c.pid) for c, _ in replicas]
         calls, cpu0, machine0, started = Calls(), time.process_time(), machine_cpu_s(), time.perf_counter()
         deadline = None if settings.rounds else started + settings.duration_s
@@ -190,7 +191,7 @@ def measure_layout(settings: FleetBenchSettings, layout: str, recorded: list[Rec
                              "--batch-window-ms", str(settings.batch_window_ms), "--max-batch", str(settings.max_batch),
                              "--max-sessions", str(4 * settings.edges + 8), log_path=log_path, cpus=cpu_set,
                              env={"OMP_NUM_THREADS": str(threads)})
-        replicas.append((cloud, f"http://127.0.0.1:{metrics_port}/metrics"))
+        replicas.append((cloud, metrics_port))
     clouds = [cloud for cloud, _ in replicas]
     try:
         with ThreadPoolExecutor(len(clouds)) as pool:  # the replicas load their models side by side
@@ -231,10 +232,6 @@ def project(settings: FleetBenchSettings, rows: list[dict], prompt_tokens: int) 
             "validation": validation, "results": [asdict(r) for r in results]}
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def measured_table(rows: list[dict]) -> str:
     base = next((r["verified_tokens_per_s"] for r in rows if r["layout"] == "one-core"), None)
     lines = ["| layout | pinning, OMP threads | verified tokens/s | vs one-core | emitted tokens/s | verify p50 / p99 ms "
@@ -244,12 +241,12 @@ def measured_table(rows: list[dict]) -> str:
         clouds, t = r["cloud"], r["elapsed_s"]
         each = lambda values: " / ".join(str(v) for v in values)  # noqa: E731
         per = lambda key: each(r[key].get(c["address"], 0) for c in clouds)  # noqa: E731
-        cells = [r["layout"], f"{r['pinning']}, {r['omp_threads']}", _fmt(r["verified_tokens_per_s"], 1),
-                 f"{r['verified_tokens_per_s'] / base:.2f}x" if base else "-", _fmt(r["emitted_tokens_per_s"], 1),
-                 f"{_fmt(r['verify_p50_ms'])} / {_fmt(r['verify_p99_ms'])}", _fmt(r["batch_mean"], 2),
+        cells = [r["layout"], f"{r['pinning']}, {r['omp_threads']}", cell(r["verified_tokens_per_s"], ",.1f"),
+                 f"{r['verified_tokens_per_s'] / base:.2f}x" if base else "-", cell(r["emitted_tokens_per_s"], ",.1f"),
+                 f"{cell(r['verify_p50_ms'], ',.0f')} / {cell(r['verify_p99_ms'], ',.0f')}", cell(r["batch_mean"], ",.2f"),
                  f"{per('sessions_placed')}; {per('sessions_open_mean')}", per("calls_per_replica"),
-                 each(_fmt(c["forward_ms_mean"], 1) for c in clouds),
-                 f"{each(_fmt(c['cpu_s'] and c['cpu_s'] / t, 2) for c in clouds)}; {r['edges_cpu_s'] / t:.2f}; "
+                 each(cell(c["forward_ms_mean"], ",.1f") for c in clouds),
+                 f"{each(cell(c['cpu_s'] and c['cpu_s'] / t, ',.2f') for c in clouds)}; {r['edges_cpu_s'] / t:.2f}; "
                  f"{r['other_cpu_s'] / t:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -261,7 +258,7 @@ def projection_table(projection: dict, metric: str = "fleet_tokens_per_s", digit
     lines = ["| edges \\ replicas | " + " | ".join(map(str, replicas)) + " |", "|---" * (len(replicas) + 1) + "|"]
     for n in sorted({r["n_edges"] for r in results}):
         cells = [next(r[metric] for r in results if r["n_edges"] == n and r["n_replicas"] == m) for m in replicas]
-        lines.append(f"| {n} | " + " | ".join(_fmt(c, digits) for c in cells) + " |")
+        lines.append(f"| {n} | " + " | ".join(cell(c, f",.{digits}f") for c in cells) + " |")
     return "\n".join(lines)
 
 

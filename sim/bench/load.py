@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from common.stats import percentile_ceil_rank
 from sim.bench.edge_chat import sse_events
 
 log = logging.getLogger(__name__)
@@ -137,14 +138,6 @@ def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     outcome.finish_reason = answer["choices"][0].get("finish_reason") if answer.get("choices") else None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100), nearest rank; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 def rss_bytes(pid: int | None) -> int | None:
     """Resident set size of a live process (VmRSS in /proc/PID/status); None when it is gone."""
     if pid is None:
@@ -181,6 +174,12 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return values
+
+
+def scrape_metrics(port: int, timeout_s: float = 10) -> dict[str, float]:
+    """The Prometheus endpoint of a process on this machine (http://127.0.0.1:PORT/metrics), parsed."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as response:
+        return parse_metrics(response.read().decode())
 
 
 @dataclass
@@ -246,9 +245,9 @@ class ProcessSampler:
 def latency_summary(outcomes: Sequence[RequestOutcome]) -> dict[str, float | None]:
     latencies = [o.latency_s for o in outcomes if o.ok]
     ttfts = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
-    return {"latency_s_p50": percentile(latencies, 50), "latency_s_p90": percentile(latencies, 90),
-            "latency_s_p99": percentile(latencies, 99), "latency_s_max": max(latencies, default=None),
-            "ttft_s_p50": percentile(ttfts, 50), "ttft_s_p99": percentile(ttfts, 99)}
+    p = percentile_ceil_rank
+    return {"latency_s_p50": p(latencies, 50), "latency_s_p90": p(latencies, 90), "latency_s_p99": p(latencies, 99),
+            "latency_s_max": max(latencies, default=None), "ttft_s_p50": p(ttfts, 50), "ttft_s_p99": p(ttfts, 99)}
 
 
 def http_client(concurrency: int) -> httpx.AsyncClient:

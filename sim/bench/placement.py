@@ -57,7 +57,7 @@ from sim.bench.rollout import SimulatedEdge
 from sim.bench.settings import PlacementBenchSettings
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process, free_port
+from sim.processes import cloud_process, free_port, small_machine
 from sim.sweep.telemetry import cloud_fleet_args, sweep_broker
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -77,14 +77,14 @@ def bench_placement(settings: PlacementBenchSettings) -> str:
     torch.set_num_threads(1)  # the edge's draft: one core, as the cloud has the other
     draft = load_model(settings.draft, DTYPES[settings.dtype])
     prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
-    two_cores = (os.cpu_count() or 1) <= 2
+    small = small_machine()  # there the cloud keeps to core 0 and one thread, leaving the other to the edges' draft
     proxy_port = free_port()  # the cloud announces the proxy's address: the replica the edges dial
     with sweep_broker(settings.mqtt, settings.out) as url:
         serve = ["--target", settings.target, "--draft", settings.draft, "--dtype", settings.dtype,
                  "--edge-max-generate", str(settings.load_streams + 4), "--advertise", f"127.0.0.1:{proxy_port}",
                  *cloud_fleet_args(url)]
-        with cloud_process(*serve, log_path=settings.out / "cloud.log", cpus={0} if two_cores else None,
-                           env={"OMP_NUM_THREADS": "1"} if two_cores else None) as address:
+        with cloud_process(*serve, log_path=settings.out / "cloud.log", cpus={0} if small else None,
+                           env={"OMP_NUM_THREADS": "1"} if small else None) as address:
             rows = asyncio.run(_measure_all(settings, draft, prompts, address, proxy_port, url))
     report = {"settings": {**asdict(settings), "out": str(settings.out)}, "broker": url, "rows": rows,
               "goal": goal(rows)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from common import wire
-from sim.bench.cloud import percentile
+from common.stats import percentile
 from sim.bench.settings import PrefillBenchSettings
 from sim.processes import cloud_process
 from sprinter.v1 import decoding_pb2 as pb

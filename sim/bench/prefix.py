@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 
 import grpc
 
 from common import wire
 from common.sampling_params import SamplingParams
+from sim.bench.load import scrape_metrics
 from sim.bench.settings import PrefixBenchSettings
 from sim.processes import cloud_process, free_port
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
@@ -123,11 +123,6 @@ async def _run(address: str, work):
         return await work(stub, vocab)
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), float("nan"))
-
-
 def bench_prefix(s: PrefixBenchSettings) -> PrefixBenchResult:
     s.out.mkdir(parents=True, exist_ok=True)
     serve = ["--target", s.target, "--dtype", s.dtype, "--kv-budget-mb", str(s.kv_budget_mb), "--max-streams", "64",
@@ -142,7 +137,7 @@ def bench_prefix(s: PrefixBenchSettings) -> PrefixBenchResult:
         ttft, rate, cached, prompt = asyncio.run(_run(address, lambda stub, v: _conversation(stub, v, s)))
         cacheable, shared = asyncio.run(_run(address, lambda stub, v: _shared_prompts(stub, v, s)))
         choices_ms, one_ms = asyncio.run(_run(address, lambda stub, v: _choices(stub, v, s)))
-        over = _metric(metrics_port, "sprinter_cloud_kv_over_budget_total")
+        over = scrape_metrics(metrics_port).get("sprinter_cloud_kv_over_budget_total", float("nan"))
     result = PrefixBenchResult({"cached": ttft, "cold": cold_ttft}, {"cached": rate, "cold": cold_rate}, cached, prompt,
                                cacheable, shared, over, choices_ms, one_ms, {**asdict(s), "out": str(s.out)})
     with open(s.out / "results.jsonl", "a") as f:

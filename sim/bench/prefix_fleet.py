@@ -29,13 +29,13 @@ import json
 import logging
 import statistics
 import time
-import urllib.request
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 import httpx
 
 from sim.bench.edge_chat import ChatReply, stream_chat, synthetic_text
+from sim.bench.load import scrape_metrics
 from sim.bench.settings import PrefixFleetSettings
 from sim.processes import CloudProcess, edge_daemon_process, free_port
 
@@ -169,13 +169,9 @@ def measure_conversations(s: PrefixFleetSettings, result: PrefixFleetResult) -> 
             result.turns += asyncio.run(_conversations(base, config, s, tokenizer))
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
-
-
 def _metrics(ports: list[int], name: str) -> list[float]:
-    return [_metric(port, name) for port in ports]
+    """Each replica's unlabelled sample `name`; 0 where a replica does not expose it."""
+    return [scrape_metrics(port, timeout_s=30).get(name, 0.0) for port in ports]
 
 
 def _fleet_messages(s: PrefixFleetSettings, tokenizer, systems: list[str], edge: int, round_: int) -> list[dict]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.prompts import load_bench_prompts
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process
+from sim.processes import cloud_process, small_machine
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +55,9 @@ def bench_uplink(settings: UplinkBenchSettings) -> str:
     settings.out.mkdir(parents=True, exist_ok=True)
     draft = load_model(settings.draft, DTYPES[settings.dtype])
     prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
-    two_cores = (os.cpu_count() or 1) <= 2
+    small = small_machine()  # there the cloud keeps to core 0, leaving the other to the edge's draft here
     with cloud_process("--target", settings.target, "--dtype", settings.dtype, log_path=settings.out / "cloud.log",
-                       cpus={0} if two_cores else None) as address:
+                       cpus={0} if small else None) as address:
         host, _, port = address.rpartition(":")
         rows = [row for rtt in settings.rtts_ms
                 for row in asyncio.run(_at_rtt(settings, draft, prompts, (host, int(port)), rtt))]

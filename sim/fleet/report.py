@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from common.decoding.modes import mode_of
 from common.plots import pyplot
+from common.table_cells import cell
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.engine import run_fleet
 from sim.fleet.pipeline import PipelineModel
@@ -41,22 +42,18 @@ def run_label(result: FleetResult) -> str:
     return result.profile if result.pipeline == "off" else f"{result.profile}/{result.pipeline}"
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def format_table(results: list[FleetResult]) -> str:
     lines = [("| mode | pipeline | hit rate | edges | replicas | tokens/s per edge (mean) | p50 | fleet tokens/s "
               "| ITL p50 ms | ITL p99 ms | cloud utilisation | forwards/token | mean cloud batch | target calls/token "
               "| uplink bytes/token | simulator runtime s |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.profile} | {r.pipeline} | {_fmt(r.hit_rate, 2)} | {r.n_edges} | {r.n_replicas} | "
-                     f"{_fmt(r.tokens_per_s_mean, 2)} | "
-                     f"{_fmt(r.tokens_per_s_p50, 2)} | {_fmt(r.fleet_tokens_per_s)} | {_fmt(r.itl_ms_p50)} | "
-                     f"{_fmt(r.itl_ms_p99)} | {r.cloud_utilisation:.2f} | {r.cloud_forwards_per_token:.3f} | "
-                     f"{_fmt(r.cloud_batch_size_mean, 2)} | {r.target_calls_per_token:.3f} | "
-                     f"{_fmt(r.uplink_bytes_per_token)} | {r.wall_s:.1f} |")
+        lines.append(f"| {r.profile} | {r.pipeline} | {cell(r.hit_rate, '.2f')} | {r.n_edges} | {r.n_replicas} | "
+                     f"{cell(r.tokens_per_s_mean, '.2f')} | "
+                     f"{cell(r.tokens_per_s_p50, '.2f')} | {cell(r.fleet_tokens_per_s)} | {cell(r.itl_ms_p50)} | "
+                     f"{cell(r.itl_ms_p99)} | {r.cloud_utilisation:.2f} | {r.cloud_forwards_per_token:.3f} | "
+                     f"{cell(r.cloud_batch_size_mean, '.2f')} | {r.target_calls_per_token:.3f} | "
+                     f"{cell(r.uplink_bytes_per_token)} | {r.wall_s:.1f} |")
     return "\n".join(lines)
 
 

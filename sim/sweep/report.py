@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.decoding.modes import MODES, mode_of
+from common.table_cells import cell
 from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality
 from sim.sweep.results import pipeline_of
@@ -42,7 +43,8 @@ def read_csv(path: Path) -> list[SummaryRow]:
 
 
 def _fmt(value: float | None, digits: int) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    # unlike cell() alone, a NaN shows as missing too: the sweep's tables have always printed it so
+    return cell(None if isinstance(value, float) and math.isnan(value) else value, f".{digits}f")
 
 
 def markdown_table(rows: list[SummaryRow]) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.decoding.modes import MODES, mode_of
-from common.stats import oracle_calls_per_token
+from common.stats import oracle_calls_per_token, percentile
 from sim.sweep.quality import Quality
 from sim.sweep.results import pipeline_of, result_key
 from sim.sweep.settings import PIPELINES
@@ -59,11 +59,9 @@ class SummaryRow:
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile, as common.stats and the fleet simulator compute theirs."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
+    """common.stats' nearest-rank percentile, as a float (as the fleet simulator's are)."""
+    value = percentile(values, q)
+    return None if value is None else float(value)
 
 
 def token_gaps_ms(record: dict[str, Any]) -> list[float]:
