@@ -20,12 +20,17 @@ Glossary
 
 The ledger charges an entry's tokens once (`tokens`), whatever number of sessions share them; idle
 entries are evicted least recently used first, when the budget or the sequence ids run short.
-Entries of one scope where one extends another keep the longer only. Opens of one prefix that arrive
-together each prefill it (there is no claim on a prefix being computed): measured, not hidden.
+Entries of one scope where one extends another keep the longer only.
+
+Opens of one prefix that arrive together (the n choices of a request, a burst of one conversation's retries)
+compute it once: an open claims its prompt while it prefills it, and a later open that would reuse at least
+MIN_REUSE_TOKENS more of a claimed prompt than the entries hold waits for that prefill to end (then its entry is
+there to share), as the resident cache's block claims do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,6 +55,15 @@ class Entry:
     holders: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
 
+@dataclass(eq=False)
+class Claim:
+    """A prompt an open is prefilling: opens that would reuse more of it wait for `done`."""
+
+    scope: str
+    tokens: list[int]
+    done: asyncio.Future
+
+
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -65,6 +79,7 @@ class LlamaCppPrefixCache:
     room: Callable[[int], bool] | None = None  # set by the session store; unused: remembering takes no new cells
     on_evict: Callable[[int], None] = lambda entries: None
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # by sequence id, least recently used first
+    claims: list[Claim] = field(default_factory=list)  # prompts being prefilled now
 
     def scope(self, owner: str) -> str:
         return SHARED_SCOPE if self.share_across_identities else owner
@@ -150,10 +165,26 @@ class LlamaCppPrefixCache:
         return list(dict.fromkeys(found))[:MAX_ANNOUNCED_PREFIXES]
 
     async def wait_for_pending(self, scope: str, tokens: list[int]) -> None:
-        """No claims here: concurrent opens of one prefix each prefill it (module docstring)."""
+        """Until no open is prefilling a prompt of `scope` that shares at least MIN_REUSE_TOKENS more of `tokens`
+        than the entries hold."""
+        while (claim := self._worth_waiting_for(scope, tokens)) is not None:
+            await asyncio.shield(claim.done)
 
-    def claim(self, scope: str, tokens: list[int]) -> list[bytes]:
-        return []
+    def _worth_waiting_for(self, scope: str, tokens: list[int]) -> Claim | None:
+        _, cached = self.match(scope, tokens)
+        return next((c for c in self.claims if c.scope == scope and not c.done.done()
+                     and common_prefix(c.tokens, tokens) >= cached + MIN_REUSE_TOKENS), None)
 
-    def settle(self, claimed: list[bytes]) -> None:
-        """Nothing was claimed."""
+    def claim(self, scope: str, tokens: list[int]) -> list[Claim]:
+        """Mark `tokens` as being prefilled by the caller, who must `settle` the claim (computed or not) when its
+        prefill ends."""
+        claim = Claim(scope, list(tokens), asyncio.get_running_loop().create_future())
+        self.claims.append(claim)
+        return [claim]
+
+    def settle(self, claimed: list[Claim]) -> None:
+        for claim in claimed:
+            if claim in self.claims:
+                self.claims.remove(claim)
+            if not claim.done.done():
+                claim.done.set_result(None)

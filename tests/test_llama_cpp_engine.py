@@ -392,11 +392,25 @@ def test_logprobs_and_penalties_come_from_llama_cpps_rows(llama_cloud, smollm2, 
         assert float(top2[0] - top2[1]) < 0.1, (at, float(top2[0] - top2[1]))
 
 
+def _sharper(path, out):
+    """A draft that is not the target, with its vocabulary: the same GGUF with its final norm doubled, so its logits
+    are the target's doubled (the same argmax, a sharper distribution: sampled drafts get rejected)."""
+    import shutil
+
+    import gguf
+
+    shutil.copy(path, out)
+    reader = gguf.GGUFReader(out, "r+")
+    next(t for t in reader.tensors if t.name == "output_norm.weight").data[...] *= 2
+    reader.data.flush()
+    return out
+
+
 def test_cloud_sd_drafts_with_a_gguf_draft_in_the_same_engine(tmp_path, smollm2, smollm2_4_layers, engine_path):
-    """`--draft` on the llama.cpp engine: the draft's GGUF in a context of its own, its forwards taking turns with
-    the target's; cloud-sd keeps the target's greedy output where llama.cpp's rows do not round apart, and its
-    sampled rounds reject and resample through rollbacks of both caches."""
-    cloud = _llama_cloud(tmp_path, "--draft", "smollm2-135m")
+    """`--draft` on the llama.cpp engine (a .gguf path): the draft's GGUF in a context of its own, its forwards
+    taking turns with the target's; cloud-sd keeps the target's greedy output where llama.cpp's rows do not round
+    apart, and its sampled rounds reject and resample through rollbacks of both caches."""
+    cloud = _llama_cloud(tmp_path, "--draft", str(_sharper(engine_path, tmp_path / "sharper.gguf")))
     cloud.start()
     prompt = encode_prompt(smollm2.tokenizer, PROMPTS[2], chat=True)
     try:
@@ -453,3 +467,30 @@ def test_bench_llama_cpp_measures_the_verify_beside_llama_cpp_alone(smollm2, tmp
     assert all(verify[f"{name}_tokens_per_s"] > 0 for name in rates)
     table = format_table(LlamaCppBenchResult({"edges": 2, "context": 32}, "", "", "", verify=verify))
     assert "C API alone" in table and "a KV stream per sequence" in table and "llama-bench pp6" in table
+
+
+def test_opens_of_one_prompt_arriving_together_compute_it_once(smollm2):
+    """cloud/llama_cpp_prefix.py's claims: two Generates of one prompt at once (a request's n choices): the second
+    waits for the first's prefill and shares its cells, so the prompt goes through llama.cpp once."""
+    from cloud.llama_cpp_prefix import LlamaCppPrefixCache
+
+    prompt = encode_prompt(smollm2.tokenizer, PROMPTS[2], chat=True)
+    engine, forwards = _engine(), []
+
+    async def run():
+        async with Batcher(engine.packed_forward, on_batch=forwards.append) as batcher:
+            engine.batcher = batcher
+            engine.prefix_cache = LlamaCppPrefixCache(engine)
+
+            async def choice():
+                return [t async for t in engine.generate(prompt, 1, SamplingParams(), None, "edge")][0]
+
+            return await asyncio.gather(choice(), choice())
+
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        engine.close()
+    assert sorted((first.cached_tokens, second.cached_tokens)) == [0, len(prompt) - 1]
+    assert sum(f.tokens for f in forwards) == len(prompt) + 1  # the prompt once, then the second's last token
+    assert first.token == second.token
