@@ -28,7 +28,7 @@ from common.decoding import branching
 from common.decoding.draft_tree import DraftTree
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import DecodeSettings, parse_branch_tokens
-from common.decoding.suffix_proposer import SuffixMemory
+from common.decoding.suffix_proposer import SuffixMemory, SuffixProposer
 from common.sampling import SamplingParams, logits_to_probs
 from common.verifier import ConfidenceVerifier
 
@@ -544,11 +544,11 @@ def test_tree_layout_chain_then_copies_then_the_drafts_branches(tiny_target, tin
     from common.cached_lm import CachedLM
     from common.decoding.copy_branches import attach_copies, copy_offers
     from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.decoding.hybrid_proposer import HybridProposer
+    from common.decoding.hybrid_proposer import ChainedRuns
     from common.decoding.speculative_round import run_inline
 
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(), frozenset())
-    proposer = HybridProposer(model, _quoting_memory(tiny_target))
+    proposer = SuffixProposer(model, _quoting_memory(tiny_target), rule=ChainedRuns())
     context = tiny_draft.tokenizer(PROMPTS[0])["input_ids"]
 
     block = _drafted_chain(model, context, 5)

@@ -18,7 +18,7 @@ from cloud_harness import ServerThread
 from common.cached_lm import CachedLM
 from common.call_policy import Ewma, FixedPolicy, FlagPolicy
 from common.decoding.drafting import Drafter, LocalDraft, ModelProposer
-from common.decoding.hybrid_proposer import HybridProposer
+from common.decoding.hybrid_proposer import ChainedRuns
 from common.decoding.local_engine import LocalEngine
 from common.decoding.modes import LOSSLESS_MODES, DecodeSettings
 from common.decoding.proposals import CACHE, CONTEXT, MODEL
@@ -177,12 +177,12 @@ def test_hybrid_copies_where_a_copy_beats_the_draft_and_chains_the_drafts_tokens
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(),
                           tiny_draft.eos_token_ids)
     memory = SuffixMemory(cache=None, model_estimate=Ewma(0.6, 0.1))
-    block = _drafted(HybridProposer(model, memory), context, 6, FixedPolicy(5))
+    block = _drafted(SuffixProposer(model, memory, rule=ChainedRuns()), context, 6, FixedPolicy(5))
     assert block.tokens[:2] == [12, 13] and [d.source for d in block.drafted[:2]] == [CONTEXT, CONTEXT]
     assert block.drafted[2].source == MODEL and len(block) == 5  # chained: the policy's k, not the run, ends it
     assert block.drafted[2].fed == len(context) + 2  # one forward fed the context and both copies
     confident = SuffixMemory(cache=None, model_estimate=Ewma(0.99, 0.1))  # a draft the target keeps 99% of
-    block = _drafted(HybridProposer(model, confident), context, 6, FixedPolicy(5))
+    block = _drafted(SuffixProposer(model, confident, rule=ChainedRuns()), context, 6, FixedPolicy(5))
     assert {d.source for d in block.drafted} == {MODEL}  # no copy beats it: the draft drafts every position
 
 

@@ -28,31 +28,31 @@ from common.decoding.suffix_match import Continuation
 from common.decoding.suffix_proposer import COPY_MIN, MIN_SURVIVAL, SuffixProposer
 
 
-@dataclass
-class HybridProposer(SuffixProposer):
-    """One generation's hybrid drafting over `model` (see the module docstring)."""
+@dataclass(frozen=True)
+class ChainedRuns:
+    """`--proposer hybrid`'s rule for a suffix proposer (see the module docstring)."""
 
-    def drafted(self, proposed: ProposedToken) -> ProposedToken:
+    def drafted(self, proposer: SuffixProposer, proposed: ProposedToken) -> ProposedToken:
         if proposed.accept_prob is not None:  # the verifier's score: what the next copy must beat
-            self.memory.model_estimate.update(proposed.accept_prob)
+            proposer.memory.model_estimate.update(proposed.accept_prob)
         return proposed
 
-    def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+    def take(self, proposer: SuffixProposer, run: tuple[str, Continuation], block: PendingBlock, limit: int,
              policy: CallPolicy | None) -> list[ProposedToken]:
         """The run's tokens that beat the draft (none: the draft drafts this position). The last ends the block
         where the cap, EOS or (sprinter) a flag says, else where the policy says at the run's end."""
         source, found = run
-        bar = max(COPY_MIN, self.memory.model_estimate.value)
+        bar = max(COPY_MIN, proposer.memory.model_estimate.value)
         accept_probs = block.accept_probs
         proposals: list[ProposedToken] = []
         room = limit - len(block)
-        for i, (token, reach, accept_prob, survival) in enumerate(self.scored(source, found, room)):
+        for i, (token, reach, accept_prob, survival) in enumerate(proposer.scored(source, found, room)):
             if accept_prob < bar or survival < MIN_SURVIVAL:
                 break
             accept_probs.append(accept_prob)
-            flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
-                                                 or policy.should_send([accept_prob], cap=limit))
-            ends = flagged or len(block) + i + 1 >= limit or token in self.model.eos_token_ids
+            flagged = proposer.passes_unchecked and (source == CACHE or not proposer.may_pass or policy is None
+                                                     or policy.should_send([accept_prob], cap=limit))
+            ends = flagged or len(block) + i + 1 >= limit or token in proposer.model.eos_token_ids
             proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
             if ends:
                 return proposals

@@ -10,22 +10,22 @@ from __future__ import annotations
 from typing import Callable
 
 from common.decoding.drafting import ModelProposer
-from common.decoding.hybrid_proposer import HybridProposer
+from common.decoding.hybrid_proposer import ChainedRuns
 from common.decoding.modes import DecodeSettings
 from common.decoding.proposals import Proposer
-from common.decoding.suffix_proposer import SuffixMemory, SuffixProposer
+from common.decoding.suffix_proposer import RunRule, SuffixMemory, SuffixProposer, WholeRuns
 
-STRATEGIES: dict[str, type[SuffixProposer]] = {"suffix": SuffixProposer, "hybrid": HybridProposer}
+RULES: dict[str, type[RunRule]] = {"suffix": WholeRuns, "hybrid": ChainedRuns}  # a suffix proposer's
 
 
 def proposer_for(settings: DecodeSettings, memory: SuffixMemory) -> Callable[[ModelProposer], Proposer] | None:
     """What a generation's `settings.proposer` puts around the draft model (None: the model alone)."""
     if settings.proposer == "model":
         return None
-    strategy = STRATEGIES[settings.proposer]
+    rule = RULES[settings.proposer]()
 
     def around(model: ModelProposer) -> Proposer:
         shaped = model.processor is not None and model.processor.active
-        return strategy(model, memory, passes_unchecked=settings.traits.releases_passed,
-                        may_pass=settings.sampling.logprobs is None and not shaped)
+        return SuffixProposer(model, memory, passes_unchecked=settings.traits.releases_passed,
+                              may_pass=settings.sampling.logprobs is None and not shaped, rule=rule)
     return around

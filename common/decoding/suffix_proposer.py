@@ -42,7 +42,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Protocol
 
 import torch
 
@@ -154,6 +154,52 @@ def load_priors(path: Path) -> Priors:
     return priors
 
 
+class RunRule(Protocol):
+    """How a suffix proposer takes a matched run (`--proposer`): `WholeRuns` here (a run worth it ends its block),
+    common/decoding/hybrid_proposer.py's `ChainedRuns` (each copied token while it beats the draft, chained with the
+    draft's). Both read the run as `SuffixProposer.scored` scores it."""
+
+    def take(self, proposer: SuffixProposer, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+             policy: CallPolicy | None) -> list[ProposedToken]:
+        """The run's tokens proposed at this position; none: the draft drafts it."""
+        ...
+
+    def drafted(self, proposer: SuffixProposer, proposed: ProposedToken) -> ProposedToken:
+        """A token the draft drafted in a judged block (a rule may learn from its score)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WholeRuns:
+    """`--proposer suffix`: a run is proposed whole where it is worth it, and ends its block."""
+
+    def take(self, proposer: SuffixProposer, run: tuple[str, Continuation], block: PendingBlock, limit: int,
+             policy: CallPolicy | None) -> list[ProposedToken]:
+        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when it
+        is not worth it: its first token scores under COPY_MIN, or the target would keep fewer of it (the sum of its
+        tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
+        source, found = run
+        length = min(len(found.tokens), limit - len(block))
+        proposals, expected = [], 0.0
+        for i, (token, reach, accept_prob, survival) in enumerate(proposer.scored(source, found, length)):
+            if i == 0 and accept_prob < COPY_MIN:
+                return []
+            if proposals and survival < MIN_SURVIVAL:
+                proposals[-1] = replace(proposals[-1], ends_block=True)
+                break
+            flagged = proposer.passes_unchecked and (source == CACHE or not proposer.may_pass or policy is None
+                                                     or policy.should_send([accept_prob], cap=limit))
+            ends = flagged or i == length - 1 or token in proposer.model.eos_token_ids
+            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
+            expected += survival
+            if ends:
+                break
+        return proposals if expected >= proposer.memory.model_kept.value else []
+
+    def drafted(self, proposer: SuffixProposer, proposed: ProposedToken) -> ProposedToken:
+        return proposed
+
+
 @dataclass
 class SuffixProposer:
     """One generation's suffix drafting over `model` (see the module docstring)."""
@@ -165,6 +211,7 @@ class SuffixProposer:
     index: TokenIndex = field(default_factory=TokenIndex)
     kept_here: float = 0.0  # this request's copies the target reached and kept ...
     predicted_here: float = 0.0  # ... and the a_i they carried: how this request's copies do against the edge's rates
+    rule: RunRule = field(default_factory=WholeRuns)
 
     async def propose(self, context: list[int], limit: int, policy: CallPolicy | None, cost_model: CostModel | None,
                       to_verify: bool = True, prefix: PendingBlock | None = None) -> AsyncIterator[ProposedToken]:
@@ -176,16 +223,13 @@ class SuffixProposer:
         block = PendingBlock(list(prefix.drafted)) if prefix is not None else PendingBlock()
         while len(block) < limit and not block.complete:
             run = self.lookup(context + block.tokens, limit - len(block))
-            proposals = self._run(run, block, limit, policy) if run is not None else []
+            proposals = self.rule.take(self, run, block, limit, policy) if run is not None else []
             if not proposals:  # no copy worth it here: the draft drafts this position
-                proposals = [self.drafted(await self.model.step(context, block, limit, policy, cost_model, to_verify))]
+                drafted = await self.model.step(context, block, limit, policy, cost_model, to_verify)
+                proposals = [self.rule.drafted(self, drafted)]
             for proposed in proposals:
                 block.drafted.append(proposed)
                 yield proposed
-
-    def drafted(self, proposed: ProposedToken) -> ProposedToken:
-        """A token the draft drafted in a judged block (hybrid drafting learns from its score)."""
-        return proposed
 
     def lookup(self, context: list[int], room: int) -> tuple[str, Continuation] | None:
         """The longer of the request's own match and the cache's (the request's on a tie), within `room` tokens."""
@@ -196,29 +240,6 @@ class SuffixProposer:
         if cached is not None and (own is None or cached.match_length > own.match_length):
             return CACHE, cached
         return (CONTEXT, own) if own is not None else None
-
-    def _run(self, run: tuple[str, Continuation], block: PendingBlock, limit: int,
-             policy: CallPolicy | None) -> list[ProposedToken]:
-        """The run's tokens as proposals; the last ends the block (so does EOS, and in sprinter a flag). None when it
-        is not worth it: its first token scores under COPY_MIN, or the target would keep fewer of it (the sum of its
-        tokens' survival chances) than of a block of the draft's own; the draft drafts there instead."""
-        source, found = run
-        length = min(len(found.tokens), limit - len(block))
-        proposals, expected = [], 0.0
-        for i, (token, reach, accept_prob, survival) in enumerate(self.scored(source, found, length)):
-            if i == 0 and accept_prob < COPY_MIN:
-                return []
-            if proposals and survival < MIN_SURVIVAL:
-                proposals[-1] = replace(proposals[-1], ends_block=True)
-                break
-            flagged = self.passes_unchecked and (source == CACHE or not self.may_pass or policy is None
-                                                 or policy.should_send([accept_prob], cap=limit))
-            ends = flagged or i == length - 1 or token in self.model.eos_token_ids
-            proposals.append(ProposedToken(token, source, None, flagged, ends, accept_prob, match_length=reach))
-            expected += survival
-            if ends:
-                break
-        return proposals if expected >= self.memory.model_kept.value else []
 
     def branch_run(self, context: list[int], room: int) -> list[ProposedToken]:
         """The run the index proposes after `context` as a candidate path of a draft tree (copy_branches.py): point
