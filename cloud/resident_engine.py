@@ -56,22 +56,24 @@ class BatchedEngine:
     def queue_depth(self) -> int:
         return self.batcher.queue_depth
 
-    async def _prefill(self, cache: Any, context: list[int], top_n: int | None,
-                       scope: str | None) -> tuple[tuple[TokenLogprob, ...], Reuse]:
+    async def _prefill(self, cache: Any, context: list[int], top_n: int | None, scope: str | None,
+                       with_last: bool = False, full_logits: bool = True,
+                       ) -> tuple[tuple[TokenLogprob, ...], Reuse, ForwardResult | None]:
         """The prompt but its last token into `cache`, apart from verify batches, like a session's, from its longest
-        cached prefix in `scope`; with `top_n` (echo) chunk by chunk, each chunk's rows scoring the next prompt
-        tokens (every row is read: nothing is reused)."""
-        if len(context) < 2:
-            return (), Reuse()
-        if top_n is None:
-            async with reusing(self.prefix_cache, cache, scope, context[:-1]) as reuse:
-                await self.batcher.prefill(cache, context[reuse.tokens:-1])
-            return (), reuse
+        cached prefix in `scope`; `with_last`: the last token too, and the rows after it (a Generate's first token,
+        without a forward of its own). With `top_n` (echo) chunk by chunk, each chunk's rows scoring the next prompt
+        tokens (every row is read: nothing is reused, and the last token is left to the caller)."""
+        if top_n is not None:
+            async def forward(chunk: list[int]) -> TargetRows:
+                return (await self.batcher.forward(cache, chunk, n_logits=len(chunk))).rows
 
-        async def forward(chunk: list[int]) -> TargetRows:
-            return (await self.batcher.forward(cache, chunk, n_logits=len(chunk))).rows
-
-        return tuple(await scored_prefill(forward, context, top_n)), Reuse()
+            return tuple(await scored_prefill(forward, context, top_n)), Reuse(), None
+        end = len(context) if with_last else len(context) - 1
+        if end < 1:
+            return (), Reuse(), None
+        async with reusing(self.prefix_cache, cache, scope if len(context) > 1 else None, context[:-1]) as reuse:
+            result = await self.batcher.prefill(cache, context[reuse.tokens:end], full_logits=full_logits)
+        return (), reuse, result if with_last else None
 
     def _remember(self, cache: Any, scope: str | None, context: list[int]) -> None:
         """A generation's whole pages into the prefix cache as it ends (prompt and output: what a conversation's
@@ -127,13 +129,12 @@ class BatchedEngine:
         """The prompt into `cache` and the rows after its last token. Without prompt logprobs the last token rides
         in the prefill's last chunk, so the first token costs no forward of its own (a conversation's next turn: its
         new tokens and the first step in one forward)."""
-        if sampling.prompt_logprobs is not None:
-            prompt_logprobs, reuse = await self._prefill(cache, context, sampling.prompt_logprobs, scope)
+        prompt_logprobs, reuse, result = await self._prefill(cache, context, sampling.prompt_logprobs, scope,
+                                                             with_last=sampling.prompt_logprobs is None,
+                                                             full_logits=sampling.reads_logits)
+        if result is None:  # echo read every prompt row: the last token goes in a forward of its own
             result = await self.batcher.forward(cache, context[-1:], 1, full_logits=sampling.reads_logits)
-            return result, prompt_logprobs, reuse
-        async with reusing(self.prefix_cache, cache, scope if len(context) > 1 else None, context[:-1]) as reuse:
-            result = await self.batcher.prefill(cache, context[reuse.tokens:], full_logits=sampling.reads_logits)
-        return result, (), reuse
+        return result, prompt_logprobs, reuse
 
     @property
     def draft_spec(self) -> str | None:
@@ -152,7 +153,8 @@ class BatchedEngine:
         try:
             target_cache.reserve(room)
             started = time.perf_counter()
-            prompt_logprobs, reuse = await self._prefill(target_cache, context, sampling.prompt_logprobs, prefix_scope)
+            prompt_logprobs, reuse, _ = await self._prefill(target_cache, context, sampling.prompt_logprobs,
+                                                            prefix_scope)
             if len(context) > 1:
                 await self.draft.batcher.prefill(draft_cache, context[:-1])
             prefill_ms = (time.perf_counter() - started) * 1e3
