@@ -55,7 +55,7 @@ class ForwardRequest:
     n_logits: int
     abandoned: Callable[[], bool] | None = None  # true once nobody waits for the answer: the forward is skipped
     full_logits: bool = True  # False: the argmax is all the caller reads (greedy), the logits stay on the device
-    tree: list[int] | None = None  # the block's parents (common/decoding/draft_tree.py); None: a chain
+    tree: list[int] | None = None  # the block's parents (common/spec/tree/draft_tree.py); None: a chain
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued_at: float = field(default_factory=time.perf_counter)
 
@@ -107,7 +107,7 @@ class Batcher:
                       abandoned: Callable[[], bool] | None = None, full_logits: bool = True,
                       tree: list[int] | None = None) -> ForwardResult:
         """Append `new_tokens` to `cache` (in place) and return the rows of the last `n_logits` positions; `tree`:
-        the block's parents, when it is a tree of tokens (common/decoding/draft_tree.py)."""
+        the block's parents, when it is a tree of tokens (common/spec/tree/draft_tree.py)."""
         request = ForwardRequest(cache, new_tokens, n_logits, abandoned, full_logits, tree)
         self._verifies.append(request)
         self._arrived.set()

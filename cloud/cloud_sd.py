@@ -9,8 +9,8 @@ Glossary
                    steps of every generation waiting at once run as one packed forward, as verifies do on
                    the target's, so what drafting costs the cloud is real and counted in its forwards
     round          draft g tokens one step at a time, then one target forward over them and the rule
-    rule           block verification (sd-block's: common/acceptance_rules.py block_verify, greedy_verify under
-                   greedy), applied by the one verdict entry (common/acceptance_rules.py), so the output is distributed
+    rule           block verification (sd-block's: common/spec/acceptance_rules.py block_verify, greedy_verify under
+                   greedy), applied by the one verdict entry (common/spec/acceptance_rules.py), so the output is distributed
                    as the target's alone
 
 Per round, with c = len(context):
@@ -18,7 +18,7 @@ Per round, with c = len(context):
     draft KV    holds a prefix of the context; step i feeds what it lacks, then x_{i-1}: rows [1, V]
     verdict     keep x_1..x_n and the target's token after them; both caches roll back to c + n
 
-Drafting goes through the one proposer seam (common/decoding/proposals.py): the draft model's
+Drafting goes through the one proposer seam (common/spec/propose/proposals.py): the draft model's
 `ModelProposer`, whose forward here (`BatchedDraft`) is an await on the shared draft batcher, alone
 (`speculation.proposer` model) or wrapped by the strategy the request names (`proposer_for`: suffix, ...).
 
@@ -40,17 +40,17 @@ import torch
 from cloud.batcher import Batcher
 from cloud.engine import ForwardResult, TargetRows
 from cloud.resident_kv import KVLayout, ResidentKV
-from common.call_policy import CallPolicy, parse_policy
-from common.decoding.drafting import DraftRow, ModelProposer
-from common.decoding.proposals import PendingBlock, Proposer
-from common.decoding.proposer_choice import proposer_for
-from common.decoding.suffix_proposer import SuffixMemory, suffix_memory
-from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob
-from common.models import LoadedModel
-from common.sampling import SamplingParams
-from common.acceptance_rules import Proposal, decide
-from common.decoding.modes import CLOUD_DRAFTING, MODE_RECORDS, DecodeSettings
+from common.spec.call_policy import CallPolicy, parse_policy
+from common.spec.propose.drafting import DraftRow, ModelProposer
+from common.spec.propose.proposals import PendingBlock, Proposer
+from common.spec.propose.proposer_choice import proposer_for
+from common.spec.propose.suffix_proposer import SuffixMemory, suffix_memory
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.logprobs import TokenLogprob
+from common.model.loading import LoadedModel
+from common.sampling.distributions import SamplingParams
+from common.spec.acceptance_rules import Proposal, decide
+from common.spec.modes import CLOUD_DRAFTING, MODE_RECORDS, DecodeSettings
 
 TargetForward = Callable[[list[int], int], Awaitable[ForwardResult]]  # (new tokens, n_logits): the target's rows
 
@@ -60,7 +60,7 @@ class SpeculationRequest:
     """What a cloud-sd Generate asks for (its `Speculation`, checked): draft tokens per round and what proposes them."""
 
     block: int  # the draft's own tokens per round
-    proposer: str = "model"  # common/decoding/modes.py PROPOSERS
+    proposer: str = "model"  # common/spec/modes.py PROPOSERS
     memory: SuffixMemory | None = None  # the edge identity's; None: a copying proposer copies the request's own text
     max_block: int | None = None  # the cloud's cap on a block (Limits.max_block)
 
@@ -157,7 +157,7 @@ class CloudSpeculation:
     speculation: SpeculationRequest
 
     def __post_init__(self) -> None:
-        # one seeded stream for drafting and the rule, as the local engine has (common/decoding/local_engine.py)
+        # one seeded stream for drafting and the rule, as the local decoder has (common/spec/local_decoder.py)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         spec = self.speculation
         # a copying proposer without an identity's memory copies from the request's own text alone

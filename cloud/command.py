@@ -8,9 +8,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from cloud.settings import ATTENTIONS, ENGINES, CloudSettings
-from common.decoding.modes import PROPOSERS
+from common.spec.modes import PROPOSERS
 from common.arguments import DTYPE_NAMES, host_port, port
-from common.devices import add_device_argument
+from common.model.devices import add_device_argument
 from common.fleet_plane.command import add_broker_arguments
 from common.tracing import add_tracing_argument, enable_from_flag, tracer
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Proto
 
 import torch
 
-from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob, logprobs_of
-from common.sampling import SamplingParams, logits_to_probs, sample
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.logprobs import TokenLogprob, logprobs_of
+from common.sampling.distributions import SamplingParams, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from cloud.prefix_cache import PrefixCache
@@ -186,7 +186,7 @@ class TargetEngine(Protocol):
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
         """Append `new_tokens` after the cached context; the logits of the last `n_logits` positions. `tree`: the
-        new tokens' parents (common/decoding/draft_tree.py), only where `tree_attention`."""
+        new tokens' parents (common/spec/tree/draft_tree.py), only where `tree_attention`."""
 
     def rollback(self, session: EngineSession, keep: int) -> None:
         """Keep the KV of the first `keep` context tokens only."""

@@ -1,5 +1,5 @@
 """What the cloud reads of an edge's frames: each checked before it costs a forward, and a checked verify frame
-read into the proposal it carries. Verdicts are decided elsewhere, in one place (common/acceptance_rules.py).
+read into the proposal it carries. Verdicts are decided elsewhere, in one place (common/spec/acceptance_rules.py).
 
 A verify frame carries x_1..x_g (`draft_tokens`) and the distributions q they were drawn from, sparse
 (`draft_dists`; a sprinter frame may send only the last, the one row its rule reads), or only each token's own
@@ -23,11 +23,11 @@ from cloud.engine import TargetRows
 from cloud.errors import CloudError, invalid
 from cloud.tree_verify import shaped_tree_rows
 from common import wire
-from common.decoding.draft_tree import depths
-from common.decoding.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
-from common.acceptance_rules import TREE_METHODS, Decision, Proposal, decide
-from common.logits_processing import LogitsProcessor
-from common.sampling_params import SamplingParams
+from common.spec.tree.draft_tree import depths
+from common.spec.modes import PROPOSERS, reads_draft_dist_at_rejection_only, reads_last_draft_only
+from common.spec.acceptance_rules import TREE_METHODS, Decision, Proposal, decide
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.params import SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 
 PROBABILITY_SUM_TOLERANCE = 1e-3

@@ -45,8 +45,8 @@ from cloud.errors import exhausted
 from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
 from cloud.resident_engine import BatchedEngine
 from cloud.resident_kv import KVLayout
-from common.models import eos_token_ids, gguf_file, load_gguf_tokenizer, vocab_fingerprint
-from common.sampling import SamplingParams
+from common.model.loading import eos_token_ids, gguf_file, load_gguf_tokenizer, vocab_fingerprint
+from common.sampling.distributions import SamplingParams
 
 log = logging.getLogger(__name__)
 PAGE_TOKENS = 16  # the ledger's unit for this engine: llama.cpp takes cells one by one, the budget counts pages

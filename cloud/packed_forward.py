@@ -15,7 +15,7 @@ under a causal mask shifted by L_i. No past entry is copied, no session pays for
 length, and no padded token is computed. A session alone takes the same path, so its logits are
 the same whether it was batched or not (up to the floating-point order of a GEMM over more rows).
 
-A session's block may be a tree of tokens (`trees[i]`, common/decoding/draft_tree.py): its tokens are still
+A session's block may be a tree of tokens (`trees[i]`, common/spec/tree/draft_tree.py): its tokens are still
 written at L_i .. L_i + n_i - 1 in the block's order, but each sits at RoPE position L_i + its depth and
 attends to the past and its ancestors only, so its row is the row it would get at the end of its own
 path. Only one path's entries are kept afterwards: `keep_path` moves them into place.
@@ -47,7 +47,7 @@ from cloud.engine import TargetRows
 from cloud.kv_pool import PagedKV
 from cloud.paged_attention import PagedBatch, PagedPlan, fused, paged_attention
 from cloud.resident_kv import ResidentKV
-from common.decoding.draft_tree import ancestors, check_parents, depths, is_chain
+from common.spec.tree.draft_tree import ancestors, check_parents, depths, is_chain
 
 ATTENTION = "sprinter_resident"
 

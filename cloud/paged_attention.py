@@ -10,7 +10,7 @@ the pages of the sessions its rows belong to (a kv block is a page). Within thos
 slot s for query q when s's page is in q's session's page table and s's entry there is at most q's
 entry: a session sees its own past (pages it shares with others included) and the causal part of its
 block, nothing else of any other session's. A query's entry (where its KV is written) is not its RoPE
-position when its block is a tree (common/decoding/draft_tree.py): then the block's part of the mask is the tree's
+position when its block is a tree (common/spec/tree/draft_tree.py): then the block's part of the mask is the tree's
 ancestor table, and the entries travel apart from the positions. No
 past entry is copied and no page outside a block's sessions is read. On CUDA flex_attention is
 compiled into one fused kernel; on the CPU it runs unfused (per-session attention, the CPU default,
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from cloud.kv_pool import KVPool, PagedKV
-from common.decoding.draft_tree import ancestors
+from common.spec.tree.draft_tree import ancestors
 
 Q_BLOCK = 128  # query rows per block of the mask
 # A pool's page, and so the mask's kv block: a multiple of the fused kernel's key block (64 or 128 on Hopper).

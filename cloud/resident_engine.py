@@ -35,10 +35,10 @@ from cloud.prefix_cache import PrefixCache, Reuse, reusing
 from cloud.packed_forward import forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.cloud_sd import CloudSpeculation, DraftEngine, SpeculatedRound, SpeculationRequest
-from common.models import LoadedModel, vocab_fingerprint
-from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob
-from common.sampling import SamplingParams
+from common.model.loading import LoadedModel, vocab_fingerprint
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.distributions import SamplingParams
 
 
 class BatchedEngine:
@@ -89,7 +89,7 @@ class BatchedEngine:
 
     async def forward(self, session: EngineSession, new_tokens: list[int], n_logits: int,
                       abandoned: Abandoned | None = None, tree: list[int] | None = None) -> ForwardResult:
-        """`tree`: `new_tokens` as a tree of tokens, their parents in the block (common/decoding/draft_tree.py); rows
+        """`tree`: `new_tokens` as a tree of tokens, their parents in the block (common/spec/tree/draft_tree.py); rows
         as a chain's, row r after the path to the r-th of the last `n_logits` tokens."""
         return await self.batcher.forward(session.cache, new_tokens, n_logits, abandoned,
                                           full_logits=session.sampling.reads_logits, tree=tree)
@@ -100,7 +100,7 @@ class BatchedEngine:
     async def generate(self, context: list[int], max_new: int, sampling: SamplingParams,
                        processor: LogitsProcessor | None,
                        prefix_scope: str | None = None) -> AsyncIterator[GeneratedToken]:
-        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/devices.py);
+        """Sampled with a CPU generator seeded by `sampling.seed`, like a session's tokens (common/model/devices.py);
         `processor`: the request's grammar, bias and penalties; `prefix_scope`: whose cached prefixes it may reuse."""
         generator = torch.Generator().manual_seed(sampling.seed)
         context = list(context)  # grows by each token: the penalties count it

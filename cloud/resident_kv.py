@@ -143,7 +143,7 @@ class ResidentKV:
 
     @torch.inference_mode()  # the buffers are the forward's inference tensors
     def keep_path(self, start: int, path: list[int]) -> None:
-        """Keep entries `start + path[m]` (a tree block's chosen path, common/decoding/draft_tree.py) as `start + m`,
+        """Keep entries `start + path[m]` (a tree block's chosen path, common/spec/tree/draft_tree.py) as `start + m`,
         and nothing after them: the path's KV moves into place, then the length drops to `start + len(path)`."""
         source, target = moved_entries(self.length, start, path)
         self.keys[:, :, target] = self.keys[:, :, source]  # gathered first: a source overwritten early is read intact

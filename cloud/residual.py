@@ -1,6 +1,6 @@
 """The token rule's residual sampled without the draft's full distributions (VerifyBlock.dists_on_rejection).
 
-Under sampling the token rule (common/acceptance_rules.py `token_verify`) reads the draft's distribution q_i
+Under sampling the token rule (common/spec/acceptance_rules.py `token_verify`) reads the draft's distribution q_i
 of a token only where it rejects: there it samples norm(max(p_t - q_j, 0)). So an edge in mode sd may
 send p_draft(x_i) alone for each token (a few bytes instead of a sparse distribution of up to 4096
 entries): the coins are tossed from those scalars (`token_acceptances`), and on a rejection at j the
@@ -28,8 +28,8 @@ from cloud.engine import ForwardResult
 from cloud.errors import invalid
 from cloud.frames import PROBABILITY_SUM_TOLERANCE, ServiceLimits, check_sparse_distribution
 from common import wire
-from common.sampling import sample
-from common.acceptance_rules import residual, residual_by_rejection, residual_candidates
+from common.sampling.distributions import sample
+from common.spec.acceptance_rules import residual, residual_by_rejection, residual_candidates
 from sprinter.v1 import decoding_pb2 as pb
 
 # An answer's q of the rejected token itself must repeat the scalar the verify frame sent for it.

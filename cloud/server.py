@@ -44,8 +44,8 @@ from cloud.resident_kv import KVLayout
 from cloud.cloud_sd import DraftEngine
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
-from common.devices import resolve_device
-from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
+from common.model.devices import resolve_device
+from common.model.loading import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

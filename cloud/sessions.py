@@ -51,9 +51,9 @@ from cloud.resident_kv import ResidentKV
 from cloud.quotas import BUSY_RETRY_MS, GENERATE_RETRY_MS, EdgeQuotas, fair_share_victim
 from common.admission import Admission
 from common.errors import SprinterError
-from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob
-from common.sampling import SamplingParams
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.distributions import SamplingParams
 
 if TYPE_CHECKING:
     from cloud.residual import PendingResidual

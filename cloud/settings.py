@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.addresses import is_loopback
-from common.decoding.modes import PROPOSERS
-from common.devices import DeviceError, resolve_device
+from common.spec.modes import PROPOSERS
+from common.model.devices import DeviceError, resolve_device
 
 
 ENGINES = ("resident", "vllm", "llama.cpp")
@@ -25,7 +25,7 @@ class CloudSettings:
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (Speculation.proposer overrides it)
     suffix_cache: str = "on"  # cloud-sd's copying proposers also copy an edge identity's earlier outputs ("off": not)
     dtype: str = "bfloat16"
-    device: str = "auto"  # common/devices.py: where the resident engine's weights and KV live
+    device: str = "auto"  # common/model/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
     engine: str = "resident"  # cloud/engine.py: the embedded engine, vLLM (its own environment, `make vllm`) or llama.cpp
     threads: int | None = None  # llama.cpp's threads (--engine llama.cpp); None: one per core this process may use

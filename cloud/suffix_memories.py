@@ -1,4 +1,4 @@
-"""What cloud-sd's proposers remember across requests (common/decoding/suffix_proposer.py `SuffixMemory`), one per
+"""What cloud-sd's proposers remember across requests (common/spec/propose/suffix_proposer.py `SuffixMemory`), one per
 edge identity.
 
 A suffix memory holds earlier outputs that later requests copy from, and the calibration of its copies. Across
@@ -14,7 +14,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.decoding.suffix_proposer import SuffixMemory, suffix_memory
+from common.spec.propose.suffix_proposer import SuffixMemory, suffix_memory
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Every method checks its input (cloud/frames.py) and is admitted by the session store (KV budget,
 quotas) before it costs a forward. The target itself runs in an engine behind one seam
 (cloud/engine.py: resident or vllm); its rows become a verdict in one place for both
-(common/acceptance_rules.py `decide`). `abandoned` is how a caller says it has left: work it queued is then
+(common/spec/acceptance_rules.py `decide`). `abandoned` is how a caller says it has left: work it queued is then
 skipped before its forward.
 """
 
@@ -30,11 +30,11 @@ from cloud.cloud_sd import SpeculatedRound, SpeculationRequest
 from cloud.suffix_memories import SuffixMemories
 from cloud.tree_verify import forward_parents, kept_path
 from common import wire
-from common.grammar import GrammarCompiler
-from common.logits_processing import LogitsProcessor, processor_for
-from common.logprobs import TokenLogprob
-from common.sampling_params import GrammarError, SamplingParams
-from common.decoding.draft_tree import DraftTree
+from common.sampling.grammar import GrammarCompiler
+from common.sampling.logits_processing import LogitsProcessor, processor_for
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.params import GrammarError, SamplingParams
+from common.spec.tree.draft_tree import DraftTree
 from common.admission import Admission
 from common.tracing import tracer
 from sprinter.v1 import decoding_pb2 as pb

@@ -5,7 +5,7 @@ tree, the rows the rule reads, and which rows and KV entries it keeps (a frame's
     uncached   the session's tokens the engine has not seen yet (the last verdict's next token): a chain fed first
     tree       N draft tokens, parents[i] in -1 .. i - 1 (-1: a child of the session's last token)
     rows       [1 + N]: row 0 after the session's context (the row of its last token), row 1 + i after node i's path
-    path       the verdict's kept nodes, root to last kept (common/acceptance_rules.py `Decision.path`)
+    path       the verdict's kept nodes, root to last kept (common/spec/acceptance_rules.py `Decision.path`)
 
 The forward writes all N nodes' KV (N entries charged, not the tree's depth); the kept path's entries are then
 moved into place (`keep_path`) and the rest dropped, within the capacity the session was granted.
@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 
 from cloud.engine import TargetRows
-from common.decoding.draft_tree import ROOT, DraftTree
-from common.logits_processing import LogitsProcessor
+from common.spec.tree.draft_tree import ROOT, DraftTree
+from common.sampling.logits_processing import LogitsProcessor
 
 
 def forward_parents(uncached: int, parents: list[int]) -> list[int]:
-    """The forward's parents over `uncached` chained tokens then the tree (common/decoding/draft_tree.py): the tree's
+    """The forward's parents over `uncached` chained tokens then the tree (common/spec/tree/draft_tree.py): the tree's
     roots follow the last uncached token."""
     chain = list(range(-1, uncached - 1))
     return chain + [parent + uncached if parent != ROOT else uncached - 1 for parent in parents]

@@ -37,7 +37,7 @@ other the rows the rule reads. docs/vllm-engine.md has the measurement.
 
 Exactness: vLLM's logprobs are of the raw logits, so each row becomes dense logits with -inf outside
 the K read, and the session's temperature, top-k and top-p are applied to them by the same function
-the resident engine uses (common/sampling.py). With K >= top_k that is the target's distribution
+the resident engine uses (common/sampling/distributions.py). With K >= top_k that is the target's distribution
 exactly, so every verify method (token, block, sprinter) runs its own rule unchanged. Building K
 Python objects per row is vLLM's cost; a session whose K exceeds `--max-logprobs` is refused at open,
 never truncated.
@@ -63,10 +63,10 @@ from cloud.errors import CloudError
 from cloud.metrics import CloudMetrics
 from cloud.settings import CloudSettings
 from cloud.cloud_sd import SpeculationRequest
-from common.logits_processing import LogitsProcessor
-from common.logprobs import TokenLogprob
-from common.models import eos_token_ids, model_dir, vocab_fingerprint
-from common.sampling import SamplingParams
+from common.sampling.logits_processing import LogitsProcessor
+from common.sampling.logprobs import TokenLogprob
+from common.model.loading import eos_token_ids, model_dir, vocab_fingerprint
+from common.sampling.distributions import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def check_vllm_speculation(speculation: SpeculationRequest, draft_block: int) ->
 class VllmOptions:
     """How vLLM is started: the service's limits mapped onto vLLM's settings, and its own knobs."""
 
-    model_dir: str  # a checkpoint directory (common/models.py:model_dir) or a Hugging Face id
+    model_dir: str  # a checkpoint directory (common/model/loading.py:model_dir) or a Hugging Face id
     dtype: str = "bfloat16"
     max_model_len: int = 4097  # --max-context + 1: the longest prompt plus the one token a request samples
     kv_cache_bytes: int = 2 << 30  # --kv-budget-mb
@@ -312,7 +312,7 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSampling
 
         sampling = sampling or SamplingParams()  # a verify reads logprobs; what it samples is never used
-        # Penalties and logit_bias count as ours do (common/logits_processing.py follows vLLM): Generate runs them natively.
+        # Penalties and logit_bias count as ours do (common/sampling/logits_processing.py follows vLLM): Generate runs them natively.
         return VllmSampling(max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, seed=sampling.seed if not sampling.greedy else None,
                             presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from common.models import model_dir
+from common.model.loading import model_dir
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from common.addresses import split_host_port
 T = TypeVar("T")
 
 # The dtypes every command accepts for torch models (ONNX Runtime runs the draft in float32);
-# common/models.py maps them to torch's.
+# common/model/loading.py maps them to torch's.
 DTYPE_NAMES = ("bfloat16", "float32")
 
 MAX_PORT = 65535

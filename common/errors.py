@@ -7,14 +7,14 @@ common/, edge/, cloud/ and sim/ reaches `SprinterError` and that no two share a 
 
 The family, by side (class, builtin base kept, where raised: what the caller does):
 
-- `PairMismatch` (ValueError), here; raised by common/models.py, common/companion.py,
+- `PairMismatch` (ValueError), here; raised by common/model/loading.py, common/spec/companion.py,
   edge/runtime/verifier.py, edge/node.py: draft and target (or a companion, or a verifier's training
   pair, or the cloud's target) do not go together. Refuse the pairing; the message says what to pair.
 - `UsageError`, here: a value from the command line this project cannot act on. `sprinter` prints its
-  message as one line and exits 2, as argparse does. `UnknownModel` (OSError), common/models.py: a model
+  message as one line and exits 2, as argparse does. `UnknownModel` (OSError), common/model/loading.py: a model
   spec that is no preset, no directory, and no Hugging Face id that loads from here.
-- `DeviceError` (ValueError), common/devices.py: a `--device` this machine lacks. Exit 2 with the message.
-- `MissingPresetError` (RuntimeError), common/presets.py: a preset's package or file is missing or
+- `DeviceError` (ValueError), common/model/devices.py: a `--device` this machine lacks. Exit 2 with the message.
+- `MissingPresetError` (RuntimeError), common/model/presets.py: a preset's package or file is missing or
   corrupt. Install what the message says.
 - `BadMessage` (ValueError), common/fleet_plane/messages.py: a fleet-plane payload no reader can
   trust. Drop it; a fleet config that carries one is refused.

@@ -45,12 +45,12 @@ class DecodeStats:
     # from an earlier request, and the draft prefill time that saved (estimated from the edge's prefill rate).
     draft_reused_tokens: int = 0
     draft_prefill_saved_ms: float = 0.0
-    # Suffix drafting (common/decoding/suffix_proposer.py): tokens proposed by copying text, and how many the target
+    # Suffix drafting (common/spec/propose/suffix_proposer.py): tokens proposed by copying text, and how many the target
     # kept; what the draft's forwards fed (one a step, more where its KV caught up on kept copied tokens).
     suffix_tokens: int = 0
     suffix_kept: int = 0
     draft_fed_tokens: int = 0
-    # Branching (common/decoding/branching.py): rounds sent as a tree, their root-to-leaf paths, the branch tokens
+    # Branching (common/spec/tree/branching.py): rounds sent as a tree, their root-to-leaf paths, the branch tokens
     # sent (beyond the primary chain), branch tokens kept, and rounds whose kept path left the chain; of those, the
     # branch tokens copied from text and the rounds whose kept path left through a copy (copy_branches.py).
     tree_rounds: int = 0
@@ -154,7 +154,7 @@ class StatsRecorder:
     copy_path_wins: int = 0
 
     def proposed(self, tokens: list) -> None:
-        """New proposals (common/decoding/proposals.py ProposedToken): a draft step for each of the draft's own."""
+        """New proposals (common/spec/propose/proposals.py ProposedToken): a draft step for each of the draft's own."""
         for token in tokens:
             if token.from_model:
                 self.draft_forwards += 1

@@ -30,7 +30,7 @@ from common.fleet_plane import topics
 from common.fleet_plane.connection import BrokerSettings, FleetConnection, publish_properties
 from common.fleet_plane.messages import (BadMessage, CloudLoad, ConfigApplied, EdgeState, EdgeTelemetry, FleetConfig,
                                          VerifierArtifact, decode, encode)
-from common.models import cache_root
+from common.model.loading import cache_root
 from edge.node import VerifierSetup
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common.decoding.modes import POLICY_MODES, DecodeSettings, mode_of
+from common.spec.modes import POLICY_MODES, DecodeSettings, mode_of
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.completions import ApiSettings, Completions
 from edge.fleet_agent import EdgeIdentity

@@ -1,6 +1,6 @@
 """`sprinter generate`: one generation, with both models in this process or against a cloud service.
 
-Without `--cloud` the local engine runs draft and target here (the reference). With
+Without `--cloud` the local decoder runs draft and target here (the reference). With
 `--cloud HOST:PORT` this process is an edge: it runs the draft (and verifier) and asks the cloud's
 target to verify, exactly as the edge daemon does for each request.
 """
@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, host_port_list
-from common.call_policy import POLICY_FORMS, parse_policy
-from common.decoding.modes import (DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings,
+from common.spec.call_policy import POLICY_FORMS, parse_policy
+from common.spec.modes import (DRAFT_DISTS, MODES, PIPELINES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings,
                                    parse_branch_tokens)
-from common.devices import DeviceError, add_device_argument, resolve_device
-from common.sampling_params import SamplingParams
+from common.model.devices import DeviceError, add_device_argument, resolve_device
+from common.sampling.params import SamplingParams
 from common.stats import DecodeStats
 
 
@@ -35,7 +35,7 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
                    help="sprinter modes and the call policy's acceptance estimates: 'auto' (the verifier shipped for this pair, else confidence:0.5), "
                         "'confidence:THRESHOLD' or a learned verifier's .json metadata file")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
-    add_device_argument(p, "the local engine's torch models run (not with --cloud: the edge's draft is ONNX)")
+    add_device_argument(p, "the local decoder's torch models run (not with --cloud: the edge's draft is ONNX)")
 
 
 def add_companion_argument(p: argparse.ArgumentParser) -> None:
@@ -180,11 +180,11 @@ def print_result(args: argparse.Namespace, text: str, token_ids: list[int], stat
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.companion import companion_for
-    from common.decoding.local_engine import LocalEngine
-    from common.decoding.suffix_proposer import suffix_memory
-    from common.models import DTYPES, load_model
-    from common.prompting import encode_prompt
+    from common.spec.companion import companion_for
+    from common.spec.local_decoder import LocalDecoder
+    from common.spec.propose.suffix_proposer import suffix_memory
+    from common.model.loading import DTYPES, load_model
+    from common.model.prompting import encode_prompt
     from edge.runtime.verifier import load_verifier, shipped_suffix_priors
 
     try:
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.cloud:
         if args.device != "auto":
-            print("sprinter generate: --device is for the local engine; with --cloud the target runs where the "
+            print("sprinter generate: --device is for the local decoder; with --cloud the target runs where the "
                   "cloud put it (sprinter cloud serve --device)", file=sys.stderr)
             return 2
         return asyncio.run(_run_on_cloud(args, settings))
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     make_companion = None
     if draft is not None and target is not None:  # the verifier runs in speculative modes only
         make_companion = companion_for(verifier, args.companion, draft, dtype, (target, draft))
-    engine = LocalEngine(target, draft, verifier, make_companion=make_companion,
+    engine = LocalDecoder(target, draft, verifier, make_companion=make_companion,
                          suffix_memory=suffix_memory(args.suffix_cache == "on",
                                                      priors=shipped_suffix_priors(args.draft, args.target)))
     result = engine.generate(encode_prompt(model.tokenizer, args.prompt, args.chat), settings)
@@ -242,7 +242,7 @@ def _say_degraded(reason: str) -> None:
 
 async def _run_on_cloud(args: argparse.Namespace, settings: DecodeSettings) -> int:
     from edge.decoding.decoder import EdgeSettings
-    from common.prompting import encode_prompt
+    from common.model.prompting import encode_prompt
     from edge.decoding.placer import PlacementRefused
     from edge.node import EdgeNode, EdgeNodeSettings
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from common.cached_lm import DraftLM
-from common.companion import Companion, companion_for
+from common.model.cached_lm import DraftLM
+from common.spec.companion import Companion, companion_for
 from common.errors import PairMismatch
-from common.models import DTYPES, LoadedModel, load_model, vocab_fingerprint
-from common.verifier import Verifier
+from common.model.loading import DTYPES, LoadedModel, load_model, vocab_fingerprint
+from common.spec.verifier import Verifier
 from edge.cloud_link.client import CloudEndpoint
-from common.decoding.suffix_proposer import suffix_memory
+from common.spec.propose.suffix_proposer import suffix_memory
 from edge.decoding.decoder import EdgeDecoder
 from edge.decoding.placer import Placer
 from edge.runtime.draft import draft_lm_factory
@@ -144,7 +144,7 @@ class EdgeNode:
         """
         verifier = load_verifier(spec, self.draft.tokenizer, self.settings.draft, self.target_id,
                                  self.settings.companion)
-        # The companion runs on torch beside the draft: a forward per drafted token (see common/companion.py).
+        # The companion runs on torch beside the draft: a forward per drafted token (see common/spec/companion.py).
         make_companion = companion_for(verifier, self.settings.companion, self.draft, DTYPES[self.settings.dtype],
                                        (self.draft,))
         return VerifierSetup(verifier, make_companion,

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from common.addresses import is_loopback
 from common.arguments import DTYPE_NAMES, host_port
-from common.decoding.modes import MODES
+from common.spec.modes import MODES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
 from common.tracing import add_tracing_argument, enable_from_flag, tracer

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.decoding.modes import mode_of
+from common.spec.modes import mode_of
 from common.arguments import DTYPE_NAMES, names
 from sim.processes import cloud_process, edge_daemon, free_port
 from sim.sweep.settings import BASELINES, is_baseline
@@ -97,7 +97,7 @@ def baselines_to_run(args: argparse.Namespace) -> tuple[str, ...]:
     """What --baselines asks for; by default both where llama.cpp can run the models (said when it cannot)."""
     if args.baselines is not None:
         return tuple(b for b in args.baselines if b)
-    from common.models import gguf_file
+    from common.model.loading import gguf_file
     from sim.sweep.baselines import llama_program
 
     try:
@@ -114,7 +114,7 @@ def ask_baselines(names: tuple[str, ...], args: argparse.Namespace, prompts: tup
 
     import httpx
 
-    from common.prompt_sets import PromptRecord
+    from common.lab.prompt_sets import PromptRecord
     from sim.sweep.baselines import LocalBaselines
 
     async def ask(servers: LocalBaselines, name: str) -> ModeAnswers:
@@ -155,9 +155,9 @@ def ask_in_mode(client: OpenAI, mode: str, prompts: tuple[str, ...], max_tokens:
 
 def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str, dtype: str) -> list[DemoRow]:
     """Agreement with the target mode's tokens, and the target's NLL of each output (the target loaded here)."""
-    from common.models import DTYPES, load_model
-    from common.prompting import encode_prompt
-    from common.quality import agreement, target_nll_per_token
+    from common.model.loading import DTYPES, load_model
+    from common.model.prompting import encode_prompt
+    from common.lab.quality import agreement, target_nll_per_token
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # the cloud already converted the weights: a bar here is noise

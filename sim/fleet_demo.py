@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from common.decoding.modes import MODE_RECORDS
+from common.spec.modes import MODE_RECORDS
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.operator import format_status, read_fleet
 from sim.broker import mosquitto_binary

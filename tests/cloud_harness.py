@@ -11,7 +11,7 @@ from typing import Iterator
 import grpc
 
 from cloud.server import CloudServer, CloudSettings
-from common.models import LoadedModel
+from common.model.loading import LoadedModel
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

@@ -12,7 +12,7 @@ os.environ.setdefault("SPRINTER_CHECK_INVARIANTS", "1")
 import pytest
 import torch
 
-from common.models import LoadedModel, load_model
+from common.model.loading import LoadedModel, load_model
 
 
 def _require_package(package: str) -> None:

@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import uvicorn
 
-from common.decoding.draft_tree import DraftTree
-from common.models import LoadedModel, vocab_fingerprint
+from common.spec.tree.draft_tree import DraftTree
+from common.model.loading import LoadedModel, vocab_fingerprint
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.processes import free_port
 from sprinter.v1 import decoding_pb2 as pb

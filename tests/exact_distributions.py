@@ -11,9 +11,9 @@ from typing import Callable
 import torch
 from scipy.stats import chisquare
 
-from common.logits_processing import processor_for
-from common.models import LoadedModel
-from common.sampling import SamplingParams, logits_to_probs
+from common.sampling.logits_processing import processor_for
+from common.model.loading import LoadedModel
+from common.sampling.distributions import SamplingParams, logits_to_probs
 
 
 def first_tokens_distribution(target: LoadedModel, prompt: list[int], sampling: SamplingParams,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.prompt_sets import interleave_categories, load_prompts
+from common.lab.prompt_sets import interleave_categories, load_prompts
 
 
 def short_prompt_file(directory: Path, n: int) -> Path:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.decoding.drafting import LocalDraft, ModelProposer
-from common.decoding.speculative_round import run_inline
+from common.spec.propose.drafting import LocalDraft, ModelProposer
+from common.spec.speculative_round import run_inline
 
 
 def draft_tokens(draft_lm, context, limit, sampling, generator, eos_token_ids, verifier=None, policy=None,

@@ -22,7 +22,7 @@ from common import wire
 from common.admission import Admission
 from edge.api.app import ApiSettings, create_app
 from edge_harness import EdgeDaemonThread, ScriptedCloud, scripted
-from common.sampling import SamplingParams
+from common.sampling.distributions import SamplingParams
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.presets import build_tiny_tokenizer
-from common.prompting import encode_chat
+from common.model.presets import build_tiny_tokenizer
+from common.model.prompting import encode_chat
 from sim.bench.edge_chat import ChatReply, synthetic_text
 from sim.bench.prefix_fleet import (FleetRequest, PrefixFleetResult, Turn, format_result, shared_prefix,
                                     shared_share)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from common.cli import build_parser
-from common.prompt_sets import load_prompts
+from common.lab.prompt_sets import load_prompts
 from sim.bench.proposer import SUITE, ProposerBenchSettings, chosen_prompts, summarize, table, tree_table
 
 CATEGORIES = {"code-edit", "summarize", "passage-qa", "chat-history", "math", "translation", "code-complete"}
@@ -43,7 +43,7 @@ def test_the_summary_takes_medians_of_passes_and_suffix_over_model() -> None:
 
 
 def test_a_fitted_calibration_loads_back_as_the_edges_priors(tmp_path) -> None:
-    from common.decoding.suffix_proposer import PRIOR_RATES, load_priors
+    from common.spec.propose.suffix_proposer import PRIOR_RATES, load_priors
     from sim.bench.proposer_calibration import fit_calibration
     measured = [{"source": "context", "match_length": 8, "reached": 92, "kept": 0.5, "predicted": 0.8}]
     fitted = fit_calibration(measured, "greedy", "a test")

@@ -1,7 +1,7 @@
 """`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace.
 
 * on a constructed trace, where every round's verdict is known by hand: one path, the edge's shape (read from
-  common/decoding/branching.py, its branches past the chain's end), the round-robin shape (and its depth cap), the
+  common/spec/tree/branching.py, its branches past the chain's end), the round-robin shape (and its depth cap), the
   grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
   first token the draft ranks too low;
 * on the tiny pair (float32), a trace's rows are what the draft proposes step by step: each row's best token is the
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.cached_lm import CachedLM
-from common.prompt_sets import PromptRecord
-from common.decoding.branching import MAX_ALTERNATIVES, branch_length
+from common.model.cached_lm import CachedLM
+from common.lab.prompt_sets import PromptRecord
+from common.spec.tree.branching import MAX_ALTERNATIVES, branch_length
 from sim.bench.tree_rounds import Branch, CostPriors, Scored, TreeShape, decode, place
 from sim.bench.tree_traces import DraftTopTokens, PromptTrace, TraceSettings, build_trace
 

@@ -1,12 +1,12 @@
-"""Branching (common/decoding/branching.py): trees drafted where the estimate a_i is lowest, verified by the one rule.
+"""Branching (common/spec/tree/branching.py): trees drafted where the estimate a_i is lowest, verified by the one rule.
 
-* greedy: with branching on, the local engine's output is the target's own, token for token, and side paths win;
+* greedy: with branching on, the local decoder's output is the target's own, token for token, and side paths win;
 * sampling at T=1: the first tokens' joint law with adaptive branching on is the target's (chi-square over fixed
   seeds); alternatives are drawn without replacement, each carrying its renormalised row, and a wrong variant
   (the draft's next-best tokens told as draws from q) fails the same check;
 * the budget: more branch tokens with a longer round trip, none where the verifier takes no trees;
 * settings: modes whose rule reads one path refuse branching;
-* copy branches (common/decoding/copy_branches.py): with the hybrid proposer, where the suffix index continues a
+* copy branches (common/spec/tree/copy_branches.py): with the hybrid proposer, where the suffix index continues a
   chain's prefix with another token, the copy is a side path; greedy keeps the target's output with copy paths
   winning (locally and over a real cloud), sampling keeps the target's law (and a copy told as a draw from the
   draft's row is caught), and auto prices a copy at the target's cost alone.
@@ -22,15 +22,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from common.branch_budget import auto_budget, auto_copy_lengths, tree_budget
-from common.call_policy import CostModel, Ewma
-from common.decoding import branching
-from common.decoding.draft_tree import DraftTree
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings, parse_branch_tokens
-from common.decoding.suffix_proposer import SuffixMemory, SuffixProposer
-from common.sampling import SamplingParams, logits_to_probs
-from common.verifier import ConfidenceVerifier
+from common.spec.tree.branch_budget import auto_budget, auto_copy_lengths, tree_budget
+from common.spec.call_policy import CostModel, Ewma
+from common.spec.tree import branching
+from common.spec.tree.draft_tree import DraftTree
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings, parse_branch_tokens
+from common.spec.propose.suffix_proposer import SuffixMemory, SuffixProposer
+from common.sampling.distributions import SamplingParams, logits_to_probs
+from common.spec.verifier import ConfidenceVerifier
 
 PROMPTS = ("The quick brown fox", "def add(a, b):", "Once upon a time")
 P_PASS = 1e-3  # the exact construction must not be rejected at this level
@@ -53,7 +53,7 @@ def _single_thread():
 
 @pytest.mark.parametrize("mode", ["sd-block", "sprinter-exact"])
 def test_greedy_branching_keeps_the_targets_output_and_side_paths_win(tiny_target, tiny_draft, mode):
-    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.3))
+    engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.3))
     side_wins = 0
     for prompt in PROMPTS:
         ids = tiny_target.tokenizer(prompt)["input_ids"]
@@ -79,7 +79,7 @@ def _target_joint(target, ids: list[int], sampling: SamplingParams) -> dict[tupl
     return joint
 
 
-def _joint_pvalue(engine: LocalEngine, target, n: int, top_k: int = TOP_K, proposer: str = "model",
+def _joint_pvalue(engine: LocalDecoder, target, n: int, top_k: int = TOP_K, proposer: str = "model",
                   wins: str = "side_path_wins") -> tuple[float, int]:
     """The chi-square p-value of the first two tokens over `n` seeds against the target's law, and side-path wins
     (or the stat `wins` names)."""
@@ -111,7 +111,7 @@ def test_sampled_branching_keeps_the_targets_law(tiny_target, tiny_draft, monkey
     """The default shape, and the one the power check below catches a wrong construction in."""
     if shape != "default":
         wide_and_short(monkeypatch)
-    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
+    engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
     pvalue, side_wins = _joint_pvalue(engine, tiny_target, SEEDS)
     assert side_wins > 0
     assert pvalue > P_PASS
@@ -129,7 +129,7 @@ def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draf
     (Draws without replacement told as draws from q are caught at the rule level: tests/test_multipath_rules.py.)"""
     monkeypatch.setattr(branching, "alternative", _next_best)
     wide_and_short(monkeypatch)
-    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
+    engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
     pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS)
     assert pvalue < P_POWER
 
@@ -205,7 +205,7 @@ def _edge_generate(tiny_draft, address: str, settings: DecodeSettings):
     async def run():
         replicas = ReplicaSet([address], lambda a, _: CloudEndpoint(a), scripted(tiny_draft).tokenizer_fingerprint)
         async with replicas:
-            from common.cached_lm import CachedLM
+            from common.model.cached_lm import CachedLM
             decoder = EdgeDecoder(tiny_draft, lambda with_hidden: CachedLM(tiny_draft.model, with_hidden),
                                   ConfidenceVerifier(0.5), replicas)
             prompt = tiny_draft.tokenizer("The quick brown fox")["input_ids"]
@@ -250,8 +250,8 @@ def test_no_branching_when_the_cloud_verifies_chains_only(tiny_draft):
 
 def _drafted_chain(model, context: list[int], length: int):
     """The draft's chain of `length` tokens after `context`, with no target (as a round's first half drafts it)."""
-    from common.decoding.proposals import PendingBlock
-    from common.decoding.speculative_round import run_inline
+    from common.spec.propose.proposals import PendingBlock
+    from common.spec.speculative_round import run_inline
 
     async def chain() -> PendingBlock:
         block = PendingBlock()
@@ -267,9 +267,9 @@ def test_tree_layout_chain_first_then_branches_from_the_lowest_estimates(tiny_dr
     """Nodes 0..g-1 are the chain; each branch hangs off the chain at a branch point, lowest a_i first, its first
     node drawn from the chain token's row without the tokens already there (and carrying that row), never deeper
     than the round's limit."""
-    from common.cached_lm import CachedLM
-    from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.decoding.speculative_round import run_inline
+    from common.model.cached_lm import CachedLM
+    from common.spec.propose.drafting import LocalDraft, ModelProposer
+    from common.spec.speculative_round import run_inline
 
     sampling = SamplingParams(temperature=temperature, seed=0)
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), sampling, torch.Generator().manual_seed(0),
@@ -320,9 +320,9 @@ class _OneAtATime:
 def test_branches_at_a_point_drafted_side_by_side_are_those_drafted_one_after_another(tiny_draft):
     """Under greedy, the alternatives at one point continued in one batched forward per token give the tokens that
     drafting them one after another gives, in fewer forwards; the EOS-free branches run to their length."""
-    from common.cached_lm import CachedLM
-    from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.decoding.speculative_round import run_inline
+    from common.model.cached_lm import CachedLM
+    from common.spec.propose.drafting import LocalDraft, ModelProposer
+    from common.spec.speculative_round import run_inline
 
     context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
     trees, calls = [], []
@@ -349,7 +349,7 @@ def test_branching_over_a_real_cloud_keeps_the_targets_output(tiny_target, tiny_
     from edge.node import EdgeNode, EdgeNodeSettings
 
     prompts = [tiny_target.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
-    reference = [LocalEngine(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=40)).token_ids
+    reference = [LocalDecoder(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=40)).token_ids
                  for p in prompts]
 
     async def work(address: str) -> dict:
@@ -384,9 +384,9 @@ def test_branching_over_a_real_cloud_keeps_the_targets_output(tiny_target, tiny_
 def test_greedy_alternatives_follow_the_requests_shaped_logits(tiny_draft):
     """A token the request's logit_bias buries is never offered as an alternative; a row with no allowed token left
     offers none."""
-    from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.cached_lm import CachedLM
-    from common.logits_processing import LogitsProcessor
+    from common.spec.propose.drafting import LocalDraft, ModelProposer
+    from common.model.cached_lm import CachedLM
+    from common.sampling.logits_processing import LogitsProcessor
 
     context = tiny_draft.tokenizer("Once upon a time")["input_ids"]
     greedy = SamplingParams(temperature=0.0)
@@ -415,7 +415,7 @@ def _copying_memory() -> SuffixMemory:
 
 def _greedy_reference(target, prompt: str, tokens: int = 40) -> tuple[list[int], list[int]]:
     ids = target.tokenizer(prompt)["input_ids"]
-    return ids, LocalEngine(target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=tokens)).token_ids
+    return ids, LocalDecoder(target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=tokens)).token_ids
 
 
 @pytest.mark.parametrize("mode", ["sd-block", "sprinter-exact"])
@@ -427,7 +427,7 @@ def test_greedy_copy_branches_keep_the_targets_output_and_win(tiny_target, tiny_
         ids, reference = _greedy_reference(tiny_target, prompt)
         memory = _copying_memory()
         memory.cache.add(reference)
-        engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.3), suffix_memory=memory)
+        engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.3), suffix_memory=memory)
         result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=40, k=4, branch_tokens=6,
                                                      proposer="hybrid"))
         assert result.token_ids == reference, prompt
@@ -446,7 +446,7 @@ def _quoting_memory(target) -> SuffixMemory:
 
 
 def test_sampled_copy_branches_keep_the_targets_law(tiny_target, tiny_draft):
-    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
+    engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
     pvalue, copy_wins = _joint_pvalue(engine, tiny_target, SEEDS, proposer="hybrid", wins="copy_path_wins")
     assert copy_wins > 0
     assert pvalue > P_PASS
@@ -456,7 +456,8 @@ def test_a_copy_told_as_a_draw_from_the_drafts_row_is_caught(tiny_target, tiny_d
     """Power: a copy sent with the chain token's row (as if the draft had drawn it) instead of its point mass."""
     from dataclasses import replace
 
-    from common.decoding import copy_branches, speculative_round
+    from common.spec import speculative_round
+    from common.spec.tree import copy_branches
 
     def as_drawn(chain, offers, lengths):
         tree = copy_branches.attach_copies(chain, offers, lengths)
@@ -469,7 +470,7 @@ def test_a_copy_told_as_a_draw_from_the_drafts_row_is_caught(tiny_target, tiny_d
         return tree
 
     monkeypatch.setattr(speculative_round, "attach_copies", as_drawn)
-    engine = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
+    engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.5), suffix_memory=_quoting_memory(tiny_target))
     pvalue, _ = _joint_pvalue(engine, tiny_target, SEEDS, proposer="hybrid")
     assert pvalue < P_POWER
 
@@ -541,11 +542,11 @@ def test_copy_branches_over_a_real_cloud_keep_the_targets_output(tiny_target, ti
 def test_tree_layout_chain_then_copies_then_the_drafts_branches(tiny_target, tiny_draft):
     """Nodes 0..g-1 are the chain; then each copy offer whole (point masses, a sibling of the chain's token at its
     position, another token than it), lowest chain estimate first; then the draft's branches."""
-    from common.cached_lm import CachedLM
-    from common.decoding.copy_branches import attach_copies, copy_offers
-    from common.decoding.drafting import LocalDraft, ModelProposer
-    from common.decoding.hybrid_proposer import ChainedRuns
-    from common.decoding.speculative_round import run_inline
+    from common.model.cached_lm import CachedLM
+    from common.spec.tree.copy_branches import attach_copies, copy_offers
+    from common.spec.propose.drafting import LocalDraft, ModelProposer
+    from common.spec.propose.hybrid_proposer import ChainedRuns
+    from common.spec.speculative_round import run_inline
 
     model = ModelProposer(LocalDraft(CachedLM(tiny_draft.model)), SamplingParams(), torch.Generator(), frozenset())
     proposer = SuffixProposer(model, _quoting_memory(tiny_target), rule=ChainedRuns())

@@ -1,4 +1,4 @@
-"""Call policies and the cost model (common/call_policy.py): pure logic, floats in, decisions out."""
+"""Call policies and the cost model (common/spec/call_policy.py): pure logic, floats in, decisions out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from common.call_policy import (
+from common.spec.call_policy import (
     CallPolicy,
     CostModel,
     FixedPolicy,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.presets import GgufPreset, MissingPresetError, gguf_path, GGUF_PRESETS
+from common.model.presets import GgufPreset, MissingPresetError, gguf_path, GGUF_PRESETS
 from common.cli import main
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
-from common.cached_lm import CachedLM
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel, vocab_fingerprint
+from common.model.cached_lm import CachedLM
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -548,7 +548,7 @@ def test_good_generate_streams_the_targets_greedy_tokens(channel, tiny_target):
     tokens = [t for c in chunks for t in c.token_ids]
     assert 1 <= len(tokens) <= 8 and all(0 <= t < VOCAB for t in tokens)
     assert all(c.step_ms > 0 for c in chunks if c.token_ids)
-    local = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=8)).token_ids
+    local = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=8)).token_ids
     assert tokens == local
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
 from common.errors import PairMismatch
-from common.models import vocab_fingerprint
+from common.model.loading import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.client import CloudClient, CloudEndpoint
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -72,7 +72,7 @@ def _check(results: list[dict], reference: dict[str, list[int]]) -> None:
 
 
 def test_replicas_fail_over_on_a_kill_and_a_drain_and_outputs_stay_the_targets(tmp_path, tiny_target, tiny_draft):
-    reference = {p: LocalEngine(tiny_target, None).generate(
+    reference = {p: LocalDecoder(tiny_target, None).generate(
         tiny_target.tokenizer(p)["input_ids"], DecodeSettings(mode="target", max_new_tokens=MAX_TOKENS)).token_ids
         for p in PROMPTS}
     a, b, c = (_cloud(tmp_path, name) for name in "abc")
@@ -119,7 +119,7 @@ def test_a_draining_replica_hands_its_session_to_one_that_came_up_while_resting(
     import grpc
     import time
 
-    from common.sampling import SamplingParams
+    from common.sampling.distributions import SamplingParams
     from sim.processes import free_port
     from sprinter.v1 import decoding_pb2 as pb
 

@@ -18,11 +18,11 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common import wire
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings, placed_mode
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
-from common.sampling_params import GrammarSpec
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings, placed_mode
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
+from common.sampling.params import GrammarSpec
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
 from edge_harness import on_edge
@@ -42,7 +42,7 @@ def test_placement_moves_the_lossless_edge_modes_to_the_cloud() -> None:
 @pytest.mark.smollm2
 def test_cloud_sd_greedy_equals_the_target(smollm2, smollm2_4_layers) -> None:
     prompt = encode_prompt(smollm2.tokenizer, "Write a haiku about the sea.", chat=True)
-    reference = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    reference = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
     settings = CloudSettings(target="smollm2-135m", draft="smollm2-135m:layers=4", batch_window_ms=1)
     with ServerThread(settings, smollm2, draft=smollm2_4_layers) as cloud:
         async def work(node: EdgeNode):
@@ -113,7 +113,7 @@ def test_cloud_sd_keeps_the_requests_logits_processing_and_logprobs(tiny_target)
                                     logit_bias=((5, 3.0), (17, -100.0)), logprobs=2),
         "json": SamplingParams(grammar=GrammarSpec("json_object"), logprobs=1),
     }
-    references = {name: LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(
+    references = {name: LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(
         mode="target", max_new_tokens=24, sampling=sampling)) for name, sampling in requests.items()}
     settings = CloudSettings(target="tiny-random", draft="tiny-random", batch_window_ms=1)
     with ServerThread(settings, tiny_target, draft=near_draft(tiny_target)) as cloud:

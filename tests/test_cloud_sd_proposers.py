@@ -24,11 +24,11 @@ from cloud.suffix_memories import SuffixMemories
 from cloud.vllm_engine import check_vllm_speculation
 from cloud_harness import ServerThread
 from common import wire
-from common.call_policy import Ewma
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import PROPOSERS, DecodeSettings
-from common.decoding.suffix_proposer import SuffixCalibration
-from common.sampling import SamplingParams
+from common.spec.call_policy import Ewma
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import PROPOSERS, DecodeSettings
+from common.spec.propose.suffix_proposer import SuffixCalibration
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
 from edge_harness import on_edge
@@ -70,7 +70,7 @@ def test_cloud_sd_greedy_equals_the_target_with_every_proposer(tiny_target, tiny
     """Through the edge (which sends the request's proposer), twice per prompt: the second also finds the first's
     output in the identity's cache."""
     prompts = _prompts(tiny_target.tokenizer)
-    references = {name: LocalEngine(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=24))
+    references = {name: LocalDecoder(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=24))
                   .token_ids for name, p in prompts.items()}
     settings = CloudSettings(target="tiny-random", draft="tiny-random-draft", batch_window_ms=1)
     with ServerThread(settings, tiny_target, draft=tiny_draft) as cloud:
@@ -91,7 +91,7 @@ def test_cloud_sd_greedy_equals_the_target_with_every_proposer(tiny_target, tiny
 def test_the_clouds_default_proposer_serves_a_request_that_names_none(tiny_target, tiny_draft) -> None:
     """`--proposer suffix`: a Generate with no proposer copies; one that names model does not (its field wins)."""
     prompt = _prompts(tiny_target.tokenizer)["hit"]
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=16))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=16))
     settings = CloudSettings(target="tiny-random", draft="tiny-random-draft", proposer="suffix")
     with ServerThread(settings, tiny_target, draft=tiny_draft) as cloud:
         stub = pb_grpc.TargetServiceStub(grpc.insecure_channel(cloud.address))
@@ -105,7 +105,7 @@ def test_the_clouds_default_proposer_serves_a_request_that_names_none(tiny_targe
 @pytest.mark.smollm2
 def test_cloud_sd_greedy_with_suffix_equals_the_target_smollm2(smollm2, smollm2_4_layers) -> None:
     prompt = _prompts(smollm2.tokenizer)["hit"]
-    reference = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=32))
+    reference = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=32))
     settings = CloudSettings(target="smollm2-135m", draft="smollm2-135m:layers=4", batch_window_ms=1)
     with ServerThread(settings, smollm2, draft=smollm2_4_layers) as cloud:
         stub = pb_grpc.TargetServiceStub(grpc.insecure_channel(cloud.address))

@@ -1,4 +1,4 @@
-"""The cloud service over real gRPC on loopback: lifecycle, equivalence with the local engine, resync, batching."""
+"""The cloud service over real gRPC on loopback: lifecycle, equivalence with the local decoder, resync, batching."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
-from common.cached_lm import CachedLM
-from common.decoding.drafting import next_token
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import vocab_fingerprint
-from common.sampling import SamplingParams, SparseDistribution, logits_to_probs
-from common.acceptance_rules import block_verify
+from common.model.cached_lm import CachedLM
+from common.spec.propose.drafting import next_token
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import vocab_fingerprint
+from common.sampling.distributions import SamplingParams, SparseDistribution, logits_to_probs
+from common.spec.acceptance_rules import block_verify
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -68,7 +68,7 @@ def test_session_lifecycle_open_verify_close_resume(channel, tiny_target):
 
 
 def _edge_loop(channel, draft, prompt_ids, max_new_tokens, k, sampling):
-    """A minimal edge: draft k tokens locally, let the cloud verify them, as the local engine's sd-block does."""
+    """A minimal edge: draft k tokens locally, let the cloud verify them, as the local decoder's sd-block does."""
     stream = SessionStream(channel)
     stream.open(prompt_ids, sampling=pb.SamplingSettings(temperature=sampling.temperature, seed=sampling.seed))
     draft_lm = CachedLM(draft.model)
@@ -86,10 +86,10 @@ def _edge_loop(channel, draft, prompt_ids, max_new_tokens, k, sampling):
 
 
 @pytest.mark.parametrize("prompt", ["The quick brown fox", "def f(x):"])
-def test_greedy_blocks_through_the_cloud_equal_the_local_engine(channel, tiny_target, tiny_draft, prompt):
+def test_greedy_blocks_through_the_cloud_equal_the_local_decoder(channel, tiny_target, tiny_draft, prompt):
     ids = tiny_target.tokenizer(prompt)["input_ids"]
-    local = LocalEngine(tiny_target, tiny_draft).generate(ids, DecodeSettings(mode="sd-block", max_new_tokens=30, k=4))
-    target = LocalEngine(tiny_target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=30))
+    local = LocalDecoder(tiny_target, tiny_draft).generate(ids, DecodeSettings(mode="sd-block", max_new_tokens=30, k=4))
+    target = LocalDecoder(tiny_target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=30))
     eos = tiny_target.eos_token_ids
     remote = _edge_loop(channel, tiny_draft, ids, 30, 4, SamplingParams())
     cut = next((i + 1 for i, t in enumerate(remote) if t in eos), len(remote))
@@ -170,7 +170,7 @@ def test_concurrent_sessions_share_one_target_forward(tiny_target, tiny_draft):
     """With a generous window, concurrent verifies are merged; verdicts stay what they would be alone."""
     settings = CloudSettings(batch_window_ms=200, max_batch=8)
     prompts = [tiny_target.tokenizer(p)["input_ids"] for p in ("alpha", "beta gamma", "delta epsilon zeta", "eta")]
-    alone = [LocalEngine(tiny_target, tiny_draft).generate(p, DecodeSettings(mode="sd-block", max_new_tokens=40, k=3)).token_ids
+    alone = [LocalDecoder(tiny_target, tiny_draft).generate(p, DecodeSettings(mode="sd-block", max_new_tokens=40, k=3)).token_ids
              for p in prompts]
     rounds = 4
     with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:

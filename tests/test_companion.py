@@ -12,15 +12,15 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.cached_lm import CachedLM
+from common.model.cached_lm import CachedLM
 from common.cli import main
 from prompt_files import short_prompt_file
-from common.companion import Companion, companion_factory, companion_features, load_companion
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel
-from common.presets import build_tiny_tokenizer
-from common.sampling import SamplingParams
+from common.spec.companion import Companion, companion_factory, companion_features, load_companion
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel
+from common.model.presets import build_tiny_tokenizer
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from proposing import draft_tokens
@@ -116,9 +116,9 @@ def test_companion_verifier_decodes_with_a_companion(trained, tiny_target, tiny_
     verifier = load_verifier(str(trained / "verifier.json"), tiny_draft.tokenizer, "tiny-random-draft", "tiny-random",
                              COMPANION)
     assert isinstance(verifier, LearnedVerifier) and verifier.needs_companion and not verifier.needs_hidden
-    engine = LocalEngine(tiny_target, tiny_draft, verifier, make_companion=companion_factory(tiny_target))
+    engine = LocalDecoder(tiny_target, tiny_draft, verifier, make_companion=companion_factory(tiny_target))
     prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
     exact = engine.generate(prompt, DecodeSettings(mode="sprinter-exact", max_new_tokens=24))
     assert exact.token_ids == reference.token_ids  # float32 + greedy: lossless whatever the verifier says
     assert engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=24)).stats.new_tokens == 24
@@ -131,7 +131,7 @@ def test_companion_verifier_is_refused_without_a_companion(trained, tiny_target,
     with pytest.raises(ValueError, match="trained with companion 'tiny-random'"):
         load_verifier(path, tiny_draft.tokenizer, "tiny-random-draft", "tiny-random", "tiny-random-draft")
     # Loaded past the check, it still names the missing option instead of failing obscurely.
-    engine = LocalEngine(tiny_target, tiny_draft, LearnedVerifier.load(Path(path)))
+    engine = LocalDecoder(tiny_target, tiny_draft, LearnedVerifier.load(Path(path)))
     with pytest.raises(ValueError, match="--companion SPEC"):
         engine.generate(tiny_draft.tokenizer("abc")["input_ids"], DecodeSettings(mode="sprinter", max_new_tokens=4))
     node = EdgeNode(EdgeNodeSettings(draft=tiny_draft.spec, draft_runtime="torch", dtype="float32", verifier=path),
@@ -142,7 +142,7 @@ def test_companion_verifier_is_refused_without_a_companion(trained, tiny_target,
 
 def test_edge_runs_the_companion_and_stays_lossless(trained, tiny_target, tiny_draft):
     prompt = tiny_draft.tokenizer("The quick brown fox")["input_ids"]
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=20))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=20))
 
     async def run():
         settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=server.address, draft_runtime="torch", dtype="float32",

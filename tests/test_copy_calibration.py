@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.decoding.suffix_proposer import load_priors, suffix_memory
-from common.prompt_sets import load_prompts
-from common.prompting import encode_prompt
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.spec.propose.suffix_proposer import load_priors, suffix_memory
+from common.lab.prompt_sets import load_prompts
+from common.model.prompting import encode_prompt
 from sim.bench.proposer import SUITE, chosen_prompts
 from sim.bench.proposer_calibration import fit_calibration, pooled
 
@@ -24,7 +24,7 @@ def test_the_copies_rates_fitted_on_some_prompts_hold_on_held_out_ones(smollm2, 
     records = load_prompts(SUITE)
     fitting = chosen_prompts(records, GROUNDED, 1, skip=1)  # one prompt a category fits; the held-out one checks
     held_out = chosen_prompts(records, GROUNDED, 1)
-    engine = LocalEngine(smollm2, smollm2_4_layers, suffix_memory=suffix_memory(cache=False))
+    engine = LocalDecoder(smollm2, smollm2_4_layers, suffix_memory=suffix_memory(cache=False))
     _generate(engine, fitting)
     path = tmp_path / "suffix_calibration.json"
     path.write_text(json.dumps(fit_calibration(engine.suffix_memory.calibration.report(), "greedy", "test")))
@@ -43,7 +43,7 @@ def test_the_copies_rates_fitted_on_some_prompts_hold_on_held_out_ones(smollm2, 
             assert abs(sum(t[1] for t in points) / n - sum(t[2] for t in points) / n) <= 0.25, (short, points)
 
 
-def _generate(engine: LocalEngine, records) -> None:
+def _generate(engine: LocalDecoder, records) -> None:
     for record in records:
         prompt = encode_prompt(engine.target.tokenizer, record.prompt, record.chat)
         engine.generate(prompt, DecodeSettings(mode="sd-block", max_new_tokens=64, proposer="hybrid"))

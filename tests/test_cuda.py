@@ -17,8 +17,8 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from cloud.kv_pool import KVPool
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
-from common.devices import resolve_device
-from common.acceptance_rules import greedy_verdict
+from common.model.devices import resolve_device
+from common.spec.acceptance_rules import greedy_verdict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason=f"no CUDA GPU here (torch {torch.__version__}): the CUDA engine is untested")
@@ -139,16 +139,16 @@ def test_cuda_cloud_over_grpc_equals_the_target_alone(tiny_target, tiny_draft, a
 
     from cloud.server import CloudSettings
     from cloud_harness import ServerThread
-    from common.decoding.local_engine import LocalEngine
-    from common.decoding.modes import DecodeSettings
-    from common.models import load_model
-    from common.sampling import SamplingParams
+    from common.spec.local_decoder import LocalDecoder
+    from common.spec.modes import DecodeSettings
+    from common.model.loading import load_model
+    from common.sampling.distributions import SamplingParams
     from test_cloud_sessions import _edge_loop
 
     on_gpu = load_model("tiny-random", torch.float32, torch.device("cuda"))
     settings = CloudSettings(target="tiny-random", dtype="float32", device="cuda", attention=attention)
     ids = tiny_target.tokenizer("def f(x):")["input_ids"]
-    expected = LocalEngine(tiny_target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=24)).token_ids
+    expected = LocalDecoder(tiny_target, None).generate(ids, DecodeSettings(mode="target", max_new_tokens=24)).token_ids
     with ServerThread(settings, on_gpu) as server, grpc.insecure_channel(server.address) as channel:
         remote = _edge_loop(channel, tiny_draft, ids, 24, 4, SamplingParams())
     cut = next((i + 1 for i, t in enumerate(remote) if t in tiny_target.eos_token_ids), len(remote))

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from common.decoding.modes import mode_of
+from common.spec.modes import mode_of
 from sim import demo
 
 

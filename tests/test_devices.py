@@ -16,8 +16,8 @@ from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.settings import CloudSettings
 from common.cli import main
-from common.devices import DeviceError, resolve_device
-from common.models import load_model
+from common.model.devices import DeviceError, resolve_device
+from common.model.loading import load_model
 from sim.bench.random_weights import architecture, architecture_names
 
 NO_CUDA = not torch.cuda.is_available()
@@ -89,7 +89,7 @@ def test_bf16_batches_equal_the_sessions_alone_within_bf16(kind):
         torch.testing.assert_close(many.logits, one.logits, atol=0.05, rtol=0.02)
 
 
-def test_generate_runs_its_local_engine_on_the_device_asked_for(capsys):
+def test_generate_runs_its_local_decoder_on_the_device_asked_for(capsys):
     assert main(["generate", "--target", "tiny-random", "--draft", "tiny-random-draft", "--mode", "sd-block",
                  "--device", "cpu", "--max-new-tokens", "8", "--prompt", "hello", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 8
@@ -97,7 +97,7 @@ def test_generate_runs_its_local_engine_on_the_device_asked_for(capsys):
 
 def test_generate_refuses_device_with_cloud(capsys):
     assert main(["generate", "--cloud", "127.0.0.1:1", "--device", "cpu", "--prompt", "hi"]) == 2
-    assert "--device is for the local engine" in capsys.readouterr().err
+    assert "--device is for the local decoder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", architecture_names())
@@ -130,7 +130,7 @@ def test_engine_bench_refuses_cloud_process_flags(tmp_path):
 def test_rows_without_logits_serve_greedy_and_refuse_sampling():
     """A forward that brought back the argmax alone cannot sample: it says so rather than fall back to greedy."""
     from cloud.engine import TargetRows
-    from common.sampling import SamplingParams
+    from common.sampling.distributions import SamplingParams
 
     rows, generator = TargetRows(torch.tensor([5, 3]), None), torch.Generator().manual_seed(0)
     assert rows.next_token(SamplingParams(), generator) == 3

@@ -73,7 +73,7 @@ def test_every_documented_sprinter_command_line_parses() -> None:
 
 
 def test_a_measurement_replaces_its_section_and_folds_the_one_before(tmp_path: Path) -> None:
-    from common.results_page import Measurement, markers, publish
+    from common.lab.results_page import Measurement, markers, publish
 
     start, end = markers("cloud")
     page, plot = tmp_path / "cloud.md", tmp_path / "verified_tokens_per_s.png"

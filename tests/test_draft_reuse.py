@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel
-from common.sampling import SamplingParams
-from common.verifier import ConfidenceVerifier
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel
+from common.sampling.distributions import SamplingParams
+from common.spec.verifier import ConfidenceVerifier
 from edge.decoding.decoder import EdgeDecoder, EdgeResult, EdgeSettings
 from edge.runtime.draft import draft_lm_factory
 from edge.runtime.draft_reuse import MIN_REUSE_TOKENS, DraftKVCache

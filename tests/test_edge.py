@@ -16,9 +16,9 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.prompting import encode_prompt
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.prompting import encode_prompt
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.processes import free_port, wait_until_serving
@@ -46,7 +46,7 @@ def tiny_cloud(tiny_target):
 @pytest.mark.parametrize("runtime", ["onnx", "torch"])
 def test_lossless_modes_over_grpc_equal_the_target(tiny_cloud, tiny_target, tiny_draft, runtime):
     prompt_ids = tiny_target.tokenizer("The quick brown fox")["input_ids"]
-    target = LocalEngine(tiny_target, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=32))
+    target = LocalDecoder(tiny_target, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=32))
     for mode in ("target", *LOSSLESS):
         result = _edge_generate(tiny_cloud.address, tiny_draft, prompt_ids, mode, runtime)
         assert result.token_ids == target.token_ids, mode
@@ -55,12 +55,12 @@ def test_lossless_modes_over_grpc_equal_the_target(tiny_cloud, tiny_target, tiny
             assert result.stats.target_calls < len(result.token_ids)
 
 
-def test_sprinter_over_grpc_equals_the_local_engines_sprinter(tiny_cloud, tiny_target, tiny_draft):
+def test_sprinter_over_grpc_equals_the_local_decoders_sprinter(tiny_cloud, tiny_target, tiny_draft):
     """Approximate, but deterministic under greedy: the split loop makes the same decisions as the local one."""
-    from common.verifier import ConfidenceVerifier
+    from common.spec.verifier import ConfidenceVerifier
 
     prompt_ids = tiny_target.tokenizer("Once upon a time")["input_ids"]
-    local = LocalEngine(tiny_target, tiny_draft, ConfidenceVerifier(0.3)).generate(
+    local = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.3)).generate(
         prompt_ids, DecodeSettings(mode="sprinter", max_new_tokens=40, max_run_length=6))
     remote = _edge_generate(tiny_cloud.address, tiny_draft, prompt_ids, "sprinter", "torch", 40)
     assert remote.token_ids == local.token_ids
@@ -71,7 +71,7 @@ def test_sprinter_over_grpc_equals_the_local_engines_sprinter(tiny_cloud, tiny_t
 def test_smollm2_truncated_self_draft_over_grpc_equals_target(smollm2, smollm2_4_layers):
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as server:
         prompt_ids = encode_prompt(smollm2.tokenizer, "What causes the seasons on Earth?", chat=True)
-        target = LocalEngine(smollm2, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=24))
+        target = LocalDecoder(smollm2, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=24))
         for mode in LOSSLESS:
             result = _edge_generate(server.address, smollm2_4_layers, prompt_ids, mode, "onnx", 24)
             assert result.token_ids == target.token_ids, mode

@@ -11,8 +11,8 @@ import asyncio
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.sampling import SamplingParams
-from common.models import vocab_fingerprint
+from common.sampling.distributions import SamplingParams
+from common.model.loading import vocab_fingerprint
 from edge.cloud_link.client import CloudEndpoint
 from edge.cloud_link.replicas import ReplicaSet
 from sprinter.v1 import decoding_pb2 as pb

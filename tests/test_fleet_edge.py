@@ -27,7 +27,7 @@ from common.fleet_plane.connection import BrokerSettings, FleetConnection
 from common.fleet_plane.messages import (CloudLoad, ConfigApplied, EdgeState, FleetConfig, VerifierArtifact, decode,
                                          encode, verifier_digest)
 from common.fleet_plane.operator import apply_config, push_verifier, read_fleet
-from common.models import LoadedModel, vocab_fingerprint
+from common.model.loading import LoadedModel, vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from edge.fleet_controls import DaemonControls

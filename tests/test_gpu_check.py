@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from common.decoding.draft_tree import depths
+from common.spec.tree.draft_tree import depths
 from sim.gpu_check.page import section_text
 from sim.gpu_check.tree import SHAPES
 from sim.gpu_check.unpack import BundleError, read_manifest, unpack

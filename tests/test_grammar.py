@@ -1,4 +1,4 @@
-"""common/grammar.py: masks from JSON schemas and Lark grammars, on the tiny byte-level tokenizer and SmolLM2's.
+"""common/sampling/grammar.py: masks from JSON schemas and Lark grammars, on the tiny byte-level tokenizer and SmolLM2's.
 
 The property test draws random JSON schemas, walks a generation at random among the allowed tokens until
 EOS, and checks that the text parses and validates against its schema.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
-from common.models import LoadedModel, load_model
+from common.sampling.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from common.model.loading import LoadedModel, load_model
 
 PERSON = {
     "type": "object",

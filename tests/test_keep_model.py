@@ -1,6 +1,6 @@
-"""The keep model (common/keep_model.py): what the verdicts say about how much of a block the cloud keeps.
+"""The keep model (common/spec/keep_model.py): what the verdicts say about how much of a block the cloud keeps.
 
-Verdicts come from the real verification rules (common/acceptance_rules.py) on synthetic distributions,
+Verdicts come from the real verification rules (common/spec/acceptance_rules.py) on synthetic distributions,
 with the exact a_i = min(1, p_target(x_i) / p_draft(x_i)): token verification keeps E(g) in
 expectation, so the fit must stay at 0; block verification keeps more, so the fit must rescue.
 """
@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from common.call_policy import CostModel, GoodputPolicy
-from common.keep_model import KeepModel, expected_accepted_length, rescued
-from common.acceptance_rules import AcceptanceRule, block_verify, token_verify
+from common.spec.call_policy import CostModel, GoodputPolicy
+from common.spec.keep_model import KeepModel, expected_accepted_length, rescued
+from common.spec.acceptance_rules import AcceptanceRule, block_verify, token_verify
 
 VOCAB = 8
 

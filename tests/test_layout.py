@@ -3,11 +3,13 @@
 - No import cycle at all, lazy (function-level) and TYPE_CHECKING imports included.
 - common/ imports none of edge/, cloud/, sim/; edge/ and cloud/ never import each other (they meet
   in proto/); nothing outside sim/ imports sim/.
+- common/ by concept: its top level is a fixed set of shared plumbing; common/lab/ (measurement) is
+  imported only by sim/, edge/verifier_training/ and itself.
 - No module over 400 lines, no function over 60 lines (tests excluded).
 - Proto messages are built in the codec, the package common/wire/, alone: no call `pb.X(...)` (`pb` any name bound to
   sprinter.v1.decoding_pb2, X upper-case: a message) nor `X(...)` of a message imported from it, in
   common/, edge/, cloud/ or sim/ elsewhere (tests build frames by hand on purpose).
-- A mode's traits live in one record (common/decoding/modes.py's `Mode`): outside that module no
+- A mode's traits live in one record (common/spec/modes.py's `Mode`): outside that module no
   comparison of a mode with a mode's name (`mode == "target"`, `r.mode in ("sd", "sd-block")`,
   `record["mode"] != "draft"`), and no module-level tuple, list or set of mode names (a copy of a
   trait, like `LOSSLESS = (...)`), but for RUN_PLANS: the modes a demo or bench runs, a choice and no trait.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from common.decoding.modes import MODES
+from common.spec.modes import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "edge", "cloud", "sim")
@@ -42,7 +44,7 @@ FORBIDDEN = {  # importer package -> packages it must never import
     "cloud": {"edge", "sim"},
 }
 
-MODES_HOME = "common.decoding.modes"
+MODES_HOME = "common.spec.modes"
 RUN_PLANS = {  # module-level tuples of mode names that are a choice of what to run, in order, not a trait
     "sim.demo.MODES": "the modes the demo asks in, one per kind of decoding",
     "sim.bench.local.OUR_MODES": "the modes bench-local times next to transformers' assisted generation",
@@ -139,6 +141,26 @@ def test_packages_import_only_what_the_house_rules_allow() -> None:
         forbidden = FORBIDDEN.get(importer.split(".")[0], set())
         broken += [f"{importer} imports {m}" for m in sorted(imported) if m.split(".")[0] in forbidden]
     assert broken == []
+
+
+# common/ by concept (docs/architecture.md): its top level is the plumbing every process shares; what a
+# round does lives in common/spec/, what it computes with in common/model/ and common/sampling/.
+COMMON_TOP = {"addresses", "admission", "arguments", "cli", "errors", "otel_tracing", "prefix_digests", "stats",
+              "table_cells", "tracing"}
+LAB = "common.lab"  # measurement only
+MEASUREMENT = ("sim", "common.lab", "edge.verifier_training")  # who may import it
+
+
+def test_common_is_folders_by_concept_around_a_fixed_top() -> None:
+    top = {name.split(".")[1] for name, path in MODULES.items()
+           if name.startswith("common.") and name.count(".") == 1 and path.name != "__init__.py"}
+    assert top == COMMON_TOP
+
+
+def test_serving_code_never_imports_the_lab() -> None:
+    serving = [f"{importer} imports {m}" for importer, imported in GRAPH.items()
+               if not importer.startswith(MEASUREMENT) for m in sorted(imported) if m.startswith(LAB)]
+    assert serving == []
 
 
 def test_modules_stay_short() -> None:

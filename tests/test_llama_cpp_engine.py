@@ -23,11 +23,11 @@ from cloud.batcher import Batcher
 from cloud.llama_cpp_engine import LlamaCppEngine
 from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, LlamaCppUnavailable, Segment, bindings
 from cloud.settings import CloudSettings
-from common.decoding.modes import DecodeSettings
-from common.logits_processing import processor_for
-from common.models import LoadedModel, UnknownModel, gguf_file, vocab_fingerprint
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.modes import DecodeSettings
+from common.sampling.logits_processing import processor_for
+from common.model.loading import LoadedModel, UnknownModel, gguf_file, vocab_fingerprint
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from exact_distributions import chi_square_pvalue, near_draft, rows_distribution, seeded_generations
@@ -258,7 +258,7 @@ def test_the_llama_server_baseline_answers_the_same_prompt_ids_as_our_target_mod
     import httpx
 
     from common import wire
-    from common.prompt_sets import PromptRecord
+    from common.lab.prompt_sets import PromptRecord
     from sim.sweep.baselines import LocalBaselines
     from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 

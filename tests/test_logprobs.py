@@ -1,4 +1,4 @@
-"""Logprobs through the edge's OpenAI API (common/logprobs.py): the target's raw values in the lossless modes.
+"""Logprobs through the edge's OpenAI API (common/sampling/logprobs.py): the target's raw values in the lossless modes.
 
 In every lossless mode each emitted token's logprob and its top N are the target's, of its raw distribution
 (before temperature, penalties and grammar): checked against one forward of the target over the prompt and the
@@ -16,7 +16,7 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.prompting import encode_prompt
+from common.model.prompting import encode_prompt
 from edge.api.app import ApiSettings, create_app
 from edge_harness import EdgeDaemonThread
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from common import multipath_rules
-from common.acceptance_rules import Proposal, block_verify, decide
-from common.decoding.draft_tree import ROOT, DraftTree
-from common.multipath_rules import multipath_block_verify
-from common.sampling import SamplingParams
+from common.spec.acceptance_rules import Proposal, block_verify, decide
+from common.spec.tree.draft_tree import ROOT, DraftTree
+from common.spec.tree.multipath_rules import multipath_block_verify
+from common.sampling.distributions import SamplingParams
 from tests.exact_distributions import chi_square_pvalue
 
 T1 = SamplingParams(temperature=1.0)

@@ -16,8 +16,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from common.cached_lm import CachedLM
-from common.models import LoadedModel
+from common.model.cached_lm import CachedLM
+from common.model.loading import LoadedModel
 from edge.onnx_export import export as onnx_export
 from edge.runtime.draft import exported_draft, load_draft_runtime
 from edge.runtime.kv_slice import KvSlicer

@@ -19,11 +19,11 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, seeded_generations
 from exact_distributions import near_draft as noisy_head_draft
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge.decoding.pipeline import likely_outcomes
@@ -58,7 +58,7 @@ def _candidates(cloud: ServerThread) -> dict[str, float]:
 
 def test_every_lossless_mode_and_pipeline_equals_the_target_under_greedy(tiny_cloud, tiny_target, tiny_draft):
     prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
-    target = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
+    target = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
     before = _candidates(tiny_cloud)
     generated = tiny_cloud.server.metrics.tokens_generated._value.get()
 
@@ -90,7 +90,7 @@ def test_every_lossless_mode_and_pipeline_equals_the_target_under_greedy(tiny_cl
 @pytest.mark.smollm2
 def test_smollm2_self_draft_with_each_pipeline_equals_the_target(smollm2, smollm2_4_layers):
     prompt = encode_prompt(smollm2.tokenizer, "What causes the seasons on Earth?", chat=True)
-    target = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    target = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
         async def work(node: EdgeNode):
             return {(mode, pipeline): await node.decoder.generate(prompt, EdgeSettings(
@@ -148,7 +148,7 @@ def test_an_adapting_pipeline_whose_guesses_miss_runs_as_off_and_stays_exact(tin
     """The tiny random pair's guesses of the target's verdicts mostly miss: after a few generations the edge's
     record says drafting ahead does not pay, and rounds run as off (probing now and then), output unchanged."""
     prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
-    target = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
+    target = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
 
     async def work(node: EdgeNode):
         decode = DecodeSettings(mode="sd-block", max_new_tokens=40, k=3)
@@ -164,8 +164,8 @@ def test_an_adapting_pipeline_whose_guesses_miss_runs_as_off_and_stays_exact(tin
 
 
 def test_likely_outcomes_rank_full_acceptance_and_rejections(tiny_draft):
-    from common.decoding.proposals import MODEL, PendingBlock, ProposedToken
-    from common.verifier import DraftStep
+    from common.spec.propose.proposals import MODEL, PendingBlock, ProposedToken
+    from common.spec.verifier import DraftStep
 
     vocab = 8
 
@@ -211,7 +211,7 @@ def test_the_cloud_verifies_only_the_candidate_that_follows_its_verdict(tiny_clo
     import grpc
 
     from cloud_harness import SessionStream
-    from common.models import vocab_fingerprint
+    from common.model.loading import vocab_fingerprint
     from sprinter.v1 import decoding_pb2 as pb
 
     metrics = tiny_cloud.server.metrics

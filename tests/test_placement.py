@@ -1,6 +1,6 @@
 """Placement per request (issue 29): where the draft runs, edge or cloud (cloud-sd), or chosen per request (auto).
 
-The decision is a pure function (common/decoding/placement.py), tested on its own; then over a real cloud on
+The decision is a pure function (edge/decoding/placement.py), tested on its own; then over a real cloud on
 loopback that drafts with `--draft` (ServerThread(draft=)), behind the real link proxy (sim/link/) for the RTT:
 placement cloud runs cloud-sd with the same greedy output as the edge placement and the target; auto moves to the
 cloud when the scripted RTT rises and back when the cloud announces a queue (and stays there when the next
@@ -20,9 +20,9 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.decoding.placement import PlacementInputs, cloud_tokens_per_s, decide, edge_tokens_per_s
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from edge.decoding.placement import PlacementInputs, cloud_tokens_per_s, decide, edge_tokens_per_s
 from common.fleet_plane.messages import CloudLoad
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link import replicas
@@ -92,7 +92,7 @@ async def _node(draft, address: str, work, placer: Placer | None = None):
 
 def test_placement_cloud_runs_cloud_sd_with_the_edge_placements_greedy_output(tiny_target, tiny_draft) -> None:
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
-    target = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    target = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
 
     async def work(node: EdgeNode):
         runs = []

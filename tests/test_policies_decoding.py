@@ -11,12 +11,12 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.cached_lm import CachedLM
-from common.call_policy import CostModel, FixedPolicy
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings, call_policy
-from common.sampling import SamplingParams
-from common.verifier import DraftStep
+from common.model.cached_lm import CachedLM
+from common.spec.call_policy import CostModel, FixedPolicy
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings, call_policy
+from common.sampling.distributions import SamplingParams
+from common.spec.verifier import DraftStep
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from proposing import draft_tokens
@@ -43,8 +43,8 @@ VERIFIER = HashVerifier()
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_target, tiny_draft) -> LocalEngine:
-    return LocalEngine(tiny_target, tiny_draft, VERIFIER)
+def engine(tiny_target, tiny_draft) -> LocalDecoder:
+    return LocalDecoder(tiny_target, tiny_draft, VERIFIER)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -146,7 +146,7 @@ def tiny_cloud(tiny_target):
 
 def test_edge_goodput_is_lossless_and_learns_the_round_trip(tiny_cloud, tiny_target, tiny_draft):
     prompt_ids = tiny_target.tokenizer(PROMPTS[0])["input_ids"]
-    reference = LocalEngine(tiny_target, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=32))
+    reference = LocalDecoder(tiny_target, None).generate(prompt_ids, DecodeSettings(mode="target", max_new_tokens=32))
 
     async def run():
         settings = EdgeNodeSettings(draft=tiny_draft.spec, cloud=tiny_cloud.address, draft_runtime="torch",

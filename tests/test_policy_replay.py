@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.call_policy import FixedPolicy
+from common.spec.call_policy import FixedPolicy
 from edge.verifier_training.replay import (EXACT, HINDSIGHT, LEARNED, ReplaySettings, RoundCosts, Tally, Trace,
                                            hindsight_chooser, kept_run, policy_chooser, replay, replay_trace)
 

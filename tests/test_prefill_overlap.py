@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.cached_lm import CachedLM, ForwardOutput
-from common.decoding.modes import DecodeSettings
-from common.verifier import ConfidenceVerifier
+from common.model.cached_lm import CachedLM, ForwardOutput
+from common.spec.modes import DecodeSettings
+from common.spec.verifier import ConfidenceVerifier
 from edge.cloud_link.client import CloudEndpoint
 from edge.cloud_link.session import CloudSession
 from edge.decoding.decoder import EdgeDecoder, EdgeSettings

@@ -20,7 +20,7 @@ from cloud_harness import ServerThread
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import BadMessage, CloudLoad, decode, encode
 from common.prefix_digests import LEADING_BLOCK_TOKENS, MAX_ANNOUNCED_PREFIXES, prefix_digests
-from common.prompting import encode_prompt
+from common.model.prompting import encode_prompt
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.prefix_key import prefix_key
 from edge.cloud_link.replicas import rendezvous_order

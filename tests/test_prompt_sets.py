@@ -1,4 +1,4 @@
-"""Tests of common/prompt_sets.py and the shipped prompt set common/data/prompts.jsonl (no models, milliseconds)."""
+"""Tests of common/lab/prompt_sets.py and the shipped prompt set common/lab/data/prompts.jsonl (no models, milliseconds)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.prompt_sets import DEFAULT_PROMPTS, PromptRecord, load_prompts, split_by_prompt
+from common.lab.prompt_sets import DEFAULT_PROMPTS, PromptRecord, load_prompts, split_by_prompt
 
 CATEGORIES = {"code": False, "code-chat": True, "prose": False, "qa": True}
 BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "sim" / "data" / "bench_prompts.jsonl"

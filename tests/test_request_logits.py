@@ -1,4 +1,4 @@
-"""logit_bias and the penalties (common/logits_processing.py): vLLM's arithmetic, and lossless under speculation.
+"""logit_bias and the penalties (common/sampling/logits_processing.py): vLLM's arithmetic, and lossless under speculation.
 
 The processor is checked against a plain reference of vLLM's formulas; then every lossless mode, over a real
 cloud on loopback, must reproduce the penalized target: token for token under greedy (tiny pair and SmolLM2 in
@@ -17,12 +17,12 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.logits_processing import LogitsProcessor
-from common.models import LoadedModel
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.sampling.logits_processing import LogitsProcessor
+from common.model.loading import LoadedModel
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
 from edge_harness import on_edge
@@ -77,9 +77,9 @@ def tiny_cloud(tiny_target):
 
 def _greedy_identity(cloud: ServerThread, target: LoadedModel, draft: LoadedModel, prompt: list[int],
                      sampling: SamplingParams, new_tokens: int, runtime: str = "torch") -> None:
-    reference = LocalEngine(target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=new_tokens,
+    reference = LocalDecoder(target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=new_tokens,
                                                                           sampling=sampling))
-    plain = LocalEngine(target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=new_tokens))
+    plain = LocalDecoder(target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=new_tokens))
     assert reference.token_ids != plain.token_ids, "the penalties must change this greedy output to test anything"
 
     async def work(node: EdgeNode):
@@ -99,7 +99,7 @@ def test_every_lossless_mode_equals_the_penalized_target_under_greedy(tiny_cloud
 def test_local_speculative_decoding_equals_the_penalized_target(tiny_target, tiny_draft) -> None:
     prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
     sampling = SamplingParams(**PENALIZED)
-    engine = LocalEngine(tiny_target, tiny_draft)
+    engine = LocalDecoder(tiny_target, tiny_draft)
     reference = engine.generate(prompt, DecodeSettings(mode="target", max_new_tokens=40, sampling=sampling))
     for mode in LOSSLESS:
         result = engine.generate(prompt, DecodeSettings(mode=mode, max_new_tokens=40, k=3, sampling=sampling))
@@ -152,7 +152,7 @@ def test_the_vllm_engine_runs_each_feature_exactly_or_refuses_it() -> None:
     from cloud.engine import TargetInfo
     from cloud.errors import CloudError
     from cloud.vllm_engine import VllmEngine, VllmOptions
-    from common.sampling_params import GrammarSpec
+    from common.sampling.params import GrammarSpec
 
     def engine(max_logprobs: int) -> VllmEngine:
         return VllmEngine(None, TargetInfo("x", 300, frozenset({0}), "f"), VllmOptions("x", max_logprobs=max_logprobs),

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.decoding.modes import DecodeSettings
-from common.sampling_params import SamplingParams
+from common.spec.modes import DecodeSettings
+from common.sampling.params import SamplingParams
 from edge.cloud_link.cloud_target import CloudTarget
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -97,7 +97,7 @@ def _traced_round(tiny_target, tiny_draft, monkeypatch) -> set[str]:
 
 def test_the_readme_names_every_module_a_round_passes_through(tiny_target, tiny_draft, monkeypatch):
     traced = _traced_round(tiny_target, tiny_draft, monkeypatch)
-    assert {"edge.cloud_link.session", "cloud.batcher", "common.acceptance_rules"} <= traced  # the trace saw both sides
+    assert {"edge.cloud_link.session", "cloud.batcher", "common.spec.acceptance_rules"} <= traced  # the trace saw both sides
     listed = _readme_path_modules()
     assert traced <= listed, f"on the path but not in docs/architecture.md's 'How a token travels': {sorted(traced - listed)}"
     assert len(traced) <= MAX_MODULES_ON_THE_PATH, sorted(traced)
@@ -110,4 +110,4 @@ def test_the_tracer_sees_a_module_called_in_its_window():
         re.compile("x")  # not the project's: ignored
         SamplingParams(temperature=0.5)
         tracer.window.clear()
-    assert tracer.modules == {"common.sampling_params"}
+    assert tracer.modules == {"common.sampling.params"}

@@ -1,4 +1,4 @@
-"""Tests of common/sampling.py: logits -> distributions, SamplingParams, SparseDistribution, sample."""
+"""Tests of common/sampling/distributions.py: logits -> distributions, SamplingParams, SparseDistribution, sample."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from common.sampling import SamplingParams, SparseDistribution, logits_to_probs, sample
+from common.sampling.distributions import SamplingParams, SparseDistribution, logits_to_probs, sample
 
 
 @pytest.fixture(autouse=True, scope="module")

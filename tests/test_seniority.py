@@ -17,7 +17,7 @@ from cloud.sessions import SessionLimits, SessionStore
 from cloud_harness import ServerThread, SessionStream
 from common import wire
 from common.admission import Admission
-from common.sampling import SamplingParams
+from common.sampling.distributions import SamplingParams
 
 OLDER_IDLE_S = 1.0
 SETTINGS = CloudSettings(target="tiny-random", dtype="float32", batch_window_ms=1, max_sessions=2,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
 from common.stats import oracle_calls_per_token
 
 
@@ -19,7 +19,7 @@ def test_oracle_call_rate_from_an_acceptance_record():
 
 def test_stats_carry_the_record(tiny_target, tiny_draft):
     prompt = tiny_target.tokenizer("hello")["input_ids"]
-    stats = LocalEngine(tiny_target, tiny_draft).generate(prompt, DecodeSettings(mode="sd", max_new_tokens=12)).stats
+    stats = LocalDecoder(tiny_target, tiny_draft).generate(prompt, DecodeSettings(mode="sd", max_new_tokens=12)).stats
     assert len(stats.block_lengths) == len(stats.accepted_lengths) == stats.target_calls
     assert all(0 <= n <= g for g, n in zip(stats.block_lengths, stats.accepted_lengths))
     assert len(stats.token_times_ms) == stats.new_tokens

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.decoding.generation import StopSequences
+from common.spec.generation import StopSequences
 from edge.api.sse import IncrementalText
 
 

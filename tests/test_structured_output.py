@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.sampling import SamplingParams
-from common.sampling_params import GrammarSpec
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.sampling.distributions import SamplingParams
+from common.sampling.params import GrammarSpec
 from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -144,8 +144,8 @@ def test_sampled_output_follows_the_constrained_target(tiny_cloud, tiny_target, 
 # --- property: every finished output validates -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def local_pair(tiny_target, tiny_draft) -> LocalEngine:
-    return LocalEngine(tiny_target, tiny_draft)
+def local_pair(tiny_target, tiny_draft) -> LocalDecoder:
+    return LocalDecoder(tiny_target, tiny_draft)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,

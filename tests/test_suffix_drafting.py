@@ -15,18 +15,18 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.cached_lm import CachedLM
-from common.call_policy import Ewma, FixedPolicy, FlagPolicy
-from common.decoding.drafting import Drafter, LocalDraft, ModelProposer
-from common.decoding.hybrid_proposer import ChainedRuns
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import LOSSLESS_MODES, DecodeSettings
-from common.decoding.proposals import CACHE, CONTEXT, MODEL
-from common.decoding.speculative_round import run_inline
-from common.decoding.suffix_match import KEY_LENGTH, OutputCache, TokenIndex, continuation, follow
-from common.decoding.suffix_proposer import PRIOR_RATES, SuffixCalibration, SuffixMemory, SuffixProposer, suffix_memory
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.model.cached_lm import CachedLM
+from common.spec.call_policy import Ewma, FixedPolicy, FlagPolicy
+from common.spec.propose.drafting import Drafter, LocalDraft, ModelProposer
+from common.spec.propose.hybrid_proposer import ChainedRuns
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import LOSSLESS_MODES, DecodeSettings
+from common.spec.propose.proposals import CACHE, CONTEXT, MODEL
+from common.spec.speculative_round import run_inline
+from common.spec.propose.suffix_match import KEY_LENGTH, OutputCache, TokenIndex, continuation, follow
+from common.spec.propose.suffix_proposer import PRIOR_RATES, SuffixCalibration, SuffixMemory, SuffixProposer, suffix_memory
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -203,7 +203,7 @@ def test_greedy_suffix_drafting_equals_the_target_locally(pair, proposer, reques
         target, draft = request.getfixturevalue("tiny_target"), request.getfixturevalue("tiny_draft")
     else:
         target, draft = request.getfixturevalue("smollm2"), request.getfixturevalue("smollm2_4_layers")
-    engine = LocalEngine(target, draft)
+    engine = LocalDecoder(target, draft)
     copied = 0
     prompts = _prompts(target.tokenizer)
     if pair == "smollm2":  # the miss (draft-model blocks only) is the tiny pair's; SmolLM2 adds the real pair's copies
@@ -224,7 +224,7 @@ def test_greedy_suffix_drafting_equals_the_target_locally(pair, proposer, reques
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny_draft, proposer) -> None:
     prompts = _prompts(tiny_target.tokenizer)
-    references = {name: LocalEngine(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=24))
+    references = {name: LocalDecoder(tiny_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=24))
                   .token_ids for name, p in prompts.items()}
     settings = CloudSettings(target="tiny-random", batch_window_ms=1)
     with ServerThread(settings, tiny_target) as cloud:
@@ -247,7 +247,7 @@ def test_greedy_suffix_drafting_equals_the_target_over_a_cloud(tiny_target, tiny
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 def test_greedy_suffix_drafting_equals_the_target_over_a_cloud_smollm2(smollm2, smollm2_4_layers, proposer) -> None:
     prompt = _prompts(smollm2.tokenizer)["hit"]
-    reference = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=32))
+    reference = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=32))
     with ServerThread(CloudSettings(target="smollm2-135m", batch_window_ms=1), smollm2) as cloud:
         async def work(node: EdgeNode):
             return [await node.decoder.generate(prompt, EdgeSettings(
@@ -271,7 +271,7 @@ def test_sampled_suffix_drafting_follows_the_target(tiny_target, proposer, mode)
     base = tiny_target.tokenizer("Once upon a time there")["input_ids"]
     prompt = _repeating_prompt(tiny_target, base, sampling)
     exact = first_tokens_distribution(tiny_target, prompt, sampling, 3)
-    engine = LocalEngine(tiny_target, near_draft(tiny_target))
+    engine = LocalDecoder(tiny_target, near_draft(tiny_target))
     n = 600
     results = []
     for seed in range(n):  # each from the prior: copies keep being proposed, whatever the last ones' verdicts

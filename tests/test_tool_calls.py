@@ -1,4 +1,4 @@
-"""common/tool_calls.py: rendering tools through the chat template, parsing and streaming Hermes-style calls,
+"""edge/api/tool_calls.py: rendering tools through the chat template, parsing and streaming Hermes-style calls,
 the Lark grammar of a forced call (checked with llguidance itself), and the request checks."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.models import load_model
-from common.presets import build_tiny_tokenizer
-from common.tool_calls import (
+from common.model.loading import load_model
+from common.model.presets import build_tiny_tokenizer
+from edge.api.tool_calls import (
     ToolCall,
     ToolCallStream,
     ToolRequestError,

@@ -1,7 +1,7 @@
 """A tree of draft tokens in one packed forward: each node's row is its own path's, and a kept side path's KV is
 that of a session that only ever saw it.
 
-Conventions as a verify's (common/decoding/draft_tree.py): the block is the root (the session's pending token)
+Conventions as a verify's (common/spec/tree/draft_tree.py): the block is the root (the session's pending token)
 then N nodes; `parents[i]` is node i's parent, -1 for the root. The reference for a node is the model's own forward, no cache,
 over the context and the path to that node; both KV layouts run, batched with other sessions' chains.
 """
@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.resident_kv import KVLayout, ResidentKV
-from common.decoding.draft_tree import ancestors, check_path, depths, path_to
+from common.spec.tree.draft_tree import ancestors, check_path, depths, path_to
 
 ATOL = 1e-4
 # A root with three branches of different depths, one of them branching again: node 4 follows node 2's sibling.

@@ -10,7 +10,7 @@ import pytest
 from cloud.errors import CloudError
 from cloud.frames import ServiceLimits, check_verify
 from common import wire
-from common.sampling import SamplingParams
+from common.sampling.distributions import SamplingParams
 
 VOCAB = 100
 GREEDY = SamplingParams()

@@ -19,11 +19,11 @@ from cloud.tree_verify import forward_parents, on_primary_chain, shaped_tree_row
 from cloud.vllm_engine import VllmEngine
 from cloud_harness import ServerThread, SessionStream
 from common import wire
-from common.acceptance_rules import Proposal, decide
-from common.decoding.draft_tree import DraftTree
-from common.logits_processing import LogitsProcessor
-from common.models import LoadedModel
-from common.sampling import SamplingParams, SparseDistribution
+from common.spec.acceptance_rules import Proposal, decide
+from common.spec.tree.draft_tree import DraftTree
+from common.sampling.logits_processing import LogitsProcessor
+from common.model.loading import LoadedModel
+from common.sampling.distributions import SamplingParams, SparseDistribution
 from sprinter.v1 import decoding_pb2 as pb
 
 PROMPT = [5, 6, 7, 8, 9, 10]

@@ -20,11 +20,11 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
 from edge_harness import on_edge
@@ -92,7 +92,7 @@ def test_the_forced_fallback_to_the_whole_distribution_stays_exact(tiny_target) 
 
 def test_greedy_is_unchanged(tiny_cloud, tiny_target, tiny_draft) -> None:
     prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=30))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=30))
 
     async def work(node: EdgeNode):
         return [await node.decoder.generate(prompt, EdgeSettings(DecodeSettings(mode="sd", max_new_tokens=30, k=3),

@@ -1,6 +1,6 @@
-"""One home for the verdict: the acceptance rules are applied by common/acceptance_rules.py's `decide` alone.
+"""One home for the verdict: the acceptance rules are applied by common/spec/acceptance_rules.py's `decide` alone.
 
-Outside common/acceptance_rules.py and common/multipath_rules.py (the rules; the one entry is the first's `decide`),
+Outside common/spec/acceptance_rules.py and common/spec/tree/multipath_rules.py (the rules; the one entry is the first's `decide`),
 no module in common/,
 edge/, cloud/ or sim/ imports a rule, or reaches one through the module (`acceptance_rules.block_verify`).
 What the rules' module also offers for sampling the token rule's residual by queries (`residual`,
@@ -14,8 +14,8 @@ import ast
 
 from tests.test_layout import MODULES
 
-RULES_MODULE = "common.acceptance_rules"
-RULES_MODULES = (RULES_MODULE, "common.multipath_rules")  # the rules' home: the entry's module and the multi-path math
+RULES_MODULE = "common.spec.acceptance_rules"
+RULES_MODULES = (RULES_MODULE, "common.spec.tree.multipath_rules")  # the rules' home: the entry's module and the multi-path math
 RULES = frozenset({"greedy_verify", "token_verify", "block_verify", "sprinter_verify", "greedy_verdict",
                    "token_acceptances", "ACCEPTANCE_RULES", "rule_for",  # rule_for: the entry's own choice of rule
                    "block_stop", "multipath_block_verify", "greedy_tree_verdict"})
@@ -56,15 +56,15 @@ def test_the_entry_applies_them() -> None:
 
 def test_the_rule_catches_planted_uses_and_spares_the_rest() -> None:
     planted = """
-from common.acceptance_rules import block_verify, residual
-from common.acceptance_rules import decide, rule_for
+from common.spec.acceptance_rules import block_verify, residual
+from common.spec.acceptance_rules import decide, rule_for
 from common import acceptance_rules as rules
-from common.multipath_rules import multipath_block_verify
-import common.acceptance_rules
+from common.spec.tree.multipath_rules import multipath_block_verify
+import common.spec.acceptance_rules
 n = rules.token_verify
-m = common.acceptance_rules.rule_for
+m = common.spec.acceptance_rules.rule_for
 fine = rules.residual_by_rejection, decide
 """
     assert _rule_uses(planted) == ["2: imports block_verify", "3: imports rule_for",
                                    "5: imports multipath_block_verify", "7: reads rules.token_verify",
-                                   "8: reads common.acceptance_rules.rule_for"]
+                                   "8: reads common.spec.acceptance_rules.rule_for"]

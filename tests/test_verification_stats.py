@@ -1,4 +1,4 @@
-"""Statistical tests of the verification rules in common/acceptance_rules.py.
+"""Statistical tests of the verification rules in common/spec/acceptance_rules.py.
 
 The rules are checked for what they promise, not for how they compute it:
 
@@ -25,8 +25,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from common.sampling import SamplingParams, logits_to_probs, sample
-from common.acceptance_rules import (
+from common.sampling.distributions import SamplingParams, logits_to_probs, sample
+from common.spec.acceptance_rules import (
     block_verify,
     greedy_verdict,
     greedy_verify,

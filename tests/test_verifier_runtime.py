@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from common.cached_lm import CachedLM
+from common.model.cached_lm import CachedLM
 from common.errors import PairMismatch
-from common.models import vocab_fingerprint
-from common.verifier import DraftStep
+from common.model.loading import vocab_fingerprint
+from common.spec.verifier import DraftStep
 from edge.runtime.verifier import LearnedVerifier, load_verifier, step_features
 
 FEATURES = ["hidden", "token_prob", "max_prob", "entropy"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.cli import main
-from common.acceptance_rules import token_verify
-from common.verifier import DraftStep, verifier_for
+from common.spec.acceptance_rules import token_verify
+from common.spec.verifier import DraftStep, verifier_for
 from edge.verifier_training.collect import load_dataset
 from edge.verifier_training.features import feature_column, labels_for, soft_label
 from edge.runtime.verifier import (FREE_FEATURES, SHIPPED_DIR, LearnedVerifier, TemperatureMatched, load_verifier,
@@ -74,7 +74,7 @@ def test_auto_picks_the_verifier_trained_for_the_requested_temperature(sampled_a
 
 def test_a_verifier_of_the_other_regime_scores_with_one_warning(sampled_and_greedy, tiny_draft, caplog):
     greedy = LearnedVerifier.load(sampled_and_greedy["greedy"] / "verifier.json")
-    with caplog.at_level(logging.WARNING, logger="common.verifier"):
+    with caplog.at_level(logging.WARNING, logger="common.spec.verifier"):
         assert verifier_for(greedy, 1.0) is greedy
         verifier_for(greedy, 0.8)
         assert verifier_for(greedy, 0.0) is greedy  # its own regime: silent
@@ -124,17 +124,17 @@ def test_shipped_verifiers_say_the_pair_and_regime_they_were_trained_for(path):
 
 def test_a_temperature_matched_pair_decodes_with_history_features(sampled_and_greedy, tiny_target, tiny_draft,
                                                                  monkeypatch):
-    from common.cached_lm import CachedLM
-    from common.decoding.local_engine import LocalEngine
-    from common.decoding.modes import DecodeSettings
-    from common.sampling import SamplingParams
+    from common.model.cached_lm import CachedLM
+    from common.spec.local_decoder import LocalDecoder
+    from common.spec.modes import DecodeSettings
+    from common.sampling.distributions import SamplingParams
 
     monkeypatch.setattr("edge.runtime.verifier.SHIPPED_DIR", sampled_and_greedy["greedy"].parent)
     verifier = load_verifier("auto", tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
-    engine = LocalEngine(tiny_target, tiny_draft, verifier, lambda hidden: CachedLM(tiny_draft.model, with_hidden=hidden))
+    engine = LocalDecoder(tiny_target, tiny_draft, verifier, lambda hidden: CachedLM(tiny_draft.model, with_hidden=hidden))
     prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
     exact = engine.generate(prompt, DecodeSettings(mode="sprinter-exact", max_new_tokens=20))
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=20))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=20))
     assert exact.token_ids == reference.token_ids
     sampled = engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=20,
                                                      sampling=SamplingParams(temperature=1.0, seed=3)))
@@ -160,8 +160,8 @@ def test_bound_picks_the_cheapest_threshold_that_meets_the_quality_on_calibratio
 
 
 def test_collection_keeps_a_token_budget_and_splits_shards_between_workers(tmp_path, tiny_target, tiny_draft):
-    from common.cached_lm import CachedLM
-    from common.prompt_sets import load_prompts
+    from common.model.cached_lm import CachedLM
+    from common.lab.prompt_sets import load_prompts
     from edge.verifier_training.collect import CollectSettings, collect, collected_tokens
 
     prompts = load_prompts()[:8]

@@ -10,9 +10,9 @@ import pytest
 
 from common.cli import main
 from prompt_files import short_prompt_file
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.prompt_sets import load_prompts
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.lab.prompt_sets import load_prompts
 from edge.runtime.draft import exported_draft
 from edge.verifier_training.collect import CollectSettings, collect, load_dataset
 from edge.verifier_training.metrics import evaluate_scores, roc_auc, threshold_for_fpr
@@ -59,10 +59,10 @@ def test_trained_verifier_loads_in_the_edge_and_decodes(trained, tiny_target, ti
     verifier = load_verifier(str(trained / "verifier.json"), tiny_draft.tokenizer, "tiny-random-draft", "tiny-random")
     assert isinstance(verifier, LearnedVerifier) and verifier.needs_hidden
     onnx_model = exported_draft(tiny_draft, threads=1)
-    engine = LocalEngine(tiny_target, tiny_draft, verifier, lambda with_hidden: onnx_model.new_lm(with_hidden))
+    engine = LocalDecoder(tiny_target, tiny_draft, verifier, lambda with_hidden: onnx_model.new_lm(with_hidden))
     prompt = tiny_draft.tokenizer("def add(a, b):")["input_ids"]
     exact = engine.generate(prompt, DecodeSettings(mode="sprinter-exact", max_new_tokens=24))
-    reference = LocalEngine(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
     assert exact.token_ids == reference.token_ids  # float32 + greedy: lossless whatever the verifier says
     assert engine.generate(prompt, DecodeSettings(mode="sprinter", max_new_tokens=24)).stats.new_tokens == 24
 
@@ -92,7 +92,7 @@ def test_eval_reports_every_method(trained):
 def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_target, tiny_draft):
     prompts = load_prompts()[:6]
     settings = CollectSettings(max_new_tokens=8, shard_size=2, draft_runtime="torch")
-    from common.cached_lm import CachedLM
+    from common.model.cached_lm import CachedLM
 
     make_lm = lambda with_hidden: CachedLM(tiny_draft.model, with_hidden=with_hidden)  # noqa: E731
     collect(tiny_target, tiny_draft, make_lm, prompts, tmp_path, settings)
@@ -108,7 +108,7 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_target, ti
 
 
 def test_labels_match_their_definitions(tmp_path, tiny_target, tiny_draft):
-    from common.cached_lm import CachedLM
+    from common.model.cached_lm import CachedLM
 
     prompts = load_prompts()[:2]
     collect(tiny_target, tiny_draft, lambda with_hidden: CachedLM(tiny_draft.model, with_hidden=with_hidden), prompts, tmp_path,

@@ -23,11 +23,11 @@ import torch
 from cloud.vllm_launch import cpu_problem, vllm_environment
 from cloud_harness import SessionStream
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import LoadedModel, load_model
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import LoadedModel, load_model
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.load import scrape_metrics
@@ -143,7 +143,7 @@ def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_
             assert result.token_ids == alone.token_ids, mode  # exact against vLLM's own greedy output
         # rollback through divergence: the self-draft's blocks were rejected part-way, and decoding went on
         assert any(n < g for r in speculative for g, n in zip(r.stats.block_lengths, r.stats.accepted_lengths))
-        resident = LocalEngine(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+        resident = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
         parted = _near_ties(smollm2, prompt, resident.token_ids, alone.token_ids)
         assert all(gap < 1e-4 for _, gap in parted), f"vLLM and the resident engine part beyond a near-tie: {parted}"
         ties += parted
@@ -187,7 +187,7 @@ def test_eight_concurrent_sessions_on_vllm_stay_exact(wide_vllm, wide_target, wi
     bypasses = _metric(wide_vllm, "sprinter_cloud_engine_cache_bypasses_total")
     results = _generate(wide_vllm.address, wide_draft, prompts, modes, 48, k=3)
     for prompt, mode, result in zip(prompts, modes, results):
-        target = LocalEngine(wide_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=48))
+        target = LocalDecoder(wide_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=48))
         assert result.token_ids == target.token_ids, mode
         assert not result.degraded
     # twins compute the same contexts, but each session's cache salt keeps their blocks apart: no verify re-runs
@@ -215,7 +215,7 @@ def test_a_repeated_prompts_logprobs_are_computed_not_read_from_the_cache(wide_v
 # Last in this module: it kills the shared vLLM cloud.
 def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path, wide_vllm, wide_target, wide_draft):
     prompts = [wide_target.tokenizer(t)["input_ids"] for t in ("The quick brown fox", "Once upon a time")]
-    reference = [LocalEngine(wide_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=160)).token_ids
+    reference = [LocalDecoder(wide_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=160)).token_ids
                  for p in prompts]
 
     def resident() -> CloudProcess:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common import wire
-from common.decoding.modes import VERIFY_METHODS
-from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
+from common.spec.modes import VERIFY_METHODS
+from common.sampling.distributions import FLOAT32_TINY, SamplingParams, SparseDistribution
 from sprinter.v1 import decoding_pb2 as pb
 
 

@@ -18,8 +18,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 from common.addresses import split_host_port
-from common.call_policy import parse_policy
-from common.decoding.modes import MODES, PIPELINES
+from common.spec.call_policy import parse_policy
+from common.spec.modes import MODES, PIPELINES
 from common.errors import SprinterError
 from common.fleet_plane.topics import check_identifier, check_sha256
 from common.prefix_digests import DIGEST_HEX, MAX_ANNOUNCED_PREFIXES

@@ -51,10 +51,10 @@ import grpc
 import torch
 
 from common.admission import Admission, QueuePlace
-from common.decoding.modes import VERIFY_METHODS
-from common.sampling import FLOAT32_TINY, SamplingParams, SparseDistribution
-from common.logprobs import TokenLogprob
-from common.sampling_params import GrammarSpec
+from common.spec.modes import VERIFY_METHODS
+from common.sampling.distributions import FLOAT32_TINY, SamplingParams, SparseDistribution
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.params import GrammarSpec
 from common.wire.limits import CloudLimits, info_request, limits_message, service_info  # noqa: F401 (the codec's)
 from sprinter.v1 import decoding_pb2 as pb
 
@@ -62,7 +62,7 @@ from sprinter.v1 import decoding_pb2 as pb
 
 
 def method_value(method: str) -> int:
-    """The .proto `Method` of a verify method of common/decoding/modes.py ('block' -> METHOD_BLOCK)."""
+    """The .proto `Method` of a verify method of common/spec/modes.py ('block' -> METHOD_BLOCK)."""
     return pb.Method.Value(f"METHOD_{method.upper()}")
 
 

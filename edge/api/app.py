@@ -25,8 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.prompting import encode_prompt
-from common.tool_calls import render_chat
+from common.model.prompting import encode_prompt
+from edge.api.tool_calls import render_chat
 from edge.api.completions import ApiSettings, Completions
 from edge.api.guards import RequestGuard
 from edge.api.request_plan import RequestRefused, plan_request

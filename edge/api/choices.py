@@ -2,7 +2,7 @@
 
 Logprobs follow OpenAI's two shapes: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}` and the
 completions API's `{tokens, token_logprobs, top_logprobs, text_offset}`. The values are the raw distribution's
-(common/logprobs.py): the target's for every token a target produced or judged, the draft's for a token none
+(common/sampling/logprobs.py): the target's for every token a target produced or judged, the draft's for a token none
 did (mode draft, a degraded stretch, a token sprinter's verifier passed); `sprinter.logprob_sources` says which,
 token by token.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from common.logprobs import TokenLogprob
-from common.tool_calls import ToolCallStream, parse_tool_calls
+from common.sampling.logprobs import TokenLogprob
+from edge.api.tool_calls import ToolCallStream, parse_tool_calls
 from edge.api.sse import IncrementalText
 
 
@@ -79,7 +79,7 @@ def whole_choice(index: int, text: str, finish: str, chat: bool, parse_calls: bo
 
 class ChoiceDeltas:
     """One choice's streamed deltas from its tokens: text (IncrementalText), or with `parse_calls` chat deltas where
-    the model's tool calls become `tool_calls` (common/tool_calls.py: ToolCallStream)."""
+    the model's tool calls become `tool_calls` (edge/api/tool_calls.py: ToolCallStream)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], parse_calls: bool) -> None:
         self.text = IncrementalText(tokenizer, stop)

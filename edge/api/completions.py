@@ -21,11 +21,11 @@ from typing import Callable
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from common.decoding.modes import (MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching, mode_of,
+from common.spec.modes import (MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching, mode_of,
                                    takes_trees)
-from common.sampling import SamplingParams
-from common.sampling_params import GrammarError
-from common.tool_calls import ToolsUnsupported
+from common.sampling.distributions import SamplingParams
+from common.sampling.params import GrammarError
+from edge.api.tool_calls import ToolsUnsupported
 from common.tracing import tracer
 from edge.api.choices import LogprobFormat
 from edge.api.guards import ConcurrencyLimit
@@ -50,7 +50,7 @@ class ApiSettings:
     model_name: str = "sprinter"
     default_policy: str | None = None  # applies to requests in modes that take a policy and name none
     default_pipeline: str = "off"  # edge/decoding/pipeline.py; a request may set its own
-    default_proposer: str = "model"  # what proposes a block's tokens (common/decoding/proposals.py); likewise
+    default_proposer: str = "model"  # what proposes a block's tokens (common/spec/propose/proposals.py); likewise
     default_branch_tokens: int | str = 0  # branch tokens of requests in tree-taking modes that name none (branching.py)
     default_placement: str = "edge"  # where requests that name none draft (edge/decoding/placer.py)
     default_k: int = 5  # block length of requests that name none (fixed-k policies, sd's default)

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from common.call_policy import CostModel
+from common.spec.call_policy import CostModel
 from edge.decoding.ahead_gauge import AheadRecord
 from edge.decoding.decoder import EdgeResult
 from edge.cloud_link.replicas import ReplicaSet
@@ -112,7 +112,7 @@ class EdgeMetrics:
                                "source (model, copied)", ["mode", "source"], registry=r)
         self.copied_kept = Counter("sprinter_edge_copied_tokens_kept", "Copied tokens the target kept", ["mode"],
                                    registry=r)
-        # Branching (common/decoding/branching.py, copy_branches.py): tree rounds, paths, branch and copy tokens.
+        # Branching (common/spec/tree/branching.py, copy_branches.py): tree rounds, paths, branch and copy tokens.
         self.tree_rounds = Counter("sprinter_edge_tree_rounds", "Verify calls that sent a draft tree", ["mode"],
                                    registry=r)
         self.tree_paths = Counter("sprinter_edge_tree_paths", "Root-to-leaf paths of the trees sent (per tree round: "

@@ -1,10 +1,10 @@
 """What an OpenAI request asks the decoder for, beyond its sampling fields: structured output and tools.
 
     response_format  {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}: the
-                     output is constrained by a grammar (common/grammar.py) on the draft's proposals and in the
+                     output is constrained by a grammar (common/sampling/grammar.py) on the draft's proposals and in the
                      rule's target distribution, so every output parses (and validates), and the constrained
                      target's distribution is kept exactly in the lossless modes
-    tools            rendered by the model's own chat template (common/tool_calls.py); the reply is parsed for
+    tools            rendered by the model's own chat template (edge/api/tool_calls.py); the reply is parsed for
                      calls. tool_choice "auto" lets the model choose, "none" parses nothing, "required" and a
                      named function constrain the reply to calls whose arguments follow the tools' schemas
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import SprinterError
-from common.sampling_params import GrammarError, GrammarSpec
-from common.tool_calls import ToolRequestError, check_tools, tool_call_lark
+from common.sampling.params import GrammarError, GrammarSpec
+from edge.api.tool_calls import ToolRequestError, check_tools, tool_call_lark
 
 
 class RequestRefused(SprinterError, ValueError):

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from common.decoding.generation import Released
+from common.spec.generation import Released
 from edge.api.choices import ChoiceDeltas, LogprobFormat
 from edge.api.schemas import openai_error, sprinter_extension, usage
 from edge.api.sse import DONE, ChunkFormat

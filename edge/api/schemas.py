@@ -3,7 +3,7 @@
 Requests may set sprinter's own fields beside OpenAI's: `mode`, `k`, `policy` (a call policy
 spec, e.g. "goodput"), `pipeline` (off, ahead, send-ahead: edge/decoding/pipeline.py) and
 `placement` (edge, cloud or auto: where the draft runs, edge/decoding/placer.py), `proposer` (model,
-suffix or hybrid: what proposes the tokens, common/decoding/proposals.py) and
+suffix or hybrid: what proposes the tokens, common/spec/propose/proposals.py) and
 `request_deadline_s` (how long the request may wait for the cloud in all; past it the rest comes
 from the draft, degraded with reason `deadline`) and `priority` (as vLLM's: lower first, within this
 edge's share of the cloud's admission queue). Each response carries the usual `usage` plus a
@@ -61,7 +61,7 @@ class _Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it (OpenAI's shape; common/tool_calls.py converts the calls)."""
+        """The message as chat templates read it (OpenAI's shape; edge/api/tool_calls.py converts the calls)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name

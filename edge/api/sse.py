@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from common.decoding.generation import StopSequences
+from common.spec.generation import StopSequences
 
 
 class IncrementalText:

@@ -26,7 +26,7 @@ from common import wire
 from common.admission import Admission, QueuePlace
 from common.errors import SprinterError
 from common.tracing import tracer
-from common.sampling import SamplingParams
+from common.sampling.distributions import SamplingParams
 from common.wire import CloudLimits
 from edge.cloud_link.failures import Cause, classify_status
 from sprinter.v1 import decoding_pb2 as pb

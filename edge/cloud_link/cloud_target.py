@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from common import wire
-from common.decoding.branching import TreeBlock
-from common.decoding.proposals import PendingBlock
-from common.decoding.modes import reads_last_draft_only
-from common.decoding.speculative_round import Verdict
-from common.logprobs import TokenLogprob
-from common.sampling import SamplingParams, SparseDistribution
+from common.spec.tree.branching import TreeBlock
+from common.spec.propose.proposals import PendingBlock
+from common.spec.modes import reads_last_draft_only
+from common.spec.speculative_round import Verdict
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.distributions import SamplingParams, SparseDistribution
 from common.tracing import NO_SPAN, tracer
 from edge.cloud_link.client import CloudLinkError, CloudUnavailable, DeadlinePassed
 from edge.cloud_link.session import CloudSession

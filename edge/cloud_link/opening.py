@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from common.logprobs import TokenLogprob
+from common.sampling.logprobs import TokenLogprob
 
 
 class EarlyOpen:

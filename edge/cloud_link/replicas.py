@@ -36,7 +36,7 @@ import grpc
 from common.addresses import split_host_port
 from common.admission import Admission, QueuePlace
 from common.fleet_plane.messages import CloudLoad
-from common.sampling import SamplingParams
+from common.sampling.distributions import SamplingParams
 from edge.cloud_link.prefix_key import holders_first, prefix_key
 from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudLoading, CloudRefused, CloudUnavailable,
                                     DeadlinePassed, backoff_delay, time_left)

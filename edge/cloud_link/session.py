@@ -33,8 +33,8 @@ import grpc
 
 from common import wire
 from common.admission import Admission
-from common.logprobs import TokenLogprob
-from common.sampling import SparseDistribution, SamplingParams
+from common.sampling.logprobs import TokenLogprob
+from common.sampling.distributions import SparseDistribution, SamplingParams
 from common.tracing import tracer
 from edge.cloud_link.prefix_key import prefix_key
 from edge.cloud_link.client import CloudClient, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within

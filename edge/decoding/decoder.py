@@ -8,9 +8,9 @@ when a token is flagged; `sprinter-exact` releases tokens only once the cloud bl
 and sends when its policy says so (goodput by default). The costs goodput weighs are learned by one
 `CostModel` per decoder: the link and the draft are properties of the edge, not of a request.
 
-Each speculative mode runs the one speculative round (common/decoding/speculative_round.py) with the cloud
+Each speculative mode runs the one speculative round (common/spec/speculative_round.py) with the cloud
 session as its target (edge/cloud_link/cloud_target.py: a block becomes a verify frame, the answer a `Verdict`),
-its blocks proposed by the request's proposer (common/decoding/proposals.py: the draft model, or suffix drafting);
+its blocks proposed by the request's proposer (common/spec/propose/proposals.py: the draft model, or suffix drafting);
 with a pipeline on (edge/decoding/pipeline.py) the edge drafts ahead while a block is in flight, and with
 send-ahead sends those candidates too. Blocks and the context are kept within the cloud's limits. The
 cloud is a set of replicas (edge/cloud_link/replicas.py): a session that loses its replica reopens on
@@ -32,23 +32,23 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from common.cached_lm import DraftLM
-from common.call_policy import CallPolicy, CostModel
-from common.companion import Companion
-from common.decoding.drafting import Drafter, model_drafter
-from common.decoding.proposals import PendingBlock
-from common.decoding.proposer_choice import proposer_for
-from common.decoding.suffix_proposer import SuffixMemory
-from common.decoding.generation import Generation, Released, StopSequences
-from common.logprobs import TokenLogprob, logprobs_of
-from common.decoding.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of
-from common.decoding.speculative_round import block_limit, draft_block, speculative_round
-from common.logits_processing import processor_for
-from common.models import LoadedModel, vocab_fingerprint
-from common.sampling import SamplingParams
+from common.model.cached_lm import DraftLM
+from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.companion import Companion
+from common.spec.propose.drafting import Drafter, model_drafter
+from common.spec.propose.proposals import PendingBlock
+from common.spec.propose.proposer_choice import proposer_for
+from common.spec.propose.suffix_proposer import SuffixMemory
+from common.spec.generation import Generation, Released, StopSequences
+from common.sampling.logprobs import TokenLogprob, logprobs_of
+from common.spec.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of
+from common.spec.speculative_round import block_limit, draft_block, speculative_round
+from common.sampling.logits_processing import processor_for
+from common.model.loading import LoadedModel, vocab_fingerprint
+from common.sampling.distributions import SamplingParams
 from common.stats import DecodeStats, StatsRecorder
 from common.tracing import tracer
-from common.verifier import Verifier, verifier_for
+from common.spec.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_link.cloud_target import CloudUse, CloudTarget, draft_sampling

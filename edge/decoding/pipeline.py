@@ -54,11 +54,11 @@ from typing import Callable
 
 import torch
 
-from common.call_policy import CallPolicy, CostModel
-from common.decoding.drafting import Drafter
-from common.decoding.proposals import PendingBlock
-from common.decoding.generation import Generation
-from common.decoding.speculative_round import Verdict, apply_verdict, block_limit, draft_block, speculative_round
+from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.propose.drafting import Drafter
+from common.spec.propose.proposals import PendingBlock
+from common.spec.generation import Generation
+from common.spec.speculative_round import Verdict, apply_verdict, block_limit, draft_block, speculative_round
 from edge.decoding.ahead_gauge import AheadGauge
 from edge.cloud_link.cloud_target import CloudTarget
 

@@ -1,4 +1,4 @@
-"""Placement per request on the edge: what the decision (common/decoding/placement.py) reads, learned here.
+"""Placement per request on the edge: what the decision (edge/decoding/placement.py) reads, learned here.
 
 The edge's own side comes from the decoder's `CostModel` (draft step, round trip, t_verify(gamma)) and from its
 finished generations (tokens a round, uplink bytes a round); the cloud's side from the GenerateChunks of earlier
@@ -16,9 +16,9 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.call_policy import CostModel, Ewma
-from common.decoding.modes import PLACEMENTS, mode_of, placed_mode
-from common.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, PlacementDecision, PlacementInputs, decide
+from common.spec.call_policy import CostModel, Ewma
+from common.spec.modes import PLACEMENTS, mode_of, placed_mode
+from edge.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, PlacementDecision, PlacementInputs, decide
 from common.errors import SprinterError
 from common.stats import DecodeStats
 

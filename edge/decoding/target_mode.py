@@ -26,10 +26,10 @@ import grpc
 
 from common import wire
 from common.admission import Admission, QueuePlace
-from common.call_policy import CostModel
-from common.decoding.drafting import Drafter
-from common.decoding.generation import Generation
-from common.decoding.speculative_round import speculative_round
+from common.spec.call_policy import CostModel
+from common.spec.propose.drafting import Drafter
+from common.spec.generation import Generation
+from common.spec.speculative_round import speculative_round
 from common.tracing import tracer
 from edge.cloud_link.cloud_target import CloudUse
 from edge.cloud_link.client import CloudLoading, CloudRefused, CloudUnavailable, DeadlinePassed, backoff_delay, sleep_within

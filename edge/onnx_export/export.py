@@ -64,7 +64,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common.errors import SprinterError
-from common.models import LoadedModel, cache_root
+from common.model.loading import LoadedModel, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -
     The tolerance is relative to the largest logit: fused kernels sum in a different order.
     """
     from edge.runtime.onnx_draft import OnnxCachedLM
-    from common.cached_lm import CachedLM
+    from common.model.cached_lm import CachedLM
 
     torch_lm, onnx_lm = CachedLM(model, with_hidden=True), OnnxCachedLM(path, with_hidden=True)
     generator = torch.Generator().manual_seed(0)

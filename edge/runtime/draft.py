@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from common.cached_lm import CachedLM, DraftLM
-from common.models import LoadedModel
+from common.model.cached_lm import CachedLM, DraftLM
+from common.model.loading import LoadedModel
 from edge.runtime.draft_reuse import DraftKVCache, ReusingDraftLM
 from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
 from edge.onnx_export.export import export_draft

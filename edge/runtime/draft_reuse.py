@@ -34,7 +34,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: `edge serve --help` reads the default below without loading torch
     import torch
 
-    from common.cached_lm import DraftLM, ForwardOutput
+    from common.model.cached_lm import DraftLM, ForwardOutput
     from common.stats import StatsRecorder
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from common.cached_lm import Fork, ForwardOutput, common_prefix_length, shared_prefix
+from common.model.cached_lm import Fork, ForwardOutput, common_prefix_length, shared_prefix
 from edge.runtime.kv_slice import KvSlicer
 from edge.runtime.ort_sessions import make_session
 

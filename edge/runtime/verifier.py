@@ -24,18 +24,18 @@ import numpy as np
 import onnxruntime as ort
 from transformers import PreTrainedTokenizerBase
 
-from common.decoding.suffix_proposer import Priors, load_priors
+from common.spec.propose.suffix_proposer import Priors, load_priors
 from common.errors import PairMismatch
 from common.fleet_plane.messages import verifier_digest
-from common.models import vocab_fingerprint
-from common.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
+from common.model.loading import vocab_fingerprint
+from common.spec.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
 from edge.runtime.ort_sessions import make_session
 
 log = logging.getLogger(__name__)
 
 FORMAT = "sprinter-verifier/1"
 CONFIDENCE_FEATURES = ("token_prob", "max_prob", "entropy")
-COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of common/companion.py, in that order
+COMPANION_FEATURES = ("companion_overlap", "companion_ratio")  # (S, A) of common/spec/companion.py, in that order
 FREE_FEATURES = ("margin", "prev_token_prob", "entropy_delta")  # edge/verifier_training/features.py defines them
 HISTORY_FEATURES = ("prev_token_prob", "entropy_delta")  # read DraftStep.previous
 KNOWN_FEATURES = ("hidden", *CONFIDENCE_FEATURES, *COMPANION_FEATURES, *FREE_FEATURES)
@@ -177,7 +177,7 @@ def shipped_suffix_priors(draft_spec: str | None, target_id: str | None) -> dict
 class TemperatureMatched:
     """Two verifiers for one pair: `greedy` scores tokens drafted at T = 0, `sampling` those drafted at T > 0.
 
-    A decoder picks with common.verifier.verifier_for(this, temperature); the attributes below describe both.
+    A decoder picks with common.spec.verifier.verifier_for(this, temperature); the attributes below describe both.
     """
 
     greedy: LearnedVerifier

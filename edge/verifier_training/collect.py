@@ -17,7 +17,7 @@ Per drafted token x the shards hold everything any label needs:
     p_draft / p_target: both models' probability of x under the sampling settings,
     target_argmax_match: the target's greedy choice is x (the greedy label),
     on_path, position, prompt_index;
-    companion [n, 2] (S, A of common/companion.py), only when a companion ran (`--companion SPEC`).
+    companion [n, 2] (S, A of common/spec/companion.py), only when a companion ran (`--companion SPEC`).
 Shards of `shard_size` prompts are written atomically; a rerun skips the finished ones (resume).
 A token budget (`max_tokens`, checked before each shard) stops early; `worker=(i, n)` collects every
 n-th shard from the i-th, so that n processes fill one directory together.
@@ -36,20 +36,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.cached_lm import CachedLM, DraftLM
-from common.companion import Companion
-from common.decoding.drafting import model_drafter
-from common.decoding.proposals import PendingBlock
-from common.decoding.generation import Generation
-from common.decoding.modes import DecodeSettings
-from common.decoding.speculative_round import LocalTarget, Verdict, run_inline, speculative_round
-from common.models import LoadedModel, vocab_fingerprint
-from common.prompt_sets import PromptRecord
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.model.cached_lm import CachedLM, DraftLM
+from common.spec.companion import Companion
+from common.spec.propose.drafting import model_drafter
+from common.spec.propose.proposals import PendingBlock
+from common.spec.generation import Generation
+from common.spec.modes import DecodeSettings
+from common.spec.speculative_round import LocalTarget, Verdict, run_inline, speculative_round
+from common.model.loading import LoadedModel, vocab_fingerprint
+from common.lab.prompt_sets import PromptRecord
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from common.stats import StatsRecorder
-from common.acceptance_rules import GREEDY
-from common.verifier import draft_confidence_features
+from common.spec.acceptance_rules import GREEDY
+from common.spec.verifier import draft_confidence_features
 
 log = logging.getLogger(__name__)
 

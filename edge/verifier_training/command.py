@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from common.arguments import DTYPE_NAMES, floats
-from common.results_page import add_page_arguments, publish_if_asked
+from common.lab.results_page import add_page_arguments, publish_if_asked
 
 if TYPE_CHECKING:  # models load in the commands that run: `--help` imports no torch
-    from common.cached_lm import DraftLM
-    from common.models import LoadedModel
+    from common.model.cached_lm import DraftLM
+    from common.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _draft_lm_factory(draft: LoadedModel, args: argparse.Namespace) -> Callable[
 
 
 def _prompts(args: argparse.Namespace):
-    from common.prompt_sets import interleave_categories, load_prompts
+    from common.lab.prompt_sets import interleave_categories, load_prompts
 
     # One category in turn: a --limit or a --max-tokens budget that stops early still covers every category.
     prompts = interleave_categories(load_prompts(args.prompts))
@@ -161,8 +161,8 @@ def _collect(args: argparse.Namespace, data_dir: Path) -> None:
 
         run_workers(args.workers, data_dir, args.argv)
         return
-    from common.companion import companion_factory, load_companion
-    from common.models import DTYPES, load_pair
+    from common.spec.companion import companion_factory, load_companion
+    from common.model.loading import DTYPES, load_pair
     from edge.verifier_training.collect import CollectSettings, collect, nothing_to_collect
 
     if args.worker is not None:  # one of --workers' processes: the target's forward keeps to its core too
@@ -227,7 +227,7 @@ def run_study(args: argparse.Namespace) -> int:
 
 
 def _prompts_of(learned, ids_key: str, args: argparse.Namespace) -> list:
-    from common.prompt_sets import interleave_categories, load_prompts
+    from common.lab.prompt_sets import interleave_categories, load_prompts
 
     wanted = set(learned.metadata["training"].get(ids_key, []))
     prompts = interleave_categories([p for p in load_prompts(args.prompts) if p.id in wanted])
@@ -238,7 +238,7 @@ def _prompts_of(learned, ids_key: str, args: argparse.Namespace) -> list:
 
 
 def run_bound(args: argparse.Namespace) -> int:
-    from common.models import DTYPES, load_pair
+    from common.model.loading import DTYPES, load_pair
     from edge.verifier_training.evaluate import EvalSettings
     from edge.verifier_training.quality_bound import QualityBound, run_bound as bound, write_report
     from edge.runtime.verifier import LearnedVerifier
@@ -276,8 +276,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from common.models import DTYPES, load_pair
-    from common.prompt_sets import interleave_categories, load_prompts
+    from common.model.loading import DTYPES, load_pair
+    from common.lab.prompt_sets import interleave_categories, load_prompts
     from edge.verifier_training.evaluate import EvalSettings, evaluate, matched, table, to_dicts
     from edge.verifier_training.plots import plot_reliability, plot_tradeoff
     from edge.runtime.verifier import LearnedVerifier

@@ -1,6 +1,6 @@
 """`sprinter verifier eval`: what a verifier buys in decoding, on prompts it was not trained on.
 
-Every method decodes the same held-out prompts with the local engine (the edge's draft runtime, the
+Every method decodes the same held-out prompts with the local decoder (the edge's draft runtime, the
 target in-process): the target alone (the reference), sd, and sprinter / sprinter-exact with the
 learned verifier and with the confidence baseline at several thresholds each. A threshold sweep
 traces each verifier's trade-off curve between cloud cost (target_calls_per_token) and quality
@@ -17,15 +17,15 @@ from typing import Callable, Iterable
 import numpy as np
 from tqdm import tqdm
 
-from common.cached_lm import DraftLM
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings, mode_of
-from common.models import LoadedModel
-from common.prompt_sets import PromptRecord
-from common.prompting import encode_prompt
-from common.quality import agreement, target_nll_per_token
-from common.sampling import SamplingParams
-from common.verifier import ConfidenceVerifier
+from common.model.cached_lm import DraftLM
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings, mode_of
+from common.model.loading import LoadedModel
+from common.lab.prompt_sets import PromptRecord
+from common.model.prompting import encode_prompt
+from common.lab.quality import agreement, target_nll_per_token
+from common.sampling.distributions import SamplingParams
+from common.spec.verifier import ConfidenceVerifier
 from edge.runtime.verifier import LearnedVerifier
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def evaluate(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[b
         for method in plan:
             verifier = (replace(learned, threshold=method.threshold) if method.verifier == "learned"
                         else ConfidenceVerifier(method.threshold if method.threshold is not None else 0.5))
-            engine = LocalEngine(target, draft, verifier, make_draft_lm)
+            engine = LocalDecoder(target, draft, verifier, make_draft_lm)
             decode = DecodeSettings(mode=method.mode, max_new_tokens=settings.max_new_tokens, sampling=sampling,
                                     k=settings.k, max_run_length=settings.max_run_length,
                                     policy=method.policy if mode_of(method.mode).takes_policy else None)

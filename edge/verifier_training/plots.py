@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from edge.verifier_training.evaluate import EvalRow
 from edge.verifier_training.replay import EXACT, HINDSIGHT, LEARNED, ReplayRow
 

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from common.cached_lm import DraftLM
-from common.decoding.modes import mode_of
-from common.models import LoadedModel
-from common.prompt_sets import PromptRecord
+from common.model.cached_lm import DraftLM
+from common.spec.modes import mode_of
+from common.model.loading import LoadedModel
+from common.lab.prompt_sets import PromptRecord
 from edge.verifier_training.evaluate import EvalRow, EvalSettings, Method, evaluate, table
 from edge.runtime.verifier import LearnedVerifier
 

@@ -16,7 +16,7 @@ Glossary
 
 Policies (every block stops at the cap, 20, and at the trace's end):
     fixed:K             send every K tokens.
-    goodput             common.call_policy.GoodputPolicy reading the verifier's scores s_i.
+    goodput             common.spec.call_policy.GoodputPolicy reading the verifier's scores s_i.
     goodput exact-a     the same policy reading a_i itself: a perfectly sharp and calibrated verifier, the
                         best any verifier can do under this policy. The learned one's gap to it is what a
                         better verifier could still win.
@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
-from common.prompt_sets import interleave_categories
+from common.spec.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
+from common.lab.prompt_sets import interleave_categories
 from edge.verifier_training.collect import VerifierDataset
 from edge.verifier_training.features import feature_matrix, labels_for
 

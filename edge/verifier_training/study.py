@@ -104,7 +104,7 @@ def study_tables(points: list[CurvePoint], ablation: list[AblationRow], label: s
 
 
 def plot_learning_curve(points: list[CurvePoint], label: str, path: Path) -> None:
-    from common.plots import pyplot
+    from common.lab.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.2))

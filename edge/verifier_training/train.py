@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.prompt_sets import split_by_prompt
+from common.lab.prompt_sets import split_by_prompt
 from edge.verifier_training.collect import VerifierDataset
 from edge.verifier_training.features import LABELS, events, feature_matrix, has_features, labels_for, resolved_label
 from edge.verifier_training.metrics import REPORTED_FPRS, evaluate_scores, reliability, threshold_for_fpr

@@ -57,12 +57,12 @@ from typing import Any, Iterator
 import grpc
 
 from common import wire
-from common.decoding.modes import CLOUD_DRAFTING, Mode, mode_of
+from common.spec.modes import CLOUD_DRAFTING, Mode, mode_of
 from common.errors import UsageError
-from common.models import model_dir
-from common.prompting import encode_prompt
-from common.results_page import machine
-from common.sampling import SamplingParams
+from common.model.loading import model_dir
+from common.model.prompting import encode_prompt
+from common.lab.results_page import machine
+from common.sampling.distributions import SamplingParams
 from sim.bench.capacity_projection import format_projection, plot_projection, project
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
                                       replayed_length, summarise)

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from cloud.batcher import MAX_HOLD_S, STRAGGLER_SHARE
-from common.decoding.modes import mode_of
-from common.plots import pyplot
+from common.spec.modes import mode_of
+from common.lab.plots import pyplot
 from common.table_cells import cell
 from sim.bench.capacity_report import edges_per_replica, replayed_length
 from sim.fleet.capacity import project_capacity

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from common.stats import percentile
 from common.table_cells import cell
 

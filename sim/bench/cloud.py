@@ -31,11 +31,11 @@ import grpc
 from tqdm import tqdm
 
 from common import wire
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings
-from common.models import load_model
-from common.plots import pyplot
-from common.prompting import encode_prompt
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from common.model.loading import load_model
+from common.lab.plots import pyplot
+from common.model.prompting import encode_prompt
 from common.stats import percentile
 from sim.bench.load import scrape_metrics
 from sim.bench.prompts import load_bench_prompts
@@ -84,7 +84,7 @@ def with_context(edges: list[RecordedEdge], context: int) -> list[RecordedEdge]:
 def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[RecordedEdge]:
     """Draft continuations of the shipped bench prompts, cut into k-token blocks."""
     model = load_model(draft)
-    engine = LocalEngine(None, model)
+    engine = LocalDecoder(None, model)
     recorded = []
     for prompt in load_bench_prompts():
         ids = encode_prompt(model.tokenizer, prompt["prompt"], prompt["chat"])

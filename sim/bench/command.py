@@ -26,8 +26,8 @@ import argparse
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
-from common.devices import add_device_argument
-from common.results_page import add_page_arguments
+from common.model.devices import add_device_argument
+from common.lab.results_page import add_page_arguments
 from sim.bench import chaos, dashboards, llama_cpp_command, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.registry import described as _described

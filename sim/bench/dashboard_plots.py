@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from sim.bench.dashboard_queries import PanelResult
 
 COLUMNS = 2

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.cached_lm import CachedLM
-from common.models import LoadedModel, load_model
+from common.model.cached_lm import CachedLM
+from common.model.loading import LoadedModel, load_model
 from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
 from edge.runtime.ort_sessions import available_cores

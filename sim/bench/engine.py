@@ -39,12 +39,12 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout, ResidentKV
-from common.devices import resolve_device
-from common.models import DTYPES
-from common.plots import pyplot
+from common.model.devices import resolve_device
+from common.model.loading import DTYPES
+from common.lab.plots import pyplot
 from common.stats import percentile
-from common.sampling_params import SamplingParams
-from common.acceptance_rules import Proposal, decide
+from common.sampling.params import SamplingParams
+from common.spec.acceptance_rules import Proposal, decide
 from sim.bench.random_weights import random_model
 from sim.bench.settings import EngineBenchSettings
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 
-from common.grammar import GrammarCompiler
-from common.models import model_dir
-from common.sampling_params import GrammarSpec
-from common.tool_calls import tool_call_lark
+from common.sampling.grammar import GrammarCompiler
+from common.model.loading import model_dir
+from common.sampling.params import GrammarSpec
+from edge.api.tool_calls import tool_call_lark
 from sim.processes import can_pin_apart, cloud_process, edge_daemon_process, free_port
 
 log = logging.getLogger(__name__)

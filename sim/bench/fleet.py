@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from common import wire
-from common.models import load_model, vocab_fingerprint
-from common.plots import pyplot
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.model.loading import load_model, vocab_fingerprint
+from common.lab.plots import pyplot
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from common.stats import percentile
 from common.table_cells import cell
 from edge.cloud_link.client import CloudEndpoint

@@ -35,11 +35,11 @@ import grpc
 import httpx
 
 from common import wire
-from common.models import gguf_file, load_gguf_tokenizer
-from common.presets import GGUF_PRESETS
-from common.prompting import encode_prompt
-from common.results_page import commit, machine
-from common.sampling import SamplingParams
+from common.model.loading import gguf_file, load_gguf_tokenizer
+from common.model.presets import GGUF_PRESETS
+from common.model.prompting import encode_prompt
+from common.lab.results_page import commit, machine
+from common.sampling.distributions import SamplingParams
 from sim.bench.settings import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess
@@ -238,7 +238,7 @@ def format_table(result: LlamaCppBenchResult) -> str:
 
 
 def plot(result: LlamaCppBenchResult, path: Path) -> None:
-    from common.plots import pyplot
+    from common.lab.plots import pyplot
 
     plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))

@@ -28,7 +28,7 @@ def register(benches: argparse._SubParsersAction, described: dict[str, object]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.results_page import publish_if_asked
+    from common.lab.results_page import publish_if_asked
     from sim.bench.llama_cpp import bench_llama_cpp
     from sim.processes import quiet_http_clients
 

@@ -22,7 +22,7 @@ from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
 from cloud.llama_cpp_engine import LlamaCppEngine
 from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
-from common.models import gguf_file
+from common.model.loading import gguf_file
 
 log = logging.getLogger(__name__)
 KV_BUDGET_BYTES = 1 << 30

@@ -21,14 +21,14 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from common.decoding.local_engine import LocalEngine
-from common.decoding.modes import DecodeSettings, mode_of
-from common.models import DTYPES, LoadedModel, load_pair
-from common.plots import pyplot
-from common.prompting import encode_prompt
-from common.quality import agreement
-from common.sampling import SamplingParams
-from common.verifier import ConfidenceVerifier
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings, mode_of
+from common.model.loading import DTYPES, LoadedModel, load_pair
+from common.lab.plots import pyplot
+from common.model.prompting import encode_prompt
+from common.lab.quality import agreement
+from common.sampling.distributions import SamplingParams
+from common.spec.verifier import ConfidenceVerifier
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import ASSISTED_CONFIGS, AssistedConfig, LocalBenchSettings
 
@@ -137,14 +137,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def warm_up(engine: LocalEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+def warm_up(engine: LocalDecoder, tokenizer: PreTrainedTokenizerBase) -> None:
     """First calls pay for kernel selection and allocation: pay them outside the timings."""
     warm_ids = encode_prompt(tokenizer, "warm up", True)
     engine.generate(warm_ids, DecodeSettings(mode="sd", max_new_tokens=8))
     engine.generate(warm_ids, DecodeSettings(mode="target", max_new_tokens=4))
 
 
-def run_prompt(engine: LocalEngine, target: LoadedModel, draft: LoadedModel, prompt: dict[str, Any], index: int,
+def run_prompt(engine: LocalDecoder, target: LoadedModel, draft: LoadedModel, prompt: dict[str, Any], index: int,
                temperature: float, assisted: list[AssistedConfig], settings: LocalBenchSettings) -> list[RunRecord]:
     """Our modes (target first: the reference of agreement) and the assisted configs on one prompt."""
     ids = encode_prompt(target.tokenizer, prompt["prompt"], prompt["chat"])
@@ -189,7 +189,7 @@ def bench_local(settings: LocalBenchSettings) -> str:
     """Every mode and assisted config on every prompt at every temperature; writes OUT, returns the table."""
     torch.set_grad_enabled(False)
     target, draft = load_pair(settings.target, settings.draft, DTYPES[settings.dtype])
-    engine = LocalEngine(target, draft, ConfidenceVerifier(settings.verifier_threshold))
+    engine = LocalDecoder(target, draft, ConfidenceVerifier(settings.verifier_threshold))
     prompts = load_bench_prompts(settings.prompts)
     assisted = [c for c in ASSISTED_CONFIGS if c.name in settings.assisted]
     warm_up(engine, target.tokenizer)

@@ -19,8 +19,8 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
-from common.decoding.modes import PIPELINED_MODES
-from common.plots import pyplot
+from common.spec.modes import PIPELINED_MODES
+from common.lab.plots import pyplot
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel
 from sim.fleet.engine import run_fleet
 from sim.fleet.pipeline import PIPELINES, PipelineModel

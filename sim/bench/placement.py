@@ -42,13 +42,13 @@ from pathlib import Path
 import grpc
 
 from common import wire
-from common.decoding.modes import DecodeSettings, mode_of
+from common.spec.modes import DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad
-from common.models import DTYPES, LoadedModel, load_model
-from common.plots import pyplot
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.model.loading import DTYPES, LoadedModel, load_model
+from common.lab.plots import pyplot
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from edge.node import EdgeNode, EdgeNodeSettings

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from common import wire
-from common.sampling_params import SamplingParams
+from common.sampling.params import SamplingParams
 from sim.bench.load import scrape_metrics
 from sim.bench.settings import PrefixBenchSettings
 from sim.processes import cloud_process, free_port

@@ -95,7 +95,7 @@ def shared_share(requests: list[FleetRequest], shared_prefix_tokens: list[int]) 
 def _tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    from common.models import model_dir
+    from common.model.loading import model_dir
     return AutoTokenizer.from_pretrained(model_dir(spec))
 
 
@@ -182,7 +182,7 @@ def _fleet_messages(s: PrefixFleetSettings, tokenizer, systems: list[str], edge:
 
 def shared_prefix(tokenizer, system: str) -> int:
     """Tokens that two requests under `system` with different questions share (the chat template's prompt)."""
-    from common.prompting import encode_chat
+    from common.model.prompting import encode_chat
 
     a, b = (encode_chat(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}])
             for q in ("Question 1: why?", "Question 2: how?"))

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from common.decoding.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings, parse_branch_tokens
-from common.decoding.suffix_match import OutputCache
-from common.decoding.suffix_proposer import DEFAULT_CACHE_TOKENS
-from common.models import DTYPES, load_model
-from common.plots import pyplot
-from common.prompt_sets import PromptRecord, load_prompts
-from common.prompting import encode_prompt
-from common.sampling_params import SamplingParams
+from common.spec.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings, parse_branch_tokens
+from common.spec.propose.suffix_match import OutputCache
+from common.spec.propose.suffix_proposer import DEFAULT_CACHE_TOKENS
+from common.model.loading import DTYPES, load_model
+from common.lab.plots import pyplot
+from common.lab.prompt_sets import PromptRecord, load_prompts
+from common.model.prompting import encode_prompt
+from common.sampling.params import SamplingParams
 from common.stats import oracle_calls_per_token
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
@@ -49,7 +49,7 @@ from sim.processes import cloud_process
 
 log = logging.getLogger(__name__)
 
-TREE_SUFFIX = "+tree:"  # a variant's label: the proposer, then its branch budget (common/decoding/branching.py)
+TREE_SUFFIX = "+tree:"  # a variant's label: the proposer, then its branch budget (common/spec/tree/branching.py)
 TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins",
                "copy_branch_tokens", "copy_path_wins")
 

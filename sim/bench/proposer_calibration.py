@@ -1,12 +1,12 @@
 """The copies' calibration measured by `sprinter bench proposer`: its reliability table, and the file shipped beside
 the verifier (`--fit-calibration edge/verifiers/PAIR/suffix_calibration.json`), which a serving edge starts from
-(common/decoding/suffix_proposer.py `load_priors`)."""
+(common/spec/propose/suffix_proposer.py `load_priors`)."""
 
 from __future__ import annotations
 
 from datetime import date
 
-from common.decoding.suffix_proposer import PRIOR_RATES, PRIOR_WEIGHT, SAMPLED_PRIOR_RATES
+from common.spec.propose.suffix_proposer import PRIOR_RATES, PRIOR_WEIGHT, SAMPLED_PRIOR_RATES
 
 
 def pooled(calibration: list[dict]) -> dict[tuple[str, int], list[float]]:

@@ -181,7 +181,7 @@ def format_table(summary: dict) -> str:
 
 
 def plot(result: RolloutResult, path: Path) -> None:
-    from common.plots import pyplot
+    from common.lab.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -10,7 +10,7 @@ import logging
 import shlex
 from pathlib import Path
 
-from common.results_page import publish_if_asked
+from common.lab.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
@@ -216,7 +216,7 @@ def run_tree_shapes(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
     """A bench's ending: its table, the files it wrote into `out`, and with --page the table and its plots in the
-    page's section (common/results_page.py)."""
+    page's section (common/lab/results_page.py)."""
     print(table)
     if written:
         print("\nwrote " + ", ".join(str(out / name) for name in written))

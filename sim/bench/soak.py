@@ -44,8 +44,8 @@ from typing import Any
 import httpx
 
 from common.arguments import DTYPE_NAMES, floats, names
-from common.results_page import publish_if_asked
-from common.decoding.modes import PIPELINES
+from common.lab.results_page import publish_if_asked
+from common.spec.modes import PIPELINES
 from sim.bench.load import (ProcessSampler, RequestOutcome, RequestSpec, failure_lines, http_client,
                             latency_summary, mb, seconds, send_request)
 from sim.bench.prompts import load_bench_prompts

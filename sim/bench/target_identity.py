@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from common.decoding.modes import LOSSLESS_MODES
+from common.spec.modes import LOSSLESS_MODES
 from sim.bench.load import RequestOutcome, RequestSpec, send_request
 
 REFERENCE_CONCURRENCY = 4

@@ -14,7 +14,7 @@ Glossary (tree_traces.py has the trace's)
                  tokens from j on while the draft ranks each within `oracle_rank`
     shape        how a round places its branch tokens (`TreeShape`)
 
-A round's tree is checked by the rule itself (common.acceptance_rules.decide, the one entry, on the tree's tokens and parents): nodes whose
+A round's tree is checked by the rule itself (common.spec.acceptance_rules.decide, the one entry, on the tree's tokens and parents): nodes whose
 tokens the trace does not hold (off the target's text, where they can never be followed) carry placeholder tokens.
 Whether the branch at j is followed, and how far, is read from the teacher-forced rows: exact under greedy.
 """
@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from common.acceptance_rules import GREEDY, Proposal, decide
-from common.call_policy import CostModel, GoodputPolicy
-from common.decoding.branching import MAX_ALTERNATIVES as EDGE_ALTERNATIVES
-from common.decoding.branching import branch_length
-from common.decoding.draft_tree import ROOT, DraftTree
-from common.decoding.proposals import ends_block
-from common.sampling import SamplingParams
+from common.spec.acceptance_rules import GREEDY, Proposal, decide
+from common.spec.call_policy import CostModel, GoodputPolicy
+from common.spec.tree.branching import MAX_ALTERNATIVES as EDGE_ALTERNATIVES
+from common.spec.tree.branching import branch_length
+from common.spec.tree.draft_tree import ROOT, DraftTree
+from common.spec.propose.proposals import ends_block
+from common.sampling.distributions import SamplingParams
 from sim.bench.tree_traces import DraftTopTokens, PromptTrace
 
 GREEDY_SAMPLING = SamplingParams(temperature=0.0)  # the replay is greedy: the tree rule reads the argmax alone
@@ -55,7 +55,7 @@ class CostPriors:
 class TreeShape:
     """Where and how a round branches.
 
-    kind    chain: no branches; edge: the edge's shape (common/decoding/branching.py's `draft_branches`, whose
+    kind    chain: no branches; edge: the edge's shape (common/spec/tree/branching.py's `draft_branches`, whose
             `branch_length` and MAX_ALTERNATIVES it reads): at each point in turn, lowest estimate first, up to
             MAX_ALTERNATIVES alternatives of `branch_length(budget)` tokens, within `budget` and the round's limit;
             round-robin: one alternative of ROUND_ROBIN_LENGTH tokens at each point in turn, lowest estimate
@@ -215,7 +215,7 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
 
 
 def _edge(lowest: list[int], budget: int, depth_limit: int) -> list[Branch]:
-    """draft_branches' loop (common/decoding/branching.py), positions and lengths only: the budget (already within
+    """draft_branches' loop (common/spec/tree/branching.py), positions and lengths only: the budget (already within
     the tree's room, as the edge's is) goes to the lowest estimate first, up to EDGE_ALTERNATIVES branches there."""
     branches, left, longest = [], budget, branch_length(budget)
     for position in lowest:

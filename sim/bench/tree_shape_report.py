@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from sim.bench.tree_rounds import PromptResult, TreeShape
 from sim.bench.tree_traces import PromptTrace
 

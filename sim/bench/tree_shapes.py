@@ -13,7 +13,7 @@ draft's best token is not the target's, the draft's own chain past it. These are
 Rounds are then replayed (sim/bench/tree_rounds.py) as sprinter-exact runs them: a round's chain is the draft's
 greedy run, its block ends where the goodput call policy sends it (the shipped verifier's acceptance estimates;
 the costs are --draft-ms, --verify-ms, --verify-per-token-ms and --rtt-ms, fixed), and its tree adds branch tokens
-by a shape: the edge's (`edge:B`, common/decoding/branching.py's `draft_branches`, whose `branch_length` and
+by a shape: the edge's (`edge:B`, common/spec/tree/branching.py's `draft_branches`, whose `branch_length` and
 MAX_ALTERNATIVES the replay reads: up to MAX_ALTERNATIVES alternatives at the lowest estimate, each
 `branch_length(B)` tokens, then the next lowest, down to the round's limit), the round-robin shape (one alternative
 of 3 tokens at each of the lowest estimates in turn, no deeper than the chain; round-robin-deep: down to the round's
@@ -21,7 +21,7 @@ limit), all of them at the lowest estimate (k alternatives x L tokens), spread o
 the lowest estimate, then k2 x L2 beside each branch's own lowest estimate), and oracles: the grid and the nested
 shape placed at the rejected position itself, and the target's own text from there (the most any tree of that many
 tokens, each within the draft's best --oracle-rank, can keep). Each tree is checked by the greedy tree rule itself
-(common/multipath_rules.py).
+(common/spec/tree/multipath_rules.py).
 
 Prints the tokens per call (the session's open included, as `sprinter bench proposer` counts them) of one path and
 of each shape at each --budgets size, with the ratio to one path; where the chain's rejections fall among its
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.prompt_sets import load_prompts
+from common.lab.prompt_sets import load_prompts
 from sim.bench.proposer import SUITE, chosen_prompts
 from sim.bench.tree_rounds import PromptResult, CostPriors, Scored, TreeShape, decode, scored
 from sim.bench.tree_shape_report import plot, report_table, summarize

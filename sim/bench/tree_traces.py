@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from common.cached_lm import CachedLM
-from common.models import DTYPES, LoadedModel, load_model
-from common.prompt_sets import PromptRecord
-from common.prompting import encode_prompt
+from common.model.cached_lm import CachedLM
+from common.model.loading import DTYPES, LoadedModel, load_model
+from common.lab.prompt_sets import PromptRecord
+from common.model.prompting import encode_prompt
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.decoding.modes import DRAFT_DISTS, DecodeSettings
-from common.models import DTYPES, load_model
-from common.prompting import encode_prompt
-from common.sampling import SamplingParams
+from common.spec.modes import DRAFT_DISTS, DecodeSettings
+from common.model.loading import DTYPES, load_model
+from common.model.prompting import encode_prompt
+from common.sampling.distributions import SamplingParams
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.prompts import load_bench_prompts

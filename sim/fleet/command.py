@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from common.arguments import ints, names
-from common.decoding.modes import PIPELINES
+from common.spec.modes import PIPELINES
 from sim.fleet.replicas import ROUTINGS
 
 if TYPE_CHECKING:  # the simulator loads numpy: its modules are imported by the run, not by --help

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from common.decoding.modes import MODES, Mode, mode_of, placed_mode
+from common.spec.modes import MODES, Mode, mode_of, placed_mode
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class ModeProfile:
 
     @property
     def traits(self) -> Mode:
-        """The mode's record (common/decoding/modes.py), the one the real edge decodes by."""
+        """The mode's record (common/spec/modes.py), the one the real edge decodes by."""
         return mode_of(self.mode)
 
     @property
@@ -237,7 +237,7 @@ class ModeProfile:
 
 def cloud_profile(edge_profile: ModeProfile, name: str = "") -> ModeProfile:
     """The cloud-sd profile of an edge-drafting lossless profile (sd-block, ...): its record as it is, since the
-    cloud's rounds apply the same rule with the same draft (common/decoding/modes.py placed_mode)."""
+    cloud's rounds apply the same rule with the same draft (common/spec/modes.py placed_mode)."""
     mode = placed_mode(edge_profile.mode, "cloud")
     if not mode_of(mode).cloud_drafts:
         raise ValueError(f"profile {edge_profile.name!r}: mode {edge_profile.mode} has no cloud-drafting form")

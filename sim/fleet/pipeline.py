@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from common.decoding.modes import PIPELINES
+from common.spec.modes import PIPELINES
 from sim.fleet.costs import ModeProfile
 
 FALLBACK_HIT_RATE = {"off": 0.0, "ahead": 0.3, "send-ahead": 0.5}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.decoding.modes import mode_of
-from common.plots import pyplot
+from common.spec.modes import mode_of
+from common.lab.plots import pyplot
 from common.table_cells import cell
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.engine import run_fleet

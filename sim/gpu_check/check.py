@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.devices import resolve_device
+from common.model.devices import resolve_device
 from sim.gpu_check.graphs import graphs_step
 from sim.gpu_check.prefix import prefix_step
 from sim.gpu_check.run_state import CheckRun, Deadline

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, one_of
-from common.devices import add_device_argument
+from common.model.devices import add_device_argument
 from sim.gpu_check.sizes import STEP_BUDGET_S
 
 STEP_NAMES = tuple(STEP_BUDGET_S)  # in the order they run

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.results_page import Measurement, publish
+from common.lab.results_page import Measurement, publish
 from sim.bench.engine import EngineRow, format_table, plot
 
 

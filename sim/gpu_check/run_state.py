@@ -15,7 +15,7 @@ from cloud.kv_pool import KVPool
 from cloud.packed_forward import install
 from cloud.resident_kv import KVLayout
 from cloud.settings import CloudSettings
-from common.models import DTYPES
+from common.model.loading import DTYPES
 from sim.bench.engine import BenchSession, EngineRow, kv_store, open_sessions
 from sim.bench.random_weights import random_model
 from sim.bench.settings import EngineBenchSettings

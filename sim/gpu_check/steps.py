@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from common.results_page import commit, machine
+from common.lab.results_page import commit, machine
 from sim.bench.engine import EngineRow, measure_sessions, release
 from sim.gpu_check.run_state import CheckRun, Deadline
 from sim.gpu_check.sizes import GOAL_BATCHING_GAIN, GOAL_CONTEXT_RATIO, GOAL_VERIFY_P50_MS

@@ -26,7 +26,7 @@ import torch
 
 from cloud.packed_forward import forward_packed
 from cloud.tree_verify import forward_parents
-from common.decoding.draft_tree import path_to
+from common.spec.tree.draft_tree import path_to
 from sim.bench.engine import BenchSession, release
 from sim.gpu_check.run_state import CheckRun, Deadline
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from common.models import gguf_file, load_gguf_tokenizer
-from common.prompt_sets import PromptRecord
-from common.prompting import encode_prompt
+from common.model.loading import gguf_file, load_gguf_tokenizer
+from common.lab.prompt_sets import PromptRecord
+from common.model.prompting import encode_prompt
 from sim.processes import free_port, stop_process
 DRAFT_BLOCK = 5  # llama.cpp's --spec-draft-n-max, as the edge's block (k) defaults to
 STARTUP_S = 180.0

@@ -21,10 +21,10 @@ import logging
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, floats, names
-from common.decoding.modes import PROPOSERS
-from common.devices import DEVICE_HELP
+from common.spec.modes import PROPOSERS
+from common.model.devices import DEVICE_HELP
 from common.fleet_plane.command import broker_url
-from common.results_page import add_page_arguments, publish_if_asked
+from common.lab.results_page import add_page_arguments, publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.sweep.settings import BASELINES, DEFAULT_MODES, ENGINES, SimulateSettings
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cloud.server import CloudSettings
-from common.decoding.modes import mode_of
+from common.spec.modes import mode_of
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit_forward_model
 from sim.fleet.engine import run_fleet
 from sim.fleet.result import compare_with_measured

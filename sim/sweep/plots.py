@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from sim.sweep.results import pipeline_of
 from sim.sweep.settings import BASELINES, is_baseline, run_label
 from sim.sweep.summary import SummaryRow, mode_rank, pipeline_rank, token_gaps_ms

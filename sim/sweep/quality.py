@@ -18,11 +18,11 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from common.decoding.modes import mode_of
-from common.models import DTYPES, LoadedModel, load_model
-from common.prompt_sets import PromptRecord
-from common.prompting import encode_prompt
-from common.quality import agreement, target_nll_per_token
+from common.spec.modes import mode_of
+from common.model.loading import DTYPES, LoadedModel, load_model
+from common.lab.prompt_sets import PromptRecord
+from common.model.prompting import encode_prompt
+from common.lab.quality import agreement, target_nll_per_token
 from sim.sweep.results import ResultKey, result_key
 from sim.sweep.settings import SimulateSettings, is_baseline
 

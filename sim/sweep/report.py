@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from common.decoding.modes import MODES, mode_of
+from common.spec.modes import MODES, mode_of
 from common.table_cells import cell
 from sim.sweep.plots import plot_all
 from sim.sweep.quality import Quality

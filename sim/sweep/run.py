@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from common.decoding.modes import mode_of
-from common.prompt_sets import PromptRecord
+from common.spec.modes import mode_of
+from common.lab.prompt_sets import PromptRecord
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
 from sim.processes import cloud_process, edge_daemon_async, free_port
@@ -166,7 +166,7 @@ async def stream_request(client: httpx.AsyncClient, base: str, prompt: PromptRec
                             "pipeline": pipeline}
     if "@" in mode:  # a method like sprinter-exact@fixed:3: the mode with that call policy
         body["policy"] = mode.partition("@")[2]
-    if prompt.chat:  # the daemon applies the chat template, as common.prompting.encode_prompt(chat=True) does
+    if prompt.chat:  # the daemon applies the chat template, as common.model.prompting.encode_prompt(chat=True) does
         url, body["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": prompt.prompt}]
     else:
         url, body["prompt"] = f"{base}/v1/completions", prompt.prompt

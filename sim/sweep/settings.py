@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from common.decoding.modes import MODES, PIPELINES, DecodeSettings, mode_of
+from common.spec.modes import MODES, PIPELINES, DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 
 DEFAULT_MODES = MODES  # target, draft, sd, sd-block, sprinter, sprinter-exact, cloud-sd
@@ -66,9 +66,9 @@ class SimulateSettings:
     limit: int = 8
     max_new_tokens: int = 64
     policy: str | None = None  # the edge's default call policy (None: each mode's own default)
-    proposer: str = "model"  # the edge's --proposer (common/decoding/proposals.py)
+    proposer: str = "model"  # the edge's --proposer (common/spec/propose/proposals.py)
     dtype: str = "bfloat16"
-    device: str = "auto"  # the cloud's --device (common/devices.py)
+    device: str = "auto"  # the cloud's --device (common/model/devices.py)
     threads: int | None = None  # intra-op threads of each process (None: the cores it may use)
     pin_cpus: bool = field(default_factory=lambda: len(os.sched_getaffinity(0)) >= 2)
     fleet_validation: bool = True

@@ -21,7 +21,7 @@ import json
 import logging
 from pathlib import Path
 
-from common.prompt_sets import PromptRecord, interleave_categories, load_prompts, split_by_prompt
+from common.lab.prompt_sets import PromptRecord, interleave_categories, load_prompts, split_by_prompt
 from sim.sweep.fleet_validation import validate_fleet
 from sim.sweep.quality import judge
 from sim.sweep.report import write_report

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.decoding.modes import MODES, mode_of
+from common.spec.modes import MODES, mode_of
 from common.stats import oracle_calls_per_token, percentile
 from sim.sweep.quality import Quality
 from sim.sweep.results import pipeline_of, result_key

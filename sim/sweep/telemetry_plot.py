@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.fleet_plane.messages import CloudLoad, EdgeTelemetry
-from common.plots import pyplot
+from common.lab.plots import pyplot
 from sim.sweep.settings import base_mode
 from sim.sweep.summary import mode_rank
 from sim.sweep.telemetry import TELEMETRY_FILE, TELEMETRY_INTERVAL_S, read_telemetry

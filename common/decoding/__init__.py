@@ -1,1 +1,0 @@
-"""Decoding, written once: the modes and their tables, drafting, the speculative round, the local engine."""

@@ -1,0 +1,1 @@
+"""What decoding computes with: model loading and presets, a model with its KV cache, prompts, devices."""

@@ -1,0 +1,1 @@
+"""From logits to distributions: sampling settings, logits processors and grammars, logprobs."""

@@ -1,0 +1,1 @@
+"""The speculative round and what it is made of: modes, the round, the acceptance rules, the call policy, the verifier."""
