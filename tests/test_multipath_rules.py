@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from common import multipath_rules
+from common.spec.tree import multipath_rules
 from common.spec.acceptance_rules import Proposal, block_verify, decide
 from common.spec.tree.draft_tree import ROOT, DraftTree
 from common.spec.tree.multipath_rules import multipath_block_verify

@@ -58,7 +58,7 @@ def test_the_rule_catches_planted_uses_and_spares_the_rest() -> None:
     planted = """
 from common.spec.acceptance_rules import block_verify, residual
 from common.spec.acceptance_rules import decide, rule_for
-from common import acceptance_rules as rules
+from common.spec import acceptance_rules as rules
 from common.spec.tree.multipath_rules import multipath_block_verify
 import common.spec.acceptance_rules
 n = rules.token_verify
