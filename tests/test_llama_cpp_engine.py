@@ -465,7 +465,7 @@ def test_bench_llama_cpp_measures_the_verify_beside_llama_cpp_alone(smollm2, tmp
         os.sched_setaffinity(0, affinity)  # the step pins this process to its core
     rates = ("batched", "one_by_one", "c_api_unified", "c_api_streams", "llama_bench_pp6", "llama_bench_pp3")
     assert all(verify[f"{name}_tokens_per_s"] > 0 for name in rates)
-    table = format_table(LlamaCppBenchResult({"edges": 2, "context": 32}, "", "", "", verify=verify))
+    table = format_table(LlamaCppBenchResult({"edges": 2, "context": 32}, verify=verify))
     assert "C API alone" in table and "a KV stream per sequence" in table and "llama-bench pp6" in table
 
 

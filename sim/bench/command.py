@@ -28,15 +28,19 @@ from pathlib import Path
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
 from common.model.devices import add_device_argument
 from common.lab.results_page import add_page_arguments
-from sim.bench import chaos, dashboards, llama_cpp_command, soak
+from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
+from sim.bench import registry
 from sim.bench.registry import described as _described
 from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
                             run_placement, run_policy, run_prefill, run_prefix,
                             run_prefix_fleet, run_proposer, run_rollout, run_tree_shapes, run_uplink)
-from sim.bench.settings import (LAYOUTS, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+from sim.bench.settings import (LAYOUTS, LLAMA_CPP, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
                                 FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
                                 PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
+
+
+BENCHES = (LLAMA_CPP,)  # benches whose command is their settings (sim/bench/registry.py)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -62,7 +66,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_placement(benches)
     _register_proposer(benches)
     _register_tree_shapes(benches)
-    llama_cpp_command.register(benches, _described("sim.bench.llama_cpp"))
+    for entry in BENCHES:
+        registry.register(benches, entry)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
 

@@ -38,8 +38,8 @@ from common import wire
 from common.model.loading import gguf_file, load_gguf_tokenizer
 from common.model.presets import GGUF_PRESETS
 from common.model.prompting import encode_prompt
-from common.lab.results_page import commit, machine
 from common.sampling.distributions import SamplingParams
+from sim.bench.run_folder import RunFolder, jsonable
 from sim.bench.settings import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
 from sim.processes import CloudProcess
@@ -50,34 +50,26 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 @dataclass
 class LlamaCppBenchResult:
     settings: dict
-    machine: str
-    commit: str
-    date: str
     verify: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
     turns: dict = field(default_factory=dict)
 
 
-def bench_llama_cpp(settings: LlamaCppBenchSettings) -> tuple[str, LlamaCppBenchResult]:
-    result = LlamaCppBenchResult(_jsonable(asdict(settings)), machine(), commit(), time.strftime("%Y-%m-%d"))
+def bench_llama_cpp(settings: LlamaCppBenchSettings) -> str:
+    result = LlamaCppBenchResult(jsonable(settings))
     gguf = gguf_file(settings.target)
-    settings.out.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(settings.out)
     if "verify" in settings.steps:
         result.verify = measure_verify(settings, gguf)
     if "decode" in settings.steps:
         result.decode = measure_decode(settings, gguf)
     if "turns" in settings.steps:
         result.turns = measure_turns(settings, gguf)
-    settings.out.mkdir(parents=True, exist_ok=True)
-    (settings.out / "results.json").write_text(json.dumps(asdict(result), indent=2))
+    folder.write_results(settings, verify=result.verify, decode=result.decode, turns=result.turns)
     table = format_table(result)
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(result, settings.out / "plot.png")
-    return table, result
-
-
-def _jsonable(values: dict) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+    folder.write_table(table)
+    plot(result, folder.path("plot.png"))
+    return table
 
 
 def measure_verify(settings: LlamaCppBenchSettings, gguf: Path) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.bench.prompts import PROMPTS_FILE
+from sim.bench.registry import Bench
 
 LAYOUTS = ("one-core", "two-cores", "two-replicas")  # bench fleet's cloud layouts (sim/bench/fleet.py layout_plan)
 
@@ -294,6 +295,8 @@ class PlacementBenchSettings:
 
 @dataclass(frozen=True)
 class LlamaCppBenchSettings:
+    """`sprinter bench llama-cpp` (sim/bench/llama_cpp.py)."""
+
     target: str = "qwen2.5-coder-1.5b"
     edges: int = 8
     block: int = 6
@@ -304,3 +307,17 @@ class LlamaCppBenchSettings:
     core: int = 1  # every process measured runs pinned to this core, one thread
     steps: tuple[str, ...] = ("verify", "decode", "turns")
     out: Path = Path("results/bench-llama-cpp")
+
+
+LLAMA_CPP = Bench(
+    "llama-cpp", "the llama.cpp engine against llama-bench and llama-server, one core", LlamaCppBenchSettings,
+    "sim.bench.llama_cpp:bench_llama_cpp", plots=("plot.png",), quiet_http=True,
+    helps={"target": "a GGUF preset or a .gguf path, run as shipped",
+           "edges": "sessions whose blocks verify in one forward",
+           "block": "tokens per block",
+           "context": "tokens each session holds before its block",
+           "repeats": "timed rounds of the verify step",
+           "prompts": "bench prompts for the decode step (sim/data/bench_prompts.jsonl)",
+           "max_new_tokens": "tokens each decode request asks for",
+           "core": "the core every measured process is pinned to",
+           "steps": "verify, decode, turns (a conversation's second turn, prefix cache on and off)"})
