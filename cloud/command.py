@@ -110,6 +110,10 @@ def _add_drafting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-cache", default=DEFAULTS.suffix_cache, choices=["on", "off"],
                    help="cloud-sd's copying proposers also copy from the same edge identity's earlier outputs on this "
                         "replica (off: each request from its own text alone)")
+    p.add_argument("--cost-table", default=DEFAULTS.cost_table, choices=["on", "off"],
+                   help="time the target's forwards at start (a decode step; blocks alone and beside other sessions) "
+                        "and report them in GetInfo, for edges choosing how to decode (--mode auto); off: start "
+                        "sooner, edges learn the costs from their verdicts alone")
 
 
 def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:

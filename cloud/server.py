@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from cloud import cost_table
 from cloud.admission_queue import AdmissionQueue, QueueObserver, QueueSettings
 from cloud.auth import EdgeAuthenticator
 from cloud.target_host import TargetHost
@@ -45,6 +46,7 @@ from cloud.cloud_sd import DraftEngine
 from cloud.settings import CloudSettings
 from common.fleet_plane.connection import BrokerSettings
 from common.model.devices import resolve_device
+from common.spec.round_cost import CloudCosts
 from common.model.loading import DTYPES, LoadedModel, load_model, vocab_fingerprint
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
@@ -170,11 +172,13 @@ class CloudServer:
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )
             self.limits = engine_limits(self.limits, settings.max_tree_tokens, engine)
+            costs = (await cost_table.measure(engine, self.limits.max_block) if settings.cost_table == "on"
+                     else CloudCosts())
             host = TargetHost(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
                                     proposer=settings.proposer,
                                     suffix_memories=SuffixMemories(cache=settings.suffix_cache == "on"),
-                                    queue=self._queue())
+                                    queue=self._queue(), costs=costs)
             self.servicer.host = host
             async with self._fleet_presence(host) as announcer:
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -18,12 +18,16 @@ ENGINES = ("resident", "vllm", "llama.cpp")
 ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout and attention (cloud/packed_forward.py)
 
 
+ON_OFF = ("suffix_cache", "cost_table")  # settings that are "on" or "off"
+
+
 @dataclass(frozen=True)
 class CloudSettings:
     target: str = "tiny-random"
     draft: str | None = None  # the cloud's own draft (mode cloud-sd: cloud/cloud_sd.py); None: the cloud drafts nothing
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (Speculation.proposer overrides it)
     suffix_cache: str = "on"  # cloud-sd's copying proposers also copy an edge identity's earlier outputs ("off": not)
+    cost_table: str = "on"  # cloud/cost_table.py: time the target's forwards at start and report them in GetInfo
     dtype: str = "bfloat16"
     device: str = "auto"  # common/model/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
@@ -143,7 +147,7 @@ class CloudSettings:
             (self.kv_block_tokens is None or self.kv_block_tokens >= 1,
              f"--kv-block-tokens must be >= 1, got {self.kv_block_tokens}"),
             (self.proposer in PROPOSERS, f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}"),
-            (self.suffix_cache in ("on", "off"), f"--suffix-cache must be on or off, got {self.suffix_cache!r}"),
+            *((getattr(self, n) in ("on", "off"), f"--{n.replace('_', '-')} must be on or off") for n in ON_OFF),
             (self.proposer == "model" or self.draft is not None,
              f"--proposer {self.proposer} proposes around the cloud's draft model: it needs --draft"),
             (self.engine == "resident" or self.max_tree_tokens in (0, CloudSettings.max_tree_tokens),

@@ -34,6 +34,7 @@ from common.sampling.grammar import GrammarCompiler
 from common.sampling.logits_processing import LogitsProcessor, processor_for
 from common.sampling.logprobs import TokenLogprob
 from common.sampling.params import GrammarError, SamplingParams
+from common.spec.round_cost import CloudCosts
 from common.spec.tree.draft_tree import DraftTree
 from common.admission import Admission
 from common.tracing import tracer
@@ -55,6 +56,7 @@ class TargetHost:
     proposer: str = "model"  # cloud-sd's proposer for a Generate that names none (`--proposer`)
     suffix_memories: SuffixMemories = field(default_factory=SuffixMemories)  # per edge identity, never shared
     queue: AdmissionQueue = field(default_factory=AdmissionQueue)  # cloud/admission_queue.py: work waiting for room
+    costs: CloudCosts = field(default_factory=CloudCosts)  # cloud/cost_table.py: timed at start, reported in GetInfo
 
     @property
     def vocab_size(self) -> int:
@@ -67,7 +69,7 @@ class TargetHost:
     def info(self) -> pb.ServiceInfo:
         target = self.engine.info
         return wire.service_info(target.spec, target.vocab_fingerprint, target.vocab_size, self.limits.to_proto(),
-                                 sorted(target.eos_token_ids), self.engine.draft_spec or "")
+                                 sorted(target.eos_token_ids), self.engine.draft_spec or "", self.costs)
 
     def _check_fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.vocab_fingerprint:

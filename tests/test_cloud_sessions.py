@@ -11,6 +11,7 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread, SessionStream
+from common import wire
 from common.model.cached_lm import CachedLM
 from common.spec.propose.drafting import next_token
 from common.spec.local_decoder import LocalDecoder
@@ -44,6 +45,28 @@ def test_info_names_model_vocabulary_and_limits(channel, tiny_target):
     assert info.vocab_fingerprint == vocab_fingerprint(tiny_target.tokenizer)
     assert info.vocab_size == tiny_target.vocab_size and info.limits.max_block == 32
     assert set(info.eos_token_ids) == set(tiny_target.eos_token_ids)
+
+
+@pytest.mark.parametrize("attention", ["per-session", "paged"])
+def test_info_carries_the_cost_table_timed_at_start(tiny_target, attention):
+    """The cloud times a decode step and blocks alone and beside other sessions before serving (cloud/cost_table.py),
+    through its engine's own path, and leaves no KV behind."""
+    settings = CloudSettings(target="tiny-random", attention=attention)
+    with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
+        costs = wire.cloud_costs(pb_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest()))
+        held = server.server.servicer.host.engine.kv_bytes_in_use()
+    assert costs.context_tokens == 128
+    assert set(costs.forward_ms) == {(n, t) for n in (1, 4) for t in (1, 4, 8, 17)}
+    assert all(ms > 0 for ms in costs.forward_ms.values())
+    assert costs.decode_ms() == costs.forward_ms[(1, 1)]
+    assert held == 0
+
+
+def test_a_cloud_started_without_a_cost_table_reports_none(tiny_target):
+    settings = CloudSettings(target="tiny-random", cost_table="off")
+    with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
+        info = pb_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest())
+    assert not info.HasField("costs") and not wire.cloud_costs(info)
 
 
 def test_session_lifecycle_open_verify_close_resume(channel, tiny_target):

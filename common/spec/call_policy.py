@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.spec.keep_model import KeepModel, expected_accepted_length
+from common.spec.round_cost import edge_speculation_rate
 
 
 def goodput(accept_probs: Sequence[float], t_draft_ms: float, rtt_ms: float, t_verify_ms: float) -> float:
-    """Expected tokens emitted per ms of a round that sends the block a_1..a_g; t_verify_ms is t_verify(g)."""
-    g = len(accept_probs)
-    return (expected_accepted_length(accept_probs) + 1.0) / (g * t_draft_ms + rtt_ms + t_verify_ms)
+    """Expected tokens emitted per ms of a round that sends the block a_1..a_g; t_verify_ms is t_verify(g): the
+    cost model's edge speculation rate (common/spec/round_cost.py), per ms."""
+    tokens = expected_accepted_length(accept_probs) + 1.0
+    return edge_speculation_rate(tokens, len(accept_probs), t_draft_ms, rtt_ms, t_verify_ms) / 1e3
 
 
 def predict_next_accept(accept_probs: Sequence[float]) -> float:

@@ -55,7 +55,8 @@ from common.spec.modes import VERIFY_METHODS
 from common.sampling.distributions import FLOAT32_TINY, SamplingParams, SparseDistribution
 from common.sampling.logprobs import TokenLogprob
 from common.sampling.params import GrammarSpec
-from common.wire.limits import CloudLimits, info_request, limits_message, service_info  # noqa: F401 (the codec's)
+from common.wire.limits import (CloudLimits, cloud_costs, info_request, limits_message,  # noqa: F401 (the codec's)
+                                service_info)
 from sprinter.v1 import decoding_pb2 as pb
 
 # -- verify methods -----------------------------------------------------------------------------------------

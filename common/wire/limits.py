@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from common.spec.round_cost import CloudCosts
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -37,6 +38,19 @@ def info_request() -> pb.GetInfoRequest:
 
 
 def service_info(model_id: str, vocab_fingerprint: str, vocab_size: int, limits: pb.Limits,
-                 eos_token_ids: Sequence[int], draft_model_id: str = "") -> pb.ServiceInfo:
+                 eos_token_ids: Sequence[int], draft_model_id: str = "", costs: CloudCosts | None = None) -> pb.ServiceInfo:
     return pb.ServiceInfo(model_id=model_id, vocab_fingerprint=vocab_fingerprint, vocab_size=vocab_size,
-                          limits=limits, eos_token_ids=eos_token_ids, draft_model_id=draft_model_id)
+                          limits=limits, eos_token_ids=eos_token_ids, draft_model_id=draft_model_id,
+                          costs=cost_table(costs) if costs else None)
+
+
+def cost_table(costs: CloudCosts) -> pb.CostTable:
+    return pb.CostTable(context_tokens=costs.context_tokens,
+                        forwards=[pb.ForwardCost(sessions=s, tokens=t, ms=ms)
+                                  for (s, t), ms in sorted(costs.forward_ms.items())])
+
+
+def cloud_costs(info: pb.ServiceInfo) -> CloudCosts:
+    """The cost table a GetInfo answer carries; empty (falsy) from a cloud that timed none."""
+    table = info.costs
+    return CloudCosts(table.context_tokens, {(f.sessions, f.tokens): f.ms for f in table.forwards})

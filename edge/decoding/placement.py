@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
+
 EDGE, CLOUD = "edge", "cloud"
 DEFAULT_MARGIN = 0.15
 
@@ -70,14 +72,12 @@ def uplink_ms(bytes_: float, mbps: float) -> float:
 
 
 def edge_tokens_per_s(q: PlacementInputs) -> float:
-    round_ms = q.gamma * q.t_draft_edge_ms + q.rtt_ms + q.t_verify_ms + uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps)
-    return 1e3 * q.edge_tokens_per_round / max(round_ms, 1e-6)
+    return edge_speculation_rate(q.edge_tokens_per_round, q.gamma, q.t_draft_edge_ms, q.rtt_ms, q.t_verify_ms,
+                                 uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps))
 
 
 def cloud_tokens_per_s(q: PlacementInputs) -> float:
-    rounds = q.max_tokens / max(q.cloud_tokens_per_round, 1e-6)
-    total_ms = q.rtt_ms + rounds * q.cloud_round_ms * q.cloud_load
-    return 1e3 * q.max_tokens / max(total_ms, 1e-6)
+    return cloud_stream_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
 
 
 def decide(q: PlacementInputs, previous: str | None = None, margin: float = DEFAULT_MARGIN) -> PlacementDecision:
