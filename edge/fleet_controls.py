@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common.spec.modes import POLICY_MODES, DecodeSettings, mode_of
+from common.spec.modes import POLICY_MODES, DecodeSettings, chooses_mode, mode_of, settings_mode
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.completions import ApiSettings, Completions
 from edge.fleet_agent import EdgeIdentity
@@ -74,7 +74,8 @@ class DaemonControls:
             await self.node.use_clouds([str(address) for address in config.clouds])
         elif self.clouds_from_config and self.node.settings.cloud:  # the group cleared its clouds
             await self.node.use_clouds(self.node.settings.cloud.split(","))
-        if not mode_of(api.default_mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft
+        mode = settings_mode(api.default_mode)
+        if (chooses_mode(api.default_mode) or not mode_of(mode).drafts) and self.node.cloud is None:  # drafting alone
             raise ValueError(f"mode {api.default_mode!r} needs a cloud, and this edge has none: name one in 'clouds'")
         # From here on nothing awaits: the next request sees all of it.
         self.clouds_from_config = bool(config.clouds) or (self.clouds_from_config and not self.node.settings.cloud)
@@ -87,8 +88,9 @@ class DaemonControls:
                                                    ("default_k", config.k), ("default_pipeline", config.pipeline))
                    if value is not None}
         api = replace(self.own_api, **changes)
-        policy = api.default_policy if api.default_mode in POLICY_MODES else None
-        DecodeSettings(mode=api.default_mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
+        mode = settings_mode(api.default_mode)
+        policy = api.default_policy if mode in POLICY_MODES else None
+        DecodeSettings(mode=mode, max_new_tokens=1, k=api.default_k, policy=policy)  # ValueError if not
         return api
 
     def message_rejected(self, reason: str) -> None:

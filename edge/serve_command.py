@@ -15,7 +15,7 @@ from typing import Iterator
 
 from common.addresses import is_loopback
 from common.arguments import DTYPE_NAMES, host_port
-from common.spec.modes import MODES
+from common.spec.modes import MODE_CHOICES
 from common.fleet_plane.command import add_broker_arguments, broker_settings
 from common.fleet_plane.topics import check_identifier
 from common.tracing import add_tracing_argument, enable_from_flag, tracer
@@ -37,7 +37,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default="tiny-random-draft")
     p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T or a verifier.json")
     add_companion_argument(p)
-    p.add_argument("--mode", default="sprinter-exact", choices=MODES, help="default mode; a request may set its own")
+    p.add_argument("--mode", default="sprinter-exact", choices=MODE_CHOICES,
+                   help="default mode; a request may set its own. auto: per request, the target alone, speculating "
+                        "here or in the cloud, whichever the cost model predicts fastest (needs --cloud)")
     add_policy_argument(p, " (default for requests; a request may set its own)")
     add_proposer_arguments(p, " (default for requests; a request may set its own: proposer)")
     add_branch_argument(p, " (default for requests in modes that take trees; a request may set its own: branch_tokens)")

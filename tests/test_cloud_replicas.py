@@ -20,7 +20,8 @@ from common.model.loading import vocab_fingerprint
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.client import CloudClient, CloudEndpoint
 from edge.node import EdgeNode, EdgeNodeSettings
-from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet, rendezvous_order
+from edge.cloud_link.prefix_key import rendezvous_order
+from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
 from sim.fleet_demo import sessions_on
 from sim.processes import CloudProcess

@@ -23,7 +23,7 @@ from common.prefix_digests import LEADING_BLOCK_TOKENS, MAX_ANNOUNCED_PREFIXES, 
 from common.model.prompting import encode_prompt
 from edge.api.app import ApiSettings, create_app
 from edge.cloud_link.prefix_key import prefix_key
-from edge.cloud_link.replicas import rendezvous_order
+from edge.cloud_link.prefix_key import rendezvous_order
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from edge.fleet_controls import DaemonControls
 from edge_harness import EdgeDaemonThread

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.spec.keep_model import KeepModel, expected_accepted_length
-from common.spec.round_cost import edge_speculation_rate
+from common.spec.round_cost import CloudCosts, edge_speculation_rate
 
 
 def goodput(accept_probs: Sequence[float], t_draft_ms: float, rtt_ms: float, t_verify_ms: float) -> float:
@@ -246,6 +246,17 @@ class CostModel:
         """
         if self._w == 0.0 and verify_ms >= 0.0:
             self.prior_verify_base_ms = verify_ms
+
+    def seed_verify_prior(self, costs: CloudCosts) -> None:
+        """Start t_verify(g) = a + b*g from a cloud's cost table (GetInfo): the line through its blocks of g drafted
+        tokens (1 + g new tokens) at batch 1; like `seed_verify_ms`, only before the edge's own first verdict."""
+        points = [(tokens - 1, ms) for (sessions, tokens), ms in costs.forward_ms.items() if sessions == 1]
+        if self._w > 0.0 or len(points) < 2:
+            return
+        n, sg, sv = len(points), sum(g for g, _ in points), sum(v for _, v in points)
+        sxx = sum(g * g for g, _ in points) - sg * sg / n
+        b = max(0.0, (sum(g * v for g, v in points) - sg * sv / n) / sxx) if sxx > 0 else 0.0
+        self.prior_verify_base_ms, self.prior_verify_per_token_ms = max(0.0, sv / n - b * sg / n), b
 
     @property
     def t_draft_ms(self) -> float:

@@ -115,6 +115,23 @@ TREE_VERIFY_METHODS = ("block",)
 # Where a request's draft runs: the edge, the cloud (cloud-sd), or chosen per request by the cost model (auto).
 PLACEMENTS = ("edge", "cloud", "auto")
 CLOUD_DRAFTING = next(m.name for m in _MODE_LIST if m.cloud_drafts)
+TARGET_MODE = next(m.name for m in _MODE_LIST if m.uses_cloud and not m.drafts and not m.cloud_drafts)
+# `--mode auto` is no mode but a choice among three, per request, by the cost model (edge/decoding/placer.py): the
+# target alone (TARGET_MODE), speculating on the edge in AUTO_SPECULATION, or in the cloud (CLOUD_DRAFTING). All are
+# lossless, so whatever it chooses, the output is distributed as the target's (under greedy: is the target's).
+AUTO_MODE = "auto"
+AUTO_SPECULATION = "sprinter-exact"
+MODE_CHOICES = (*MODES, AUTO_MODE)  # what a request or the daemon's --mode may name
+
+
+def chooses_mode(name: str) -> bool:
+    """`name` asks the edge to choose the mode (`auto`)."""
+    return name == AUTO_MODE
+
+
+def settings_mode(name: str) -> str:
+    """The mode a request naming `name` is set up and checked in: auto's edge speculation, or the mode itself."""
+    return AUTO_SPECULATION if chooses_mode(name) else name
 
 
 def placed_mode(name: str, placement: str) -> str:

@@ -21,8 +21,8 @@ from typing import Callable
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from common.spec.modes import (MODES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching, mode_of,
-                                   takes_trees)
+from common.spec.modes import (MODE_CHOICES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching,
+                               chooses_mode, mode_of, settings_mode, takes_trees)
 from common.sampling.distributions import SamplingParams
 from common.sampling.params import GrammarError
 from edge.api.tool_calls import ToolsUnsupported
@@ -89,11 +89,12 @@ class Completions:
                 self.node.draft.grammars.compile(plan.grammar)
             except GrammarError as err:
                 return openai_error(400, f"{plan.grammar_field}: {err}", plan.grammar_field)
-        mode = body.mode or self.api.default_mode
-        if mode not in MODES:
-            return openai_error(400, f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
-        if not mode_of(mode).drafts and self.node.cloud is None:  # a drafting mode runs from its draft alone
-            return openai_error(400, f"mode {mode!r} needs a cloud, and this daemon has none (--cloud)", "mode")
+        asked = body.mode or self.api.default_mode
+        if asked not in MODE_CHOICES:
+            return openai_error(400, f"unknown mode {asked!r}; choose one of {', '.join(MODE_CHOICES)}", "mode")
+        mode = settings_mode(asked)  # auto: set up as its edge speculation, which the placer may trade for another
+        if (chooses_mode(asked) or not mode_of(mode).drafts) and self.node.cloud is None:  # a drafting mode runs alone
+            return openai_error(400, f"mode {asked!r} needs a cloud, and this daemon has none (--cloud)", "mode")
         proposer = body.proposer or self.api.default_proposer
         if proposer not in PROPOSERS:
             return openai_error(400, f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}", "proposer")
@@ -126,7 +127,7 @@ class Completions:
         pipeline = body.pipeline or self.api.default_pipeline
         fits = decode.traits.dists_on_rejection and not (pipeline == "send-ahead" and decode.traits.pipelines)
         return EdgeSettings(decode=decode, cloud_retry_s=self.api.cloud_retry_s, stop=body.stop_sequences,
-                            pipeline=pipeline, placement=placement,
+                            pipeline=pipeline, placement=placement, chooses_mode=chooses_mode(asked),
                             draft_dists=self.api.draft_dists if fits else "full",
                             request_deadline_s=body.request_deadline_s or self.api.request_deadline_s,
                             pipeline_adapts=self.api.pipeline_adapts, priority=body.priority)
@@ -265,7 +266,7 @@ class Completions:
                 "default_proposer": self.api.default_proposer, "default_branch_tokens": self.api.default_branch_tokens,
                 "default_placement": self.api.default_placement, "placement": node.decoder.placer.snapshot(),
                 "in_flight": self.slots.in_flight,
-                "context_limit": node.decoder.context_limit(self.api.default_mode),
+                "context_limit": node.decoder.context_limit(settings_mode(self.api.default_mode)),
                 "cost_model": node.decoder.cost_model.snapshot()}
 
 

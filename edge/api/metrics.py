@@ -97,8 +97,8 @@ class EdgeMetrics:
                                       "refused", ["reason"], registry=r)
         self.refused = Counter("sprinter_edge_cloud_refusals", "Generations ended early by a cloud refusal", ["code"],
                                registry=r)
-        self.placements = Counter("sprinter_edge_placements", "Requests placed, by the placement asked and where "
-                                  "the draft ran", ["asked", "used"], registry=r)
+        self.placements = Counter("sprinter_edge_placements", "Requests placed, by the placement (or mode auto) asked "
+                                  "and what ran: edge or cloud drafting, or the target alone", ["asked", "used"], registry=r)
         self.queue_seconds = Histogram("sprinter_edge_cloud_queue_seconds", "Time a request waited in the cloud's "
                                        "admission queue", registry=r,
                                        buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))

@@ -252,6 +252,8 @@ def sprinter_extension(result: EdgeResult) -> dict[str, Any]:
         extension["error"] = {"code": result.error.code.name, "message": result.error.detail}
     if result.placed is not None:  # where it drafted, the mode actually run (stats.mode), and auto's prediction
         extension["placement"] = result.placed.describe()
+        if switches := result.placed.switches():  # mode auto: what it chose, and what it predicted of each option
+            extension["decision"] = {"switches": switches}
     if result.logprobs is not None:
         extension["logprob_sources"] = sources(result.logprobs)
     return extension

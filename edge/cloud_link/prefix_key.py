@@ -1,6 +1,6 @@
 """Which replica a session's prompt goes to: a digest of its leading block, so the prefix finds its cache.
 
-Replicas are ranked by rendezvous hashing on a session's key (edge/cloud_link/replicas.py). A random key spread
+Replicas are ranked by rendezvous hashing on a session's key (`rendezvous_order`). A random key spread
 sessions evenly but sent a conversation's next turn, or a second edge's request over the same system prompt, to
 any replica, where the cloud's prefix cache (cloud/prefix_cache.py) held nothing of it. Keyed on the prompt's
 first `LEADING_BLOCK_TOKENS` tokens instead (common/prefix_digests.py), every edge ranks the replicas the same
@@ -17,6 +17,7 @@ order on every edge, where it is a cache miss the first time and a hit after.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Protocol, Sequence, TypeVar
 
 from common.prefix_digests import LEADING_BLOCK_TOKENS, prefix_digests, whole_digest
@@ -43,8 +44,16 @@ def prefix_key(prompt_ids: list[int]) -> PrefixKey:
 class Announcing(Protocol):
     announced_prefixes: frozenset[str]  # the digests a replica last announced (empty: none, or no broker)
 
+    @property
+    def address(self) -> str: ...
+
 
 R = TypeVar("R", bound=Announcing)
+
+
+def rendezvous_order(key: str, replicas: Sequence[R]) -> list[R]:
+    """Highest random weight first: the same key ranks the same replicas the same way on every edge."""
+    return sorted(replicas, key=lambda r: hashlib.sha256(f"{key}|{r.address}".encode()).digest()[:8], reverse=True)
 
 
 def holders_first(key: str, ranked: Sequence[R]) -> list[R]:

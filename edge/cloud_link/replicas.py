@@ -1,43 +1,44 @@
 """The cloud replicas an edge verifies on: where a new session goes, and how each replica is faring.
 
-Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several addresses,
-such as a Kubernetes headless Service, is one replica per address, resolved again every `resolve_every_s`)
-or, with `--mqtt` and no `--cloud`, from the clouds' load announcements (`observe`; with `--cloud`
-announcements only update what the edge knows of its own replicas: an announced address could bypass the
-proxy or tunnel the edge was told to use). A replica is used only once it has answered GetInfo with this
-draft's vocabulary; one that serves another is refused, logged, and never used.
+Replicas come from `--cloud` (comma-separated HOST:PORT entries; a name that resolves to several addresses, such as
+a Kubernetes headless Service, is one replica per address, resolved again every `resolve_every_s`) or, with `--mqtt`
+and no `--cloud`, from the clouds' load announcements (`observe`; with `--cloud` announcements only update what the
+edge knows of its own replicas: an announced address could bypass the proxy or tunnel the edge was told to use). A
+replica is used only once it has answered GetInfo with this draft's vocabulary; one that serves another is refused,
+logged, and never used. GetInfo also brings its cost table (`costs`: what `--mode auto` weighs).
 
-Choosing: rendezvous hashing on the session's key over the usable replicas (each scores sha256(key, address),
-the highest wins), so adding a replica moves only the new sessions it now wins and a live session moves only
-when its replica fails it. Bounded load: a replica already over LOAD_FACTOR x the mean load (its announced open
-sessions while fresh, else this edge's own sessions there) is passed over for the next in the session's order.
+Choosing: rendezvous hashing on the session's key over the usable replicas (each scores sha256(key, address), the
+highest wins), so adding a replica moves only the new sessions it now wins and a live session moves only when its
+replica fails it. Bounded load: a replica already over LOAD_FACTOR x the mean load (its announced open sessions
+while fresh, else this edge's own sessions there) is passed over for the next in the session's order.
 
-Health: a replica that fails a call rests for an exponential backoff with jitter; one that says it is draining
-(in an error frame or its announcement) gets no new sessions for DRAIN_REST_S, after which it is tried again
-(a replica restarted on the same address comes back); an `online` announcement ends a rest at once. One whose health says NOT_SERVING (`loading`) is asked again every LOADING_REST_S, and waited
-for. Sessions already on a replica stay until it fails them.
+Health: a replica that fails a call rests for an exponential backoff with jitter; one that says it is draining (in
+an error frame or its announcement) gets no new sessions for DRAIN_REST_S, after which it is tried again (a replica
+restarted on the same address comes back); an `online` announcement ends a rest at once. One whose health says
+NOT_SERVING (`loading`) is asked again every LOADING_REST_S, and waited for. Sessions stay until it fails them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import ipaddress
 import logging
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from common.addresses import split_host_port
+from common.addresses import join_host_port, split_host_port
 from common.admission import Admission, QueuePlace
 from common.fleet_plane.messages import CloudLoad
 from common.sampling.distributions import SamplingParams
-from edge.cloud_link.prefix_key import holders_first, prefix_key
+from common.spec.round_cost import CloudCosts
+from common.wire import cloud_costs
+from edge.cloud_link.prefix_key import holders_first, prefix_key, rendezvous_order
 from edge.cloud_link.client import (CloudClient, CloudEndpoint, CloudLimits, CloudLoading, CloudRefused, CloudUnavailable,
                                     DeadlinePassed, backoff_delay, time_left)
 from edge.cloud_link.failures import ACTIONS, Cause, Rest
@@ -64,6 +65,7 @@ class Replica:
     origin: str  # the --cloud entry or announcement it came from
     model_id: str | None = None  # set once GetInfo answered with this draft's vocabulary
     draft_model_id: str | None = None  # the cloud's own draft (cloud-sd), as GetInfo announced it; None: none
+    costs: CloudCosts = field(default_factory=CloudCosts)  # its forward times, as GetInfo announced them
     refused: str | None = None  # why it is never used
     rest_until: float = 0.0
     failures: int = 0
@@ -102,15 +104,6 @@ class Replica:
         or a RESOURCE_EXHAUSTED refusal."""
         queue = self.announced_queue_depth if self.fresh(now) else 0
         return 1.0 + queue / max(1.0, self.announced_batch_mean), queue > 0 or now < self.busy_until
-
-
-def rendezvous_order(key: str, replicas: Sequence[Replica]) -> list[Replica]:
-    """Highest random weight first: the same key ranks the same replicas the same way on every edge."""
-    return sorted(replicas, key=lambda r: hashlib.sha256(f"{key}|{r.address}".encode()).digest()[:8], reverse=True)
-
-
-def join_host_port(host: str, port: int | str) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class ReplicaSet:
@@ -240,7 +233,7 @@ class ReplicaSet:
             log.error("cloud replica %s refused: it %s", replica.address, replica.refused)
             return None
         replica.model_id, replica.failures, replica.rest_until = info.model_id, 0, 0.0
-        replica.draft_model_id = info.draft_model_id or None
+        replica.draft_model_id, replica.costs = info.draft_model_id or None, cloud_costs(info)
         return info
 
     def _rest(self, replica: Replica) -> None:
@@ -336,6 +329,11 @@ class ReplicaSet:
         """Some usable replica has a draft of its own: cloud-sd (placement cloud) can run."""
         now = time.monotonic()
         return any(r.usable(now) and r.draft_model_id for r in self.replicas.values())
+
+    def costs(self) -> CloudCosts:
+        """A usable replica's cost table (GetInfo): what `--mode auto` weighs before the edge's own measurements."""
+        now = time.monotonic()
+        return next((r.costs for r in self.replicas.values() if r.usable(now) and r.costs), CloudCosts())
 
     def drafting_load(self) -> tuple[float, bool]:
         """The least loaded usable drafting replica's (load factor, busy): where a cloud-sd request would go."""

@@ -84,6 +84,7 @@ class EdgeSettings:
     # round trip there: cloud/residual.py). Only for modes whose rule reads a distribution only where it rejects.
     draft_dists: str = "full"
     priority: int = 0  # the request's place within its edge's share of the cloud's line: lower first (as vLLM's)
+    chooses_mode: bool = False  # `--mode auto`: the placer picks target, decode's mode, or cloud-sd (placer.py)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -185,10 +186,10 @@ class EdgeDecoder:
                        emit: Callable[[Released], None] = lambda released: None,
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
-                                   settings.decode.max_new_tokens, self.cost_model, self.cloud)
-        if placed.mode != settings.decode.mode:  # cloud-sd takes no call policy: its rounds are the cloud's k
-            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None),
-                               draft_dists="full")  # the cloud drafts: no draft distribution goes up
+                                   settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode)
+        if placed.mode != settings.decode.mode:  # cloud-sd and target take no call policy and no tree
+            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None, branch_tokens=0),
+                               draft_dists="full")  # the edge drafts no more: no draft distribution goes up
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,

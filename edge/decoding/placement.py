@@ -1,13 +1,17 @@
-"""Where a request's draft runs (its placement): the edge, or the cloud beside the target (mode cloud-sd).
+"""How a request decodes: speculating with the draft on the edge, with the draft in the cloud beside the target (mode
+cloud-sd: its placement), or, for `--mode auto`, not speculating at all (mode target: the cloud decodes alone).
 
-A pure decision over measured quantities, so that a response or a log can say why. Per user, in tokens/s:
+A pure decision over measured quantities, so that a response or a log can say why. Per user, in tokens/s, by the
+one cost model (common/spec/round_cost.py):
 
     edge drafting   E_edge / (gamma * t_draft_edge + rtt + t_verify(gamma) + uplink_bytes * 8 / bandwidth)
     cloud drafting  T / (rtt + (T / E_cloud) * t_round_cloud * load)        T = the request's max_tokens
+    target alone    T / (rtt + T * t_decode * load)
 
 where E is the tokens a round yields (accepted + the target's own), t_round_cloud = gamma * t_draft_cloud +
-t_verify(gamma) (the cloud's round, as its GenerateChunks report it), and the cloud's stream pays the round trip
-once at the start. `load` >= 1 stretches the cloud's rounds when it announces a queue: cloud drafting spends
+t_verify(gamma) (the cloud's round, as its GenerateChunks report it), t_decode the cloud's decode step, and the
+cloud's stream pays the round trip once at the start. `load` >= 1 stretches the cloud's steps when it announces a
+queue: cloud drafting spends
 the shared cloud's compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused
 us with RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at
 all ("never the worse one under load").
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
 
-EDGE, CLOUD = "edge", "cloud"
+EDGE, CLOUD, TARGET = "edge", "cloud", "target"  # TARGET: no speculation (`--mode auto` alone offers it)
 DEFAULT_MARGIN = 0.15
 
 
@@ -43,6 +47,7 @@ class PlacementInputs:
     cloud_load: float = 1.0  # >= 1: how much the cloud's queue stretches its rounds
     cloud_busy: bool = False  # the cloud announced a queue or refused with RESOURCE_EXHAUSTED lately
     cloud_drafts: bool = True  # some usable replica has a draft (ServiceInfo.draft_model_id)
+    cloud_decode_ms: float | None = None  # the target's decode step, offered as an option (`--mode auto`); None: not
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_tokens < 1:
@@ -55,15 +60,22 @@ class PlacementInputs:
 
 @dataclass(frozen=True)
 class PlacementDecision:
-    placement: str  # "edge" or "cloud"
+    placement: str  # "edge", "cloud" or "target"
     edge_tokens_per_s: float
     cloud_tokens_per_s: float | None  # None: the cloud cannot draft
     reason: str  # faster, kept (hysteresis), cloud_busy, no_cloud_draft
+    target_tokens_per_s: float | None = None  # None: not an option (a placement, not `--mode auto`)
+
+    def predicted(self) -> dict[str, float]:
+        """Each option's predicted tokens/s."""
+        options = {EDGE: self.edge_tokens_per_s, CLOUD: self.cloud_tokens_per_s, TARGET: self.target_tokens_per_s}
+        return {name: round(rate, 2) for name, rate in options.items() if rate is not None}
 
     def describe(self) -> dict[str, object]:
-        cloud = round(self.cloud_tokens_per_s, 2) if self.cloud_tokens_per_s is not None else None
+        rates = self.predicted()
         return {"placement": self.placement, "reason": self.reason,
-                "edge_tokens_per_s": round(self.edge_tokens_per_s, 2), "cloud_tokens_per_s": cloud}
+                **{f"{name}_tokens_per_s": rates.get(name) for name in (EDGE, CLOUD)},
+                **({"target_tokens_per_s": rates[TARGET]} if TARGET in rates else {})}
 
 
 def uplink_ms(bytes_: float, mbps: float) -> float:
@@ -80,17 +92,24 @@ def cloud_tokens_per_s(q: PlacementInputs) -> float:
     return cloud_stream_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
 
 
+def target_tokens_per_s(q: PlacementInputs) -> float | None:
+    if q.cloud_decode_ms is None:
+        return None
+    return cloud_stream_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms, q.cloud_load)
+
+
 def decide(q: PlacementInputs, previous: str | None = None, margin: float = DEFAULT_MARGIN) -> PlacementDecision:
-    """Edge or cloud for one request; `previous`: the last request's placement, which wins near a tie."""
-    edge = edge_tokens_per_s(q)
-    if not q.cloud_drafts:
-        return PlacementDecision(EDGE, edge, None, "no_cloud_draft")
-    cloud = cloud_tokens_per_s(q)
-    if q.cloud_busy:
-        return PlacementDecision(EDGE, edge, cloud, "cloud_busy")
-    faster = CLOUD if cloud > edge else EDGE
-    if previous in (EDGE, CLOUD) and faster != previous:
-        kept, other = (edge, cloud) if previous == EDGE else (cloud, edge)
-        if other <= kept * (1.0 + margin):
-            return PlacementDecision(previous, edge, cloud, "kept")
-    return PlacementDecision(faster, edge, cloud, "faster")
+    """The fastest option for one request: edge or cloud drafting, and the target alone when `cloud_decode_ms` is
+    given; `previous`: the last request's choice, which wins unless another is faster by more than `margin`."""
+    edge, target = edge_tokens_per_s(q), target_tokens_per_s(q)
+    cloud = cloud_tokens_per_s(q) if q.cloud_drafts else None
+    reason = "no_cloud_draft" if cloud is None else "cloud_busy" if q.cloud_busy else "faster"
+    # a busy cloud gets no cloud drafting: it would spend the shared compute that edge drafting saves
+    rates = {name: rate for name, rate in ((EDGE, edge), (CLOUD, cloud if reason == "faster" else None),
+                                           (TARGET, target)) if rate is not None}
+    choice = max(rates, key=rates.__getitem__)
+    if previous in rates and choice != previous and rates[choice] <= rates[previous] * (1.0 + margin):
+        choice, reason = previous, "kept"
+    elif reason != "faster" and choice == TARGET:
+        reason = "faster"
+    return PlacementDecision(choice, edge, cloud, reason, target)

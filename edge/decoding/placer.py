@@ -8,17 +8,23 @@ from its announcements and RESOURCE_EXHAUSTED refusals (edge/cloud_link/replicas
 
 A placement names where the draft runs: `edge` (the mode as asked), `cloud` (`placed_mode(mode, "cloud")`), or
 `auto` (decided per request). Only the placeable modes move; sprinter stays on the edge (it has no cloud form).
+
+`--mode auto` (`chooses_mode`) adds a third option, not speculating: mode target, the cloud decoding alone, at its
+decode step as learned from earlier target streams' GenerateChunks, with the cloud's cost table (GetInfo) as the
+prior. The cost table is also the prior of the verify time t_verify(gamma) until the edge has timed verdicts.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.spec.call_policy import CostModel, Ewma
-from common.spec.modes import PLACEMENTS, mode_of, placed_mode
-from edge.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, PlacementDecision, PlacementInputs, decide
+from common.spec.modes import (AUTO_MODE, AUTO_SPECULATION, CLOUD_DRAFTING, PLACEMENTS, TARGET_MODE, chooses_mode,
+                               mode_of, placed_mode)
+from common.spec.round_cost import CloudCosts
+from edge.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, TARGET, PlacementDecision, PlacementInputs, decide
 from common.errors import SprinterError
 from common.stats import DecodeStats
 
@@ -43,6 +49,15 @@ class Placed:
     decision: PlacementDecision | None = None  # auto's prediction
     note: str | None = None  # e.g. why a cloud placement stayed on the edge
 
+    def switches(self) -> list[dict[str, object]]:
+        """`--mode auto`'s choices (the response's `sprinter.decision`): the mode chosen at each switch, with every
+        option's predicted tokens/s. One, at token 0: the choice is made per request."""
+        if self.decision is None or not chooses_mode(self.asked):
+            return []
+        modes = {EDGE: AUTO_SPECULATION, CLOUD: CLOUD_DRAFTING, TARGET: TARGET_MODE}
+        predicted = {modes[option]: rate for option, rate in self.decision.predicted().items()}
+        return [{"at_token": 0, "mode": self.mode, "reason": self.decision.reason, "predicted_tokens_per_s": predicted}]
+
     def describe(self) -> dict[str, object]:
         described: dict[str, object] = {"asked": self.asked, "used": self.used, "mode": self.mode}
         if self.decision is not None:
@@ -65,21 +80,26 @@ class Placer:
     margin: float = DEFAULT_MARGIN
     prior_cloud_draft_ms: float = PRIOR_CLOUD_DRAFT_MS  # a cloud draft step before its first cloud-sd round
     previous: str | None = None
+    previous_choice: str | None = None  # `--mode auto`'s last choice: its own hysteresis, apart from placement's
     decisions: Counter = field(default_factory=Counter)  # (asked, used) -> requests
     _edge_tokens: Ewma | None = None  # tokens an edge round yields
     _uplink_bytes: Ewma = field(default_factory=lambda: Ewma(0.0, ALPHA))  # per edge round
     _cloud_tokens: Ewma | None = None  # tokens a cloud-sd round yields
     _cloud_round_ms: Ewma | None = None
+    _cloud_decode_ms: Ewma | None = None  # the target's decode step, from mode target's GenerateChunks
 
     def __post_init__(self) -> None:
         if self.uplink_mbps < 0:
             raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
 
     def place(self, mode: str, placement: str, k: int, max_tokens: int, cost_model: CostModel,
-              cloud: object | None) -> Placed:
+              cloud: object | None, chooses_mode: bool = False) -> Placed:
         """The mode a request runs in; PlacementRefused when the placement cannot be served. `cloud` is the
-        decoder's ReplicaSet (read: drafts(), drafting_load())."""
+        decoder's ReplicaSet (read: drafts(), drafting_load(), costs()); `chooses_mode` (`--mode auto`): the target
+        alone is an option too."""
         check_placement(placement)
+        if chooses_mode:
+            return self._choose(mode, k, max_tokens, cost_model, cloud)
         if placement == EDGE:
             return self._count(Placed(EDGE, EDGE, mode))
         if cloud is None:
@@ -98,6 +118,23 @@ class Placer:
         self.previous = decision.placement
         log.debug("placement auto: %s", decision)
         return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
+
+    def _choose(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object | None) -> Placed:
+        """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target)."""
+        if cloud is None:
+            raise PlacementRefused("mode 'auto' chooses among ways of using a cloud, and this edge has none (--cloud)")
+        costs: CloudCosts = cloud.costs()  # type: ignore[attr-defined]
+        cost_model.seed_verify_prior(costs)
+        load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
+        decode_ms = self._cloud_decode_ms.value if self._cloud_decode_ms is not None else \
+            costs.decode_ms() or cost_model.t_verify_ms(0)
+        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, cloud.drafts()),  # type: ignore[attr-defined]
+                         cloud_decode_ms=decode_ms)
+        decision = decide(inputs, self.previous_choice, self.margin)
+        self.previous_choice = decision.placement
+        chosen = TARGET_MODE if decision.placement == TARGET else placed_mode(mode, decision.placement)
+        log.debug("mode auto: %s", decision)
+        return self._count(Placed(AUTO_MODE, decision.placement, chosen, decision))
 
     def _count(self, placed: Placed) -> Placed:
         self.decisions[(placed.asked, placed.used)] += 1
@@ -131,12 +168,19 @@ class Placer:
         if not first:
             self._cloud_round_ms = _update(self._cloud_round_ms, step_ms)
 
+    def observe_target_step(self, step_ms: float, first: bool) -> None:
+        """One decode step of mode target as its GenerateChunk reported it; the first also holds the prefill."""
+        if not first:
+            self._cloud_decode_ms = _update(self._cloud_decode_ms, step_ms)
+
     def snapshot(self) -> dict[str, object]:
         return {"previous": self.previous, "uplink_mbps": self.uplink_mbps,
                 "edge_tokens_per_round": self._edge_tokens.value if self._edge_tokens else None,
                 "uplink_bytes_per_round": self._uplink_bytes.value,
                 "cloud_tokens_per_round": self._cloud_tokens.value if self._cloud_tokens else None,
-                "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None}
+                "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None,
+                "cloud_decode_ms": self._cloud_decode_ms.value if self._cloud_decode_ms else None,
+                "previous_choice": self.previous_choice}
 
 
 def _update(ewma: Ewma | None, x: float) -> Ewma:

@@ -138,6 +138,8 @@ class CloudGenerate:
                     self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
                 else:  # a token of the target alone (a round with no room left to draft in is one too)
                     generation.recorder.target_calls += len(chunk.token_ids)
+                    if not speculates:
+                        self.placer.observe_target_step(chunk.step_ms / max(len(chunk.token_ids), 1), first)
                 first = False
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))

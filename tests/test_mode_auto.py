@@ -1,0 +1,119 @@
+"""`--mode auto` (issue 56): per request, the target alone, speculating on the edge, or in the cloud, whichever the
+cost model (common/spec/round_cost.py) predicts fastest, and lossless whatever it chooses.
+
+The choice is a pure function (edge/decoding/placement.py `decide` with the target's decode step given), tested on
+its own; then over a real cloud on loopback behind the real link proxy (sim/link/) for the RTT, greedy in float32:
+far from the cloud it streams the target's own decoding, near it with a slow target it speculates, and every output
+is the target's own, token for token. Through the real API: the response says what it chose and what it predicted
+of each option, the metrics count it, and a daemon without a cloud refuses `auto`, naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from cloud.server import CloudSettings
+from cloud_harness import ServerThread
+from common.spec.local_decoder import LocalDecoder
+from common.spec.modes import DecodeSettings
+from edge.api.app import ApiSettings, create_app
+from edge.decoding.decoder import EdgeSettings
+from edge.decoding.placement import PlacementInputs, decide
+from edge.decoding.placer import Placer
+from edge.node import EdgeNode, EdgeNodeSettings
+from edge_harness import EdgeDaemonThread
+from sim.link.proxy import LinkProxy
+from sim.link.shaping import LinkSettings
+
+NEAR = PlacementInputs(gamma=4, max_tokens=64, edge_tokens_per_round=3.0, t_draft_edge_ms=10.0, rtt_ms=0.0,
+                       t_verify_ms=20.0, uplink_bytes_per_round=0.0, uplink_mbps=0.0, cloud_tokens_per_round=3.0,
+                       cloud_round_ms=4 * 15.0 + 20.0, cloud_drafts=False, cloud_decode_ms=20.0)
+
+
+def test_speculating_wins_near_a_slow_target_and_the_target_alone_far_from_it() -> None:
+    near = decide(NEAR)  # a round: 3 tokens in 60 ms; the target alone: a token per 20 ms
+    assert near.placement == "edge" and near.target_tokens_per_s == pytest.approx(1e3 * 64 / (64 * 20.0))
+    far = decide(replace(NEAR, rtt_ms=200.0))  # every round pays the RTT; the target's stream pays it once
+    assert far.placement == "target" and far.reason == "faster"
+    assert far.target_tokens_per_s == pytest.approx(1e3 * 64 / (200.0 + 64 * 20.0))
+    assert set(far.predicted()) == {"edge", "target"}  # no cloud draft: cloud-sd is no option
+    drafting = decide(replace(NEAR, rtt_ms=200.0, cloud_drafts=True, cloud_round_ms=4 * 2.0 + 20.0))  # 3 in 28 ms
+    assert drafting.placement == "cloud" and set(drafting.predicted()) == {"edge", "cloud", "target"}
+
+
+def test_a_busy_cloud_loses_cloud_drafting_and_stretches_the_targets_stream() -> None:
+    far = replace(NEAR, rtt_ms=200.0, cloud_drafts=True, cloud_round_ms=4 * 2.0 + 20.0)
+    busy = decide(replace(far, cloud_busy=True, cloud_load=3.0))
+    assert busy.placement != "cloud" and busy.target_tokens_per_s < decide(far).target_tokens_per_s / 2
+
+
+def test_placement_alone_never_offers_the_target() -> None:
+    assert decide(replace(NEAR, rtt_ms=200.0, cloud_decode_ms=None)).placement == "edge"
+
+
+def _plain_cloud(tiny_target) -> ServerThread:  # no draft of its own: auto chooses between the target and the edge
+    return ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1, dtype="float32"), tiny_target)
+
+
+async def _through_link(cloud: ServerThread, draft, work):
+    host, _, port = cloud.address.rpartition(":")
+    async with LinkProxy(LinkSettings(delay_ms=0.0), (host, int(port))) as link:
+        settings = EdgeNodeSettings(draft=draft.spec, cloud=link.address, draft_runtime="torch", dtype="float32",
+                                    verifier="confidence:0.3")
+        async with EdgeNode(settings, draft) as node:
+            return await work(node, link)
+
+
+def test_auto_streams_the_target_far_away_speculates_near_a_slow_one_and_stays_lossless(tiny_target,
+                                                                                       tiny_draft) -> None:
+    prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
+    target = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
+    settings = EdgeSettings(DecodeSettings(mode="sprinter-exact", max_new_tokens=24, k=4), chooses_mode=True)
+
+    async def work(node: EdgeNode, link: LinkProxy):
+        runs = []
+        link.change_delay(150.0)  # an RTT of 300 ms: every speculation round would pay it
+        node.decoder.cost_model.observe_rtt(300.0)
+        runs.append(await node.decoder.generate(prompt, settings))
+        link.change_delay(0.0)
+        for _ in range(8):  # the target measured as slow: 1 s a token
+            node.decoder.placer.observe_target_step(1000.0, first=False)
+            node.decoder.cost_model.observe_rtt(0.0)
+        runs.append(await node.decoder.generate(prompt, settings))
+        return runs
+
+    with _plain_cloud(tiny_target) as cloud:
+        far, near = asyncio.run(_through_link(cloud, tiny_draft, work))
+    assert (far.placed.used, far.stats.mode) == ("target", "target")
+    assert (near.placed.used, near.stats.mode) == ("edge", "sprinter-exact")
+    for run in (far, near):
+        assert not run.degraded and run.error is None and run.token_ids == target.token_ids
+        (switch,) = run.placed.switches()
+        assert switch["at_token"] == 0 and switch["mode"] == run.stats.mode
+        assert set(switch["predicted_tokens_per_s"]) == {"target", "sprinter-exact"}
+
+
+def test_the_api_reports_autos_choice_and_refuses_it_without_a_cloud(tiny_target, tiny_draft) -> None:
+    def app(node: EdgeNode):
+        return create_app(node, ApiSettings(model_name="tiny"))
+
+    def post(edge: EdgeDaemonThread, **fields) -> httpx.Response:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "mode": "auto",
+                **fields}
+        return httpx.post(edge.base + "/v1/completions", json=body, timeout=60)
+
+    with _plain_cloud(tiny_target) as cloud, EdgeDaemonThread(tiny_draft, cloud.address, app) as edge:
+        body = post(edge).json()["sprinter"]
+        (switch,) = body["decision"]["switches"]
+        assert body["mode"] == switch["mode"] in ("target", "sprinter-exact") and body["placement"]["asked"] == "auto"
+        assert all(rate > 0 for rate in switch["predicted_tokens_per_s"].values())
+        used = body["placement"]["used"]
+        assert f'sprinter_edge_placements_total{{asked="auto",used="{used}"}} 1.0' in httpx.get(edge.base + "/metrics").text
+    with EdgeDaemonThread(tiny_draft, None, app) as alone:
+        refused = post(alone)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
+        assert "needs a cloud" in refused.json()["error"]["message"]
