@@ -248,7 +248,7 @@ def test_mode_target_probes_a_hung_replica_a_bounded_number_of_times(tiny_draft)
 def test_mode_target_bounds_failures_in_a_row_not_per_request(tiny_draft):
     """A long request may outlive more replica failures than `attempts`: a replica that went away after streaming
     tokens starts the count again (the chaos soak's target request degraded on its fourth kill so), while one that
-    hangs is still given up on (the test above, and tests/test_edge_hardening_cloud.py's hang after 3 tokens)."""
+    hangs is still given up on (the test above, and tests/edge/cloud_link/test_cloud_faults.py's hang after 3 tokens)."""
     script = scripted(tiny_draft, generate_fails_after=1)  # every Generate: one token, then UNAVAILABLE
     with ScriptedCloud(script) as cloud_, EdgeDaemonThread(
             tiny_draft, cloud_.address, lambda node: create_app(node, ApiSettings(default_mode="target", cloud_retry_s=60)),

@@ -34,7 +34,7 @@ from edge.node import EdgeNode
 from edge_harness import on_edge
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
-from test_suffix_drafting import _prompts, _repeating_prompt
+from tests.common.spec.propose.test_suffix_drafting import _prompts, _repeating_prompt
 
 COPIED = "sprinter_cloud_draft_copied_tokens_total"
 COPIED_KEPT = "sprinter_cloud_draft_copied_tokens_accepted_total"

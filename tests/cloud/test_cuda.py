@@ -1,7 +1,7 @@
-"""The resident engine on a CUDA GPU: the properties tests/test_batched_forward.py and tests/test_devices.py
+"""The resident engine on a CUDA GPU: the properties tests/cloud/test_batched_forward.py and tests/common/model/test_devices.py
 check on the CPU, on the device (skipped, with the reason, where torch sees no GPU).
 
-    python -m pytest tests/test_cuda.py     # on a GPU host; needs no model packages and no network
+    python -m pytest tests/cloud/test_cuda.py     # on a GPU host; needs no model packages and no network
 
 On CUDA the default layout is paged: one pool, flex_attention compiled into a fused kernel.
 """

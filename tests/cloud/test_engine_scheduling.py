@@ -69,7 +69,7 @@ def test_a_prefill_rides_along_in_chunks_one_per_forward(tiny_target, forwards):
             for _ in range(3):
                 await batcher.forward(busy, [3], 1)
             await prefill
-            # its pages, allocated up front (spare pages are the session store's grant, tests/test_cloud_hardening.py)
+            # its pages, allocated up front (spare pages are the session store's grant, tests/cloud/test_cloud_limits.py)
             assert prompt.length == 20 and prompt.capacity == 32 and prompt.copied_bytes == 0
 
     asyncio.run(run())

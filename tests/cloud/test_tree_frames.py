@@ -1,6 +1,6 @@
 """A verify frame that carries a tree (VerifyBlock.parents): what the cloud's frame checks refuse, naming the field,
 and how the codec carries it. The checks are pure (cloud/frames.py); the real cloud's refusal of a tree while it
-verifies chains only is in tests/test_cloud_errors.py."""
+verifies chains only is in tests/cloud/test_cloud_errors.py."""
 
 from __future__ import annotations
 

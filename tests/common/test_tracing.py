@@ -20,7 +20,7 @@ from sim.processes import CloudProcess, edge_daemon_process, free_port
 pytest.importorskip("opentelemetry.proto.collector.trace.v1", reason="the otel extra is not installed: pip install -e '.[otel]'")
 from otlp_collector import OtlpCollector, ReceivedSpan  # noqa: E402 -- after the skip
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Spans go out 50 ms after they end (the SDK's default is 5 s): a replica killed mid-request has sent its verifies.
 EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OMP_NUM_THREADS": "1"}
 OFF_PROBE = """

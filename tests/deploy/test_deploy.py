@@ -39,7 +39,7 @@ try:
 except ImportError:  # the test extra brings it; without it the schema check skips (fails in CI)
     kubernetes_validate = None
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 COMPOSE = DEPLOY / "compose" / "compose.yaml"

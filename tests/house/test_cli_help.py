@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "vllm", "onnxruntime", "grpc_tools", "numpy", "opentelemetry")
 
 # Builds the parser, runs `--help` of every command and group under it, and reports what was imported.

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_deploy import CommandLine, parse
+from tests.deploy.test_deploy import CommandLine, parse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "docs" / "reference"
 BENCH_PAGES = ROOT / "docs" / "benchmarks"
 SHELL_FENCES = ("bash", "console", "sh", "shell")

@@ -24,7 +24,7 @@ from edge.cloud_link.cloud_target import CloudTarget
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ("common", "edge", "cloud", "sprinter")
 # The goal is 14; today a round passes through 31: 24 on the path, 7 observers, the request's trace spans among them
 # (docs/architecture.md says which and why). This keeps it from growing.

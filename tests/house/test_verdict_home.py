@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.test_layout import MODULES
+from tests.house.test_layout import MODULES
 
 RULES_MODULE = "common.spec.acceptance_rules"
 RULES_MODULES = (RULES_MODULE, "common.spec.tree.multipath_rules")  # the rules' home: the entry's module and the multi-path math

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
+PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 GENERATED = ("sprinter/v1/decoding_pb2.py", "sprinter/v1/decoding_pb2_grpc.py", "sprinter/v1/decoding_pb2.pyi")
 
 

@@ -16,7 +16,7 @@ from common.fleet_plane.messages import (MAX_PAYLOAD_BYTES, BadMessage, CloudLoa
                                          EdgeTelemetry, FleetConfig, VerifierArtifact, decode, encode)
 from mosquitto_broker import broker, free_port
 
-CONTRACT = Path(__file__).resolve().parent.parent / "proto" / "mqtt.md"
+CONTRACT = Path(__file__).resolve().parents[3] / "proto" / "mqtt.md"
 
 
 def _fast(url: str, **options: object) -> BrokerSettings:

@@ -11,7 +11,7 @@ import pytest
 from common.lab.prompt_sets import DEFAULT_PROMPTS, PromptRecord, load_prompts, split_by_prompt
 
 CATEGORIES = {"code": False, "code-chat": True, "prose": False, "qa": True}
-BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "sim" / "data" / "bench_prompts.jsonl"
+BENCH_PROMPTS = Path(__file__).resolve().parents[3] / "sim" / "data" / "bench_prompts.jsonl"
 
 
 @pytest.fixture(scope="module")

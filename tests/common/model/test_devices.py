@@ -1,6 +1,6 @@
 """The device seam on the CPU: --device resolution and refusals, bf16 batches, the in-process engine bench.
 
-tests/test_cuda.py runs the same properties on a GPU where there is one.
+tests/cloud/test_cuda.py runs the same properties on a GPU where there is one.
 """
 
 from __future__ import annotations

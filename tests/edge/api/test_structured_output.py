@@ -30,7 +30,7 @@ from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge_harness import EdgeDaemonThread
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
-from test_grammar import SCHEMAS
+from tests.common.sampling.test_grammar import SCHEMAS
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
 TINY_EOS = 256

@@ -22,10 +22,10 @@ from sim.bench.dashboard_queries import (PanelQuery, dashboard_panels, evaluate_
 from sim.bench.dashboards import (DashboardBenchSettings, DashboardResult, format_dashboards, prometheus_server,
                                   recorded_window)
 from sim.bench.soak import SoakSettings, write_scrape_targets
-from test_deploy import missing
+from tests.deploy.test_deploy import missing
 
 pytest.importorskip("matplotlib")
-DASHBOARDS = sorted((Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards").glob("*.json"))
+DASHBOARDS = sorted((Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "dashboards").glob("*.json"))
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

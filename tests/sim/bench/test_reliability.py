@@ -26,7 +26,7 @@ def _parse(register, *argv: str) -> argparse.Namespace:
 def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys, replicas):
     # 2 MiB holds 4k tiny-random tokens (512 B each): 16 sessions of a prompt + up to 160 tokens fit. A budget the
     # busy sessions overflow is refused with RESOURCE_EXHAUSTED and a retry hint since the cloud's hardening
-    # (issue 12): back-pressure, which tests/test_cloud_hardening.py covers; this soak asks for no errors.
+    # (issue 12): back-pressure, which tests/cloud/test_cloud_limits.py covers; this soak asks for no errors.
     args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "16", "--duration-s", "4", "--max-tokens", "64,160",
                   "--kv-budget-mb", "2", "--max-context", "1024", "--sample-s", "0.2", "--replicas", str(replicas),
                   "--out", str(tmp_path))

@@ -27,7 +27,7 @@ from sim.gpu_check.tree import SHAPES
 from sim.gpu_check.unpack import BundleError, read_manifest, unpack
 from sim.gpu_check.wheelhouse import BUNDLE_ROOTS, HOST_WHEELS, MAX_BUNDLE_MB, build_bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SENT = ROOT / ".gpu-bundle"
 # What the GPU host brings itself: torch and its requirements, and numpy (torch's tensors' bridge).
 HOST_PROVIDED = ("torch", "numpy")

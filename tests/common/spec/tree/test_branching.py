@@ -126,7 +126,7 @@ def _next_best(row, taken, greedy, generator):
 
 def test_next_best_alternatives_under_sampling_are_caught(tiny_target, tiny_draft, monkeypatch):
     """Power: siblings that are the draft's next-best tokens (not draws from the row they carry) bias the output.
-    (Draws without replacement told as draws from q are caught at the rule level: tests/test_multipath_rules.py.)"""
+    (Draws without replacement told as draws from q are caught at the rule level: tests/common/spec/tree/test_multipath_rules.py.)"""
     monkeypatch.setattr(branching, "alternative", _next_best)
     wide_and_short(monkeypatch)
     engine = LocalDecoder(tiny_target, tiny_draft, ConfidenceVerifier(0.5))
