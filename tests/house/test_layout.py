@@ -18,6 +18,9 @@
 - One exception family: every exception class reaches `SprinterError` (common/errors.py), so a class
   naming a builtin exception base (`ValueError`, ...) names a `SprinterError` subclass too (bases are
   matched by name, common/errors.py itself excepted); no two exception classes share a name.
+- tests/ mirrors the source tree: a test file sits in the folder of what it tests (tests/cloud/ for cloud/,
+  tests/common/spec/ for common/spec/, ...), or in tests/house/ when it checks the whole house; the shared
+  helpers and conftest.py stay at tests/'s top.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import pytest
 
 from common.spec.modes import MODES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "edge", "cloud", "sim")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
@@ -407,3 +410,31 @@ def test_every_program_is_a_sprinter_subcommand(program: str) -> None:
 
     subcommands = next(a for a in build_parser()._actions if a.dest == "command")
     assert program in subcommands.choices
+
+
+TESTS = ROOT / "tests"
+WHOLE_HOUSE = "house"  # tests/house/: checks of the whole house (these rules, the docs, the CLI), no one folder's
+
+
+def _misplaced_test(relative: Path, root: Path = ROOT) -> str | None:
+    """Why a test file at `relative` (to tests/) breaks the mirror, or None where it keeps it."""
+    folder = relative.parent
+    if not folder.parts:
+        return f"tests/{relative} sits at tests/'s top: move it into the folder of what it tests"
+    if folder.parts[0] == "tests" or (folder.as_posix() != WHOLE_HOUSE and not (root / folder).is_dir()):
+        return f"tests/{relative} is in tests/{folder.as_posix()}/, which mirrors no source folder"
+    return None
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    tests = sorted(path.relative_to(TESTS) for path in TESTS.rglob("test_*.py"))
+    assert len(tests) > 50
+    assert [why for why in map(_misplaced_test, tests) if why] == []
+
+
+def test_the_mirror_rule_catches_planted_misplacements() -> None:
+    assert _misplaced_test(Path("cloud/test_x.py")) is None
+    assert _misplaced_test(Path("common/spec/tree/test_x.py")) is None
+    assert _misplaced_test(Path("house/test_x.py")) is None
+    assert [bool(_misplaced_test(Path(p))) for p in ("test_x.py", "clouds/test_x.py", "edge/api/v2/test_x.py",
+                                                      "tests/cloud/test_x.py", "house/cloud/test_x.py")] == [True] * 5
