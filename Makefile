@@ -17,7 +17,7 @@ STUBS  := proto/sprinter/v1/decoding_pb2.py proto/sprinter/v1/decoding_pb2_grpc.
 # The docs site's mermaid.js (docs/js/mermaid.min.js, fetched from npm): this stamp says which release is there.
 MERMAID_VERSION ?= 11.17.2
 MERMAID := docs/js/.mermaid-$(MERMAID_VERSION)
-# The Compose Specification's JSON schema (compose-spec, Apache-2.0) for tests/test_deploy.py, as the npm package dclint
+# The Compose Specification's JSON schema (compose-spec, Apache-2.0) for tests/deploy/test_deploy.py, as the npm package dclint
 # ships it (3.1.0 carries compose-spec's schema of 2025-07-21, commit 58a2548): fetched at test time, not committed.
 COMPOSE_SCHEMA_DCLINT ?= 3.1.0
 COMPOSE_SCHEMA := .cache/compose-spec/.dclint-$(COMPOSE_SCHEMA_DCLINT)
@@ -47,7 +47,7 @@ mosquitto:
 	$(call debian,mosquitto,mosquitto,the fleet plane tests need Mosquitto)
 
 
-# tests/test_docs.py opens the built home and architecture pages in a headless browser (Debian's chromium) and
+# tests/house/test_docs.py opens the built home and architecture pages in a headless browser (Debian's chromium) and
 # checks that their pictures are drawn. The first install downloads about 113 MB (113 packages, 480 MB on disk):
 # 77 s here, apt-get update included, on one core shared with a benchmark.
 chromium:
@@ -57,8 +57,8 @@ chromium:
 npm:
 	$(call debian,npm,npm,the docs site needs npm to fetch mermaid.js)
 
-# tests/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
-# The same package's server, `prometheus`, records a soak for `sprinter bench dashboards` (tests/test_dashboard_plots.py).
+# tests/deploy/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
+# The same package's server, `prometheus`, records a soak for `sprinter bench dashboards` (tests/sim/bench/test_dashboard_plots.py).
 promtool:
 	$(call debian,promtool,prometheus,the deploy tests need promtool)
 
@@ -116,7 +116,7 @@ bench-uplink: $(VENV)/.models-qwen $(STUBS)
 #   3 table    1.5B and 7B x both layouts x 128/1k/4k x 1/8/32/64 edges batched, 1/8 unbatched: 72 rows, <= 150 s
 #   4 graphs   the paged 8-edge verify forward captured as a CUDA graph, replay against eager: <= 25 s
 #   5 prefix   a 1088-token session opened from the prefix cache against cold, 3 trials: <= 10 s
-#   6 pytest   tests/test_cuda.py: <= 90 s (each test compiles the fused kernel)
+#   6 pytest   tests/cloud/test_cuda.py: <= 90 s (each test compiles the fused kernel)
 #   7 profile  top 15 kernels of one 8-edge forward: <= 10 s
 # What comes back: OUT/ summary.json env.json owed.json table.json features.json pytest.txt profile.txt gpu-check.log.
 # Then, here: sprinter gpu page --results DIR --page docs/benchmarks/gpu.md. GPU_CHECK_ARGS=--device cpu: the dry run.
@@ -167,7 +167,7 @@ $(VENV)/.docs: $(VENV)/.project
 	$(PIP) install mkdocs==1.6.1 mkdocs-material==9.8.2
 	touch $@
 
-# gRPC stubs are generated from the contract, never committed (tests/test_proto.py fails if stale).
+# gRPC stubs are generated from the contract, never committed (tests/proto/test_proto.py fails if stale).
 proto: $(STUBS)
 $(STUBS) &: $(PROTO) $(VENV)/.project
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTO)

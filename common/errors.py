@@ -2,7 +2,7 @@
 
 `except SprinterError` catches whatever this project raises on purpose. Each class also keeps the builtin
 base its callers catch (`ValueError`, `RuntimeError`, ...). A class lives in the module of its concept;
-only one raised on several sides lives here. tests/test_layout.py checks that every exception class in
+only one raised on several sides lives here. tests/house/test_layout.py checks that every exception class in
 common/, edge/, cloud/ and sim/ reaches `SprinterError` and that no two share a name.
 
 The family, by side (class, builtin base kept, where raised: what the caller does):

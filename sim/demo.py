@@ -43,7 +43,7 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "What is the difference between a list and a tuple in Python?",
 )
-MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/test_layout.py)
+MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/house/test_layout.py)
 
 
 @dataclass

@@ -26,7 +26,7 @@ The verdict, decided in one place: a proposal and the target's rows in, (n_accep
                sampling: greedy multi-path block verification, GBV (common/spec/tree/multipath_rules.py, with its exactness
                condition: where the edge branches depends on the draft alone, each node a draw from its own row)
 
-`decide` is the one entry: no rule is called outside this module (tests/test_verdict_home.py). Every place that
+`decide` is the one entry: no rule is called outside this module (tests/house/test_verdict_home.py). Every place that
 turns a block into a verdict calls it and keeps only what is its own, where the rows come from and what it does
 with the verdict:
 

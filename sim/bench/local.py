@@ -33,7 +33,7 @@ from sim.bench.prompts import load_bench_prompts
 from sim.bench.settings import ASSISTED_CONFIGS, AssistedConfig, LocalBenchSettings
 
 log = logging.getLogger(__name__)
-OUR_MODES = ("target", "sd", "sd-block", "sprinter")  # a choice of what to time, not a trait (tests/test_layout.py)
+OUR_MODES = ("target", "sd", "sd-block", "sprinter")  # a choice of what to time, not a trait (tests/house/test_layout.py)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def section_text(results: Path, plot_path: Path | None = None) -> str:
             parts.append(f"Not reached within the step's budget: {json.dumps(table['not_reached'])}")
         if plot_path is not None:
             plot(rows, plot_path)
-    for name, title in (("pytest.txt", "tests/test_cuda.py"), ("profile.txt", "Top kernels of one batched verify forward")):
+    for name, title in (("pytest.txt", "tests/cloud/test_cuda.py"), ("profile.txt", "Top kernels of one batched verify forward")):
         if (results / name).exists():
             parts += [f"**{title}**:", "```text", _tail(results / name, name), "```"]
     return "\n\n".join(parts)

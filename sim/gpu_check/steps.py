@@ -6,7 +6,7 @@
     graphs   whether a CUDA graph of the paged verify forward can be captured, and what its replay saves (graphs.py)
     prefix   a session opened from a cached prefix against a cold one (prefix.py)
     tree     a verify forward of a 16-token draft tree against chains of 6 and 16, and its rows against each path's (tree.py)
-    pytest   tests/test_cuda.py on the device
+    pytest   tests/cloud/test_cuda.py on the device
     profile  the top kernels of one batched verify forward
 """
 
@@ -35,7 +35,7 @@ def env_step(run: CheckRun, deadline: Deadline) -> dict[str, Any]:
     import grpc
     import transformers
 
-    import cloud.server  # noqa: F401  the service tests/test_cuda.py starts: gRPC, metrics, grammar, fleet plane
+    import cloud.server  # noqa: F401  the service tests/cloud/test_cuda.py starts: gRPC, metrics, grammar, fleet plane
     import pytest
     from sprinter.v1 import decoding_pb2  # noqa: F401  the generated stubs came along
 
@@ -128,9 +128,9 @@ def table_step(run: CheckRun, deadline: Deadline) -> dict[str, Any]:
 
 
 def pytest_step(run: CheckRun, deadline: Deadline) -> str:
-    """tests/test_cuda.py's report (on a CPU every test skips, saying why)."""
+    """tests/cloud/test_cuda.py's report (on a CPU every test skips, saying why)."""
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/cloud/test_cuda.py"],
                               capture_output=True, text=True, timeout=max(1.0, deadline.end - time.perf_counter()))
         report = done.stdout + done.stderr + f"\nexit code {done.returncode}\n"
     except subprocess.TimeoutExpired as err:

@@ -31,7 +31,7 @@ from sim.bench.engine import BenchSession, release
 from sim.gpu_check.run_state import CheckRun, Deadline
 
 CHAIN, BRANCHES, BRANCH_TOKENS = 6, 5, 2
-# |tree - chain| <= ATOL for every logit, in float32: tests/test_tree_forward.py's bound.
+# |tree - chain| <= ATOL for every logit, in float32: tests/cloud/test_tree_forward.py's bound.
 ATOL = 1e-4
 
 

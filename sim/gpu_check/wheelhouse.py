@@ -32,9 +32,9 @@ from sim.gpu_check.unpack import MANIFEST
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "proto" / "sprinter" / "v1"
-# What the check imports beyond torch (the engine bench, the cloud service tests/test_cuda.py starts, pytest; httpx
+# What the check imports beyond torch (the engine bench, the cloud service tests/cloud/test_cuda.py starts, pytest; httpx
 # for `sprinter bench`, whose other benchmarks can then run there too):
-# `BUNDLE_ROOTS` and everything they require, less what torch brings. tests/test_gpu_check.py checks that the
+# `BUNDLE_ROOTS` and everything they require, less what torch brings. tests/sim/gpu_check/test_gpu_check.py checks that the
 # list is that closure, and runs the dry run with these alone.
 BUNDLE_ROOTS = ("transformers", "httpx", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "prometheus_client",
                 "llguidance", "aiomqtt", "gguf", "accelerate", "psutil", "platformdirs", "tqdm", "pytest")

@@ -1,6 +1,6 @@
 """Block verification over one path or several: its stopping rule, and the verdict on a draft tree.
 
-Applied only through `common.spec.acceptance_rules.decide` (tests/test_verdict_home.py). Notation of block verification
+Applied only through `common.spec.acceptance_rules.decide` (tests/house/test_verdict_home.py). Notation of block verification
 (Sun et al., ICLR 2025), as `common.spec.acceptance_rules` uses it, and of the tree (common/spec/tree/draft_tree.py):
 
     x_1..x_g     a chain's tokens; M_b = p (target), M_s = q (draft): p [g + 1, V], q [g, V]
@@ -13,7 +13,7 @@ Applied only through `common.spec.acceptance_rules.decide` (tests/test_verdict_h
 
 Greedy multi-path block verification (GBV; Thomas and Pal, arXiv 2602.16961). The paper's algorithm section was not
 reachable from here; this rule is derived from block verification and its successive-residual argument, and its
-exactness is tested at the rule level (tests/test_multipath_rules.py), not checked line by line against the paper:
+exactness is tested at the rule level (tests/common/spec/tree/test_multipath_rules.py), not checked line by line against the paper:
 
     u <- root, P <- p(. | context), C <- the root's children
     loop:

@@ -1,0 +1,124 @@
+"""Load and faults against real processes on loopback (tiny pair): short versions of `sprinter bench soak`
+and `sprinter bench chaos`, bounded in time and count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from common.stats import percentile_ceil_rank
+from sim.bench import chaos, soak
+from sim.bench.load import parse_metrics
+
+TINY = ("--target", "tiny-random", "--draft", "tiny-random-draft")
+
+
+def _parse(register, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_short_soak_has_no_errors_and_keeps_kv_within_budget(tmp_path, capsys, replicas):
+    # 2 MiB holds 4k tiny-random tokens (512 B each): 16 sessions of a prompt + up to 160 tokens fit. A budget the
+    # busy sessions overflow is refused with RESOURCE_EXHAUSTED and a retry hint since the cloud's hardening
+    # (issue 12): back-pressure, which tests/cloud/test_cloud_limits.py covers; this soak asks for no errors.
+    args = _parse(soak.register_soak, "soak", *TINY, "--sessions", "16", "--duration-s", "4", "--max-tokens", "64,160",
+                  "--kv-budget-mb", "2", "--max-context", "1024", "--sample-s", "0.2", "--replicas", str(replicas),
+                  "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "soak.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [], out
+    assert code == 0 and "PASS" in out and "KV cache max MiB / budget MiB" in out
+    assert summary["requests"] >= 16 and summary["errors"] == 0 and summary["http_5xx"] == 0
+    assert summary["replicas"] == replicas and {s["replica"] for s in result["samples"]} == set(range(replicas))
+    assert summary["metrics_samples"] >= 3 and summary["kv_cache_bytes_max"] <= summary["kv_budget_bytes"]
+    assert summary["cloud_rss_max_bytes"] > 10 << 20 and summary["edge_rss_max_bytes"] > 10 << 20
+    requests = result["requests"]
+    assert {r["stream"] for r in requests} == {True, False} and len({r["mode"] for r in requests}) >= 4
+    assert summary["greedy_checked"] >= 3 and summary["greedy_mismatches"] == 0, summary
+
+
+@pytest.mark.slow
+def test_short_soak_with_two_identities_reports_each_ones_share(tmp_path, capsys):
+    # Two tokens, two edges, 2 and 1 workers; --max-sessions 2 below the 3 workers, so the cloud's line takes turns.
+    args = _parse(soak.register_soak, "soak", *TINY, "--identities", "2,1", "--duration-s", "5", "--max-tokens", "8,24",
+                  "--kv-budget-mb", "2", "--max-context", "1024", "--max-sessions", "2", "--sample-s", "0.2",
+                  "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "soak.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [] and code == 0, out
+    rows = summary["identities"]
+    assert [(r["identity"], r["workers"]) for r in rows] == [("edge-0", 2), ("edge-1", 1)]
+    assert all(r["completed"] >= 1 and r["errors"] == 0 and r["tokens"] > 0 for r in rows), rows
+    assert all(r["latency_s_p50"] is not None and r["latency_s_p99"] is not None for r in rows)
+    assert sum(r["tokens"] for r in rows) == summary["tokens"]
+    assert sum(r["tokens_share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["tokens_share_window"] for r in rows) == pytest.approx(1.0)
+    assert {r["identity"] for r in result["requests"]} == {"edge-0", "edge-1"}
+    assert "edge-1 (1 workers)" in out and (tmp_path / "edge-1.log").exists()
+
+
+@pytest.mark.slow
+def test_short_chaos_every_request_completes_and_the_edge_survives(tmp_path, capsys):
+    args = _parse(chaos.register_chaos, "chaos", *TINY, "--requests", "9", "--kills", "2", "--max-tokens", "120",
+                  "--stagger-s", "0.2", "--kill-after-s", "0.2,0.5", "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "chaos.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [], out
+    assert code == 0 and "PASS" in out
+    assert summary["completed"] == 9 and summary["http_5xx"] == 0 and summary["kills"] == 2
+    assert summary["cloud_starts"] == 3 and summary["edge_alive_same_pid"]
+    assert summary["after_recovery"] >= 1 and summary["after_recovery_degraded"] == 0
+    assert summary["degraded"] >= 1  # the kills hit traffic, and the answers they hit say so
+    assert len({k["pid"] for k in result["kills"]}) == 2
+
+
+@pytest.mark.slow
+def test_short_chaos_over_two_replicas_kills_each_in_turn(tmp_path, capsys):
+    args = _parse(chaos.register_chaos, "chaos", *TINY, "--requests", "9", "--kills", "2", "--max-tokens", "120",
+                  "--stagger-s", "0.2", "--kill-after-s", "0.2,0.5", "--replicas", "2", "--out", str(tmp_path))
+    code = args.run(args)
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "chaos.json").read_text())
+    summary = result["summary"]
+    assert result["problems"] == [] and code == 0, out
+    assert summary["completed"] == 9 and summary["http_5xx"] == 0 and summary["replicas"] == 2
+    assert [k["replica"] for k in result["kills"]] == [0, 1] and summary["cloud_starts"] == 4
+    print(f"two replicas: {summary['degraded']} degraded of 9, {summary['in_flight_at_kills']} in flight at kills")
+
+
+def test_chaos_needs_a_request_per_phase():
+    args = _parse(chaos.register_chaos, "chaos", "--requests", "3", "--kills", "5")
+    with pytest.raises(SystemExit, match="at least --kills"):
+        chaos.settings_from_args(args)
+
+
+def test_soak_rejects_an_inverted_token_range():
+    with pytest.raises(SystemExit):
+        _parse(soak.register_soak, "soak", "--max-tokens", "64,8")
+
+
+@pytest.mark.parametrize("identities", ["3", "2,0", "2,x"])
+def test_soak_wants_two_or_more_positive_identity_worker_counts(identities):
+    with pytest.raises(SystemExit):
+        _parse(soak.register_soak, "soak", "--identities", identities)
+    assert soak.settings_from_args(_parse(soak.register_soak, "soak", "--identities", "24,8")).identities == (24, 8)
+
+
+def test_metrics_parsing_and_percentiles():
+    text = ('# HELP sprinter_cloud_kv_cache_bytes KV\n# TYPE sprinter_cloud_kv_cache_bytes gauge\n'
+            'sprinter_cloud_kv_cache_bytes 1.5e+06\nsprinter_cloud_errors_total{code="NOT_FOUND"} 2.0\n')
+    assert parse_metrics(text) == {"sprinter_cloud_kv_cache_bytes": 1.5e6, 'sprinter_cloud_errors_total{code="NOT_FOUND"}': 2.0}
+    assert percentile_ceil_rank([3, 1, 2, 4], 50) == 2 and percentile_ceil_rank([3, 1, 2, 4], 99) == 4
+    assert percentile_ceil_rank([], 50) is None
