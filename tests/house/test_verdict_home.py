@@ -29,9 +29,9 @@ def _rule_uses(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module in RULES_MODULES:
             found += [f"{node.lineno}: imports {a.name}" for a in node.names if a.name in RULES]
-        elif isinstance(node, ast.ImportFrom) and node.module == "common":
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:  # `from common.spec import x`
             aliases |= {a.asname or a.name for a in node.names
-                        if f"common.{a.name}" in RULES_MODULES}
+                        if f"{node.module}.{a.name}" in RULES_MODULES}
         elif isinstance(node, ast.Import):
             aliases |= {a.asname or a.name for a in node.names if a.name in RULES_MODULES}
     for node in ast.walk(tree):
