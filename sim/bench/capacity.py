@@ -29,18 +29,19 @@ token, prompt prefill included), the mean over edges. `--itl-p99-ms` (default 2.
 ITL p99, so what a user accepts is at least 40% of an idle replica's target streaming speed) sets the
 edges-per-replica figure: the largest E at RTT 0 whose ITL p99 is within it.
 
-Writes OUT/results.json: {"date", "args", "cpu", "itl_p99_target_ms", "itl_p99_target_basis", "capacity"
-{mode: edges or null}, "prediction" (capacity_report.prediction), "recorded" {"prompts", "rounds",
-"tokens_per_round", "acceptance"}, "rows": one per (mode, edges, rtt_ms) with the ITL percentiles, tokens/s
-per user and in total, tokens/drafted per round, acceptance, verify_ms_by_batch (session modes: the verdicts'
-verify_ms by cloud batch size), draft_ms_per_token_seen (cloud-sd: chunk draft_ms / drafted), and "cloud"
-(the replica's metrics over the point: target forwards, mean ms, batch and tokens; draft forwards, mean ms,
-mean draft steps per forward), cloud_cpu_share (the share of its core the replica got: below 1 when other
-load took some) and edges_cpu_share}; table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json
-holds the rows measured so far. "recorded" also has "per_prompt": each prompt's length and rounds [kept, drafted].
-Then the fleet simulator fitted to the run, checked against it and projected to `--project-edges` x
-`--project-rtts` (sim/bench/capacity_projection.py): results.json's "projection", the table's second part,
-projection.png. `--measured OUT/results.json` projects an earlier run again (other edges, RTTs), measuring nothing.
+Writes OUT/results.json (sim/bench/run_folder.py: date, machine, commit, settings, then "itl_p99_target_ms",
+"itl_p99_target_basis", "capacity" {mode: edges or null}, "prediction", "recorded" {"prompts", "rounds",
+"tokens_per_round", "acceptance", "per_prompt": each prompt's length and rounds [kept, drafted]}, "rows": one per
+(mode, edges, rtt_ms) with the ITL percentiles, tokens/s per user and in total, tokens/drafted per round,
+acceptance, verify_ms_by_batch (session modes: the verdicts' verify_ms by cloud batch size),
+draft_ms_per_token_seen (cloud-sd: chunk draft_ms / drafted), "cloud" (the replica's metrics over the point:
+target forwards, mean ms, batch and tokens; draft forwards, mean ms, mean draft steps per forward),
+cloud_cpu_share (the share of its core the replica got: below 1 when other load took some) and
+edges_cpu_share); table.md; tokens_per_s_per_user.png. While it runs, OUT/rows.partial.json holds the rows
+measured so far. Then the fleet simulator fitted to the run, checked against it and projected to
+`--project-edges` x `--project-rtts` (sim/bench/capacity_projection.py): results.json's "projection", the
+table's second part, projection.png. `--measured OUT/results.json` projects an earlier run again (other edges,
+RTTs), measuring nothing.
 """
 
 from __future__ import annotations
@@ -48,36 +49,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 
 from common import wire
 from common.spec.modes import CLOUD_DRAFTING, Mode, mode_of
-from common.errors import UsageError
-from common.model.loading import model_dir
-from common.model.prompting import encode_prompt
-from common.lab.results_page import machine
 from common.sampling.distributions import SamplingParams
 from sim.bench.capacity_projection import format_projection, plot_projection, project
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
                                       replayed_length, summarise)
-from sim.bench.load import cpu_seconds, scrape_metrics
-from sim.bench.prompts import load_bench_prompts
-from sim.bench.settings import CapacityBenchSettings
-from sim.processes import CloudProcess, free_port
+from sim.bench.loaded_cloud import Phase, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.capacity import BenchSettingsError, CapacityBenchSettings
+from sim.cores import CorePlan, my_cores
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 ITL_FACTOR = 2.5  # the default ITL p99 target, over target mode's at one edge
-
-
-class CapacityBenchError(UsageError, ValueError):
-    """A bench capacity setting that cannot work (a mode it cannot run, a core it may not use)."""
 
 
 @dataclass(frozen=True)
@@ -92,20 +83,6 @@ class Recorded:
     rounds: list[RecordedRound]
 
 
-def check_settings(settings: CapacityBenchSettings) -> None:
-    """Values that cannot work, refused by their flag's name."""
-    for flag, ok in (("--edges", all(e >= 1 for e in settings.edges) and settings.edges),
-                     ("--rtts", all(t >= 0 for t in settings.rtts) and settings.rtts), ("--k", settings.k >= 1),
-                     ("--max-new-tokens", settings.max_new_tokens >= 2), ("--generations", settings.generations >= 1),
-                     ("--edge-draft-ms", settings.edge_draft_ms >= 0),
-                     ("--itl-p99-ms", settings.itl_p99_ms is None or settings.itl_p99_ms > 0),
-                     ("--project-edges", all(e >= 1 for e in settings.project_edges) and settings.project_edges),
-                     ("--project-rtts", all(t >= 0 for t in settings.project_rtts) and settings.project_rtts)):
-        if not ok:
-            raise CapacityBenchError(f"{flag}: out of range (edges >= 1, RTTs and draft ms >= 0 and not empty, k >= 1, "
-                                     "max new tokens >= 2, generations >= 1, the ITL target > 0)")
-
-
 def check_modes(modes: tuple[str, ...]) -> dict[str, Mode]:
     """The modes the bench can run: the reference (Generate), cloud drafting (Generate with a speculation) and the
     lossless edge-drafting modes (Sessions replaying blocks); anything else refused, by name."""
@@ -113,7 +90,7 @@ def check_modes(modes: tuple[str, ...]) -> dict[str, Mode]:
     for name in modes:
         mode = mode_of(name)
         if not (mode.reference or mode.cloud_drafts or mode.placeable):
-            raise CapacityBenchError(f"--modes: {name} is neither the target alone, cloud drafting nor a lossless "
+            raise BenchSettingsError(f"--modes: {name} is neither the target alone, cloud drafting nor a lossless "
                                      "edge-drafting mode; bench capacity cannot run it")
         records[name] = mode
     return records
@@ -210,63 +187,48 @@ async def record(address: str, prompt_ids: list[list[int]], k: int, max_new: int
         return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
 
 
-@contextmanager
-def _pinned_apart(settings: CapacityBenchSettings) -> Iterator[set[int]]:
-    """The cloud's core, and this process (the edges) moved onto the others for the while."""
-    mine = os.sched_getaffinity(0)
-    cloud = settings.cloud_cpu if settings.cloud_cpu is not None else max(mine)
+def core_plan(settings: CapacityBenchSettings) -> CorePlan:
+    """The replica on one core of this process's (`--cloud-cpu`, default the last), the edges on the others."""
+    mine = my_cores()
+    cloud = settings.cloud_cpu if settings.cloud_cpu is not None else mine[-1]
     if cloud not in mine:
-        raise CapacityBenchError(f"--cloud-cpu {cloud} is not among this process's cores {sorted(mine)}")
-    os.sched_setaffinity(0, (mine - {cloud}) or mine)
-    try:
-        yield {cloud}
-    finally:
-        os.sched_setaffinity(0, mine)
+        raise BenchSettingsError(f"--cloud-cpu {cloud} is not among this process's cores {mine}")
+    return CorePlan(frozenset({cloud}), frozenset(mine) - {cloud} or frozenset(mine))
 
 
-def _serve_args(settings: CapacityBenchSettings, metrics_port: int) -> list[str]:
+def _flags(settings: CapacityBenchSettings) -> list[str]:
     most = max(settings.edges) + 4
-    args = ["--target", settings.target, "--draft", settings.draft, "--dtype", settings.dtype,
-            "--max-batch", str(max(most, 8)), "--max-sessions", str(2 * most), "--edge-max-generate", str(most),
-            "--max-block", str(max(settings.k, 1)), "--metrics-port", str(metrics_port)]
-    if settings.batch_window_ms is not None:
-        args += ["--batch-window-ms", str(settings.batch_window_ms)]
-    return args
-
-
-def _cpu_shares(row: dict[str, Any], before: tuple[float | None, float], cloud_after: float | None) -> None:
-    """The share of a core the replica got over the point (below 1 when it was busy: other load on a shared
-    machine lowers it), and what the edges (this process) took."""
-    elapsed = row["elapsed_s"]
-    cloud = None if before[0] is None or cloud_after is None else (cloud_after - before[0]) / elapsed
-    row["cloud_cpu_share"] = cloud
-    row["edges_cpu_share"] = (time.process_time() - before[1]) / elapsed
+    return serve_flags(target=settings.target, draft=settings.draft, dtype=settings.dtype, max_batch=max(most, 8),
+                       max_sessions=2 * most, edge_max_generate=most, max_block=max(settings.k, 1),
+                       batch_window_ms=settings.batch_window_ms)
 
 
 def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[list[dict], list[Recorded]]:
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(settings.target))  # the tokenizer alone: no weights here
-    prompt_ids = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()]
-    metrics_port, log_path = free_port(), settings.out / "cloud.log"
-    log_path.write_text("")
-    rows = []
-    with _pinned_apart(settings) as cloud_cpus, \
-            CloudProcess(*_serve_args(settings, metrics_port), log_path=log_path, cpus=cloud_cpus,
-                         env={"OMP_NUM_THREADS": "1"}) as cloud:
-        recorded = asyncio.run(record(cloud.address, prompt_ids, settings.k, settings.max_new_tokens))
+    prompt_ids, tokenizer = bench_prompt_ids(settings.target)
+    plan, rows = core_plan(settings), []
+    with plan.edge_here(), replicas_started(settings.out, "cloud", [set(plan.cloud)], plan.cloud_env(),
+                                            _flags(settings)) as (replica,):
+        recorded = asyncio.run(record(replica.address, prompt_ids, settings.k, settings.max_new_tokens))
         # modes innermost: load from outside the replica's core (a shared machine) drifts over minutes, and
         # the modes compared at one (RTT, E) should share what drift there is
         for rtt_ms in settings.rtts:
             for edges in settings.edges:
                 for name, mode in modes.items():
-                    before, cpu = scrape_metrics(metrics_port), (cpu_seconds(cloud.pid), time.process_time())
-                    per_edge = asyncio.run(_point(cloud.address, settings, mode, edges, rtt_ms, recorded, len(tokenizer)))
-                    rows.append(summarise(name, edges, rtt_ms, settings.k, per_edge, before, scrape_metrics(metrics_port)))
-                    _cpu_shares(rows[-1], cpu, cpu_seconds(cloud.pid))
+                    phase = Phase.start([replica])
+                    per_edge = asyncio.run(_point(replica.address, settings, mode, edges, rtt_ms, recorded,
+                                                  len(tokenizer)))
+                    used = phase.end()
+                    row = summarise(name, edges, rtt_ms, settings.k, per_edge, used.replicas[0].metrics)
+                    # the share of a core the replica got over the point (below 1 when other load took some), and
+                    # what the edges (this process) took
+                    cloud_cpu = used.replicas[0].cpu_s
+                    row["cloud_cpu_share"] = None if cloud_cpu is None else cloud_cpu / row["elapsed_s"]
+                    row["edges_cpu_share"] = used.edges_cpu_s / row["elapsed_s"]
+                    rows.append(row)
                     # a long run leaves what it has measured so far, should it be stopped
                     (settings.out / "rows.partial.json").write_text(json.dumps(rows, indent=1))
                     log.info("%s E=%d RTT=%g: %.1f tokens/s per user, ITL p99 %.1f ms", name, edges, rtt_ms,
-                             rows[-1]["tokens_per_s_per_user"] or 0, rows[-1]["itl_ms_p99"] or 0)
+                             row["tokens_per_s_per_user"] or 0, row["itl_ms_p99"] or 0)
     return rows, recorded
 
 
@@ -276,27 +238,21 @@ def _itl_target(settings: CapacityBenchSettings, rows: list[dict], modes: dict[s
     reference = next((name for name, mode in modes.items() if mode.reference), None)
     target = itl_target(rows, reference, ITL_FACTOR) if reference else None
     if target is None:
-        raise CapacityBenchError("--itl-p99-ms: its default is 2.5x the target-alone mode's ITL p99 at 1 edge and "
+        raise BenchSettingsError("--itl-p99-ms: its default is 2.5x the target-alone mode's ITL p99 at 1 edge and "
                                  "RTT 0; measure that (--modes with it, 1 in --edges, 0 in --rtts) or give a value")
     return target, f"{ITL_FACTOR:g}x {reference}'s single-edge ITL p99"
 
 
-def _prompt_lengths(target: str) -> list[int]:
-    """The bench prompts' lengths in the target's tokens (the tokenizer alone), for a results.json that lacks them."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(target))
-    return [len(encode_prompt(tokenizer, p["prompt"], p["chat"])) for p in load_bench_prompts()]
-
-
-def _write_projected(settings: CapacityBenchSettings, report: dict[str, Any], table: str) -> str:
+def _write_projected(settings: CapacityBenchSettings, folder: RunFolder, report: dict[str, Any], table: str) -> str:
     """The projection of `report` (a results.json) added to it; results.json, table.md and the plots written."""
-    lengths = None if "per_prompt" in report["recorded"] else _prompt_lengths(report["args"]["target"])
+    lengths = None if "per_prompt" in report["recorded"] else [
+        len(ids) for ids in bench_prompt_ids((report.get("settings") or report["args"])["target"])[0]]
     report["projection"] = project(report, list(settings.project_edges), list(settings.project_rtts), lengths)
     table = f"{table}\n\n{format_projection(report['projection'])}"
-    (settings.out / "results.json").write_text(json.dumps(report, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(report["rows"], settings.out / "tokens_per_s_per_user.png")
-    plot_projection(report["projection"], report["rows"], settings.out / "projection.png")
+    folder.results_path.write_text(json.dumps(report, indent=1))
+    folder.write_table(table)
+    plot(report["rows"], folder.path("tokens_per_s_per_user.png"))
+    plot_projection(report["projection"], report["rows"], folder.path("projection.png"))
     return table
 
 
@@ -312,26 +268,23 @@ def _recorded_summary(recorded: list[Recorded]) -> dict[str, Any]:
 def bench_capacity(settings: CapacityBenchSettings) -> str:
     """Every mode x RTT x edge count on one pinned replica, then the projection; writes OUT, returns the table.
     With `settings.measured`, an earlier run's results projected again (its own settings kept)."""
-    check_settings(settings)
-    settings.out.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(settings.out)
     if settings.measured is not None:
         earlier = json.loads(settings.measured.read_text())
         report = earlier | {"measured_from": str(settings.measured)}
-        return _write_projected(settings, report, format_table(earlier["rows"], earlier))
+        return _write_projected(settings, folder, report, format_table(earlier["rows"], earlier))
     modes = check_modes(settings.modes)
     rows, recorded = _measure(settings, modes)
     order = list(modes)
     rows.sort(key=lambda r: (order.index(r["mode"]), r["rtt_ms"], r["edges"]))
     itl_p99_ms, basis = _itl_target(settings, rows, modes)
     edge_mode = next((n for n, m in modes.items() if m.placeable and not m.uses_verifier), None)
-    pred = prediction(rows, CLOUD_DRAFTING, edge_mode or "", itl_p99_ms)
-    capacity = {name: edges_per_replica(rows, name, itl_p99_ms) for name in modes}
-    summary = {"itl_p99_target_ms": itl_p99_ms, "itl_p99_target_basis": basis, "capacity": capacity,
-               "edge_draft_ms": settings.edge_draft_ms, "prediction": pred, "recorded": _recorded_summary(recorded)}
-    table = format_table(rows, summary)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": settings.to_dict(), "cpu": machine(), **summary,
-              "rows": rows}
+    summary = {"itl_p99_target_ms": itl_p99_ms, "itl_p99_target_basis": basis,
+               "capacity": {name: edges_per_replica(rows, name, itl_p99_ms) for name in modes},
+               "edge_draft_ms": settings.edge_draft_ms,
+               "prediction": prediction(rows, CLOUD_DRAFTING, edge_mode or "", itl_p99_ms),
+               "recorded": _recorded_summary(recorded)}
     # the measurement first, whatever the projection makes of it
-    (settings.out / "results.json").write_text(json.dumps(report, indent=1))
-    (settings.out / "rows.partial.json").unlink(missing_ok=True)
-    return _write_projected(settings, report, table)
+    report = folder.write_results(settings, **summary, rows=rows)
+    folder.path("rows.partial.json").unlink(missing_ok=True)
+    return _write_projected(settings, folder, report, format_table(rows, summary))

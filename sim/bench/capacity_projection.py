@@ -78,6 +78,11 @@ class Rounds:
         return self.per_prompt[0]
 
 
+def run_settings(results: dict[str, Any]) -> dict[str, Any]:
+    """The settings a results.json was measured with ("args" in one written before sim/bench/run_folder.py)."""
+    return results.get("settings") or results["args"]
+
+
 def synthetic_rounds(k: int, tokens_per_round: float, n_calls: int = SYNTHETIC_CALLS) -> list[Round]:
     """k drafted a round, each kept (until the first rejection) with the p that makes the mean tokens per round
     1 + p + ... + p^k equal `tokens_per_round` (bisection), rounded to n_calls rounds."""
@@ -101,7 +106,7 @@ def recorded_rounds(results: dict[str, Any], prompt_tokens: list[int] | None = N
                       statistics.fmean(sum(k for k, _ in rounds) for rounds in per_prompt), "recorded")
     if not prompt_tokens:
         raise ValueError("this results.json predates the recorded rounds: the prompts' lengths must be given")
-    k, per_round = int(results["args"]["k"]), float(recorded["tokens_per_round"])
+    k, per_round = int(run_settings(results)["k"]), float(recorded["tokens_per_round"])
     basis = (f"SYNTHESIZED: this results.json holds only the recorded rounds' means ({recorded['rounds']} rounds, "
              f"{per_round:.2f} tokens a round); each round drafts k={k}, each token kept until the first rejection with "
              "the probability that gives that mean (the rounds' spread and drafted counts are not the run's); the "
@@ -155,7 +160,7 @@ def forward_samples(rows: list[dict[str, Any]], prompt_tokens: float) -> tuple[l
 
 def fit_costs(results: dict[str, Any], rounds: Rounds) -> tuple[FleetCosts, dict[str, Any]]:
     """The replica's costs fitted to the run, and what they were fitted to."""
-    args, rows = results["args"], results["rows"]
+    args, rows = run_settings(results), results["rows"]
     prompt_tokens = statistics.fmean(rounds.prompt_tokens)
     target, draft = forward_samples(rows, prompt_tokens)
     if not target:
@@ -174,7 +179,7 @@ def fit_costs(results: dict[str, Any], rounds: Rounds) -> tuple[FleetCosts, dict
 
 def check(results: dict[str, Any], costs: FleetCosts, rounds: Rounds, seed: int = 0) -> dict[str, Any]:
     """Every measured point simulated with its own prompts (module docstring)."""
-    generations, modes = int(results["args"]["generations"]), list(results["args"]["modes"])
+    generations, modes = int(run_settings(results)["generations"]), list(run_settings(results)["modes"])
     points, simulated_rows = [], []
     for row in results["rows"]:
         profile = profiles([row["mode"]], rounds.for_point(row, generations))[row["mode"]]
@@ -201,7 +206,7 @@ def project(results: dict[str, Any], edges: list[int], rtts_ms: list[float], pro
     """The whole projection of one run (module docstring): JSON-ready."""
     rounds = recorded_rounds(results, prompt_tokens)
     costs, fit = fit_costs(results, rounds)
-    modes, generations = list(results["args"]["modes"]), int(results["args"]["generations"])
+    modes, generations = list(run_settings(results)["modes"]), int(run_settings(results)["generations"])
     every = list(range(len(rounds.per_prompt)))
     by_mode = profiles(modes, rounds.of_prompts(every))
     if any(p.traits.cloud_drafts for p in by_mode.values()) and costs.draft_forward is None:

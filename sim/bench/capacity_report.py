@@ -65,9 +65,9 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _cloud_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """The replica's own forwards over the point, from its Prometheus metrics (differences)."""
-    d = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+def _cloud_side(increases: dict[str, float]) -> dict[str, float | None]:
+    """The replica's own forwards over the point, from its Prometheus metrics' increases."""
+    d = lambda name: increases.get(name, 0.0)  # noqa: E731
     target_n, draft_n = d("sprinter_cloud_target_forward_seconds_count"), d("sprinter_cloud_draft_forward_seconds_count")
     per = lambda total, n: total / n if n else None  # noqa: E731
     return {"target_forwards": target_n,
@@ -81,7 +81,7 @@ def _cloud_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 def summarise(mode: str, edges: int, rtt_ms: float, k: int, per_edge: list[list[GenerationTrace]],
-              metrics_before: dict[str, float], metrics_after: dict[str, float]) -> dict[str, Any]:
+              cloud_metrics: dict[str, float]) -> dict[str, Any]:
     """One (mode, edges, RTT) point: a results row (sim/bench/capacity.py's docstring lists its fields)."""
     traces = [t for generations in per_edge for t in generations]
     per_token, gaps = [], []
@@ -112,7 +112,7 @@ def summarise(mode: str, edges: int, rtt_ms: float, k: int, per_edge: list[list[
             "draft_ms_per_token_seen": _mean(draft_ms),
             "verify_ms_by_batch": {str(b): statistics.median(ms) for b, ms in sorted(by_batch.items())},
             "diverged_rounds": sum(t.diverged for t in traces),
-            "cloud": _cloud_side(metrics_before, metrics_after)}
+            "cloud": _cloud_side(cloud_metrics)}
 
 
 def edges_per_replica(rows: list[dict[str, Any]], mode: str, itl_p99_ms: float, rtt_ms: float = 0.0) -> int | None:

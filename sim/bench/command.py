@@ -25,22 +25,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names, one_of
+from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names
 from common.model.devices import add_device_argument
 from common.lab.results_page import add_page_arguments
 from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench import registry
 from sim.bench.registry import described as _described
-from sim.bench.runs import (run_capacity, run_cloud, run_draft, run_features, run_fleet, run_local, run_pipeline,
+from sim.bench.runs import (run_cloud, run_draft, run_features, run_local,
                             run_placement, run_policy, run_prefill, run_prefix,
-                            run_prefix_fleet, run_proposer, run_rollout, run_tree_shapes, run_uplink)
-from sim.bench.settings import (LAYOUTS, LLAMA_CPP, CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
-                                FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
+                            run_proposer, run_rollout, run_tree_shapes, run_uplink)
+from sim.bench.settings import (LLAMA_CPP, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+                                LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
+                                PrefixBenchSettings, RolloutSettings)
+from sim.bench.settings import capacity
 
 
-BENCHES = (LLAMA_CPP,)  # benches whose command is their settings (sim/bench/registry.py)
+BENCHES = (LLAMA_CPP, *capacity.BENCHES)  # benches whose command is their settings (sim/bench/registry.py)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -53,14 +54,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_policy(benches)
     _register_prefill(benches)
     _register_prefix(benches)
-    _register_prefix_fleet(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     dashboards.register_dashboards(benches)
     _register_rollout(benches)
-    _register_fleet(benches)
-    _register_capacity(benches)
-    _register_pipeline(benches)
     _register_features(benches)
     _register_uplink(benches)
     _register_placement(benches)
@@ -194,24 +191,6 @@ def _register_prefix(benches: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_prefix)
 
 
-def _register_prefix_fleet(benches: argparse._SubParsersAction) -> None:
-    d = PrefixFleetSettings()
-    p = benches.add_parser("prefix-fleet", help="the prefix caches from end to end, through edge daemons: a "
-                                                "conversation's second turn; replicas and edges sharing system prompts",
-                           **_described("sim.bench.prefix_fleet"))
-    p.add_argument("--target", default=d.target)
-    p.add_argument("--draft", default=d.draft)
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
-    p.add_argument("--draft-runtime", default=d.draft_runtime, choices=("torch", "onnx"), help="the edges' draft runtime")
-    p.add_argument("--parts", type=names, default=d.parts, help="comma list of conversation, fleet (default both)")
-    for name in ("history_tokens", "answer_tokens", "new_tokens", "max_tokens", "conversations", "replicas", "edges",
-                 "rounds", "system_tokens", "question_tokens"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    p.add_argument("--cpus", type=ints, default=d.cpus, help="cores every process is pinned to (comma list)")
-    p.add_argument("--out", type=Path, default=d.out)
-    p.set_defaults(run=run_prefix_fleet)
-
-
 def _register_rollout(benches: argparse._SubParsersAction) -> None:
     p = benches.add_parser("rollout", help="fleet config rollout latency to real and simulated edges; telemetry cost",
                            **_described("sim.bench.rollout"))
@@ -223,73 +202,6 @@ def _register_rollout(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--telemetry-pairs", type=int, default=defaults.telemetry_pairs)
     p.add_argument("--out", type=Path, default=defaults.out)
     p.set_defaults(run=run_rollout)
-
-
-FLEET_CHOICES = {"dtype": DTYPE_NAMES, "profile": ("demo-sd", "measured")}
-
-
-def _register_fleet(benches: argparse._SubParsersAction) -> None:
-    d = FleetBenchSettings()
-    p = benches.add_parser("fleet", help="E edges on 1 vs 2 cloud replicas, and the fleet simulator's projection",
-                           **_described("sim.bench.fleet"))
-    for name, kind, help_text in [
-            ("target", str, ""), ("draft", str, "default: bench cloud's draft for the target"), ("dtype", str, ""),
-            ("edges", int, "synthetic edges"), ("k", int, "draft tokens per block"), ("out", Path, ""),
-            ("rounds-per-session", int, "verifies per generation"), ("duration-s", float, "measured phase per layout"),
-            ("rounds", int, "instead of --duration-s: verifies per edge"), ("batch-window-ms", float, ""),
-            ("layouts", comma_list(one_of(LAYOUTS, "layout"), "layouts"), f"comma list of {', '.join(LAYOUTS)}"),
-            ("max-batch", int, ""),
-            ("draft-step-ms", float, "projection: one draft token (assumed)"), ("rtt-jitter-ms", float, ""),
-            ("rtt-ms", float, "projection: round trip (assumed)"), ("tokens-per-request", int, "projection"),
-            ("profile", str, "demo-sd (illustrative) or measured (the replay's acceptance)"),
-            ("replicas", ints, "projection: replica counts"), ("fleet-edges", ints, "projection: edge counts"),
-            ("sim-requests", int, "projection: generations per edge"),
-            ("measured", Path, "an earlier fleet.json: project again from its measured rows, measure nothing")]:
-        default = getattr(d, name.replace("-", "_"))
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        p.add_argument(f"--{name}", type=kind, default=default, choices=FLEET_CHOICES.get(name),
-                       help=f"{help_text} (default {shown})".strip())
-    p.set_defaults(run=run_fleet)
-
-
-def _register_capacity(benches: argparse._SubParsersAction) -> None:
-    d = CapacityBenchSettings()
-    p = benches.add_parser("capacity", help="edges per cloud replica when the edges draft vs when the cloud drafts",
-                           **_described("sim.bench.capacity"))
-    for name, kind, help_text in [
-            ("target", str, ""), ("draft", str, "the cloud's draft, and the edges' (replayed)"),
-            ("modes", names, "comma list"), ("edges", ints, "concurrent edges per point, comma list"),
-            ("rtts", floats, "round trips in ms, comma list"), ("k", int, "draft tokens per round"),
-            ("max-new-tokens", int, "tokens per generation"), ("generations", int, "per edge per point"),
-            ("batch-window-ms", float, "default: the cloud's own"),
-            ("edge-draft-ms", float, "sd-block, sprinter-exact: an edge's draft time per block token (0: instant)"),
-            ("cloud-cpu", int, "the replica's core (default: the last one); the edges run on the others"),
-            ("project-edges", ints, "the fleet simulator fitted to the run, projected to these edge counts"),
-            ("project-rtts", floats, "... and these RTTs in ms"),
-            ("measured", Path, "an earlier OUT/results.json: project it again (its own settings), measure nothing"),
-            ("out", Path, "")]:
-        default = getattr(d, name.replace("-", "_"))
-        shown = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default) \
-            if isinstance(default, tuple) else default
-        p.add_argument(f"--{name}", type=kind, default=default,
-                       help=help_text if default is None else f"{help_text} (default {shown})".strip())
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
-    p.add_argument("--itl-p99-ms", type=float, default=d.itl_p99_ms,
-                   help="the per-token ITL p99 that edges per replica are counted at (default 2.5x the target-alone "
-                        "mode's at one edge and RTT 0: a user keeps 40%% of an idle replica's streaming speed)")
-    p.set_defaults(run=run_capacity)
-
-
-def _register_pipeline(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("pipeline", help="the edge pipeline at fleet scale, from a measured sweep",
-                           **_described("sim.bench.pipeline"))
-    p.add_argument("--sweep", type=Path, required=True, help="a `sprinter simulate --pipeline ...` OUT directory")
-    p.add_argument("--edges", type=int, default=1000)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--rtt-ms", type=floats, default=(20.0, 50.0, 100.0, 200.0, 300.0))
-    p.add_argument("--tokens-per-request", type=int, default=128)
-    p.add_argument("--out", type=Path, default=Path("results/bench-pipeline"))
-    p.set_defaults(run=run_pipeline)
 
 
 def _register_features(benches: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ CloudSession of one shared ReplicaSet (its real placement), replaying draft bloc
 `bench cloud`. The verdicts' verify_ms by batch size, fitted, with a draft step and RTT (arguments)
 and an sd profile (`demo-sd`: illustrative; `measured`: the replay's) drive sim.fleet over
 `--replicas` x `--fleet-edges`, after a check of the simulator against each layout. `--measured
-OUT/fleet.json` projects again from an earlier run's measurements (other assumptions), measuring nothing.
+OUT/results.json` projects again from an earlier run's measurements (other assumptions), measuring nothing.
 """
 
 from __future__ import annotations
@@ -21,28 +21,26 @@ import os
 import statistics
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from common import wire
-from common.model.loading import load_model, vocab_fingerprint
+from common.model.loading import vocab_fingerprint
 from common.lab.plots import pyplot
-from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
 from common.stats import percentile
 from common.table_cells import cell
 from edge.cloud_link.client import CloudEndpoint
 from edge.cloud_link.replicas import ReplicaSet
 from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, record_edges
-from sim.bench.load import cpu_seconds, scrape_metrics
-from sim.bench.prompts import load_bench_prompts
-from sim.bench.settings import FleetBenchSettings
+from sim.bench.loaded_cloud import Phase, PhaseUse, Replica, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.capacity import FleetBenchSettings
+from sim.cores import my_cores, thread_env
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, demo_profiles, fit_forward_model
 from sim.fleet.engine import run_fleet
 from sim.fleet.report import sweep
-from sim.processes import CloudProcess, free_port
 from sprinter.v1 import decoding_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -52,7 +50,7 @@ MEASURED_ARGS = ("target", "draft", "dtype", "edges", "k", "rounds_per_session",
 
 def layout_plan(name: str) -> tuple[list[set[int] | None], int, str]:
     """(each replica's CPU set or None for unpinned, OMP_NUM_THREADS each, a description)."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = my_cores()
     a, b = cores[0], cores[1 % len(cores)]
     plans = {"one-core": ([{a}], 1, f"1 replica pinned to core {a}"),
              "two-cores": ([None], 2, f"1 replica unpinned (cores {','.join(map(str, cores))})"),
@@ -72,9 +70,6 @@ class Calls:
     placements: Counter[str] = field(default_factory=Counter)  # sessions opened on each replica
     open_samples: list[dict[str, int]] = field(default_factory=list)  # ReplicaSet.describe() sessions, at each verdict
     verified: int = 0
-    elapsed_s: float = 0.0  # the phase; this process's CPU in it; the whole machine's (/proc/stat)
-    edges_cpu_s: float = 0.0
-    machine_cpu_s: float = 0.0
 
     def add(self, verdict: pb.Verdict, latency_ms: float, opened: bool, replica: str, k: int) -> None:
         if opened:
@@ -111,60 +106,40 @@ async def run_edge(clouds: ReplicaSet, recorded: list[RecordedEdge], edge: int, 
             await session.close()
 
 
-def machine_cpu_s() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+async def _drive(settings: FleetBenchSettings, replicas: list[Replica], recorded: list[RecordedEdge],
+                 fingerprint: str) -> tuple[Calls, PhaseUse]:
+    """Warm up, then the measured phase: what the edges saw, and what each replica did."""
+    endpoint = lambda address, server_name: CloudEndpoint(address, tls_server_name=server_name)  # noqa: E731
+    async with ReplicaSet([r.address for r in replicas], endpoint, fingerprint) as clouds:
+        edges = range(settings.edges)
+        await asyncio.gather(*(run_edge(clouds, recorded, e, WARMUP, None, Calls(), WARMUP) for e in edges))
+        phase, calls = await asyncio.to_thread(Phase.start, replicas), Calls()
+        deadline = None if settings.rounds else phase.started + settings.duration_s
+        await asyncio.gather(*(run_edge(clouds, recorded, e, settings.rounds, deadline, calls,
+                                        settings.rounds_per_session) for e in edges))
+        return calls, await asyncio.to_thread(phase.end)
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """A replica's metrics; none (a warning) when they are unreadable: its side of the row is then left out."""
-    try:
-        return scrape_metrics(port, timeout_s=5)
-    except OSError as err:
-        log.warning("metrics on port %d unreadable: %s", port, err)
-        return {}
-
-
-def _cloud_side(replicas: list[tuple[CloudProcess, int]], before: list[dict], cpu_before: list[float | None]) -> list[dict]:
-    """Each replica over the measured phase, from its metrics (differences) and its CPU time."""
+def _cloud_side(used: PhaseUse) -> list[dict]:
+    """Each replica over the measured phase, from its metrics' increases and its CPU time."""
     rows = []
-    for (cloud, metrics_port), start, cpu0 in zip(replicas, before, cpu_before):
-        end, cpu1 = _scrape(metrics_port), cpu_seconds(cloud.pid)
-        diff = lambda name: end.get(name, 0.0) - start.get(name, 0.0)  # noqa: E731
-        forwards = diff("sprinter_cloud_batch_size_count")
-        rows.append({"address": cloud.address, "forwards": int(forwards),
-                     "forward_ms_mean": diff("sprinter_cloud_target_forward_seconds_sum") * 1e3 / forwards if forwards else None,
-                     "cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)})
+    for replica in used.replicas:
+        forwards = replica.metrics.get("sprinter_cloud_batch_size_count", 0.0)
+        forward_s = replica.metrics.get("sprinter_cloud_target_forward_seconds_sum", 0.0)
+        rows.append({"address": replica.address, "forwards": int(forwards),
+                     "forward_ms_mean": forward_s * 1e3 / forwards if forwards else None,
+                     "cpu_s": None if replica.cpu_s is None else round(replica.cpu_s, 2)})
     return rows
 
 
-async def _drive(settings: FleetBenchSettings, replicas: list[tuple[CloudProcess, int]], recorded: list[RecordedEdge],
-                 fingerprint: str) -> tuple[Calls, list[dict]]:
-    """Warm up, then the measured phase: what the edges saw, and each replica's side."""
-    endpoint = lambda address, server_name: CloudEndpoint(address, tls_server_name=server_name)  # noqa: E731
-    async with ReplicaSet([c.address for c, _ in replicas], endpoint, fingerprint) as clouds:
-        edges = range(settings.edges)
-        await asyncio.gather(*(run_edge(clouds, recorded, e, WARMUP, None, Calls(), WARMUP) for e in edges))
-        before = [await asyncio.to_thread(_scrape, port) for _, port in replicas]
-        cpu_before = [cpu_seconds(c.pid) for c, _ in replicas]
-        calls, cpu0, machine0, started = Calls(), time.process_time(), machine_cpu_s(), time.perf_counter()
-        deadline = None if settings.rounds else started + settings.duration_s
-        await asyncio.gather(*(run_edge(clouds, recorded, e, settings.rounds, deadline, calls,
-                                        settings.rounds_per_session) for e in edges))
-        calls.elapsed_s, calls.edges_cpu_s = time.perf_counter() - started, time.process_time() - cpu0
-        calls.machine_cpu_s = machine_cpu_s() - machine0
-        cloud_side = await asyncio.to_thread(_cloud_side, replicas, before, cpu_before)
-    return calls, cloud_side
-
-
-def summarise(settings: FleetBenchSettings, layout: str, calls: Calls, cloud_side: list[dict]) -> dict[str, Any]:
+def summarise(settings: FleetBenchSettings, layout: str, calls: Calls, used: PhaseUse) -> dict[str, Any]:
     cpus, threads, pinning = layout_plan(layout)
     emitted = sum((a + 1) * n for a, n in calls.accepted.items())
     n_calls = sum(calls.accepted.values())
     # (b, n, ms) per batch size seen: the median verify_ms, n = b x (k + 1) tokens (padded forward)
     samples = [(b, b * (settings.k + 1), round(statistics.median(ms), 2)) for b, ms in sorted(calls.forward_ms.items())]
-    elapsed = calls.elapsed_s
-    other_cpu = calls.machine_cpu_s - calls.edges_cpu_s - sum(c["cpu_s"] or 0.0 for c in cloud_side)
+    elapsed, cloud_side = used.elapsed_s, _cloud_side(used)
+    other_cpu = used.machine_cpu_s - used.edges_cpu_s - sum(c["cpu_s"] or 0.0 for c in cloud_side)
     open_mean = {a: round(statistics.fmean(s.get(a, 0) for s in calls.open_samples), 2)
                  for a in sorted({a for s in calls.open_samples for a in s})}
     return {"layout": layout, "replicas": len(cpus), "pinning": pinning, "omp_threads": threads,
@@ -174,7 +149,7 @@ def summarise(settings: FleetBenchSettings, layout: str, calls: Calls, cloud_sid
             "overhead_ms_p50": percentile(calls.overhead_ms, 0.5),
             "batch_mean": sum(b * len(ms) for b, ms in calls.forward_ms.items()) / n_calls if n_calls else None,
             "calls_per_replica": dict(calls.per_replica), "sessions_placed": dict(calls.placements),
-            "sessions_open_mean": open_mean, "cloud": cloud_side, "edges_cpu_s": round(calls.edges_cpu_s, 2),
+            "sessions_open_mean": open_mean, "cloud": cloud_side, "edges_cpu_s": round(used.edges_cpu_s, 2),
             "other_cpu_s": round(max(0.0, other_cpu), 2),
             "accepted": {str(a): n for a, n in sorted(calls.accepted.items())},
             "forward_samples": samples, "forward_fit": asdict(fit_forward_model(samples)) if samples else None}
@@ -183,24 +158,11 @@ def summarise(settings: FleetBenchSettings, layout: str, calls: Calls, cloud_sid
 def measure_layout(settings: FleetBenchSettings, layout: str, recorded: list[RecordedEdge], fingerprint: str) -> dict:
     cpus, threads, pinning = layout_plan(layout)
     log.info("layout %s: %s, OMP_NUM_THREADS=%d, %d edges", layout, pinning, threads, settings.edges)
-    replicas = []
-    for i, cpu_set in enumerate(cpus):
-        metrics_port, log_path = free_port(), settings.out / f"cloud-{layout}-{i}.log"
-        log_path.write_text("")
-        cloud = CloudProcess("--target", settings.target, "--dtype", settings.dtype, "--metrics-port", str(metrics_port),
-                             "--batch-window-ms", str(settings.batch_window_ms), "--max-batch", str(settings.max_batch),
-                             "--max-sessions", str(4 * settings.edges + 8), log_path=log_path, cpus=cpu_set,
-                             env={"OMP_NUM_THREADS": str(threads)})
-        replicas.append((cloud, metrics_port))
-    clouds = [cloud for cloud, _ in replicas]
-    try:
-        with ThreadPoolExecutor(len(clouds)) as pool:  # the replicas load their models side by side
-            list(pool.map(CloudProcess.start, clouds))
-        calls, cloud_side = asyncio.run(_drive(settings, replicas, recorded, fingerprint))
-    finally:
-        with ThreadPoolExecutor(len(clouds)) as pool:
-            list(pool.map(CloudProcess.stop, clouds))
-    return summarise(settings, layout, calls, cloud_side)
+    flags = serve_flags(target=settings.target, dtype=settings.dtype, batch_window_ms=settings.batch_window_ms,
+                        max_batch=settings.max_batch, max_sessions=4 * settings.edges + 8)
+    with replicas_started(settings.out, f"cloud-{layout}", cpus, thread_env(threads), flags) as replicas:
+        calls, used = asyncio.run(_drive(settings, replicas, recorded, fingerprint))
+    return summarise(settings, layout, calls, used)
 
 
 def project(settings: FleetBenchSettings, rows: list[dict], prompt_tokens: int) -> dict[str, Any]:
@@ -303,13 +265,15 @@ def plot(projection: dict, path: Path) -> None:
 
 def bench_fleet(settings: FleetBenchSettings) -> str:
     """Every layout measured (or, with `measured`, an earlier run's rows), then the projection; writes OUT."""
-    settings.out.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(settings.out)
     earlier = json.loads(settings.measured.read_text()) if settings.measured else None
     if earlier:  # the measured configuration, whatever the arguments say
-        settings = replace(settings, **{k: earlier["args"][k] for k in MEASURED_ARGS})
+        measured_with = earlier.get("settings") or earlier["args"]
+        settings = replace(settings, **{k: measured_with[k] for k in MEASURED_ARGS})
     draft = settings.draft or DEFAULT_DRAFTS.get(settings.target, settings.target)
-    tokenizer, load_before = load_model(draft).tokenizer, os.getloadavg()
-    prompt_tokens = round(statistics.fmean(len(encode_prompt(tokenizer, p["prompt"], p["chat"])) for p in load_bench_prompts()))
+    load_before = os.getloadavg()
+    prompt_ids, tokenizer = bench_prompt_ids(draft)
+    prompt_tokens = round(statistics.fmean(len(ids) for ids in prompt_ids))
     if earlier:
         rows = earlier["measured"]
     else:
@@ -317,11 +281,9 @@ def bench_fleet(settings: FleetBenchSettings) -> str:
         rows = [measure_layout(settings, layout, recorded, vocab_fingerprint(tokenizer)) for layout in settings.layouts]
     projection = project(settings, rows, prompt_tokens)
     table = report(settings, rows, projection)
-    machine = earlier["machine"] if earlier else {"cpus": sorted(os.sched_getaffinity(0)), "loadavg": [load_before, os.getloadavg()]}
-    (settings.out / "fleet.json").write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "measured_date": earlier["date"] if earlier else None,
-        "args": asdict(settings) | {"draft": draft, "out": str(settings.out), "measured": str(settings.measured or "")},
-        "machine": machine, "prompt_tokens": prompt_tokens, "measured": rows, "projection": projection}, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(projection, settings.out / "projection.png")
+    folder.write_results(replace(settings, draft=draft), measured_date=earlier["date"] if earlier else None,
+                         loadavg=earlier.get("loadavg") if earlier else [load_before, os.getloadavg()],
+                         prompt_tokens=prompt_tokens, measured=rows, projection=projection)
+    folder.write_table(table)
+    plot(projection, folder.path("projection.png"))
     return table

@@ -9,7 +9,7 @@ and the hit rate each pipeline measured (ahead: verdicts that picked the block d
 send-ahead: verdicts answered by a candidate the cloud had already verified). The cloud's costs are
 a GPU profile that is an ASSUMPTION, not a measurement (this machine has no GPU): see GPU_NOTE. The
 fleet simulator (sim/fleet/) then runs N edges on M replicas at each RTT with each pipeline and
-prints tokens/s per edge, ITL p99 and cloud utilisation; OUT gets pipeline.json and pipeline.png.
+prints tokens/s per edge, ITL p99 and cloud utilisation; OUT gets results.json, table.md and pipeline.png.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from common.errors import UsageError
 from common.spec.modes import PIPELINED_MODES
 from common.lab.plots import pyplot
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.capacity import PipelineBenchSettings
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel
 from sim.fleet.engine import run_fleet
 from sim.fleet.pipeline import PIPELINES, PipelineModel
@@ -75,7 +78,7 @@ def project(sweep_dir: Path, edges: int, replicas: int, rtts: list[float], token
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table_of(rows: list[dict]) -> str:
     lines = ["| RTT ms | mode | pipeline | hit rate (measured) | tokens/s per edge | vs off | ITL p99 ms | cloud utilisation |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     off = {(r["rtt_ms"], r["mode"]): r["tokens_per_s"] for r in rows if r["pipeline"] == "off"}
@@ -101,10 +104,14 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def bench_pipeline(sweep_dir: Path, edges: int, replicas: int, rtts: list[float], tokens: int, out: Path) -> str:
-    """The projection of `sweep_dir`; writes OUT/pipeline.json and pipeline.png, returns the note and the table."""
-    rows = project(sweep_dir, edges, replicas, rtts, tokens)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps({"costs_note": GPU_NOTE, "rows": rows}, indent=1) + "\n")
-    plot(rows, out / "pipeline.png")
-    return GPU_NOTE + "\n\n" + table(rows)
+def bench_pipeline(settings: PipelineBenchSettings) -> str:
+    """The projection of the sweep; writes OUT/results.json, table.md and pipeline.png, returns the note and the table."""
+    if settings.sweep is None or not (settings.sweep / "results.jsonl").is_file():
+        raise UsageError(f"--sweep: {settings.sweep or 'required'}: not a `sprinter simulate` OUT (no results.jsonl)")
+    rows = project(settings.sweep, settings.edges, settings.replicas, list(settings.rtt_ms), settings.tokens_per_request)
+    folder = RunFolder(settings.out)
+    folder.write_results(settings, costs_note=GPU_NOTE, rows=rows)
+    plot(rows, folder.path("pipeline.png"))
+    table = GPU_NOTE + "\n\n" + table_of(rows)
+    folder.write_table(table)
+    return table

@@ -19,13 +19,12 @@ its default mode), to `sprinter cloud serve` processes; all processes are pinned
   share, in every request but the fleet's first of that prompt (a replica that meets it for its first time is a
   miss); served: of those, the tokens the cloud reported cached.
 
-Texts are synthetic (plain words from a seed, sim/bench/edge_chat.py). Writes OUT/results.json.
+Texts are synthetic (plain words from a seed, sim/bench/edge_chat.py). Writes OUT/results.json and table.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import statistics
 import time
@@ -36,8 +35,11 @@ import httpx
 
 from sim.bench.edge_chat import ChatReply, stream_chat, synthetic_text
 from sim.bench.load import scrape_metrics
-from sim.bench.settings import PrefixFleetSettings
-from sim.processes import CloudProcess, edge_daemon_process, free_port
+from sim.bench.loaded_cloud import Replica, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.capacity import PrefixFleetSettings
+from sim.cores import thread_env
+from sim.processes import edge_daemon_process, free_port
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,6 @@ class PrefixFleetResult:
     replica_queries: list[float] = field(default_factory=list)  # per replica, the fleet phase's lookups
     replica_cached: list[float] = field(default_factory=list)  # per replica, the fleet phase's cached tokens
     startup_s: dict[str, float] = field(default_factory=dict)
-    settings: dict = field(default_factory=dict)
 
 
 def shareable_pages(tokens: int) -> int:
@@ -92,19 +93,9 @@ def shared_share(requests: list[FleetRequest], shared_prefix_tokens: list[int]) 
     return shareable, served
 
 
-def _tokenizer(spec: str):
-    from transformers import AutoTokenizer
-
-    from common.model.loading import model_dir
-    return AutoTokenizer.from_pretrained(model_dir(spec))
-
-
-def _env(s: PrefixFleetSettings) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(len(s.cpus)), "MKL_NUM_THREADS": str(len(s.cpus))}
-
-
-def _serve_args(s: PrefixFleetSettings) -> list[str]:
-    return ["--target", s.target, "--dtype", s.dtype, "--max-context", "4096", "--max-streams", "64"]
+def _clouds(stack: ExitStack, s: PrefixFleetSettings, name: str, replicas: int, *extra: str) -> list[Replica]:
+    flags = serve_flags(target=s.target, dtype=s.dtype, max_context=4096, max_streams=64) + list(extra)
+    return stack.enter_context(replicas_started(s.out, name, [set(s.cpus)] * replicas, thread_env(len(s.cpus)), flags))
 
 
 def _edge_args(s: PrefixFleetSettings, clouds: list[str]) -> list[str]:
@@ -114,17 +105,10 @@ def _edge_args(s: PrefixFleetSettings, clouds: list[str]) -> list[str]:
             "--cloud-deadline-s", "600"]
 
 
-def _start_cloud(stack: ExitStack, s: PrefixFleetSettings, name: str, *extra: str) -> CloudProcess:
-    log_path = s.out / f"{name}.log"
-    log_path.write_text("")
-    cloud = CloudProcess(*_serve_args(s), *extra, log_path=log_path, cpus=set(s.cpus), env=_env(s))
-    stack.enter_context(cloud)
-    return cloud
-
-
 def _start_edge(stack: ExitStack, s: PrefixFleetSettings, name: str, clouds: list[str], *extra: str) -> str:
     edge = stack.enter_context(edge_daemon_process([*_edge_args(s, clouds), *extra], free_port(),
-                                                   s.out / f"{name}.log", cpus=set(s.cpus), env=_env(s)))
+                                                   s.out / f"{name}.log", cpus=set(s.cpus),
+                                                   env=thread_env(len(s.cpus))))
     return edge.base
 
 
@@ -156,12 +140,12 @@ async def _conversations(base: str, config: str, s: PrefixFleetSettings, tokeniz
 
 
 def measure_conversations(s: PrefixFleetSettings, result: PrefixFleetResult) -> None:
-    tokenizer = _tokenizer(s.target)
+    tokenizer = bench_prompt_ids(s.target)[1]
     for config, cloud_extra, edge_extra in (("cold", ("--no-prefix-cache",), ("--draft-cache-mb", "0")),
                                             ("cached", (), ())):
         started = time.perf_counter()
         with ExitStack() as stack:
-            cloud = _start_cloud(stack, s, f"conversation-{config}-cloud", *cloud_extra)
+            (cloud,) = _clouds(stack, s, f"conversation-{config}-cloud", 1, *cloud_extra)
             base = _start_edge(stack, s, f"conversation-{config}-edge", [cloud.address], *edge_extra)
             result.startup_s[f"conversation-{config}"] = time.perf_counter() - started
             log.info("%s: cloud and edge up in %.0f s", config, result.startup_s[f"conversation-{config}"])
@@ -169,9 +153,10 @@ def measure_conversations(s: PrefixFleetSettings, result: PrefixFleetResult) -> 
             result.turns += asyncio.run(_conversations(base, config, s, tokenizer))
 
 
-def _metrics(ports: list[int], name: str) -> list[float]:
-    """Each replica's unlabelled sample `name`; 0 where a replica does not expose it."""
-    return [scrape_metrics(port, timeout_s=30).get(name, 0.0) for port in ports]
+def _metrics(replicas: list[Replica], name: str) -> list[float]:
+    """Each replica's unlabelled sample `name`; 0 where a replica does not expose it. (A long timeout: every
+    process shares the pinned cores, a scrape may wait behind a prefill.)"""
+    return [scrape_metrics(replica.metrics_port, timeout_s=30).get(name, 0.0) for replica in replicas]
 
 
 def _fleet_messages(s: PrefixFleetSettings, tokenizer, systems: list[str], edge: int, round_: int) -> list[dict]:
@@ -189,16 +174,16 @@ def shared_prefix(tokenizer, system: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-async def _fleet_requests(bases: list[str], ports: list[int], s: PrefixFleetSettings, tokenizer,
+async def _fleet_requests(bases: list[str], replicas: list[Replica], s: PrefixFleetSettings, tokenizer,
                           result: PrefixFleetResult) -> None:
     systems = [synthetic_text(100 + i, s.system_tokens, tokenizer) for i in range(2)]
     result.shared_prefix_tokens = [shared_prefix(tokenizer, system) for system in systems]
     async with httpx.AsyncClient(timeout=3600) as client:
         for system in range(2):  # each system prompt's first request alone: where it lands is plain
-            before = _metrics(ports, QUERIES)
+            before = _metrics(replicas, QUERIES)
             reply = await stream_chat(client, bases[system], _fleet_messages(s, tokenizer, systems, system, 0),
                                       s.max_tokens)
-            raised = [i for i, (a, b) in enumerate(zip(before, _metrics(ports, QUERIES))) if b > a]
+            raised = [i for i, (a, b) in enumerate(zip(before, _metrics(replicas, QUERIES))) if b > a]
             result.landed[str(system)] = raised
             result.fleet.append(FleetRequest(system, system, 0, True, reply))
             log.info("system prompt %d: first request landed on replica(s) %s", system, raised)
@@ -215,35 +200,34 @@ async def _fleet_requests(bases: list[str], ports: list[int], s: PrefixFleetSett
 
 
 def measure_fleet(s: PrefixFleetSettings, result: PrefixFleetResult) -> None:
-    tokenizer = _tokenizer(s.target)
+    tokenizer = bench_prompt_ids(s.target)[1]
     started = time.perf_counter()
     with ExitStack() as stack:
-        ports, clouds = [], []
-        for replica in range(s.replicas):
-            ports.append(free_port())
-            clouds.append(_start_cloud(stack, s, f"fleet-cloud-{replica}", "--metrics-port", str(ports[-1])).address)
-            log.info("replica %d up at %s (%.0f s)", replica, clouds[-1], time.perf_counter() - started)
+        replicas = _clouds(stack, s, "fleet-cloud", s.replicas)
+        log.info("%d replicas up (%.0f s)", s.replicas, time.perf_counter() - started)
         bases = []
         for index in range(s.edges):  # one at a time: each loads its draft alone
-            bases.append(_start_edge(stack, s, f"fleet-edge-{index}", clouds))
+            bases.append(_start_edge(stack, s, f"fleet-edge-{index}", [r.address for r in replicas]))
             log.info("edge %d up (%.0f s)", index, time.perf_counter() - started)
         result.startup_s["fleet"] = time.perf_counter() - started
         for base in bases:
             asyncio.run(_warm_up(base))
-        queries, cached = _metrics(ports, QUERIES), _metrics(ports, CACHED)
-        asyncio.run(_fleet_requests(bases, ports, s, tokenizer, result))
-        result.replica_queries = [b - a for a, b in zip(queries, _metrics(ports, QUERIES))]
-        result.replica_cached = [b - a for a, b in zip(cached, _metrics(ports, CACHED))]
+        queries, cached = _metrics(replicas, QUERIES), _metrics(replicas, CACHED)
+        asyncio.run(_fleet_requests(bases, replicas, s, tokenizer, result))
+        result.replica_queries = [b - a for a, b in zip(queries, _metrics(replicas, QUERIES))]
+        result.replica_cached = [b - a for a, b in zip(cached, _metrics(replicas, CACHED))]
 
 
-def bench_prefix_fleet(s: PrefixFleetSettings) -> PrefixFleetResult:
-    s.out.mkdir(parents=True, exist_ok=True)
-    result = PrefixFleetResult(settings={**asdict(s), "out": str(s.out)})
+def bench_prefix_fleet(s: PrefixFleetSettings) -> str:
+    """Each part measured; OUT/results.json rewritten after each (a later part's failure keeps it); the table."""
+    folder, result = RunFolder(s.out), PrefixFleetResult()
     for part, measure in (("conversation", measure_conversations), ("fleet", measure_fleet)):
         if part in s.parts:
             measure(s, result)
-            (s.out / "results.json").write_text(json.dumps(asdict(result), indent=1))  # a later part's failure keeps it
-    return result
+            folder.write_results(s, **asdict(result))
+    table = format_result(result, s)
+    folder.write_table(table)
+    return table
 
 
 def _median(values: list[float]) -> float:

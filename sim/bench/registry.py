@@ -67,13 +67,13 @@ def run(bench: Bench, args: argparse.Namespace) -> int:
     from common.lab.results_page import publish_if_asked
     from sim.processes import quiet_http_clients
 
-    settings = settings_from(args, bench.settings)
     module, _, function = bench.run.partition(":")
     if bench.quiet_http:
         quiet_http_clients()
     try:
+        settings = settings_from(args, bench.settings)
         table = getattr(importlib.import_module(module), function)(settings)
-    except UsageError as err:  # a setting the bench refuses once it reads them together
+    except UsageError as err:  # a setting refused by the settings themselves or by the bench reading them together
         raise SystemExit(f"sprinter bench {bench.name}: {err}") from None
     print(table)
     out = getattr(settings, "out", None)

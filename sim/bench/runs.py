@@ -13,9 +13,9 @@ from pathlib import Path
 from common.lab.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.settings import (CapacityBenchSettings, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
-                                FleetBenchSettings, LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, PrefixFleetSettings, RolloutSettings)
+from sim.bench.settings import (CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
+                                LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
+                                PrefixBenchSettings, RolloutSettings)
 
 log = logging.getLogger(__name__)
 
@@ -120,40 +120,12 @@ def run_prefix(args: argparse.Namespace) -> int:
     return _report(args, prefix.format_result(result, settings), args.out, ("results.jsonl (appended)",))
 
 
-def run_prefix_fleet(args: argparse.Namespace) -> int:
-    from sim.bench import prefix_fleet
-    quiet_http_clients()  # a line per request would bury the progress
-    settings = PrefixFleetSettings(**{name: getattr(args, name) for name in PrefixFleetSettings.__dataclass_fields__})
-    result = prefix_fleet.bench_prefix_fleet(settings)
-    return _report(args, prefix_fleet.format_result(result, settings), args.out, ("results.json",))
-
-
 def run_rollout(args: argparse.Namespace) -> int:
     from sim.bench import rollout
     settings = RolloutSettings(args.real_edges, args.simulated_edges, args.rounds, args.draft, args.telemetry_pairs,
                                out=args.out)
     quiet_http_clients()  # a line per request would bury the rounds
     return _report(args, rollout.bench_rollout(settings), settings.out, ("rollout.json", "rollout.png"))
-
-
-def run_capacity(args: argparse.Namespace) -> int:
-    from sim.bench import capacity
-    settings = CapacityBenchSettings(**{name: getattr(args, name) for name in CapacityBenchSettings.__dataclass_fields__})
-    return _report(args, capacity.bench_capacity(settings), settings.out,
-                   ("results.json", "table.md", "tokens_per_s_per_user.png", "projection.png"))
-
-
-def run_fleet(args: argparse.Namespace) -> int:
-    from sim.bench import fleet
-    settings = FleetBenchSettings(**{name: getattr(args, name) for name in FleetBenchSettings.__dataclass_fields__})
-    return _report(args, fleet.bench_fleet(settings), settings.out, ("fleet.json", "table.md", "projection.png"))
-
-
-def run_pipeline(args: argparse.Namespace) -> int:
-    from sim.bench import pipeline
-    table = pipeline.bench_pipeline(args.sweep, args.edges, args.replicas, list(args.rtt_ms), args.tokens_per_request,
-                                    args.out)
-    return _report(args, table, args.out, ("pipeline.json", "pipeline.png"))
 
 
 def run_features(args: argparse.Namespace) -> int:

@@ -9,11 +9,11 @@ from dataclasses import asdict
 
 import pytest
 
-from sim.bench.capacity import CapacityBenchError, RecordedRound, bench_capacity, check_modes, replay_block
+from sim.bench.capacity import RecordedRound, bench_capacity, check_modes, replay_block
 from sim.bench.capacity_projection import (fit_costs, format_projection, profiles, project, recorded_rounds,
                                           synthetic_rounds)
 from sim.bench.capacity_report import GenerationTrace, edges_per_replica, itl_samples, prediction, summarise
-from sim.bench.settings import CapacityBenchSettings
+from sim.bench.settings.capacity import BenchSettingsError, CapacityBenchSettings
 from sim.fleet.costs import ForwardModel
 
 
@@ -46,10 +46,9 @@ def test_edges_per_replica_is_the_largest_edge_count_within_the_target_at_rtt_0(
 def test_summarise_counts_tokens_rounds_acceptance_and_the_cloud_side() -> None:
     edge = [GenerationTrace(0.0, [(1.0, 3), (2.0, 1)], drafted=[4, 4], verify_ms={2: [5.0, 7.0]}),
             GenerationTrace(2.0, [(3.0, 5)], drafted=[4])]
-    before = {"sprinter_cloud_target_forward_seconds_sum": 1.0, "sprinter_cloud_target_forward_seconds_count": 10}
-    after = {"sprinter_cloud_target_forward_seconds_sum": 1.5, "sprinter_cloud_target_forward_seconds_count": 15,
-             "sprinter_cloud_batch_size_sum": 10}
-    row = summarise("sd-block", 1, 0.0, 4, [edge], before, after)
+    increases = {"sprinter_cloud_target_forward_seconds_sum": 0.5, "sprinter_cloud_target_forward_seconds_count": 5,
+                 "sprinter_cloud_batch_size_sum": 10}
+    row = summarise("sd-block", 1, 0.0, 4, [edge], increases)
     assert row["tokens"] == 9 and row["rounds"] == 3 and row["tokens_per_s_per_user"] == pytest.approx(3.0)
     assert row["acceptance"] == pytest.approx(6 / 12)  # each round releases its accepted tokens and one more
     assert row["verify_ms_by_batch"] == {"2": 6.0}
@@ -69,14 +68,14 @@ def test_a_replayed_block_gets_the_recorded_verdict_and_sprinter_exact_stops_at_
 def test_settings_that_cannot_work_are_refused_by_flag(tmp_path) -> None:
     for bad, flag in (({"edges": (0, 2)}, "--edges"), ({"rtts": (-1.0,)}, "--rtts"), ({"k": 0}, "--k"),
                       ({"edge_draft_ms": -1.0}, "--edge-draft-ms"), ({"itl_p99_ms": 0.0}, "--itl-p99-ms")):
-        with pytest.raises(CapacityBenchError, match=flag):
+        with pytest.raises(BenchSettingsError, match=flag):
             bench_capacity(CapacityBenchSettings(out=tmp_path, **bad))
 
 
 def test_modes_it_cannot_run_are_refused_by_name() -> None:
-    with pytest.raises(CapacityBenchError, match="sprinter is neither"):
+    with pytest.raises(BenchSettingsError, match="sprinter is neither"):
         check_modes(("target", "sprinter"))
-    with pytest.raises(CapacityBenchError, match="draft is neither"):
+    with pytest.raises(BenchSettingsError, match="draft is neither"):
         check_modes(("draft",))
 
 
@@ -221,5 +220,5 @@ def test_measured_projects_an_earlier_run_without_a_cloud(tmp_path) -> None:
     assert written["rows"] == results["rows"] and written["measured_from"] == str(earlier)
     assert written["projection"]["rows"][0]["edges"] == [1, 4] and "Projection" in table
     assert (tmp_path / "again" / "projection.png").stat().st_size > 0
-    with pytest.raises(CapacityBenchError, match="--project-edges"):
+    with pytest.raises(BenchSettingsError, match="--project-edges"):
         bench_capacity(CapacityBenchSettings(measured=earlier, project_edges=(0,), out=tmp_path))

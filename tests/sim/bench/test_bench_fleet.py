@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from sim.bench.fleet import FleetBenchSettings, bench_fleet, projection_table
+from sim.bench.fleet import bench_fleet, projection_table
+from sim.bench.settings.capacity import FleetBenchSettings
 
 REPLICAS = (1, 2, 4, 8, 16, 32, 64)
 EDGES = (10, 100, 1000, 10000)
@@ -18,7 +19,7 @@ def test_two_replicas_two_edges_measured_and_projected(tmp_path):
                                   out=tmp_path)
     table = bench_fleet(settings)
 
-    report = json.loads((tmp_path / "fleet.json").read_text())
+    report = json.loads((tmp_path / "results.json").read_text())
     [row] = report["measured"]
     assert row["replicas"] == 2 and row["verify_calls"] == 12
     assert row["verified_tokens_per_s"] > 0 and row["emitted_tokens_per_s"] > 0
@@ -41,8 +42,8 @@ def test_two_replicas_two_edges_measured_and_projected(tmp_path):
 
     # projecting again from the written measurements (other assumptions, no processes) keeps the measured rows
     again = bench_fleet(replace(settings, rtt_ms=100.0, replicas=(1, 2), fleet_edges=(10,),
-                                measured=tmp_path / "fleet.json", out=tmp_path / "again"))
-    reprojected = json.loads((tmp_path / "again" / "fleet.json").read_text())
+                                measured=tmp_path / "results.json", out=tmp_path / "again"))
+    reprojected = json.loads((tmp_path / "again" / "results.json").read_text())
     assert reprojected["measured"] == report["measured"] and reprojected["measured_date"] == report["date"]
     assert reprojected["projection"]["costs"]["rtt"]["mean_ms"] > projection["costs"]["rtt"]["mean_ms"]
     assert projection_table(reprojected["projection"]) in again

@@ -10,7 +10,7 @@ from common.model.prompting import encode_chat
 from sim.bench.edge_chat import ChatReply, synthetic_text
 from sim.bench.prefix_fleet import (FleetRequest, PrefixFleetResult, Turn, format_result, shared_prefix,
                                     shared_share)
-from sim.bench.settings import PrefixFleetSettings
+from sim.bench.settings.capacity import PrefixFleetSettings
 
 
 def reply(cached: int = 0, reused: int = 0, ttft_ms: float = 100.0) -> ChatReply:
