@@ -23,7 +23,7 @@ import asyncio
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from sim.bench.run_folder import RunFolder
 from sim.bench.settings.engines import CloudBenchSettings
 
 if TYPE_CHECKING:
-    from sim.bench.cloud_under_test import CloudUnderTest, RunningCloud
+    from sim.bench.cloud_under_test import CloudUnderTest
     from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -190,22 +190,11 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-@dataclass
-class CacheCounters:
-    """The cloud's prefix-cache counters (vllm), read from its Prometheus endpoint around a measurement."""
-
-    cloud: RunningCloud
-    start: dict[str, float] = field(default_factory=dict)
-
-    def mark(self) -> None:
-        self.start = self.cloud.scrape()
-
-    def share(self) -> float | None:
-        """Context tokens served from the cache over all prompt tokens of the verifies since `mark`."""
-        now = self.cloud.scrape()
-        cached, computed = (now.get(k, 0.0) - self.start.get(k, 0.0) for k in
-                            ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum"))
-        return cached / (cached + computed) if cached else None
+def cache_share(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """vllm: context tokens served from its prefix cache over all prompt tokens verified between two scrapes."""
+    cached, computed = (after.get(k, 0.0) - before.get(k, 0.0) for k in
+                        ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum"))
+    return cached / (cached + computed) if cached else None
 
 
 def cloud_under_test(settings: CloudBenchSettings, target: str, batching: bool) -> CloudUnderTest:
@@ -227,17 +216,17 @@ def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edg
     log_path = settings.out / f"cloud-{target}-{label}-{'batched' if batching else 'unbatched'}.log"
     rows = []
     with cloud_under_test(settings, target, batching).running(log_path) as cloud:
-        address, counters = cloud.address, CacheCounters(cloud)
-        asyncio.run(measure(address, edges, 1, 2))  # warm-up
+        asyncio.run(measure(cloud.address, edges, 1, 2))  # warm-up
         for context in settings.contexts:
             replayed = with_context(edges, context)
             for n_edges in tqdm(settings.edges, desc=f"{target} {label} context {context} "
                                                      f"batching {'on' if batching else 'off'}"):
-                counters.mark()
-                tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, replayed, n_edges, settings.rounds))
+                before = cloud.scrape()
+                tokens_per_s, latencies, batch_sizes = asyncio.run(measure(cloud.address, replayed, n_edges,
+                                                                           settings.rounds))
                 rows.append(BenchRow(target, label, context, n_edges, batching,
                                      tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
-                                     statistics.fmean(batch_sizes), len(latencies), counters.share()))
+                                     statistics.fmean(batch_sizes), len(latencies), cache_share(before, cloud.scrape())))
     return rows
 
 
