@@ -20,28 +20,28 @@ from its prefix cache; writes results.json, table.md and a plot.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
 from tqdm import tqdm
 
-from common import wire
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
 from common.model.loading import load_model
 from common.lab.plots import pyplot
 from common.model.prompting import encode_prompt
 from common.stats import percentile
-from sim.bench.load import scrape_metrics
 from sim.bench.prompts import load_bench_prompts
-from sim.bench.settings import CloudBenchSettings
-from sim.processes import cloud_process, free_port
-from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import CloudBenchSettings
+
+if TYPE_CHECKING:
+    from sim.bench.cloud_under_test import CloudUnderTest
+    from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m:layers=8", "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
@@ -96,6 +96,10 @@ def record_edges(target: str, draft: str, k: int, n_tokens: int) -> list[Recorde
 
 async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: int, start: asyncio.Event,
                    latencies_ms: list[float], batch_sizes: list[int], opened: asyncio.Semaphore) -> int:
+    import grpc  # the replay's imports are its own: --random-weights runs without gRPC stubs
+
+    from common import wire
+
     call = stub.Session()
     await call.write(wire.open_frame(edge.prompt_ids))
     answer = await call.read()
@@ -125,6 +129,10 @@ async def run_edge(stub: pb_grpc.TargetServiceStub, edge: RecordedEdge, rounds: 
 
 
 async def measure(address: str, edges: list[RecordedEdge], n_edges: int, rounds: int) -> tuple[float, list[float], list[int]]:
+    import grpc
+
+    from sprinter.v1 import decoding_pb2_grpc as pb_grpc
+
     latencies_ms: list[float] = []
     batch_sizes: list[int] = []
     async with grpc.aio.insecure_channel(address) as channel:
@@ -182,99 +190,72 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _serve_args(settings: CloudBenchSettings, target: str, batching: bool, metrics_port: int) -> list[str]:
+def cache_share(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """vllm: context tokens served from its prefix cache over all prompt tokens verified between two scrapes."""
+    cached, computed = (after.get(k, 0.0) - before.get(k, 0.0) for k in
+                        ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum"))
+    return cached / (cached + computed) if cached else None
+
+
+def cloud_under_test(settings: CloudBenchSettings, target: str, batching: bool) -> CloudUnderTest:
+    from sim.bench.cloud_under_test import CloudUnderTest
+
     longest = max(settings.contexts) + settings.k * (settings.rounds + 2) + 64
-    # vLLM allocates its whole KV cache at start: 2 GiB holds 16 edges at 4k tokens of SmolLM2 in bf16.
-    budget_mb = 2048 if settings.engine == "vllm" else 16384
-    args = ["--engine", settings.engine, "--target", target, "--dtype", settings.dtype,
-            "--max-sessions", str(max(settings.edges) + 4), "--max-context", str(max(4096, longest)),
-            "--kv-budget-mb", str(budget_mb), "--max-batch", str(settings.max_batch if batching else 1),
-            "--metrics-port", str(metrics_port)]
-    if settings.device != "auto":
-        args += ["--device", settings.device]
-    if settings.batch_window_ms is not None:  # else each engine's own default
-        args += ["--batch-window-ms", str(settings.batch_window_ms)]
-    return args
-
-
-@dataclass
-class CacheCounters:
-    """The cloud's prefix-cache counters (vllm), read from its Prometheus endpoint around a measurement."""
-
-    port: int
-    start: dict[str, float] = field(default_factory=dict)
-
-    def read(self) -> dict[str, float]:
-        return scrape_metrics(self.port)
-
-    def mark(self) -> None:
-        self.start = self.read()
-
-    def share(self) -> float | None:
-        """Context tokens served from the cache over all prompt tokens of the verifies since `mark`."""
-        now = self.read()
-        cached, computed = (now.get(k, 0.0) - self.start.get(k, 0.0) for k in
-                            ("sprinter_cloud_engine_cached_tokens_total", "sprinter_cloud_forward_tokens_sum"))
-        return cached / (cached + computed) if cached else None
-
-
-def _environment(settings: CloudBenchSettings) -> dict[str, str]:
-    env = {}
-    if settings.source is not None:  # its packages and its generated stubs come first on the path ...
-        source = settings.source.resolve()
-        env["PYTHONPATH"] = f"{source}:{source / 'proto'}"
-        env["PYTHONSAFEPATH"] = "1"  # ... and `python -m` must not put this checkout (the cwd) before them
-    if settings.cpus:
-        env["OMP_NUM_THREADS"] = str(len(settings.cpus))
-    return env
+    source = settings.source.resolve() if settings.source is not None else None
+    return CloudUnderTest(
+        target, settings.dtype, settings.engine, settings.device, max_context=max(4096, longest),
+        max_batch=settings.max_batch if batching else 1, max_sessions=max(settings.edges) + 4,
+        # vLLM allocates its whole KV cache at start: 2 GiB holds 16 edges at 4k tokens of SmolLM2 in bf16.
+        kv_budget_mb=2048 if settings.engine == "vllm" else 16384, batch_window_ms=settings.batch_window_ms,
+        cpus=settings.cpus, pythonpath=f"{source}:{source / 'proto'}" if source else None, metrics=True)
 
 
 def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edges: list[RecordedEdge]) -> list[BenchRow]:
     """One cloud process for `target`, batching on or off (`--max-batch 1`); a row per context and edge count."""
     label = settings.row_label
     log_path = settings.out / f"cloud-{target}-{label}-{'batched' if batching else 'unbatched'}.log"
-    counters = CacheCounters(free_port())
     rows = []
-    with cloud_process(*_serve_args(settings, target, batching, counters.port), log_path=log_path,
-                       cpus=set(settings.cpus) or None, env=_environment(settings)) as address:
-        asyncio.run(measure(address, edges, 1, 2))  # warm-up
+    with cloud_under_test(settings, target, batching).running(log_path) as cloud:
+        asyncio.run(measure(cloud.address, edges, 1, 2))  # warm-up
         for context in settings.contexts:
             replayed = with_context(edges, context)
             for n_edges in tqdm(settings.edges, desc=f"{target} {label} context {context} "
                                                      f"batching {'on' if batching else 'off'}"):
-                counters.mark()
-                tokens_per_s, latencies, batch_sizes = asyncio.run(measure(address, replayed, n_edges, settings.rounds))
+                before = cloud.scrape()
+                tokens_per_s, latencies, batch_sizes = asyncio.run(measure(cloud.address, replayed, n_edges,
+                                                                           settings.rounds))
                 rows.append(BenchRow(target, label, context, n_edges, batching,
                                      tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
-                                     statistics.fmean(batch_sizes), len(latencies), counters.share()))
+                                     statistics.fmean(batch_sizes), len(latencies), cache_share(before, cloud.scrape())))
     return rows
 
 
-def _earlier_rows(settings: CloudBenchSettings) -> list[BenchRow]:
+def _earlier_rows(settings: CloudBenchSettings, folder: RunFolder) -> list[BenchRow]:
     """Rows already in OUT/results.json that this run does not measure again (other engines, targets or contexts),
     so runs with another --engine or other --contexts add to one table."""
-    path = settings.out / "results.json"
-    if not path.exists():
-        return []
-    rows = [BenchRow(**row) for row in json.loads(path.read_text())["rows"] if "engine" in row]
+    rows = [BenchRow(**row) for row in (folder.read_results() or {"rows": []})["rows"] if "engine" in row]
     return [row for row in rows if not (row.engine == settings.row_label and row.target in settings.targets
-                                        and row.context in settings.contexts and row.batching in settings.batching)]
+                                        and row.context in settings.contexts and row.batching in settings.batchings)]
 
 
 def bench_cloud(settings: CloudBenchSettings) -> str:
-    """Every target, batching on and off, every context and edge count; writes OUT, returns the table."""
-    settings.out.mkdir(parents=True, exist_ok=True)
-    rows = _earlier_rows(settings)
+    """Every target, batching on and off, every context and edge count; writes OUT, returns the table.
+    --random-weights: the engine bench in this process instead (sim/bench/engine.py)."""
+    if settings.random_weights:
+        from sim.bench.engine import bench_engine
+
+        return bench_engine(settings.in_process())
+    settings = settings.with_defaults()
+    folder = RunFolder(settings.out)
+    rows = _earlier_rows(settings, folder)
     for target in settings.targets:
         edges = record_edges(target, DEFAULT_DRAFTS.get(target, target), settings.k,
                              n_tokens=settings.k * settings.rounds)
-        for batching in settings.batching:
+        for batching in settings.batchings:
             rows += measure_cloud(settings, target, batching, edges)
     rows.sort(key=lambda r: (r.target, r.context, r.edges, r.engine, not r.batching))
     table = format_table(rows)
-    (settings.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                           "args": settings.to_dict(),
-                                                           "rows": [asdict(r) for r in rows]}, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(rows, settings.out / "verified_tokens_per_s.png")
+    folder.write_results(settings, rows=rows)
+    folder.write_table(table)
+    plot(rows, folder.path("verified_tokens_per_s.png"))
     return table

@@ -26,34 +26,27 @@ import argparse
 from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names
-from common.model.devices import add_device_argument
 from common.lab.results_page import add_page_arguments
 from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench import registry
 from sim.bench.registry import described as _described
-from sim.bench.runs import (run_cloud, run_draft, run_features, run_local,
-                            run_placement, run_policy, run_prefill, run_prefix,
-                            run_proposer, run_rollout, run_tree_shapes, run_uplink)
-from sim.bench.settings import (LLAMA_CPP, CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
-                                LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, RolloutSettings)
-from sim.bench.settings import capacity
+from sim.bench.runs import (run_features, run_placement, run_policy, run_proposer, run_rollout, run_tree_shapes,
+                            run_uplink)
+from sim.bench.settings import PlacementBenchSettings, RolloutSettings
+from sim.bench.settings import capacity, engines
 
 
-BENCHES = (LLAMA_CPP, *capacity.BENCHES)  # benches whose command is their settings (sim/bench/registry.py)
+BENCHES = (*engines.BENCHES, *capacity.BENCHES)  # benches whose command is their settings (sim/bench/registry.py)
+
+
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     bench = subcommands.add_parser("bench", help="benchmarks: local modes, cloud batching, draft runtime, policies",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     benches = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    _register_local(benches)
-    _register_cloud(benches)
-    _register_draft(benches)
     _register_policy(benches)
-    _register_prefill(benches)
-    _register_prefix(benches)
     soak.register_soak(benches)
     chaos.register_chaos(benches)
     dashboards.register_dashboards(benches)
@@ -67,77 +60,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         registry.register(benches, entry)
     for name, parser in benches.choices.items():
         add_page_arguments(parser, name)
-
-
-def _register_local(benches: argparse._SubParsersAction) -> None:
-    defaults = LocalBenchSettings()
-    p = benches.add_parser("local", help="every local decoding mode and transformers' assisted generation",
-                           **_described("sim.bench.local"))
-    p.add_argument("--target", default=defaults.target)
-    p.add_argument("--draft", default=defaults.draft)
-    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)
-    p.add_argument("--prompts", type=Path, default=defaults.prompts, help="JSONL with prompt, chat, category")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--temperatures", type=floats, default=defaults.temperatures, help="comma list (default 0,1)")
-    p.add_argument("--k", type=int, default=defaults.k)
-    p.add_argument("--verifier-threshold", type=float, default=defaults.verifier_threshold,
-                   help="confidence verifier for sprinter")
-    p.add_argument("--assisted", type=comma_list(str, "names", allow_empty=True), default=defaults.assisted,
-                   help="assisted-generation configs to run (comma list; empty for none; default all)")
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_local)
-
-
-def _register_cloud(benches: argparse._SubParsersAction) -> None:
-    defaults, engine = CloudBenchSettings(), EngineBenchSettings()
-    p = benches.add_parser("cloud", help="verification throughput of one cloud process under N edges, batching on/off",
-                           **_described("sim.bench.cloud"))
-    p.add_argument("--targets", type=names, default=defaults.targets,
-                   help="comma list (default smollm2-135m,qwen2.5-coder-1.5b)")
-    p.add_argument("--edges", type=ints, help="comma list (default 1,2,4,8,16; --random-weights: 1,8,32,64)")
-    p.add_argument("--rounds", type=int, help="verify calls per edge (default 8; --random-weights: 20 timed)")
-    p.add_argument("--k", type=int, default=defaults.k, help="draft tokens per block")
-    p.add_argument("--contexts", type=ints, default=defaults.contexts,
-                   help="prompt lengths in tokens, comma list (default 0: the bench prompts as they are)")
-    p.add_argument("--batch-window-ms", type=float, help="default: the cloud's own")
-    p.add_argument("--max-batch", type=int, default=defaults.max_batch)
-    p.add_argument("--dtype", default=defaults.dtype)
-    p.add_argument("--source", type=Path, help="run the cloud from this checkout (e.g. a worktree of an older commit)")
-    p.add_argument("--engine", default=defaults.engine, choices=("resident", "vllm"),
-                   help="the cloud's engine (vllm: the environment `make vllm` builds)")
-    p.add_argument("--label", help="name of this run's rows (default: the engine's); rows of other labels in "
-                                   "OUT/results.json are kept, so runs compare engines or checkouts")
-    p.add_argument("--batching", choices=("both", "on", "off"), default="both",
-                   help="measure with batching on, off (--max-batch 1), or both")
-    p.add_argument("--cpus", type=ints, default=defaults.cpus, help="pin the cloud process to these cores (comma list)")
-    add_device_argument(p, "the cloud's target runs (resident engine)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="no cloud process: the engine in-process on --device, each target a real architecture with "
-                        "random weights (sim/bench/architectures; no model packages needed)")
-    p.add_argument("--accepted", type=int, help="--random-weights only: advance each context by this many accepted "
-                                                "tokens per round (default: as the random target verifies, about 0)")
-    p.add_argument("--warmup", type=int, default=engine.warmup, help="--random-weights only: untimed rounds first")
-    p.add_argument("--attention", type=names, default=engine.attention,
-                   help="--random-weights only: the resident engine's layouts to measure (default per-session,paged)")
-    p.add_argument("--out", type=Path, help="default results/bench-cloud (--random-weights: results/bench-engine)")
-    p.set_defaults(run=run_cloud)
-
-
-def _register_draft(benches: argparse._SubParsersAction) -> None:
-    defaults = DraftBenchSettings()
-    p = benches.add_parser("draft", help="per-token latency of the edge's draft runtime: ONNX Runtime vs torch",
-                           **_described("sim.bench.draft"))
-    p.add_argument("--model", default=defaults.model)
-    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
-    p.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
-    p.add_argument("--repeats", type=int, default=defaults.repeats, help="timed decodes per config per round")
-    p.add_argument("--rounds", type=int, default=defaults.rounds,
-                   help="passes over all configs (each rebuilds the runtime)")
-    p.add_argument("--threads", type=int, help="intra-op threads, torch and ORT (default: the cores it may use)")
-    p.add_argument("--configs", type=names, default=defaults.configs, help="comma list of configs to run (default all)")
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_draft)
 
 
 def _register_policy(benches: argparse._SubParsersAction) -> None:
@@ -159,36 +81,6 @@ def _register_policy(benches: argparse._SubParsersAction) -> None:
 
 
 
-def _register_prefill(benches: argparse._SubParsersAction) -> None:
-    defaults = PrefillBenchSettings()
-    p = benches.add_parser("prefill", help="verify latency of busy sessions while a long prompt opens",
-                           **_described("sim.bench.prefill"))
-    p.add_argument("--target", default=defaults.target)
-    p.add_argument("--dtype", default=defaults.dtype)
-    p.add_argument("--sessions", type=int, default=defaults.sessions, help="busy sessions verifying in a loop")
-    p.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
-    p.add_argument("--k", type=int, default=defaults.k)
-    p.add_argument("--quiet-s", type=float, default=defaults.quiet_s)
-    p.add_argument("--serve-args", default="", help="extra `cloud serve` flags, one string")
-    p.add_argument("--cloud-pythonpath", help="PYTHONPATH of the cloud process (another checkout)")
-    p.add_argument("--label", default="run", help="the row's name in the table")
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_prefill)
-
-
-def _register_prefix(benches: argparse._SubParsersAction) -> None:
-    defaults = PrefixBenchSettings()
-    p = benches.add_parser("prefix", help="what the cloud's prefix cache saves: conversations, shared prompts, "
-                                          "n choices",
-                           **_described("sim.bench.prefix"))
-    p.add_argument("--target", default=defaults.target)
-    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPE_NAMES)
-    for name in ("history_tokens", "answer_tokens", "new_tokens", "edges", "rounds", "system_tokens", "choices",
-                 "kv_budget_mb"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    p.add_argument("--cloud-cpus", type=ints, default=list(defaults.cloud_cpus), help="cores the cloud is pinned to")
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_prefix)
 
 
 def _register_rollout(benches: argparse._SubParsersAction) -> None:

@@ -18,12 +18,9 @@ keeps two threads busy).
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -38,7 +35,8 @@ from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
 from edge.runtime.ort_sessions import available_cores
 from sim.bench.prompts import load_bench_prompts
-from sim.bench.settings import CONFIGS, Config, DraftBenchSettings
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import CONFIGS, Config, DraftBenchSettings
 
 log = logging.getLogger(__name__)
 
@@ -191,28 +189,10 @@ def measure(settings: DraftBenchSettings, chosen: list[Config], prompt: list[int
     return list(results.values())
 
 
-def write_results(settings: DraftBenchSettings, rows: list[dict], results: list[Result], probe: dict, table: str,
-                  load_before: tuple[float, ...]) -> None:
+def bench_draft(settings: DraftBenchSettings) -> str:
+    """Every chosen config, `rounds` times; writes OUT; returns the table and the MatMul dtype probe's line."""
     import onnxruntime as ort
 
-    settings.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "model": settings.model, "prompt_tokens": settings.prompt_tokens, "new_tokens": settings.new_tokens,
-        "repeats": settings.repeats, "rounds": settings.rounds,
-        "threads": settings.threads, "torch": torch.__version__, "onnxruntime": ort.__version__,
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-    }
-    runs = [dict(asdict(r.config), load_s=r.load_s, prefill_ms=r.prefill_ms, ms_per_token=r.ms_per_token,
-                 load_average=r.load_average, tokens=r.tokens) for r in results]
-    payload = {"meta": meta, "summary": rows, "matmul_dtype_probe_ms": probe, "runs": runs}
-    (settings.out / "results.json").write_text(json.dumps(payload, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-
-
-def bench_draft(settings: DraftBenchSettings) -> tuple[str, dict[str, float | str]]:
-    """Every chosen config, `rounds` times; writes OUT; returns the table and the MatMul dtype probe."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_grad_enabled(False)
     settings = replace(settings, threads=settings.threads or available_cores())
@@ -229,5 +209,11 @@ def bench_draft(settings: DraftBenchSettings) -> tuple[str, dict[str, float | st
     rows = [r.summary(reference) for r in results]
     table = format_table(rows)
     probe = probe_matmul_dtypes()
-    write_results(settings, rows, results, probe, table, load_before)
-    return table, probe
+    folder = RunFolder(settings.out)
+    folder.write_results(
+        settings, torch=torch.__version__, onnxruntime=ort.__version__,
+        load_average={"before": load_before, "after": os.getloadavg()}, summary=rows, matmul_dtype_probe_ms=probe,
+        runs=[dict(asdict(r.config), load_s=r.load_s, prefill_ms=r.prefill_ms, ms_per_token=r.ms_per_token,
+                   load_average=r.load_average, tokens=r.tokens) for r in results])
+    folder.write_table(table)
+    return f"{table}\n\nONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}"

@@ -25,11 +25,10 @@ edges before it), and verified draft tokens/s. Writes results.json, table.md and
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,7 +45,8 @@ from common.stats import percentile
 from common.sampling.params import SamplingParams
 from common.spec.acceptance_rules import Proposal, decide
 from sim.bench.random_weights import random_model
-from sim.bench.settings import EngineBenchSettings
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import EngineBenchSettings
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 
@@ -205,7 +205,7 @@ def plot(rows: list[EngineRow], path: Path) -> None:
 def bench_engine(settings: EngineBenchSettings) -> str:
     """Every target, context, edge count and batching setting; writes OUT, returns the table."""
     device = resolve_device(settings.device)
-    settings.out.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(settings.out)
     rows = []
     for target in settings.targets:
         model = random_model(target, DTYPES[settings.dtype], device)
@@ -220,12 +220,9 @@ def bench_engine(settings: EngineBenchSettings) -> str:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     table = format_table(rows)
-    (settings.out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                           "device_name": _device_name(device),
-                                                           "args": settings.to_dict(),
-                                                           "rows": [asdict(r) for r in rows]}, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(rows, settings.out / "verified_tokens_per_s.png")
+    folder.write_results(settings, device_name=_device_name(device), rows=rows)
+    folder.write_table(table)
+    plot(rows, folder.path("verified_tokens_per_s.png"))
     return table
 
 

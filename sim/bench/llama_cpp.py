@@ -26,25 +26,21 @@ import asyncio
 import json
 import os
 import subprocess
-import time
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-import grpc
 import httpx
 
-from common import wire
 from common.model.loading import gguf_file, load_gguf_tokenizer
 from common.model.presets import GGUF_PRESETS
 from common.model.prompting import encode_prompt
-from common.sampling.distributions import SamplingParams
+from sim.bench.cloud_under_test import CloudUnderTest, generate_at
 from sim.bench.run_folder import RunFolder, jsonable
-from sim.bench.settings import LlamaCppBenchSettings
+from sim.bench.settings.engines import LlamaCppBenchSettings
 from sim.bench.prompts import load_bench_prompts
-from sim.processes import CloudProcess
 from sim.sweep.baselines import LocalBaselines, llama_program
-from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 
 @dataclass
@@ -110,26 +106,25 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     llama-server: the same prompts' token ids, interleaved per prompt, every process on the same core."""
     tokenizer = load_gguf_tokenizer(gguf)
     prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
-    engines = {"sprinter_llama_cpp": ("--engine", "llama.cpp", "--threads", "1")}
+    clouds = {"sprinter_llama_cpp": _llama_cpp_cloud(settings)}
     if settings.target in GGUF_PRESETS:
-        engines["sprinter_resident"] = ("--engine", "resident", "--dtype", "bfloat16")
-    clouds = {name: CloudProcess("--target", settings.target, *args, cpus={settings.core},
-                                 env={"OMP_NUM_THREADS": "1"}, log_path=settings.out / f"cloud-{name}.log")
-              for name, args in engines.items()}
+        clouds["sprinter_resident"] = CloudUnderTest(settings.target, "bfloat16", "resident", max_context=None,
+                                                     cpus=(settings.core,))
     runs: dict[str, list[dict]] = {name: [] for name in [*clouds, "llama_server"]}
     with LocalBaselines(("llama-server",), settings.target, settings.target, settings.out, {settings.core},
-                        None) as server:
-        try:
-            for cloud in clouds.values():
-                cloud.start()
-            for ids in prompts:
-                for name, cloud in clouds.items():
-                    runs[name].append(asyncio.run(_generate_stream(cloud.address, ids, settings.max_new_tokens)))
-                runs["llama_server"].append(asyncio.run(_llama_server_stream(server, ids, settings.max_new_tokens)))
-        finally:
-            for cloud in clouds.values():
-                cloud.stop(grace_s=10)
+                        None) as server, ExitStack() as started:
+        addresses = {name: started.enter_context(cloud.running(settings.out / f"cloud-{name}.log")).address
+                     for name, cloud in clouds.items()}
+        for ids in prompts:
+            for name, address in addresses.items():
+                runs[name].append(asyncio.run(generate_at(address, ids, settings.max_new_tokens)).record())
+            runs["llama_server"].append(asyncio.run(_llama_server_stream(server, ids, settings.max_new_tokens)))
     return {**{name: _rates(r) for name, r in runs.items()}, "prompts": len(prompts), "per_prompt": runs}
+
+
+def _llama_cpp_cloud(settings: LlamaCppBenchSettings, *flags: str) -> CloudUnderTest:
+    return CloudUnderTest(settings.target, None, "llama.cpp", max_context=None, extra=("--threads", "1", *flags),
+                          cpus=(settings.core,))
 
 
 def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
@@ -142,20 +137,15 @@ def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
                         add_special_tokens=False)["input_ids"] for text in texts[1:]]
     out: dict = {"second_turn_tokens": []}
     for label, flags in (("cached", ()), ("cold", ("--no-prefix-cache",))):
-        cloud = CloudProcess("--engine", "llama.cpp", "--target", settings.target, "--threads", "1", *flags,
-                             cpus={settings.core}, log_path=settings.out / f"cloud-turns-{label}.log")
         ttft, cached = [], []
-        try:
-            cloud.start()
+        with _llama_cpp_cloud(settings, *flags).running(settings.out / f"cloud-turns-{label}.log") as cloud:
             for first, then in zip(firsts, follow):
-                answer = asyncio.run(_generate_stream(cloud.address, first, settings.max_new_tokens))["token_ids"]
-                second = asyncio.run(_generate_stream(cloud.address, first + answer + then, 1))
-                ttft.append(second["first_s"])
-                cached.append(second["cached_tokens"])
+                answer = asyncio.run(generate_at(cloud.address, first, settings.max_new_tokens)).token_ids
+                second = asyncio.run(generate_at(cloud.address, first + answer + then, 1))
+                ttft.append(second.first_s)
+                cached.append(second.cached_tokens)
                 if label == "cached":
                     out["second_turn_tokens"].append(len(first + answer + then))
-        finally:
-            cloud.stop(grace_s=10)
         out[label] = {"ttft_s": ttft, "ttft_s_median": median(ttft), "cached_tokens": cached}
     out["cached_over_cold"] = out["cached"]["ttft_s_median"] / out["cold"]["ttft_s_median"]
     return out
@@ -173,18 +163,6 @@ def _rates(runs: list[dict]) -> dict:
     return {"tokens": tokens, "tokens_per_s": tokens / sum(r["wall_s"] for r in runs),
             "decode_tokens_per_s": sum(r["tokens"] - 1 for r in runs) / sum(r["wall_s"] - r["first_s"] for r in runs),
             "ttft_s_median": median(r["first_s"] for r in runs)}
-
-
-async def _generate_stream(address: str, prompt: list[int], max_new: int) -> dict:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.TargetServiceStub(channel)
-        started, first, tokens, cached = time.perf_counter(), None, [], 0
-        async for chunk in stub.Generate(wire.generate_request(prompt, SamplingParams(), max_new)):
-            tokens += list(chunk.token_ids)
-            cached = cached or chunk.cached_tokens
-            first = first or time.perf_counter()
-        return {"tokens": len(tokens), "first_s": first - started, "wall_s": time.perf_counter() - started,
-                "token_ids": tokens, "cached_tokens": cached}
 
 
 def format_table(result: LlamaCppBenchResult) -> str:

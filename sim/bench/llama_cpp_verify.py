@@ -77,7 +77,10 @@ def _work(edges: int, block: int, context: int) -> tuple[list[list[int]], list[l
 
 
 def c_api_verifies(target: str, edges: int, block: int, context: int, repeats: int, unified: bool) -> list[float]:
-    """Seconds of each round's one `llama_decode` of every session's block, through llama.cpp's C API alone."""
+    """Seconds of each round's one `llama_decode` of every session's block, through llama.cpp's C API alone.
+
+    A load of its own: KV unified or not is fixed when a context is made, and LlamaCppModel is one model and one
+    context; the GGUF is mapped (mmap), so this load reads the weights from the page cache, not the disk."""
     batch_tokens = max(512, edges * block)
     model = LlamaCppModel(gguf_file(target), ContextShape(kv_bytes=0, slack_cells=edges * (context + batch_tokens),
                                                           sequences=edges, batch_tokens=batch_tokens, threads=1,

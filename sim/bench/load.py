@@ -138,13 +138,13 @@ def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     outcome.finish_reason = answer["choices"][0].get("finish_reason") if answer.get("choices") else None
 
 
-def rss_bytes(pid: int | None) -> int | None:
-    """Resident set size of a live process (VmRSS in /proc/PID/status); None when it is gone."""
+def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:
+    """Resident set size of a live process (VmRSS in /proc/PID/status; VmHWM: its peak); None when it is gone."""
     if pid is None:
         return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

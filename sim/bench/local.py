@@ -8,12 +8,9 @@ Both models run in this one process; the network is not involved (see `sprinter 
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
-import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,8 @@ from common.lab.quality import agreement
 from common.sampling.distributions import SamplingParams
 from common.spec.verifier import ConfidenceVerifier
 from sim.bench.prompts import load_bench_prompts
-from sim.bench.settings import ASSISTED_CONFIGS, AssistedConfig, LocalBenchSettings
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import ASSISTED_CONFIGS, AssistedConfig, LocalBenchSettings
 
 log = logging.getLogger(__name__)
 OUR_MODES = ("target", "sd", "sd-block", "sprinter")  # a choice of what to time, not a trait (tests/house/test_layout.py)
@@ -171,20 +169,6 @@ def run_prompt(engine: LocalDecoder, target: LoadedModel, draft: LoadedModel, pr
     return records
 
 
-def write_results(settings: LocalBenchSettings, rows: list[dict], records: list[RunRecord], table: str) -> None:
-    settings.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "target": settings.target, "draft": settings.draft, "dtype": settings.dtype,
-        "max_new_tokens": settings.max_new_tokens, "k": settings.k, "verifier": f"confidence:{settings.verifier_threshold}",
-    }
-    (settings.out / "results.json").write_text(
-        json.dumps({"meta": meta, "summary": rows, "runs": [asdict(r) for r in records]}, indent=1))
-    (settings.out / "table.md").write_text(table + "\n")
-    plot(rows, settings.out / "tokens_per_s.png")
-
-
 def bench_local(settings: LocalBenchSettings) -> str:
     """Every mode and assisted config on every prompt at every temperature; writes OUT, returns the table."""
     torch.set_grad_enabled(False)
@@ -199,5 +183,8 @@ def bench_local(settings: LocalBenchSettings) -> str:
         records += run_prompt(engine, target, draft, prompts[index], index, temperature, assisted, settings)
     rows = summarise(records)
     table = format_table(rows)
-    write_results(settings, rows, records, table)
+    folder = RunFolder(settings.out)
+    folder.write_results(settings, torch_threads=torch.get_num_threads(), summary=rows, runs=records)
+    folder.write_table(table)
+    plot(rows, folder.path("tokens_per_s.png"))
     return table

@@ -7,23 +7,26 @@ phase one more stream opens a prompt of `--prompt-tokens` tokens. Reports p50/p9
 the quiet phase and while the open's prefill runs, the open's own time, and the cloud's peak RSS.
 The cloud runs as a separate process (`sprinter cloud serve`). `--cloud-pythonpath` runs another
 checkout's cloud (e.g. the commit before a fix) under the same client; `--serve-args` adds flags.
+OUT/results.json keeps a row per `--label` (each with its settings), so runs of two checkouts compare.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import shlex
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import grpc
 
 from common import wire
 from common.stats import percentile
-from sim.bench.settings import PrefillBenchSettings
-from sim.processes import cloud_process
+from common.table_cells import cell
+from sim.bench.cloud_under_test import CloudUnderTest, target_stub
+from sim.bench.load import rss_bytes
+from sim.bench.run_folder import RunFolder, jsonable
+from sim.bench.settings.engines import PrefillBenchSettings
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -34,15 +37,14 @@ log = logging.getLogger(__name__)
 class PrefillBenchResult:
     label: str
     quiet_verifies: int
-    quiet_p50_ms: float
-    quiet_p99_ms: float
+    quiet_p50_ms: float | None
+    quiet_p99_ms: float | None
     during_verifies: int  # verifies that started while the open ran
-    during_p50_ms: float
-    during_p99_ms: float
-    during_max_ms: float
+    during_p50_ms: float | None
+    during_p99_ms: float | None
+    during_max_ms: float | None  # None (and the p50, p99): no verify began while the open ran
     open_s: float
     cloud_peak_rss_mb: float
-    settings: dict = field(default_factory=dict)
 
 
 async def _verifier(stub: pb_grpc.TargetServiceStub, index: int, k: int, vocab: int, stop: asyncio.Event,
@@ -75,9 +77,7 @@ async def _measure(address: str, settings: PrefillBenchSettings) -> tuple[list[t
     """Verify samples, and the open's start and end (perf_counter seconds)."""
     samples: list[tuple[float, float]] = []
     stop = asyncio.Event()
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.TargetServiceStub(channel)
-        vocab = (await stub.GetInfo(wire.info_request())).vocab_size
+    async with target_stub(address) as (stub, vocab):
         verifiers = [asyncio.create_task(_verifier(stub, i, settings.k, vocab, stop, samples))
                      for i in range(settings.sessions)]
         await asyncio.sleep(settings.quiet_s)
@@ -94,47 +94,30 @@ async def _measure(address: str, settings: PrefillBenchSettings) -> tuple[list[t
     return samples, opened_at, done_at
 
 
-def _peak_rss_mb(pid: int | None) -> float:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (OSError, TypeError):
-        return float("nan")
-    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM")), float("nan"))
-
-
-def bench_prefill(settings: PrefillBenchSettings, label: str) -> PrefillBenchResult:
-    settings.out.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": settings.cloud_pythonpath} if settings.cloud_pythonpath else None
-    serve = ["--target", settings.target, "--dtype", settings.dtype, "--max-context", "4096", *settings.serve_args]
-    with cloud_process(*serve, env=env, log_path=settings.out / f"cloud-{label}.log") as address:
-        samples, opened_at, done_at = asyncio.run(_measure(address, settings))
-        rss = _peak_rss_mb(_cloud_pid(address))
+def bench_prefill(settings: PrefillBenchSettings) -> str:
+    """The run's row in OUT/results.json beside earlier runs' rows of other labels; returns this run's table."""
+    folder = RunFolder(settings.out)
+    cloud = CloudUnderTest(settings.target, settings.dtype, extra=tuple(shlex.split(settings.serve_args)),
+                           pythonpath=settings.cloud_pythonpath)
+    with cloud.running(folder.path(f"cloud-{settings.label}.log")) as running:
+        samples, opened_at, done_at = asyncio.run(_measure(running.address, settings))
+        peak = rss_bytes(running.pid, "VmHWM")
     quiet = [ms for start, ms in samples if start < opened_at]
     during = [ms for start, ms in samples if opened_at <= start <= done_at or (start < opened_at and start + ms / 1e3 > opened_at)]
-    result = PrefillBenchResult(label, len(quiet), percentile(quiet, 0.5), percentile(quiet, 0.99), len(during),
-                                percentile(during, 0.5), percentile(during, 0.99), max(during, default=float("nan")),
-                                done_at - opened_at, rss, {**asdict(settings), "out": str(settings.out)})
-    with open(settings.out / "results.jsonl", "a") as f:
-        f.write(json.dumps(asdict(result)) + "\n")
-    return result
-
-
-def _cloud_pid(address: str) -> int | None:
-    """The `cloud serve` process this bench started on `address`'s port (its command line names the port)."""
-    wanted = ["--port", address.rsplit(":", 1)[1]]
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().decode().split("\0") if proc.name.isdigit() else []
-        except OSError:
-            continue
-        if "serve" in argv and any(argv[i:i + 2] == wanted for i in range(len(argv) - 1)):
-            return int(proc.name)
-    return None
+    result = PrefillBenchResult(settings.label, len(quiet), percentile(quiet, 0.5), percentile(quiet, 0.99),
+                                len(during), percentile(during, 0.5), percentile(during, 0.99),
+                                max(during, default=None), done_at - opened_at,
+                                peak / 2**20 if peak is not None else float("nan"))
+    earlier = [row for row in (folder.read_results() or {"rows": []})["rows"] if row["label"] != settings.label]
+    folder.write_results(settings, rows=[*earlier, {**asdict(result), "settings": jsonable(settings)}])
+    return f"{TABLE_HEADER}\n{format_result(result)}"
 
 
 def format_result(r: PrefillBenchResult) -> str:
-    return (f"| {r.label} | {r.quiet_verifies} | {r.quiet_p50_ms:.0f} | {r.quiet_p99_ms:.0f} | {r.during_verifies} | "
-            f"{r.during_p50_ms:.0f} | {r.during_p99_ms:.0f} | {r.during_max_ms:.0f} | {r.open_s:.1f} | {r.cloud_peak_rss_mb:.0f} |")
+    ms = [cell(value, ".0f") for value in (r.quiet_p50_ms, r.quiet_p99_ms, r.during_p50_ms, r.during_p99_ms,
+                                           r.during_max_ms)]  # "-": no verify began while the open ran
+    return (f"| {r.label} | {r.quiet_verifies} | {ms[0]} | {ms[1]} | {r.during_verifies} | {ms[2]} | {ms[3]} | "
+            f"{ms[4]} | {r.open_s:.1f} | {r.cloud_peak_rss_mb:.0f} |")
 
 
 TABLE_HEADER = ("| run | quiet verifies | quiet p50 ms | quiet p99 ms | verifies during open | p50 ms | p99 ms | max ms "

@@ -22,17 +22,13 @@ Tokens are synthetic (the models' vocabulary, deterministic); greedy.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import asdict, dataclass, field
-
-import grpc
+from dataclasses import asdict, dataclass, replace
 
 from common import wire
-from common.sampling.params import SamplingParams
-from sim.bench.load import scrape_metrics
-from sim.bench.settings import PrefixBenchSettings
-from sim.processes import cloud_process, free_port
+from sim.bench.cloud_under_test import CloudUnderTest, target_stub, timed_generate
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import PrefixBenchSettings
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 PAGE = 64  # the per-session layout's page: the cache's block on a CPU
@@ -49,33 +45,19 @@ class PrefixBenchResult:
     shared_over_budget: float  # sprinter_cloud_kv_over_budget_total
     choices_ms: float  # all `choices` sessions open
     one_ms: float  # one session open
-    settings: dict = field(default_factory=dict)
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % min(vocab - 10, 50000) + 3 for i in range(n)]  # clear of special ids
 
 
-async def _generate(stub: pb_grpc.TargetServiceStub, prompt: list[int],
-                    max_new: int) -> tuple[list[int], float, float, int]:
-    """(tokens, ms to the first chunk, decode tokens/s after it, cached prompt tokens)."""
-    started = time.perf_counter()
-    tokens, first_at, cached = [], None, 0
-    async for chunk in stub.Generate(wire.generate_request(prompt, SamplingParams(), max_new)):
-        if first_at is None and chunk.token_ids:
-            first_at, cached = time.perf_counter(), wire.chunk_cached_tokens(chunk)
-        tokens += list(chunk.token_ids)
-    decode_s = time.perf_counter() - first_at
-    return tokens, (first_at - started) * 1e3, (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0, cached
-
-
 async def _conversation(stub: pb_grpc.TargetServiceStub, vocab: int,
                         s: PrefixBenchSettings) -> tuple[float, float, int, int]:
     history = _tokens(1, s.history_tokens, vocab)
-    answer, *_ = await _generate(stub, history, s.answer_tokens)
+    answer = (await timed_generate(stub, history, s.answer_tokens)).token_ids
     turn2 = history + answer + _tokens(2, s.new_tokens, vocab)
-    _, ttft_ms, tokens_per_s, cached = await _generate(stub, turn2, s.answer_tokens)
-    return ttft_ms, tokens_per_s, cached, len(turn2)
+    second = await timed_generate(stub, turn2, s.answer_tokens)
+    return second.first_s * 1e3, second.decode_tokens_per_s, second.cached_tokens, len(turn2)
 
 
 async def _shared_prompts(stub: pb_grpc.TargetServiceStub, vocab: int, s: PrefixBenchSettings) -> tuple[int, int]:
@@ -116,33 +98,26 @@ async def _choices(stub: pb_grpc.TargetServiceStub, vocab: int, s: PrefixBenchSe
 
 
 async def _run(address: str, work):
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.TargetServiceStub(channel)
-        vocab = (await stub.GetInfo(wire.info_request())).vocab_size
-        await _generate(stub, _tokens(99, 80, vocab), 2)  # warm the engine up
+    async with target_stub(address) as (stub, vocab):
+        await timed_generate(stub, _tokens(99, 80, vocab), 2)  # warm the engine up
         return await work(stub, vocab)
 
 
-def bench_prefix(s: PrefixBenchSettings) -> PrefixBenchResult:
-    s.out.mkdir(parents=True, exist_ok=True)
-    serve = ["--target", s.target, "--dtype", s.dtype, "--kv-budget-mb", str(s.kv_budget_mb), "--max-streams", "64",
-             "--max-context", "4096"]
-    cpus = set(s.cloud_cpus)
-    env = {"OMP_NUM_THREADS": str(len(cpus))}
-    with cloud_process(*serve, "--no-prefix-cache", cpus=cpus, env=env, log_path=s.out / "cloud-cold.log") as address:
-        cold_ttft, cold_rate, _, _ = asyncio.run(_run(address, lambda stub, v: _conversation(stub, v, s)))
-    metrics_port = free_port()
-    with cloud_process(*serve, "--metrics-port", str(metrics_port), cpus=cpus, env=env,
-                       log_path=s.out / "cloud-cached.log") as address:
-        ttft, rate, cached, prompt = asyncio.run(_run(address, lambda stub, v: _conversation(stub, v, s)))
-        cacheable, shared = asyncio.run(_run(address, lambda stub, v: _shared_prompts(stub, v, s)))
-        choices_ms, one_ms = asyncio.run(_run(address, lambda stub, v: _choices(stub, v, s)))
-        over = scrape_metrics(metrics_port).get("sprinter_cloud_kv_over_budget_total", float("nan"))
+def bench_prefix(s: PrefixBenchSettings) -> str:
+    folder = RunFolder(s.out)
+    cloud = CloudUnderTest(s.target, s.dtype, kv_budget_mb=s.kv_budget_mb, extra=("--max-streams", "64"),
+                           cpus=s.cloud_cpus)
+    with replace(cloud, extra=(*cloud.extra, "--no-prefix-cache")).running(folder.path("cloud-cold.log")) as cold:
+        cold_ttft, cold_rate, _, _ = asyncio.run(_run(cold.address, lambda stub, v: _conversation(stub, v, s)))
+    with replace(cloud, metrics=True).running(folder.path("cloud-cached.log")) as cached_cloud:
+        ttft, rate, cached, prompt = asyncio.run(_run(cached_cloud.address, lambda stub, v: _conversation(stub, v, s)))
+        cacheable, shared = asyncio.run(_run(cached_cloud.address, lambda stub, v: _shared_prompts(stub, v, s)))
+        choices_ms, one_ms = asyncio.run(_run(cached_cloud.address, lambda stub, v: _choices(stub, v, s)))
+        over = cached_cloud.scrape().get("sprinter_cloud_kv_over_budget_total", float("nan"))
     result = PrefixBenchResult({"cached": ttft, "cold": cold_ttft}, {"cached": rate, "cold": cold_rate}, cached, prompt,
-                               cacheable, shared, over, choices_ms, one_ms, {**asdict(s), "out": str(s.out)})
-    with open(s.out / "results.jsonl", "a") as f:
-        f.write(json.dumps(asdict(result)) + "\n")
-    return result
+                               cacheable, shared, over, choices_ms, one_ms)
+    folder.write_results(s, **asdict(result))
+    return format_result(result, s)
 
 
 def format_result(r: PrefixBenchResult, s: PrefixBenchSettings) -> str:

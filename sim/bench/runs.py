@@ -7,78 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 from pathlib import Path
 
 from common.lab.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.settings import (CloudBenchSettings, DraftBenchSettings, EngineBenchSettings,
-                                LocalBenchSettings, PlacementBenchSettings, PrefillBenchSettings,
-                                PrefixBenchSettings, RolloutSettings)
+from sim.bench.settings import PlacementBenchSettings, RolloutSettings
 
 log = logging.getLogger(__name__)
-
-
-def run_local(args: argparse.Namespace) -> int:
-    from sim.bench import local
-    settings = LocalBenchSettings(
-        target=args.target, draft=args.draft, dtype=args.dtype, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, k=args.k,
-        verifier_threshold=args.verifier_threshold, assisted=args.assisted, seed=args.seed, out=args.out)
-    return _report(args, local.bench_local(settings), args.out, ("results.json", "table.md", "tokens_per_s.png"))
-
-
-def run_cloud(args: argparse.Namespace) -> int:
-    batching = {"both": (True, False), "on": (True,), "off": (False,)}[args.batching]
-    if args.random_weights:
-        return _run_engine(args, batching)
-    if args.accepted is not None:
-        raise SystemExit("sprinter bench cloud: --accepted is for --random-weights (a real target decides)")
-    from sim.bench import cloud
-    args.out = args.out or Path("results/bench-cloud")
-    defaults = CloudBenchSettings()
-    settings = CloudBenchSettings(targets=args.targets, edges=args.edges or defaults.edges,
-                                  rounds=args.rounds or defaults.rounds, k=args.k,
-                                  contexts=args.contexts, batch_window_ms=args.batch_window_ms,
-                                  max_batch=args.max_batch, dtype=args.dtype, out=args.out, source=args.source,
-                                  engine=args.engine, label=args.label, cpus=args.cpus, batching=batching,
-                                  device=args.device)
-    return _report(args, cloud.bench_cloud(settings), args.out,
-                   ("results.json", "table.md", "verified_tokens_per_s.png"))
-
-
-def _run_engine(args: argparse.Namespace, batching: tuple[bool, ...]) -> int:
-    """`--random-weights`: the engine in-process (sim/bench/engine.py)."""
-    from sim.bench import engine
-    refused = [flag for flag, given in (("--source", args.source), ("--label", args.label), ("--cpus", args.cpus),
-                                        ("--batch-window-ms", args.batch_window_ms is not None),
-                                        ("--engine vllm", args.engine != "resident")) if given]
-    if refused:
-        raise SystemExit(f"sprinter bench cloud: {', '.join(refused)} need a cloud process; --random-weights runs "
-                         "the resident engine in this one")
-    defaults = EngineBenchSettings()
-    settings = EngineBenchSettings(
-        targets=args.targets, device=args.device, dtype=args.dtype, edges=args.edges or defaults.edges,
-        contexts=defaults.contexts if args.contexts == (0,) else args.contexts, k=args.k,
-        rounds=args.rounds or defaults.rounds, warmup=args.warmup, accepted=args.accepted, batching=batching,
-        attention=args.attention,
-        out=args.out or Path("results/bench-engine"))
-    try:
-        table = engine.bench_engine(settings)
-    except ValueError as err:  # an unknown architecture or device
-        raise SystemExit(f"sprinter bench cloud: {err}") from None
-    return _report(args, table, settings.out, ("results.json", "table.md", "verified_tokens_per_s.png"))
-
-
-def run_draft(args: argparse.Namespace) -> int:
-    from sim.bench import draft
-    settings = DraftBenchSettings(model=args.model, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                                  repeats=args.repeats, rounds=args.rounds, threads=args.threads,
-                                  configs=args.configs, out=args.out)
-    table, probe = draft.bench_draft(settings)
-    probe_line = f"ONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}"
-    return _report(args, f"{table}\n\n{probe_line}", args.out, ("results.json", "table.md"))
 
 
 def run_policy(args: argparse.Namespace) -> int:
@@ -99,25 +35,6 @@ def run_policy(args: argparse.Namespace) -> int:
 
 
 
-def run_prefill(args: argparse.Namespace) -> int:
-    from sim.bench import prefill
-    settings = PrefillBenchSettings(target=args.target, dtype=args.dtype, sessions=args.sessions,
-                                    prompt_tokens=args.prompt_tokens, k=args.k, quiet_s=args.quiet_s,
-                                    serve_args=tuple(shlex.split(args.serve_args)),
-                                    cloud_pythonpath=args.cloud_pythonpath, out=args.out)
-    result = prefill.bench_prefill(settings, args.label)
-    return _report(args, f"{prefill.TABLE_HEADER}\n{prefill.format_result(result)}", args.out,
-                   ("results.jsonl (appended)",))
-
-
-def run_prefix(args: argparse.Namespace) -> int:
-    from sim.bench import prefix
-    settings = PrefixBenchSettings(target=args.target, dtype=args.dtype, history_tokens=args.history_tokens,
-                                   answer_tokens=args.answer_tokens, new_tokens=args.new_tokens, edges=args.edges,
-                                   rounds=args.rounds, system_tokens=args.system_tokens, choices=args.choices,
-                                   kv_budget_mb=args.kv_budget_mb, cloud_cpus=tuple(args.cloud_cpus), out=args.out)
-    result = prefix.bench_prefix(settings)
-    return _report(args, prefix.format_result(result, settings), args.out, ("results.jsonl (appended)",))
 
 
 def run_rollout(args: argparse.Namespace) -> int:

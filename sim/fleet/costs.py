@@ -76,7 +76,7 @@ def forward_samples_from_bench_cloud(results: dict, target: str, k: int | None =
 
     With full batches (mean batch == edges) the p50 verify latency is about one forward.
     """
-    k = k or int(results["args"]["k"])
+    k = k or int((results.get("settings") or results["args"])["k"])  # "args": results from before RunFolder
     rows = [row for row in results["rows"] if row["target"] == target and row["batching"]
             and row.get("engine", engine) == engine]
     shortest = min((row.get("context", 0) for row in rows), default=0)

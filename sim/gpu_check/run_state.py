@@ -18,7 +18,7 @@ from cloud.settings import CloudSettings
 from common.model.loading import DTYPES
 from sim.bench.engine import BenchSession, EngineRow, kv_store, open_sessions
 from sim.bench.random_weights import random_model
-from sim.bench.settings import EngineBenchSettings
+from sim.bench.settings.engines import EngineBenchSettings
 from sim.gpu_check.sizes import Sizes
 
 

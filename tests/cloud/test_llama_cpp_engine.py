@@ -454,7 +454,7 @@ def test_bench_llama_cpp_measures_the_verify_beside_llama_cpp_alone(smollm2, tmp
     """`sprinter bench llama-cpp --steps verify` at a toy size: the engine batched and one by one, llama.cpp's C API
     on the same blocks (unified KV and a stream per sequence), llama-bench; a table names each."""
     from sim.bench.llama_cpp import LlamaCppBenchResult, format_table, measure_verify
-    from sim.bench.settings import LlamaCppBenchSettings
+    from sim.bench.settings.engines import LlamaCppBenchSettings
 
     settings = LlamaCppBenchSettings(target="smollm2-135m", edges=2, block=3, context=32, repeats=1, core=0,
                                      steps=("verify",), out=tmp_path)
