@@ -64,7 +64,8 @@ def bench_tree_shapes(settings: TreeShapesSettings) -> str:
     trace_settings = TraceSettings(settings.target, settings.draft, settings.dtype, settings.max_tokens,
                                    settings.round_cap - 1, settings.top)
     traces = load_traces(records, trace_settings, settings.cache or settings.out / "cache")
-    items = [scored(t, estimator(settings)) for t in traces]
+    estimate = estimator(settings)  # the verifier loads once
+    items = [scored(t, estimate) for t in traces]
     results = {}
     for shape in shapes(settings.budgets):  # one cost model a shape, through its prompts (as one edge serves them)
         costs = CostModel(prior_draft_ms=settings.draft_ms, prior_rtt_ms=settings.rtt_ms, prior_verify_base_ms=
