@@ -14,13 +14,11 @@ follows the rows to its first rejection, then the fork; an alternative at j is a
 
 A round after output[:s] (s = 1 after the session's open, which brings the first token):
     chain        x_1..x_g, the draft's greedy tokens, ended as the edge ends a block: the round's limit, EOS, or the
-                 goodput call policy (`GoodputPolicy` itself, fixed costs; its keep model learns from the verdicts
-                 as the edge's does)
+                 goodput call policy (`GoodputPolicy` itself, fixed costs, its keep model learning as the edge's)
     a_i          x_i's acceptance estimate: the shipped verifier's score, or the draft's probability (`Scored`)
     branch       (position i, rank r, length L): the draft's r-th best token in x_i's row, continued by its argmax
                  for L - 1 tokens; rank 0 is the oracle path: the target's own tokens from the rejection
-    shape        how a round places its branch tokens (`TreeShape`); the edge's by the edge's own plan
-                 (common/spec/tree/branching.py `alternative_lengths`)
+    shape        where a round places its branch tokens (`TreeShape`); the edge's by its own plan (`_at_points`)
 A round's tree is checked by the greedy tree rule itself (common.spec.acceptance_rules.decide); nodes off the
 target's text (never followed, so the trace need not hold them) carry a placeholder token.
 """
@@ -51,8 +49,9 @@ log = logging.getLogger(__name__)
 
 GREEDY_SAMPLING = SamplingParams(temperature=0.0)  # the replay is greedy: the tree rule reads the argmax alone
 ROUND_ROBIN_LENGTH = 3  # tokens per branch of the round-robin shape
-OFF_TEXT, NO_ARGMAX = -1, -2  # placeholder token of a node off the target's text, and of the argmax after one: never
-# a real token and never equal, so such a node is never followed
+# placeholders for a node's token off the target's text and for the argmax after one: no real token, and unequal,
+# so that the rule never follows such a node
+OFF_TEXT, NO_ARGMAX = -1, -2
 
 
 @dataclass(frozen=True)
@@ -310,8 +309,8 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
 
 
 def _at_points(points: list[int], budget: int, depth_limit: int, length: int, count: int) -> list[Branch]:
-    """`count` alternatives of `length` tokens at each point in turn, as the edge plans a branch point, within
-    `budget` tokens in all."""
+    """`count` alternatives of `length` tokens at each point in turn, within `budget` tokens in all: each point
+    planned by the edge's own `alternative_lengths` (common/spec/tree/branching.py)."""
     branches, left = [], budget
     for position in points:
         for nth, planned in enumerate(alternative_lengths(position, left, depth_limit, length, count), start=2):
