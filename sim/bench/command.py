@@ -25,20 +25,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.arguments import DTYPE_NAMES, comma_list, floats, ints, names
+from common.arguments import DTYPE_NAMES, comma_list, floats, names
 from common.lab.results_page import add_page_arguments
 from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench import registry
 from sim.bench.registry import described as _described
-from sim.bench.runs import (run_features, run_placement, run_policy, run_proposer, run_rollout, run_tree_shapes,
-                            run_uplink)
+from sim.bench.runs import run_features, run_placement, run_policy, run_proposer, run_rollout, run_uplink
 from sim.bench.settings import PlacementBenchSettings, RolloutSettings
-from sim.bench.settings import capacity, engines
+from sim.bench.settings import capacity, engines, trees
 
 
-BENCHES = (*engines.BENCHES, *capacity.BENCHES)  # benches whose command is their settings (sim/bench/registry.py)
-
+BENCHES = (*engines.BENCHES, *capacity.BENCHES, *trees.BENCHES)  # commands that are their settings (registry.py)
 
 
 
@@ -55,7 +53,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_uplink(benches)
     _register_placement(benches)
     _register_proposer(benches)
-    _register_tree_shapes(benches)
     for entry in BENCHES:
         registry.register(benches, entry)
     for name, parser in benches.choices.items():
@@ -175,29 +172,3 @@ def _register_proposer(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=Path, help="a prompt file (default sim/data/proposer_prompts.jsonl)")
     p.add_argument("--out", type=Path, default=Path("results/bench-proposer"))
     p.set_defaults(run=run_proposer)
-
-
-def _register_tree_shapes(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("tree-shapes", help="greedy: what a draft tree of a given size can add to tokens per call, "
-                                               "by shape, replayed offline and exactly",
-                           **_described("sim.bench.tree_shapes"))
-    p.add_argument("--target", default="qwen2.5-coder-1.5b")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
-    p.add_argument("--prompts", type=Path, help="a prompt file (default sim/data/proposer_prompts.jsonl)")
-    p.add_argument("--per-category", type=int, default=2, help="the first N prompts of each category (0: all)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--estimate", default="verifier", choices=("verifier", "draft"),
-                   help="the a_i: the shipped greedy verifier's score, or the draft's probability of its token")
-    for flag, default, what in (("draft", 165.0, "a draft step"), ("verify", 430.0, "a verify (base)"),
-                                ("verify-per-token", 15.0, "a verified token"), ("rtt", 0.0, "the round trip")):
-        p.add_argument(f"--{flag}-ms", type=float, default=default, help=f"what the goodput policy weighs: {what}")
-    p.add_argument("--max-tree-tokens", type=int, default=32, help="nodes a tree may hold in all (the cloud's "
-                                                                   "--max-tree-tokens); 0: no cap")
-    p.add_argument("--budgets", type=ints, default=(6, 16), help="branch tokens per round to report (comma list)")
-    p.add_argument("--oracle-rank", type=int, default=5,
-                   help="the oracle path's tokens are within the draft's best this many")
-    p.add_argument("--bench-results", type=Path, help="a `sprinter bench proposer` results.json to compare with")
-    p.add_argument("--cache", type=Path, help="where the traces are cached (default OUT/cache)")
-    p.add_argument("--out", type=Path, default=Path("results/bench-tree-shapes"))
-    p.set_defaults(run=run_tree_shapes)

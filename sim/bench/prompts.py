@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "data" / "bench_prompts.jsonl"
+# the proposer suite: code editing, summarization, passage QA, ... (`sprinter bench proposer`, `tree-shapes`)
+PROPOSER_PROMPTS_FILE = PROMPTS_FILE.with_name("proposer_prompts.jsonl")
 
 
 def load_bench_prompts(path: Path = PROMPTS_FILE) -> list[dict[str, Any]]:

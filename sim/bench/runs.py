@@ -86,23 +86,6 @@ def run_proposer(args: argparse.Namespace) -> int:
     return _report(args, proposer.bench_proposer(settings), args.out, ("results.json", "table.md", "proposers.png"))
 
 
-def run_tree_shapes(args: argparse.Namespace) -> int:
-    from sim.bench import tree_rounds, tree_shapes
-    extra = {"prompts": args.prompts} if args.prompts else {}
-    costs = tree_rounds.CostPriors(draft_ms=args.draft_ms, rtt_ms=args.rtt_ms, verify_ms=args.verify_ms,
-                                   verify_per_token_ms=args.verify_per_token_ms)
-    try:
-        settings = tree_shapes.TreeShapesSettings(
-            target=args.target, draft=args.draft, dtype=args.dtype, per_category=args.per_category or None,
-            max_tokens=args.max_tokens, estimate=args.estimate, costs=costs, max_tree_tokens=args.max_tree_tokens,
-            budgets=tuple(args.budgets), oracle_rank=args.oracle_rank, bench_results=args.bench_results,
-            out=args.out, cache=args.cache, **extra)
-    except ValueError as err:
-        raise SystemExit(f"sprinter bench tree-shapes: {err}") from None
-    return _report(args, tree_shapes.bench_tree_shapes(settings), args.out,
-                   ("results.json", "table.md", "tree_shapes.png"))
-
-
 def _report(args: argparse.Namespace, table: str, out: Path, written: tuple[str, ...]) -> int:
     """A bench's ending: its table, the files it wrote into `out`, and with --page the table and its plots in the
     page's section (common/lab/results_page.py)."""

@@ -160,6 +160,22 @@ def branch_length(budget: int) -> int:
     return max(MIN_BRANCH_LENGTH, min(MAX_BRANCH_LENGTH, budget // MAX_ALTERNATIVES))
 
 
+def alternative_lengths(position: int, left: int, depth_limit: int, longest: int,
+                        count: int | None = None) -> list[int]:
+    """The shape of one branch point: the length of each of its alternatives, up to `count` (default
+    MAX_ALTERNATIVES), each `longest` tokens at most, within the `left` branch tokens and no node deeper than
+    `depth_limit` (chain index `position`: its nodes stand at positions `position`, `position` + 1, ...). Pure, so
+    that `sprinter bench tree-shapes` replays the very shape the edge drafts."""
+    count = MAX_ALTERNATIVES if count is None else count  # read when called: tests try other widths
+    lengths: list[int] = []
+    while len(lengths) < count:
+        length = min(longest, left - sum(lengths), depth_limit - position)
+        if length < 1:
+            break
+        lengths.append(length)
+    return lengths
+
+
 async def draft_branches(model: DraftModel, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
                          points: list[int] | None = None, grown: TreeBlock | None = None, length: int | None = None,
                          cost_model: CostModel | None = None) -> TreeBlock:
@@ -196,16 +212,14 @@ def _alternatives(model: DraftModel, context: list[int], chain: PendingBlock, po
     branch length, within `left` tokens in all."""
     greedy = model.sampling.greedy
     row = shaped_row(model, context, chain, position) if greedy else chain.drafted[position].p_draft
+    lengths = alternative_lengths(position, left, depth_limit, longest)
     starts: list[ProposedToken] = []
-    lengths: list[int] = []
-    for _ in range(MAX_ALTERNATIVES):
-        length = min(longest, left - sum(lengths), depth_limit - position)
-        drawn = alternative(row, taken + [s.token for s in starts], greedy, model.generator) if length >= 1 else None
-        if drawn is None:
+    for _ in lengths:
+        drawn = alternative(row, taken + [s.token for s in starts], greedy, model.generator)
+        if drawn is None:  # no token left to draw: the point gets fewer alternatives
             break
         starts.append(alternative_node(chain, position, *drawn))
-        lengths.append(length)
-    return starts, lengths
+    return starts, lengths[:len(starts)]
 
 
 async def _continue(model: DraftModel, context: list[int], chain: PendingBlock, position: int,

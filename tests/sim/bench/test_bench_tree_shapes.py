@@ -1,11 +1,13 @@
-"""`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace.
+"""`sprinter bench tree-shapes` (sim/bench/tree_shapes.py): greedy rounds replayed over a trace
+(sim/bench/tree_replay.py).
 
 * on a constructed trace, where every round's verdict is known by hand: one path, the edge's shape (read from
   common/spec/tree/branching.py, its branches past the chain's end), the round-robin shape (and its depth cap), the
   grid at the lowest estimate, a nested alternative inside a branch, and the oracle path that stops at the
   first token the draft ranks too low;
 * on the tiny pair (float32), a trace's rows are what the draft proposes step by step: each row's best token is the
-  draft's argmax after the target's text, and each fork is its own chain after its token.
+  draft's argmax after the target's text, and each fork is its own chain after its token;
+* the bench's smallest scenario end to end: its table, results.json, and a rerun that reads the traces' cache.
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.cached_lm import CachedLM
+from common.errors import UsageError
 from common.lab.prompt_sets import PromptRecord
+from common.model.cached_lm import CachedLM
+from common.spec.call_policy import CostModel
 from common.spec.tree.branching import MAX_ALTERNATIVES, branch_length
-from sim.bench.tree_rounds import Branch, CostPriors, Scored, TreeShape, decode, place
-from sim.bench.tree_traces import DraftTopTokens, PromptTrace, TraceSettings, build_trace
+from sim.bench import tree_replay
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.trees import TreeShapesSettings
+from sim.bench.tree_replay import (Branch, DraftTopTokens, PromptTrace, Scored, TraceSettings, TreeShape, build_trace,
+                                   decode, place)
+from sim.bench.tree_shapes import bench_tree_shapes
 
 OUTPUT = list(range(10, 22))  # the target's 12 tokens; no EOS: the output ends at max_tokens
 EOS = 0
@@ -44,8 +52,8 @@ def constructed(deviate_after: bool = False) -> Scored:
 
 
 def replay(shape: TreeShape, oracle_rank: int = 5, deviate_after: bool = False):
-    costs = CostPriors(draft_ms=1.0, rtt_ms=1e7, verify_ms=1.0, verify_per_token_ms=0.0)
-    return decode(constructed(deviate_after), shape, costs.cost_model(), len(OUTPUT), CAP, None, oracle_rank)
+    costs = CostModel(prior_draft_ms=1.0, prior_rtt_ms=1e7, prior_verify_base_ms=1.0, prior_verify_per_token_ms=0.0)
+    return decode(constructed(deviate_after), shape, costs, len(OUTPUT), CAP, None, oracle_rank)
 
 
 def rounds(result) -> list[tuple[int, int, int | None, int]]:
@@ -139,3 +147,28 @@ def test_a_traces_rows_are_the_drafts_own_steps(tiny_trace):
         for row in fork:
             assert row.token == int(lm.advance_to(context).logits[-1].argmax())
             context = context + [row.token]
+
+
+def test_the_smallest_scenario_end_to_end_and_its_cache(tmp_path, monkeypatch):
+    settings = TreeShapesSettings(target="tiny-random", draft="tiny-random-draft", dtype="float32", per_category=1,
+                                  max_tokens=8, estimate="draft", budgets=(4,), out=tmp_path)
+    table = bench_tree_shapes(settings)
+    results = RunFolder(tmp_path).read_results()
+    assert list(results)[:4] == ["date", "machine", "commit", "settings"] and results["settings"]["rtt_ms"] == 0.0
+    shapes = results["summary"]["shapes"]
+    assert shapes["one path"]["x_one_path"] == 1.0 and shapes["one path"]["branch_tokens_per_round"] == 0
+    assert 0 < shapes["edge:4"]["branch_tokens_per_round"] <= 4  # within its budget, as the edge's tree is
+    assert shapes["oracle-path:4"]["tokens_per_call"] >= shapes["one path"]["tokens_per_call"]
+    for heading in ("| 4 | the edge's shape (tree:B) |", "All branch tokens at the lowest estimate", "Rank of the "
+                    "target's token", "After an alternative of rank 2-5", "Rounds whose chain was rejected"):
+        assert heading in table
+    assert (tmp_path / "table.md").read_text() == table + "\n" and (tmp_path / "tree_shapes.png").exists()
+    monkeypatch.setattr(tree_replay, "load_model", lambda *_: pytest.fail("the traces are cached: no model loads"))
+    assert bench_tree_shapes(settings) == table
+
+
+def test_settings_refuse_what_the_study_cannot_replay():
+    with pytest.raises(UsageError, match="--budgets"):
+        TreeShapesSettings(budgets=())
+    with pytest.raises(UsageError, match="--oracle-rank"):
+        TreeShapesSettings(top=6, oracle_rank=7)
