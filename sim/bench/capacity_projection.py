@@ -46,7 +46,7 @@ from common.table_cells import cell
 from sim.bench.capacity_report import edges_per_replica, replayed_length
 from sim.fleet.capacity import project_capacity
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, fit_forward_model
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 
 log = logging.getLogger(__name__)
 SYNTHETIC_CALLS = 400  # rounds in a synthesized record

@@ -39,7 +39,7 @@ from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import FleetBenchSettings
 from sim.cores import my_cores, thread_env
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, demo_profiles, fit_forward_model
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.report import sweep
 from sprinter.v1 import decoding_pb2 as pb
 

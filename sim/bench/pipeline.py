@@ -25,7 +25,7 @@ from common.lab.plots import pyplot
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import PipelineBenchSettings
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.pipeline import PIPELINES, PipelineModel
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -74,7 +75,8 @@ def run(bench: Bench, args: argparse.Namespace) -> int:
         settings = settings_from(args, bench.settings)
         table = getattr(importlib.import_module(module), function)(settings)
     except UsageError as err:  # a setting refused by the settings themselves or by the bench reading them together
-        raise SystemExit(f"sprinter bench {bench.name}: {err}") from None
+        print(f"sprinter bench {bench.name}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None  # a usage error, as argparse exits
     print(table)
     out = getattr(settings, "out", None)
     plots = tuple(out / name for name in bench.plots if out is not None and (out / name).exists())

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sim.fleet.costs import FleetCosts, ModeProfile
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.result import FleetResult
 
 ITL_DEFINITIONS = ("release", "per-token")

@@ -5,7 +5,7 @@ fleet simulator agrees.
 
 For each cloud and RTT: the cost model's predicted tokens/s of each option (common/spec/round_cost.py, the formulas
 the edge decides with: target alone, speculating on the edge in sprinter-exact, cloud-sd), the choice it makes, and
-the fleet simulator's tokens/s of one edge in each mode (sim/fleet/engine.py: the same costs, simulated call by call
+the fleet simulator's tokens/s of one edge in each mode (sim/fleet/simulation.py: the same costs, simulated call by call
 with the mode's recorded blocks). "agrees" says whether the simulator's fastest is the model's choice; "auto/best"
 is the simulated speed of the choice over the simulated best.
 

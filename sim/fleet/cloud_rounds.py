@@ -16,7 +16,7 @@ target mode's first forward carries the prompt). A later round's first step feed
 feeds one or two: the bonus token, and the last drafted one when all were kept; a token's cost is small
 next to a step's). While the target's batch gathers in its window, the replica runs draft steps.
 
-A mixin of sim.fleet.engine._Simulation: it reads the simulation's per-edge state and its pool.
+A mixin of sim.fleet.simulation._Simulation: it reads the simulation's per-edge state and its pool.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ r"""`sprinter fleet simulate`: the fleet-scale discrete-event simulator over a g
 
 N edges (1 to 10,000) share M cloud replicas; each edge drafts, sends its block, waits for the
 replica's batched target forward and emits, one cloud call per round, with (block length, emitted)
-pairs drawn from the mode's recorded profile (the model: sim.fleet.engine; the inputs:
+pairs drawn from the mode's recorded profile (the model: sim.fleet.simulation; the inputs:
 sim.fleet.costs). Modes: target (the cloud streams, one forward per token), cloud-sd (the cloud drafts
 with its own draft and verifies, both on the replica, and streams: sim.fleet.cloud_rounds; costs need
 draft_forward), sd, sd-block, sprinter, sprinter-exact (the edge drafts) and draft (no cloud).

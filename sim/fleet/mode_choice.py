@@ -10,7 +10,7 @@ from statistics import mean
 
 from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, demo_profiles
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 
 EDGE_DRAFT_MS = 23.0  # ONNX int8 0.5B draft, one core (issue 57: 43.5 tokens/s)
 VERIFIER_MS = 0.8

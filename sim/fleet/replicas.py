@@ -5,7 +5,7 @@ the fewest open sessions, or round-robin); when idle a replica takes the first q
 gathers more for up to window_ms or until min(max_batch, open sessions on the replica) are in, so a
 lone edge never waits out the window. With continuous batching (no window) and `straggler_share` set, a batch
 short of that right after a forward waits for stragglers as the batcher does (a share of the last forward,
-capped); a replica that was idle starts at once. The edges' side and the event loop: sim.fleet.engine.
+capped); a replica that was idle starts at once. The edges' side and the event loop: sim.fleet.simulation.
 
 Two kinds of forward (mode cloud-sd): the target's (verifies, target mode's steps) and the cloud's draft's
 (`cloud serve --draft`: its own batcher, no batching window, as cloud/server.py builds it). Both batchers'

@@ -16,7 +16,7 @@ from common.spec.modes import mode_of
 from common.lab.plots import pyplot
 from common.table_cells import cell
 from sim.fleet.costs import FleetCosts, ModeProfile
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.pipeline import PipelineModel
 from sim.fleet.result import FleetResult
 

@@ -30,7 +30,7 @@ from typing import Any
 from cloud.server import CloudSettings
 from common.spec.modes import mode_of
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, fit_forward_model
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.result import compare_with_measured
 from sim.sweep.results import pipeline_of
 from sim.sweep.settings import SimulateSettings, is_baseline

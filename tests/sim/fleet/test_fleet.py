@@ -22,7 +22,7 @@ from sim.fleet.costs import (
     profiles_from_json,
     profiles_to_json,
 )
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 from sim.fleet.pipeline import PipelineModel, default_hit_rate
 from sim.fleet.result import compare_with_measured
 

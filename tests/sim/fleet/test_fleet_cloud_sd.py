@@ -20,7 +20,7 @@ from sim.fleet.costs import (
     demo_costs,
     demo_profiles,
 )
-from sim.fleet.engine import run_fleet
+from sim.fleet.simulation import run_fleet
 
 # target forward 50 + 2n + 3b ms, draft step 5 + 1n ms; a lone edge must never wait out the window
 FIXED = FleetCosts(draft_step_ms=10.0, verifier_ms=1.0, forward=ForwardModel(50.0, 2.0, 3.0), window_ms=1000.0,
