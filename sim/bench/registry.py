@@ -12,7 +12,7 @@ apart (`--max-new-tokens` is `max_new_tokens`), and results.json (sim/bench/run_
 command line used.
 
 Field types become flag types: int, float, str, Path; `X | None` (default None: the flag is optional); bool
-(`--x` / `--no-x`); `Literal["a", "b"]` (choices); tuples of int, float or str (comma lists).
+(`--x` / `--no-x`); `Literal["a", "b"]` (choices); tuples of int, float, str or a Literal (comma lists).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common.arguments import comma_list
+from common.arguments import comma_list, one_of
 from common.errors import UsageError
 
 S = TypeVar("S")
@@ -96,6 +96,8 @@ def _flag_type(kind: Any) -> tuple[Callable[[str], Any] | None, dict[str, Any]]:
         return str, {"choices": parts}
     if origin is tuple:
         item = parts[0]
+        if typing.get_origin(item) is typing.Literal:  # names among choices: a wrong one is argparse's usage error
+            return comma_list(one_of(typing.get_args(item), "name"), "names", allow_empty=True), {}
         return comma_list(item if item in (int, float) else str, f"{item.__name__}s", allow_empty=True), {}
     if kind is bool:
         return None, {"action": argparse.BooleanOptionalAction}

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+import typing
 from typing import Literal
 
 from common.errors import UsageError
 from sim.bench.registry import Bench
 
 Dtype = Literal["bfloat16", "float32"]  # common.arguments.DTYPE_NAMES
-LAYOUTS = ("one-core", "two-cores", "two-replicas")  # bench fleet's cloud layouts (sim/bench/fleet.py layout_plan)
+Layout = Literal["one-core", "two-cores", "two-replicas"]  # bench fleet's cloud layouts (sim/bench/fleet.py layout_plan)
+LAYOUTS: tuple[Layout, ...] = typing.get_args(Layout)
 PREFIX_FLEET_PARTS = ("conversation", "fleet")
 
 
@@ -73,7 +75,7 @@ class FleetBenchSettings:
     rounds_per_session: int = 24  # verifies per generation; then the edge opens a new session (placed afresh)
     duration_s: float = 30.0  # measured phase per layout
     rounds: int | None = None  # instead of duration_s: verifies per edge
-    layouts: tuple[str, ...] = LAYOUTS
+    layouts: tuple[Layout, ...] = LAYOUTS
     batch_window_ms: float = 5.0
     max_batch: int = 8
     draft_step_ms: float = 10.0  # projection: one draft token on an edge (assumed)
