@@ -27,17 +27,16 @@ from pathlib import Path
 
 from common.arguments import DTYPE_NAMES, comma_list, floats, names
 from common.lab.results_page import add_page_arguments
-from sim.bench import chaos, dashboards, soak
 from sim.bench.policy import PolicyBenchSettings
 from sim.bench import registry
 from sim.bench.registry import described as _described
-from sim.bench.runs import run_features, run_placement, run_policy, run_proposer, run_rollout, run_uplink
-from sim.bench.settings import PlacementBenchSettings, RolloutSettings
-from sim.bench.settings import capacity, engines, trees
+from sim.bench.runs import run_features, run_placement, run_policy, run_proposer, run_uplink
+from sim.bench.settings import PlacementBenchSettings
+from sim.bench.settings import capacity, engines, operations, trees
 
 
-BENCHES = (*engines.BENCHES, *capacity.BENCHES, *trees.BENCHES)  # commands that are their settings (registry.py)
-
+BENCHES = (*engines.BENCHES, *capacity.BENCHES, *trees.BENCHES,
+           *operations.BENCHES)  # commands that are their settings (registry.py)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -45,10 +44,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     benches = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_policy(benches)
-    soak.register_soak(benches)
-    chaos.register_chaos(benches)
-    dashboards.register_dashboards(benches)
-    _register_rollout(benches)
     _register_features(benches)
     _register_uplink(benches)
     _register_placement(benches)
@@ -75,22 +70,6 @@ def _register_policy(benches: argparse._SubParsersAction) -> None:
     p.add_argument("--fleet-validation", action=argparse.BooleanOptionalAction, default=defaults.fleet_validation)
     p.add_argument("--out", type=Path, default=defaults.out, help="each temperature's sweep goes into OUT/T<temperature>")
     p.set_defaults(run=run_policy)
-
-
-
-
-
-def _register_rollout(benches: argparse._SubParsersAction) -> None:
-    p = benches.add_parser("rollout", help="fleet config rollout latency to real and simulated edges; telemetry cost",
-                           **_described("sim.bench.rollout"))
-    defaults = RolloutSettings()
-    p.add_argument("--real-edges", type=int, default=defaults.real_edges)
-    p.add_argument("--simulated-edges", type=int, default=defaults.simulated_edges)
-    p.add_argument("--rounds", type=int, default=defaults.rounds)
-    p.add_argument("--draft", default=defaults.draft)
-    p.add_argument("--telemetry-pairs", type=int, default=defaults.telemetry_pairs)
-    p.add_argument("--out", type=Path, default=defaults.out)
-    p.set_defaults(run=run_rollout)
 
 
 def _register_features(benches: argparse._SubParsersAction) -> None:

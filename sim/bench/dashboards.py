@@ -5,46 +5,35 @@ Starts a real Prometheus server (Debian's `prometheus`) that scrapes the soak's 
 over the recording through Prometheus's HTTP API (`/api/v1/query_range`, Grafana's variables filled as its default
 view has them: every instance, $__rate_interval = max(4 x scrape, step + scrape)) and draws each dashboard as a grid of
 panels with matplotlib. These are plots of the dashboards' queries, not Grafana renders (Grafana does not run here).
-Prints the soak's table and a table of the panels; writes OUT/dashboards.json, dashboard-<name>.png (in OUT, or
---images) and the soak's own files in OUT/soak/.
+Prints the soak's table and a table of the panels; writes OUT/results.json (every series of every panel),
+dashboard-<name>.png (in OUT, or --images) and the soak's own files in OUT/soak/. It exits 1 when a query fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import shutil
 import subprocess
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from common.arguments import DTYPE_NAMES
+from common.errors import UsageError
 from sim.bench.dashboard_plots import UNITS, plot_dashboard
 from sim.bench.dashboard_queries import (PanelResult, dashboard_panels, evaluate_panels, load_dashboard,
                                          query_range)
-from sim.bench.soak import SoakResult, SoakSettings, format_soak, soak
+from sim.bench.registry import Verdict
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.operations import DashboardBenchSettings
+from sim.bench.soak import format_soak, soak
+from sim.bench.verdict import Judged
 from sim.processes import free_port
 
-log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
 CAPTION = ("the dashboard's own PromQL over a recorded soak (Prometheus, scrape {scrape_s:g} s): "
            "a plot, not a Grafana render")
-
-
-@dataclass(frozen=True)
-class DashboardBenchSettings:
-    soak: SoakSettings = field(default_factory=lambda: SoakSettings(sessions=8, duration_s=120.0, dtype="float32"))
-    dashboards: Path = ROOT / "deploy" / "grafana" / "dashboards"
-    scrape_s: float = 1.0
-    step_s: float = 2.0
-    prometheus: str = "prometheus"
-    out: Path = Path("results/bench-dashboards")
-    images: Path | None = None  # where the PNGs go; None: OUT
 
 
 @dataclass
@@ -57,48 +46,14 @@ class DashboardResult:
     panels: list[PanelResult]
 
 
-def register_dashboards(benches: argparse._SubParsersAction) -> None:
-    d, s = DashboardBenchSettings(), DashboardBenchSettings().soak
-    p = benches.add_parser("dashboards", help="the Grafana dashboards' queries over a recorded soak, as PNGs",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=s.target)
-    p.add_argument("--draft", default=s.draft)
-    p.add_argument("--dtype", default=s.dtype, choices=DTYPE_NAMES)
-    p.add_argument("--sessions", type=int, default=s.sessions, help="concurrent requests in the soak")
-    p.add_argument("--duration-s", type=_seconds, default=s.duration_s, help="the soak's load duration")
-    p.add_argument("--scrape-s", type=_seconds, default=d.scrape_s, help="Prometheus's scrape interval")
-    p.add_argument("--step-s", type=_seconds, default=d.step_s, help="the range queries' step")
-    p.add_argument("--dashboards", type=Path, default=d.dashboards, help="folder of Grafana dashboard JSON")
-    p.add_argument("--prometheus", default=d.prometheus, help="the Prometheus server binary")
-    p.add_argument("--out", type=Path, default=d.out)
-    p.add_argument("--images", type=Path, default=None, help="folder for the PNGs (default OUT; docs/img for the docs)")
-    p.set_defaults(run=run_dashboards)
+def bench_dashboards(settings: DashboardBenchSettings) -> Verdict:
+    load, results = record_and_plot(settings)
+    images = "images: " + ", ".join(r.image for r in results)
+    return Verdict(f"{format_soak(load, settings.soak)}\n\n{format_dashboards(results)}\n\n{images}",
+                   all(not p.errors for r in results for p in r.panels))
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
-    return value
-
-
-def settings_from_args(args: argparse.Namespace) -> DashboardBenchSettings:
-    load = replace(SoakSettings(), target=args.target, draft=args.draft, dtype=args.dtype, sessions=args.sessions,
-                   duration_s=args.duration_s, out=args.out / "soak")
-    return DashboardBenchSettings(load, args.dashboards, args.scrape_s, args.step_s, args.prometheus, args.out,
-                                  args.images)
-
-
-def run_dashboards(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    load, results = record_and_plot(settings_from_args(args))
-    print(format_soak(load), end="\n\n")
-    print(format_dashboards(results))
-    print(f"\nwrote {args.out}/dashboards.json and " + ", ".join(r.image for r in results))
-    return 0 if all(not p.errors for r in results for p in r.panels) else 1
-
-
-def record_and_plot(settings: DashboardBenchSettings) -> tuple[SoakResult, list[DashboardResult]]:
+def record_and_plot(settings: DashboardBenchSettings) -> tuple[Judged, list[DashboardResult]]:
     """Record the soak with Prometheus, then evaluate and draw every dashboard."""
     settings.soak.out.mkdir(parents=True, exist_ok=True)
     for stale in settings.soak.out.glob("scrape-targets-*.json"):
@@ -108,7 +63,7 @@ def record_and_plot(settings: DashboardBenchSettings) -> tuple[SoakResult, list[
         start, end = recorded_window(base_url, settings)
         results = [_dashboard_result(path, base_url, start, end, settings)
                    for path in sorted(settings.dashboards.glob("*.json"))]
-    (settings.out / "dashboards.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    RunFolder(settings.out).write_results(settings, dashboards=results)
     return load, results
 
 
@@ -136,7 +91,7 @@ def prometheus_server(settings: DashboardBenchSettings) -> Iterator[str]:
     """A Prometheus server on a free loopback port, its data in OUT/prometheus/ (fresh each run); its base URL."""
     binary = shutil.which(settings.prometheus)
     if binary is None:
-        raise SystemExit(f"--prometheus: {settings.prometheus!r} is not installed (Debian's prometheus package)")
+        raise UsageError(f"--prometheus: {settings.prometheus!r} is not installed (Debian's prometheus package)")
     data = settings.out / "prometheus"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)

@@ -56,7 +56,6 @@ class ChatReply:
         return int(self.stats.get("draft_reused_tokens", 0))
 
 
-
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
     """The JSON events of a streamed OpenAI answer, in order; None last when the stream ended with [DONE]."""
     async for line in response.aiter_lines():
@@ -67,6 +66,7 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] |
             yield None
             return
         yield json.loads(payload)
+
 
 async def stream_chat(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]],
                       max_tokens: int) -> ChatReply:

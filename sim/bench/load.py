@@ -9,6 +9,7 @@ as it happened (the exact status, a stream that stopped before its final event).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
@@ -200,7 +201,7 @@ class ProcessSampler:
 
     cloud_pid: Callable[[], int | None]  # a callable: a restarted cloud has a new pid
     edge_pid: int | None
-    metrics_url: str | None
+    metrics_port: int | None  # the cloud's (scrape_metrics)
     interval_s: float = 0.5
     samples: list[Sample] = field(default_factory=list)
     scrape_failures: int = 0
@@ -208,21 +209,20 @@ class ProcessSampler:
     _started: float = field(default_factory=time.monotonic)
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(timeout=5) as client:
-            while not self._stop.is_set():
-                await self.sample(client)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
-                except asyncio.TimeoutError:
-                    pass
-            await self.sample(client)  # the state at the end
-
-    async def sample(self, client: httpx.AsyncClient) -> None:
-        metrics: dict[str, float] = {}
-        if self.metrics_url:
+        while not self._stop.is_set():
+            await self.sample()
             try:
-                metrics = parse_metrics((await client.get(self.metrics_url)).text)
-            except httpx.HTTPError:
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+        await self.sample()  # the state at the end
+
+    async def sample(self) -> None:
+        metrics: dict[str, float] = {}
+        if self.metrics_port:
+            try:
+                metrics = await asyncio.to_thread(scrape_metrics, self.metrics_port, 5)
+            except (OSError, http.client.HTTPException):
                 self.scrape_failures += 1  # a cloud that is down or restarting has no metrics to give
         self.samples.append(Sample(
             time.monotonic() - self._started, rss_bytes(self.cloud_pid()), rss_bytes(self.edge_pid),
@@ -240,6 +240,18 @@ class ProcessSampler:
     def last(self, name: str) -> float | None:
         values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
         return values[-1] if values else None
+
+    def used(self, name: str) -> float | None:
+        """How much a counter (CPU seconds) grew from the first sample to the last."""
+        values = [getattr(s, name) for s in self.samples if getattr(s, name) is not None]
+        return values[-1] - values[0] if values else None
+
+    def growth(self, name: str, half_s: float) -> float | None:
+        """How much the largest value after `half_s` exceeds the largest before it (RSS creeping up)."""
+        known = [s for s in self.samples if getattr(s, name) is not None]
+        before = [getattr(s, name) for s in known if s.at_s < half_s]
+        after = [getattr(s, name) for s in known if s.at_s >= half_s]
+        return max(after) - max(before) if before and after else None
 
 
 def latency_summary(outcomes: Sequence[RequestOutcome]) -> dict[str, float | None]:

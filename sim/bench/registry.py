@@ -40,7 +40,7 @@ class Bench:
     name: str  # the subcommand: `sprinter bench NAME`
     help: str  # its line in `sprinter bench --help`
     settings: type  # its settings dataclass: the flags
-    run: str  # "module:function", called with the settings; returns the table (str) it printed nothing of
+    run: str  # "module:function", called with the settings; returns the table (str, or a Verdict) it did not print
     helps: dict[str, str] = dataclasses.field(default_factory=dict)  # a field's help, by field name
     plots: tuple[str, ...] = ()  # files under --out that --page publishes beside the table
     quiet_http: bool = False  # the bench talks HTTP per request: a log line each would bury its progress
@@ -48,6 +48,14 @@ class Bench:
     @property
     def module(self) -> str:
         return self.run.partition(":")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a bench that judges its run returns instead of the bare table: the command exits 1 when it failed."""
+
+    table: str
+    passed: bool
 
 
 def described(module: str) -> dict[str, object]:
@@ -77,13 +85,14 @@ def run(bench: Bench, args: argparse.Namespace) -> int:
     except UsageError as err:  # a setting refused by the settings themselves or by the bench reading them together
         print(f"sprinter bench {bench.name}: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # a usage error, as argparse exits
+    table, passed = (table.table, table.passed) if isinstance(table, Verdict) else (table, True)
     print(table)
     out = getattr(settings, "out", None)
     plots = tuple(out / name for name in bench.plots if out is not None and (out / name).exists())
     if out is not None:
         print(f"\nwrote {out}/")
     publish_if_asked(args, table, plots)
-    return 0
+    return 0 if passed else 1
 
 
 def _flag_type(kind: Any) -> tuple[Callable[[str], Any] | None, dict[str, Any]]:

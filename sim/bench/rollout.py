@@ -11,15 +11,15 @@ and swapping it in between requests.
 
 Telemetry's cost: one more edge daemon without `--mqtt`, pinned to the same core as the first real edge;
 requests (mode draft, greedy, the same prompt) alternate between the two, one at a time, and each
-response's own tokens/s is compared. Writes OUT/rollout.json and OUT/rollout.png (ack latency CDF).
+response's own tokens/s is compared (with `--real-edges 0`, simulated edges alone: no pairs). Writes
+OUT/results.json (every round's acks, the pairs' tokens/s, the summary), OUT/table.md and OUT/rollout.png (ack
+latency CDF).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import statistics
 import time
 from contextlib import AsyncExitStack
@@ -33,8 +33,10 @@ from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, Fle
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
 from common.stats import percentile_ceil_rank
 from edge.fleet_agent import EdgeIdentity, FleetAgent
-from sim.bench.settings import RolloutSettings
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.operations import RolloutSettings
 from sim.broker import MosquittoBroker
+from sim.cores import my_cores, thread_env
 from sim.processes import edge_daemon_async, free_port
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,6 @@ class SimulatedEdge:
 
 @dataclass
 class RolloutResult:
-    settings: dict
     rounds: list[list[dict]] = field(default_factory=list)  # per round, per edge: ApplyResult fields
     telemetry_tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
 
@@ -109,17 +110,14 @@ async def _simulated_fleet(stack: AsyncExitStack, broker: BrokerSettings, n: int
 
 
 async def _real_edges(stack: AsyncExitStack, settings: RolloutSettings, url: str) -> list[str]:
-    cpus = {sorted(os.sched_getaffinity(0))[-1]}
+    """The real edges' base URLs, then the control edge's (without telemetry); none with no real edges."""
+    cpus, env = set(my_cores()[-1:]), thread_env(1)  # one core, one thread: the pairs compare like with like
     common = ["--draft", settings.draft, "--draft-runtime", "torch", "--verifier", "confidence:0.5", "--mode", "draft"]
-    bases = []
-    for i in range(settings.real_edges):
-        fleet = ["--mqtt", url, "--edge-id", f"real-{i}", "--group", GROUP, "--telemetry-interval", "1"]
-        bases.append(await stack.enter_async_context(edge_daemon_async(
-            common + fleet, free_port(), settings.out / f"edge-real-{i}.log", cpus=cpus,
-            env={"OMP_NUM_THREADS": "1"})))
-    bases.append(await stack.enter_async_context(edge_daemon_async(
-        common, free_port(), settings.out / "edge-control.log", cpus=cpus, env={"OMP_NUM_THREADS": "1"})))
-    return bases
+    runs = [(common + ["--mqtt", url, "--edge-id", f"real-{i}", "--group", GROUP, "--telemetry-interval", "1"],
+             f"edge-real-{i}.log") for i in range(settings.real_edges)]
+    runs += [(common, "edge-control.log")] if runs else []
+    return [await stack.enter_async_context(edge_daemon_async(args, free_port(), settings.out / log_name, cpus=cpus,
+                                                              env=env)) for args, log_name in runs]
 
 
 async def _wait_online(broker: BrokerSettings, expected: int) -> None:
@@ -149,7 +147,7 @@ async def _telemetry_cost(settings: RolloutSettings, with_telemetry: str, withou
 
 async def measure(settings: RolloutSettings) -> RolloutResult:
     settings.out.mkdir(parents=True, exist_ok=True)
-    result = RolloutResult({k: str(v) for k, v in asdict(settings).items()})
+    result = RolloutResult()
     with MosquittoBroker(settings.out / "broker") as running:
         broker = BrokerSettings.parse(running.url)
         async with AsyncExitStack() as stack:
@@ -199,9 +197,12 @@ def plot(result: RolloutResult, path: Path) -> None:
 
 
 def bench_rollout(settings: RolloutSettings) -> str:
-    """Every round's rollout and the telemetry pairs; writes OUT/rollout.json and rollout.png, returns the table."""
+    """Every round's rollout and the telemetry pairs; writes OUT/results.json, table.md, rollout.png; the table."""
     result = asyncio.run(measure(settings))
-    summary = result.summary()
-    (settings.out / "rollout.json").write_text(json.dumps({**asdict(result), "summary": summary}, indent=1))
-    plot(result, settings.out / "rollout.png")
-    return format_table(summary)
+    summary, folder = result.summary(), RunFolder(settings.out)
+    table = format_table(summary)
+    folder.write_results(settings, summary=summary, rounds=result.rounds,
+                         telemetry_tokens_per_s=result.telemetry_tokens_per_s)
+    folder.write_table(table)
+    plot(result, folder.path("rollout.png"))
+    return table

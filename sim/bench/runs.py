@@ -12,7 +12,7 @@ from pathlib import Path
 from common.lab.results_page import publish_if_asked
 from sim.processes import quiet_http_clients
 from sim.bench.policy import PolicyBenchSettings
-from sim.bench.settings import PlacementBenchSettings, RolloutSettings
+from sim.bench.settings import PlacementBenchSettings
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +32,6 @@ def run_policy(args: argparse.Namespace) -> int:
     tables = [f"T={sweep.temperature:g} (`{sweep.out}`):\n\n{format_summary(sweep.out).strip()}"
               for sweep in policy.bench_policy(settings)]
     return _report(args, "\n\n".join(tables), args.out, ())
-
-
-
-
-
-def run_rollout(args: argparse.Namespace) -> int:
-    from sim.bench import rollout
-    settings = RolloutSettings(args.real_edges, args.simulated_edges, args.rounds, args.draft, args.telemetry_pairs,
-                               out=args.out)
-    quiet_http_clients()  # a line per request would bury the rounds
-    return _report(args, rollout.bench_rollout(settings), settings.out, ("rollout.json", "rollout.png"))
 
 
 def run_features(args: argparse.Namespace) -> int:

@@ -11,7 +11,6 @@ light one is to be held against the same workers running alone (`--sessions N`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 from collections.abc import Sequence
@@ -30,17 +29,6 @@ class Identity:
     workers: int  # concurrent requests through its own edge
 
 
-def worker_counts(text: str) -> tuple[int, ...]:
-    """`--identities 24,8`: a positive worker count per identity, at least two identities."""
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected worker counts like 24,8, got {text!r}") from None
-    if len(counts) < 2 or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected two or more worker counts, each >= 1, got {text!r}")
-    return counts
-
-
 def make_identities(counts: Sequence[int]) -> list[Identity]:
     return [Identity(f"edge-{i}", secrets.token_hex(16), n) for i, n in enumerate(counts)]
 
@@ -52,11 +40,6 @@ def write_tokens_file(directory: Path, identities: Sequence[Identity]) -> Path:
     os.chmod(path, 0o600)
     path.write_text("".join(f"{identity.name} {identity.token}\n" for identity in identities))
     return path
-
-
-def edge_options(identity: Identity) -> tuple[list[str], dict[str, str]]:
-    """Extra `edge serve` arguments and environment: its token, over plaintext (loopback only)."""
-    return ["--insecure"], {"SPRINTER_CLOUD_TOKEN": identity.token}
 
 
 def identity_summary(identities: Sequence[Identity], outcomes: Sequence[RequestOutcome], identity_of: dict[int, int],

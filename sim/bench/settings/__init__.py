@@ -11,17 +11,6 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
-class RolloutSettings:
-    real_edges: int = 3
-    simulated_edges: int = 200
-    rounds: int = 10
-    draft: str = "smollm2-135m"
-    telemetry_pairs: int = 12  # requests to the edge with telemetry, and as many to the one without
-    max_tokens: int = 64
-    out: Path = Path("results/bench-rollout")
-
-
-@dataclass(frozen=True)
 class PlacementBenchSettings:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"

@@ -19,9 +19,9 @@ import pytest
 from sim.bench.dashboard_plots import plot_dashboard
 from sim.bench.dashboard_queries import (PanelQuery, dashboard_panels, evaluate_panels, filled, grafana_rate_interval,
                                          legend, load_dashboard, range_series)
-from sim.bench.dashboards import (DashboardBenchSettings, DashboardResult, format_dashboards, prometheus_server,
-                                  recorded_window)
-from sim.bench.soak import SoakSettings, write_scrape_targets
+from sim.bench.dashboards import DashboardResult, format_dashboards, prometheus_server, recorded_window
+from sim.bench.settings.operations import DashboardBenchSettings
+from sim.bench.soak import write_scrape_targets
 from tests.deploy.test_deploy import missing
 
 pytest.importorskip("matplotlib")
@@ -128,7 +128,7 @@ def test_a_real_prometheus_scrapes_a_cloud_registry_and_the_panels_show_it(tmp_p
 
     metrics = CloudMetrics()
     server, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
-    settings = DashboardBenchSettings(soak=SoakSettings(out=tmp_path / "soak"), scrape_s=1.0, step_s=1.0, out=tmp_path)
+    settings = DashboardBenchSettings(scrape_s=1.0, step_s=1.0, out=tmp_path)  # its soak's folder: OUT/soak
     settings.soak.out.mkdir()
     write_scrape_targets(settings.soak.out, [f"127.0.0.1:{server.server_address[1]}"], [])
     try:
