@@ -11,6 +11,9 @@ returns and, with `--page`, publishes the table and the plots. So a bench's flag
 apart (`--max-new-tokens` is `max_new_tokens`), and results.json (sim/bench/run_folder.py) records the names its
 command line used.
 
+A bench that judges its run (soak, chaos) returns `Verdict(table, passed)` instead of the table: the command prints
+and publishes the table all the same, and exits 1 when the run failed.
+
 Field types become flag types: int, float, str, Path; `X | None` (default None: the flag is optional); bool
 (`--x` / `--no-x`); `Literal["a", "b"]` (choices); tuples of int, float, str or a Literal (comma lists).
 """

@@ -20,6 +20,10 @@ def _refuse(flag: str, why: str) -> None:
     raise UsageError(f"argument --{flag}: {why}")  # worded as argparse words a bad flag
 
 
+def _listed(values: tuple[object, ...]) -> str:
+    return ",".join(map(str, values))  # as the flag was written
+
+
 @dataclass(frozen=True)
 class ServedSettings:
     """Cloud replicas and edge daemons on loopback (sim/bench/loopback.py)."""
@@ -55,9 +59,9 @@ class SoakSettings(ServedSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (1 <= len(self.max_tokens) <= 2 and 1 <= self.max_tokens[0] <= self.max_tokens[-1]):
-            _refuse("max-tokens", f"expected MIN,MAX with 1 <= MIN <= MAX, got {self.max_tokens}")
+            _refuse("max-tokens", f"expected MIN,MAX with 1 <= MIN <= MAX, got {_listed(self.max_tokens)}")
         if self.identities and (len(self.identities) < 2 or min(self.identities) < 1):
-            _refuse("identities", f"expected two or more worker counts, each >= 1, got {self.identities}")
+            _refuse("identities", f"expected two or more worker counts, each >= 1, got {_listed(self.identities)}")
         if not self.modes or not self.temperatures:
             _refuse("modes" if not self.modes else "temperatures", "needs at least one value")
 
@@ -80,10 +84,10 @@ class ChaosSettings(ServedSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.requests < self.kills + 1:
-            _refuse("requests", f"({self.requests}) must be at least --kills + 1 ({self.kills + 1}): every phase "
-                                "needs a request")
+            _refuse("requests", f"must be at least --kills + 1 ({self.kills + 1}), got {self.requests}: every "
+                                "phase needs a request")
         if len(self.kill_after_s) != 2 or not 0 <= self.kill_after_s[0] <= self.kill_after_s[1]:
-            _refuse("kill-after-s", f"expected MIN,MAX with 0 <= MIN <= MAX, got {self.kill_after_s}")
+            _refuse("kill-after-s", f"expected MIN,MAX with 0 <= MIN <= MAX, got {_listed(self.kill_after_s)}")
 
 
 @dataclass(frozen=True)
