@@ -4,6 +4,7 @@ and `sprinter bench chaos`, bounded in time and count; their settings' checks, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from common.cli import parse_args
 from common.errors import UsageError
 from common.stats import percentile_ceil_rank
+from sim.bench import registry
 from sim.bench.load import RequestOutcome, parse_metrics
 from sim.bench.settings.operations import ChaosSettings, SoakSettings
 from sim.bench.soak_identities import (identity_problems, identity_summary, identity_table_rows, make_identities,
@@ -98,6 +100,21 @@ def test_short_chaos_over_two_replicas_kills_each_in_turn(tmp_path, capsys):
     assert summary["completed"] == 9 and summary["http_5xx"] == 0 and summary["replicas"] == 2
     assert [k["replica"] for k in result["kills"]] == [0, 1] and summary["cloud_starts"] == 4
     print(f"two replicas: {summary['degraded']} degraded of 9, {summary['in_flight_at_kills']} in flight at kills")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    pass
+
+
+def failing_bench(settings: NoSettings) -> registry.Verdict:
+    return registry.Verdict("| a table |\n\nFAIL\n- what failed", passed=False)
+
+
+def test_a_failed_run_prints_its_table_and_exits_1(capsys):
+    bench = registry.Bench("failing", "", NoSettings, "test_reliability:failing_bench")
+    assert registry.run(bench, argparse.Namespace()) == 1
+    assert capsys.readouterr().out.startswith("| a table |\n\nFAIL\n- what failed")
 
 
 def test_chaos_needs_a_request_per_phase():
