@@ -112,7 +112,7 @@ def failing_bench(settings: NoSettings) -> registry.Verdict:
 
 
 def test_a_failed_run_prints_its_table_and_exits_1(capsys):
-    bench = registry.Bench("failing", "", NoSettings, "test_reliability:failing_bench")
+    bench = registry.Bench("failing", "", NoSettings, "tests.sim.bench.test_reliability:failing_bench")
     assert registry.run(bench, argparse.Namespace()) == 1
     assert capsys.readouterr().out.startswith("| a table |\n\nFAIL\n- what failed")
 
