@@ -73,17 +73,16 @@ def soak(settings: SoakSettings) -> Judged:
     """Start the processes, run the load, stop them, judge; writes OUT/results.json and OUT/table.md."""
     settings.out.mkdir(parents=True, exist_ok=True)
     identities = make_identities(settings.identities) if settings.identities else []
-    tokens = ["--auth-tokens", str(write_tokens_file(settings.out, identities))] if identities else []
-    serve_args = ["--kv-budget-mb", str(settings.kv_budget_mb), "--max-context", str(settings.max_context),
-                  "--max-sessions", str(settings.max_sessions), "--drain-s", "5", *tokens]
+    tokens = write_tokens_file(settings.out, identities) if identities else None
+    serve = {"kv_budget_mb": settings.kv_budget_mb, "max_context": settings.max_context,
+             "max_sessions": settings.max_sessions, "drain_s": 5, "auth_tokens": tokens}
     edges = [EdgeSpec(f"edge-{i}.log", ("--insecure",), {"SPRINTER_CLOUD_TOKEN": who.token})  # loopback: plaintext
              for i, who in enumerate(identities)] or [EdgeSpec()]
     # SPRINTER_CHECK_INVARIANTS: a KV budget breach fails the run loudly.
-    with loopback_system(settings, serve_args, edges, metrics=True,
-                         cloud_env={"SPRINTER_CHECK_INVARIANTS": "1"}) as system:
+    with loopback_system(settings, serve, edges, cloud_env={"SPRINTER_CHECK_INVARIANTS": "1"}) as system:
         write_scrape_targets(settings.out, [f"127.0.0.1:{r.metrics_port}" for r in system.replicas],
                              [base.removeprefix("http://") for base in system.bases])
-        samplers = [ProcessSampler(lambda cloud=r.process: cloud.pid, system.edges[0].process.pid if i == 0 else None,
+        samplers = [ProcessSampler(lambda cloud=r.cloud: cloud.pid, system.edges[0].process.pid if i == 0 else None,
                                    r.metrics_port, settings.sample_s) for i, r in enumerate(system.replicas)]
         load = asyncio.run(_drive(settings, system.bases, identities, samplers))
         edge_alive = system.edges_alive()

@@ -34,7 +34,7 @@ class ServedSettings:
     pipeline: Pipeline = "off"  # the edge daemons' default --pipeline, for every request
     replicas: int = 1  # cloud processes the edge spreads its sessions over
     seed: int = 0
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = 900.0  # an edge daemon's (loading its draft)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -128,7 +128,7 @@ class RolloutSettings:
 
 
 SERVED_HELPS = {"pipeline": "the edge daemon's default pipeline, for every request",
-                "startup_timeout_s": "for each process to serve"}
+                "startup_timeout_s": "for each edge daemon to answer"}
 SOAK = Bench("soak", "N concurrent sessions for a duration: errors, RSS, KV bytes vs budget", SoakSettings,
              "sim.bench.soak:bench_soak", quiet_http=True, helps=SERVED_HELPS | {
                  "replicas": "cloud replicas behind the edge, each with its own budgets (checked per replica)",
