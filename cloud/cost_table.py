@@ -9,8 +9,10 @@ through the engine's own path (its batcher packs the concurrent forwards), so a 
 with no queue; the KV they take is released before the service opens.
 
 Grid: tokens 1 (a decode step), 4 and 8 (blocks of 3 and 7) and the largest block the limits allow up to 16 (1 + 16);
-sessions 1 and 4. On this project's CPU machine and Qwen2.5-Coder-1.5B in bf16 that is about 40 forwards, a few
-seconds of start-up; `cloud serve --cost-table off` skips it (GetInfo then reports no table and edges learn the
+sessions 1 and 4, and 128 tokens of context, each as far as the service's limits allow (`TableLimits`: a cloud
+started with a small --max-context, --max-sessions or KV budget times smaller shapes; the table says its context and
+its batches). On this project's CPU machine and Qwen2.5-Coder-1.5B in bf16 that is about 40 forwards, a few seconds
+of start-up; `cloud serve --cost-table off` skips it (GetInfo then reports no table and edges learn the
 costs from their verdicts alone).
 """
 
@@ -51,9 +53,27 @@ def grid(max_block: int) -> tuple[int, ...]:
     return tuple(sorted({*TOKENS, min(max_block, LARGEST_BLOCK) + 1}))
 
 
-async def measure(engine: TargetEngine, max_block: int, context: int = CONTEXT_TOKENS,
-                  sessions: tuple[int, ...] = SESSIONS, repeats: int = REPEATS, seed: int = 0) -> CloudCosts:
+@dataclass(frozen=True)
+class TableLimits:
+    """What the service allows the timed sessions: their context and verify sizes, how many, and their KV."""
+
+    max_block: int
+    max_context: int
+    max_sessions: int
+    kv_budget_bytes: int
+
+    def shape(self, kv_bytes_per_token: int) -> tuple[int, tuple[int, ...]]:
+        """(context, sessions): 128 tokens of context where the context limit allows, and the batches whose KV fits
+        in half the budget (the rest stays free for what the engine itself holds)."""
+        largest = grid(self.max_block)[-1]
+        context = max(1, min(CONTEXT_TOKENS, self.max_context - largest))
+        fits = self.kv_budget_bytes // 2 // max(1, (context + largest) * kv_bytes_per_token) if kv_bytes_per_token else 1 << 30
+        return context, tuple(n for n in SESSIONS if n <= min(self.max_sessions, fits)) or (1,)
+
+
+async def measure(engine: TargetEngine, limits: TableLimits, repeats: int = REPEATS, seed: int = 0) -> CloudCosts:
     """Time every (sessions, tokens) of the grid on `engine`; the sessions' KV is released whatever happens."""
+    context, sessions = limits.shape(engine.kv_bytes_per_token)
     draw = random.Random(seed)
     vocab = engine.info.vocab_size
     held = [TimedSession([draw.randrange(vocab) for _ in range(context)], engine.new_session_kv())
@@ -64,7 +84,7 @@ async def measure(engine: TargetEngine, max_block: int, context: int = CONTEXT_T
             await engine.prefill(session, session.tokens)
             session.cached_tokens = context
         for n in sessions:
-            for tokens in grid(max_block):
+            for tokens in grid(limits.max_block):
                 new = [[draw.randrange(vocab) for _ in range(tokens)] for _ in range(n)]
                 samples[(n, tokens)] = [await _one_forward(engine, held[:n], new) for _ in range(repeats + 1)][1:]
     finally:

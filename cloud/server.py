@@ -172,7 +172,9 @@ class CloudServer:
                 invariant=invariant, prefix_cache=engine.prefix_cache,
             )
             self.limits = engine_limits(self.limits, settings.max_tree_tokens, engine)
-            costs = (await cost_table.measure(engine, self.limits.max_block) if settings.cost_table == "on"
+            shape = cost_table.TableLimits(self.limits.max_block, self.limits.max_context, settings.max_sessions,
+                                           settings.kv_budget_bytes)
+            costs = (await cost_table.measure(engine, shape) if settings.cost_table == "on"
                      else CloudCosts())
             host = TargetHost(engine, self.limits, store, self.metrics,
                                     residual=ResidualSettings(settings.residual_candidates, settings.residual_queries),
