@@ -1,9 +1,9 @@
 """The measuring half of `sprinter simulate`: processes, the emulated link, streamed requests, results.jsonl.
 
-One `SweepSystem` holds the cloud process, a `LinkProxy` in this event loop and the edge daemon,
-whose `--cloud` is the proxy. Changing the RTT replaces the proxy by a new one on the same port:
-the edge's gRPC channel sees its connection drop and reconnects through the new link, so one unrecorded
-warm-up request follows every switch (it also lets the edge's cost model learn the new round trip).
+One `SweepSystem` holds the system under test (sim/sweep/system.py): the cloud process, a `LinkProxy` in this
+event loop and the edge daemon, whose `--cloud` is the proxy. Changing the RTT changes the link's delay under the
+edge's open connection; one unrecorded warm-up request follows every switch, so that the edge's cost model learns
+the new round trip.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -21,13 +20,13 @@ from tqdm import tqdm
 
 from common.spec.modes import mode_of
 from common.lab.prompt_sets import PromptRecord
-from sim.link.proxy import LinkProxy
+from sim.cores import CorePlan, my_cores
 from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process, edge_daemon_async, free_port
 from sim.sweep.baselines import LocalBaselines
 from sim.sweep.results import ResultStore
 from sim.sweep.settings import SimulateSettings, is_baseline, run_label
-from sim.sweep.telemetry import TELEMETRY_FILE, TelemetryRecorder, cloud_fleet_args, edge_fleet_args, sweep_broker
+from sim.sweep.system import SystemSettings, SystemUnderTest
+from sim.sweep.telemetry import TELEMETRY_FILE, TelemetryRecorder, sweep_broker
 
 log = logging.getLogger(__name__)
 
@@ -35,78 +34,52 @@ REQUEST_TIMEOUT_S = 1800.0  # one generation on a slow CPU at a long RTT; a hung
 WARM_UP_TRIES = 5
 
 
-def cpu_plan(settings: SimulateSettings) -> tuple[set[int] | None, set[int] | None]:
-    """(cloud cores, edge cores): one core each when pinning, else unpinned."""
-    cores = sorted(os.sched_getaffinity(0))
+def sweep_cores(settings: SimulateSettings) -> CorePlan | None:
+    """One core each for the cloud and the edge when pinning, else nothing pinned."""
+    cores = my_cores()
     if not settings.pin_cpus or len(cores) < 2:
         if settings.pin_cpus:
             log.warning("--pin-cpus needs 2 cores, this process may use %d: not pinning", len(cores))
-        return None, None
-    return {cores[0]}, {cores[1]}
+        return None
+    return CorePlan.split(cores[:2])
 
 
-def thread_env(threads: int | None) -> dict[str, str]:
-    # torch sizes its pool from the machine, not the affinity mask: a pinned process must be told.
-    return {"OMP_NUM_THREADS": str(threads)} if threads else {}
-
-
-def link_settings(settings: SimulateSettings, rtt_ms: float) -> LinkSettings:
-    return LinkSettings(delay_ms=rtt_ms / 2, jitter_ms=settings.jitter_ms,
-                        jitter_distribution=settings.jitter_distribution,  # type: ignore[arg-type]
-                        bandwidth_mbps=settings.bandwidth_mbps, loss=settings.loss, seed=settings.seed)
+def system_settings(settings: SimulateSettings, mqtt_url: str | None) -> SystemSettings:
+    """The sweep's system: the edge a daemon; the cloud drafts too only where a mode asks it to (cloud-sd): the
+    draft's weights cost its memory."""
+    s = settings
+    link = LinkSettings(jitter_ms=s.jitter_ms, jitter_distribution=s.jitter_distribution,  # type: ignore[arg-type]
+                        bandwidth_mbps=s.bandwidth_mbps, loss=s.loss, seed=s.seed)
+    edge = ("--verifier", s.verifier, "--mode", "sprinter-exact", "--model-name", f"{s.draft}+{s.target}",
+            *(("--policy", s.policy) if s.policy else ()), "--proposer", s.proposer)
+    return SystemSettings(s.target, s.draft, s.out, dtype=s.dtype, engine=s.engine, device=s.device,
+                          cloud_drafts=any(mode_of(m).cloud_drafts for m in s.modes), cloud_flags=("--drain-s", "2"),
+                          mqtt_url=mqtt_url, link=link, rtt_ms=s.rtt_ms[0], edge_flags=edge, cores=sweep_cores(s),
+                          threads=s.threads, startup_timeout_s=900)
 
 
 class SweepSystem:
-    """Cloud process <- LinkProxy (this event loop) <- edge daemon process, with the RTT switchable.
+    """The system under test (sim/sweep/system.py) with the edge a daemon, and the sweep's client and baselines.
 
     With `mqtt_url` both processes also report to that fleet plane broker (sim.sweep.telemetry).
     """
 
     def __init__(self, settings: SimulateSettings, mqtt_url: str | None = None) -> None:
         self.settings = settings
-        self.mqtt_url = mqtt_url
-        self.port = free_port()
-        self.link: LinkProxy | None = None
-        self.rtt_ms: float | None = None
-        self.upstream: tuple[str, int] | None = None
-        self.base = ""
+        self.system = SystemUnderTest(system_settings(settings, mqtt_url))
         self.baselines: LocalBaselines | None = None  # llama-server processes, with --baselines
         self._stack = AsyncExitStack()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0))
 
     async def __aenter__(self) -> SweepSystem:
-        s = self.settings
-        cloud_cpus, edge_cpus = cpu_plan(s)
-        threads_cloud = s.threads or (len(cloud_cpus) if cloud_cpus else None)
-        threads_edge = s.threads or (len(edge_cpus) if edge_cpus else None)
+        s, cores = self.settings, self.system.settings.cores
         self._stack.push_async_callback(self.client.aclose)
         try:
-            # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
-            # the cloud drafts too only where a mode asks it to (cloud-sd): the draft's weights cost its memory
-            drafts = ["--draft", s.draft] if any(mode_of(m).cloud_drafts for m in s.modes) else []
-            # llama.cpp runs the GGUF in its own types, on the CPU, a thread per core it is pinned to
-            engine = ["--engine", "llama.cpp"] if s.engine == "llama.cpp" else ["--dtype", s.dtype, "--device", s.device]
-            address = self._stack.enter_context(cloud_process(
-                "--target", s.target, *engine, "--drain-s", "2", *drafts,
-                *cloud_fleet_args(self.mqtt_url),
-                log_path=s.out / "cloud.log",
-                startup_timeout_s=900, cpus=cloud_cpus, env=thread_env(threads_cloud)))
-            host, _, port = address.rpartition(":")
-            self.upstream = (host, int(port))
-            self._stack.push_async_callback(self._close_link)
-            await self.set_rtt(s.rtt_ms[0])
-            edge_args = ["--draft", s.draft, "--verifier", s.verifier, "--cloud", f"127.0.0.1:{self.port}",
-                         "--mode", "sprinter-exact", "--dtype", s.dtype, "--model-name", f"{s.draft}+{s.target}"]
-            edge_args += ["--policy", s.policy] if s.policy else []
-            edge_args += ["--proposer", s.proposer]
-            edge_args += ["--threads", str(threads_edge)] if threads_edge else []
-            edge_args += edge_fleet_args(self.mqtt_url)
-            # The edge asks the cloud (through the link, in this loop) while it starts: wait without blocking.
-            self.base = await self._stack.enter_async_context(edge_daemon_async(
-                edge_args, free_port(), s.out / "edge.log", cpus=edge_cpus, env=thread_env(threads_edge)))
+            await self._stack.enter_async_context(self.system)
             if s.baselines:
-                self.baselines = self._stack.enter_context(LocalBaselines(s.baselines, s.target, s.draft, s.out,
-                                                                          cloud_cpus, edge_cpus))
+                self.baselines = self._stack.enter_context(LocalBaselines(
+                    s.baselines, s.target, s.draft, s.out, set(cores.cloud) if cores else None,
+                    set(cores.edge) if cores else None))
         except BaseException:
             await self._stack.aclose()
             raise
@@ -115,20 +88,16 @@ class SweepSystem:
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
 
-    async def _close_link(self) -> None:
-        if self.link is not None:
-            await self.link.close()
-            self.link = None
+    @property
+    def base(self) -> str:
+        return self.system.base
 
-    async def set_rtt(self, rtt_ms: float) -> None:
-        """Replace the link by one with this RTT, on the same port (the edge keeps its --cloud)."""
-        if self.rtt_ms == rtt_ms and self.link is not None:
-            return
-        await self._close_link()
-        self.link = LinkProxy(link_settings(self.settings, rtt_ms), self.upstream, listen=("127.0.0.1", self.port))
-        await self.link.__aenter__()
-        self.rtt_ms = rtt_ms
-        log.info("link: rtt %.0f ms", rtt_ms)
+    @property
+    def rtt_ms(self) -> float:
+        return self.system.rtt_ms
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        self.system.set_rtt(rtt_ms)
 
     async def healthz(self) -> dict[str, Any]:
         response = await self.client.get(f"{self.base}/healthz", timeout=30)
@@ -136,7 +105,7 @@ class SweepSystem:
         return response.json()
 
     async def warm_up(self, prompt: PromptRecord) -> None:
-        """Reconnect through the new link and let the cost model see its round trips; not recorded."""
+        """Let the edge's cost model see the new RTT's round trips (waiting while the cloud is unreachable); not recorded."""
         for attempt in range(WARM_UP_TRIES):
             if (await self.healthz()).get("cloud") == "reachable":
                 record = await stream_request(self.client, self.base, prompt, "sd", self.settings,
@@ -237,7 +206,7 @@ async def measure_rtt(system: SweepSystem, recorder: TelemetryRecorder, store: R
     """One RTT's (method, pipeline, prompt) requests, each (method, pipeline)'s cost model snapshot after its
     last one. The fleet plane's phases are labelled by run_label ('sd-block/send-ahead')."""
     recorder.phase = None  # the switch and the warm-up are no method's
-    await system.set_rtt(rtt)
+    system.set_rtt(rtt)
     await system.warm_up(warm_up_prompt)
     for i, (mode, pipeline, prompt) in enumerate(combos):
         label = run_label(mode, pipeline)
