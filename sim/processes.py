@@ -26,17 +26,6 @@ def quiet_http_clients() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def can_pin_apart() -> bool:
-    """Two cores or more: a cloud and an edge can each be pinned to a core of its own (cores 0 and 1)."""
-    return (os.cpu_count() or 1) >= 2
-
-
-def small_machine() -> bool:
-    """Two cores or fewer: a cloud held to core 0 leaves the other core to what runs beside it; on a larger
-    machine a bench leaves it unpinned, since it then has cores enough to spare."""
-    return (os.cpu_count() or 1) <= 2
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,8 @@
 
     sprinter bench features --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-features
 
-The cloud and the edge run as processes, each pinned to a core of its own. Greedy chat requests go through
+The cloud and the edge (a daemon) run as processes, each on half of this process's cores, the edge dialling the
+cloud directly (the system under test, sim/sweep/system.py, without its link). Greedy chat requests go through
 the edge's API, interleaved: for every prompt and repeat, the plain request, then the same request with each
 feature (a JSON schema of 5 typed fields, logprobs with the top 5, a named tool call), in each mode. Prints
 tokens/s, target calls per token and the link's bytes per token (up and down) per feature and mode, each
@@ -15,17 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from common.sampling.grammar import GrammarCompiler
+from common.errors import UsageError
 from common.model.loading import model_dir
+from common.sampling.grammar import GrammarCompiler
 from common.sampling.params import GrammarSpec
 from edge.api.tool_calls import tool_call_lark
-from sim.processes import can_pin_apart, cloud_process, edge_daemon_process, free_port
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.sweeps import FeaturesBenchSettings
+from sim.sweep.system import SystemSettings, SystemUnderTest, measure_here
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +53,6 @@ FEATURES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class FeaturesBenchSettings:
-    target: str = "qwen2.5-coder-1.5b"
-    draft: str = "qwen2.5-coder-0.5b"
-    dtype: str = "bfloat16"
-    modes: tuple[str, ...] = ("sd-block", "sprinter-exact")
-    repeats: int = 2
-    max_tokens: int = 64
-    out: Path = Path("results/bench-features")
-
-
 @dataclass
 class Run:
     feature: str
@@ -76,42 +68,39 @@ class Run:
 
 
 def bench_features(settings: FeaturesBenchSettings) -> str:
-    settings.out.mkdir(parents=True, exist_ok=True)
-    apart = can_pin_apart()  # then the cloud runs on core 0 and the edge on core 1, out of each other's way
-    edge_args = ["--draft", settings.draft, "--dtype", settings.dtype, "--verifier", "auto"]
-    with cloud_process("--target", settings.target, "--dtype", settings.dtype, log_path=settings.out / "cloud.log",
-                       cpus={0} if apart else None) as address:
-        with edge_daemon_process([*edge_args, "--cloud", address], free_port(), settings.out / "edge.log",
-                                 cpus={1} if apart else None) as edge:
-            runs = _drive(edge.base, settings)
+    if not 1 <= settings.prompts <= len(PROMPTS):
+        raise UsageError(f"--prompts takes 1 to {len(PROMPTS)} (the bench's own prompts), got {settings.prompts}")
+    folder = RunFolder(settings.out)
+    system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, link=None,
+                            edge_flags=("--verifier", "auto"))
+    runs = measure_here(system, lambda sut: _drive(sut, settings))
     steps = grammar_step_us(settings.target, [r for r in runs if r.feature in ("json_schema", "tool_call")])
-    (settings.out / "results.json").write_text(json.dumps({"settings": {**asdict(settings), "out": str(settings.out)},
-                                                           "grammar_step_us": steps,
-                                                           "runs": [asdict(r) for r in runs]}, indent=1))
+    folder.write_results(settings, grammar_step_us=steps, runs=runs)
     table = format_table(runs, steps, settings)
-    (settings.out / "table.md").write_text(table + "\n")
+    folder.write_table(table)
     return table
 
 
-def _drive(base: str, settings: FeaturesBenchSettings) -> list[Run]:
-    runs, total = [], len(PROMPTS) * settings.repeats * len(settings.modes) * len(FEATURES)
-    with httpx.Client(base_url=base, timeout=600) as client:
+async def _drive(system: SystemUnderTest, settings: FeaturesBenchSettings) -> list[Run]:
+    prompts = PROMPTS[: settings.prompts]
+    runs, total = [], len(prompts) * settings.repeats * len(settings.modes) * len(FEATURES)
+    async with httpx.AsyncClient(base_url=system.base, timeout=600) as client:
         for repeat in range(settings.repeats):
-            for index, prompt in enumerate(PROMPTS):
+            for index, prompt in enumerate(prompts):
                 for mode in settings.modes:
                     for feature, fields in FEATURES.items():  # interleaved: drift hits every feature alike
-                        runs.append(_one(client, feature, fields, mode, index, prompt, settings.max_tokens))
+                        runs.append(await _one(client, feature, fields, mode, index, prompt, settings.max_tokens))
                         log.info("%d/%d %s %s: %.1f tokens/s", len(runs), total, mode, feature,
                                  runs[-1].tokens / runs[-1].seconds)
     return runs
 
 
-def _one(client: httpx.Client, feature: str, fields: dict[str, Any], mode: str, index: int, prompt: str,
-         max_tokens: int) -> Run:
+async def _one(client: httpx.AsyncClient, feature: str, fields: dict[str, Any], mode: str, index: int, prompt: str,
+               max_tokens: int) -> Run:
     body = {"model": "x", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "mode": mode, **fields}
     started = time.perf_counter()
-    response = client.post("/v1/chat/completions", json=body)
+    response = await client.post("/v1/chat/completions", json=body)
     seconds = time.perf_counter() - started
     response.raise_for_status()
     reply = response.json()
@@ -146,7 +135,7 @@ def grammar_step_us(target: str, runs: list[Run]) -> dict[str, float]:
 
 def format_table(runs: list[Run], steps: dict[str, float], settings: FeaturesBenchSettings) -> str:
     lines = [f"Features against the plain request: target {settings.target}, draft {settings.draft}, "
-             f"{settings.dtype}, greedy, {len(PROMPTS)} prompts x {settings.repeats} repeats, up to "
+             f"{settings.dtype}, greedy, {settings.prompts} prompts x {settings.repeats} repeats, up to "
              f"{settings.max_tokens} tokens, interleaved.", "",
              "| mode | feature | tokens/s | vs plain | target calls/token | vs plain | uplink B/token | "
              "downlink B/token | grammar step us/token |", "|---|---|---|---|---|---|---|---|---|"]

@@ -4,11 +4,11 @@ r"""`sprinter bench placement`: where the draft runs (edge, cloud, auto) against
         --rtt-ms 0,20,50,100,200 --load-rtt-ms 50 --out results/bench-placement
 
 The goal it measures (issue 29): `auto` within 5% of the better fixed placement at every RTT, and never the worse
-one under load. One cloud process serves the target with a draft of its own (`cloud serve --draft`: mode cloud-sd),
-pinned to core 0 with one thread on a small machine; the edges run here, their draft in torch on one thread (run
-the bench under `taskset -c 1` there), behind one link proxy (sim/link/proxy.py) whose delay is half the RTT each
-way. There are three edge nodes, one per placement, sharing the loaded draft: each learns from its own requests
-alone (cost model, Placer), as an edge that always asks for that placement would.
+one under load. One cloud process serves the target with a draft of its own (`cloud serve --draft`: mode cloud-sd);
+the edges run here, their draft in torch, each side on half of this process's cores (the system under test,
+sim/sweep/system.py), behind one link proxy (sim/link/proxy.py) whose delay is half the RTT each way. There are
+three edge nodes, one per placement, sharing the loaded draft: each learns from its own requests alone (cost model,
+Placer), as an edge that always asks for that placement would.
 
 At each RTT every node is warmed with `--warmup` untimed requests first: the first request of a placement builds
 its caches, and auto's first requests at a new RTT measure it (it learns the round trip from its own rounds); auto's
@@ -29,36 +29,31 @@ OUT/table.md and OUT/tokens_per_s.png.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import statistics
-import time
 from collections import Counter
-from contextlib import AsyncExitStack
-from dataclasses import asdict
 from pathlib import Path
 
 import grpc
 
 from common import wire
-from common.spec.modes import DecodeSettings, mode_of
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad
-from common.model.loading import DTYPES, LoadedModel, load_model
 from common.lab.plots import pyplot
+from common.model.loading import DTYPES, LoadedModel, load_model
 from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
+from common.spec.modes import DecodeSettings
 from edge.decoding.decoder import EdgeSettings
 from edge.fleet_agent import EdgeIdentity, FleetAgent
-from edge.node import EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.rollout import SimulatedEdge
-from sim.bench.settings import PlacementBenchSettings
-from sim.link.proxy import LinkProxy
-from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process, free_port, small_machine
-from sim.sweep.telemetry import cloud_fleet_args, sweep_broker
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.sweeps import PlacementBenchSettings
+from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
+from sim.sweep.telemetry import sweep_broker
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -69,29 +64,19 @@ GOAL_SHARE = 0.95  # auto within 5% of the better fixed placement
 
 def bench_placement(settings: PlacementBenchSettings) -> str:
     """Measure every (RTT, load) x placement; write OUT, return the table."""
-    import torch
-
-    if not mode_of(settings.mode).placeable:
-        raise ValueError(f"--mode {settings.mode!r} has no cloud form to place: choose a placeable mode (e.g. sd-block)")
-    settings.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)  # the edge's draft: one core, as the cloud has the other
+    folder = RunFolder(settings.out)
     draft = load_model(settings.draft, DTYPES[settings.dtype])
     prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
-    small = small_machine()  # there the cloud keeps to core 0 and one thread, leaving the other to the edges' draft
-    proxy_port = free_port()  # the cloud announces the proxy's address: the replica the edges dial
     with sweep_broker(settings.mqtt, settings.out) as url:
-        serve = ["--target", settings.target, "--draft", settings.draft, "--dtype", settings.dtype,
-                 "--edge-max-generate", str(settings.load_streams + 4), "--advertise", f"127.0.0.1:{proxy_port}",
-                 *cloud_fleet_args(url)]
-        with cloud_process(*serve, log_path=settings.out / "cloud.log", cpus={0} if small else None,
-                           env={"OMP_NUM_THREADS": "1"} if small else None) as address:
-            rows = asyncio.run(_measure_all(settings, draft, prompts, address, proxy_port, url))
-    report = {"settings": {**asdict(settings), "out": str(settings.out)}, "broker": url, "rows": rows,
-              "goal": goal(rows)}
-    (settings.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+        # the cloud announces the link's address: the replica the edges dial
+        system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, cloud_drafts=True,
+                                cloud_flags=("--edge-max-generate", str(settings.load_streams + 4)), mqtt_url=url,
+                                advertise_link=True)
+        rows = measure_here(system, lambda sut: _measure_all(settings, sut, draft, prompts, url))
+    folder.write_results(settings, broker=url, rows=rows, goal=goal(rows))
     text = table(settings, rows)
-    (settings.out / "table.md").write_text(text + "\n")
-    plot(rows, settings.out / "tokens_per_s.png")
+    folder.write_table(text)
+    plot(rows, folder.path("tokens_per_s.png"))
     return text
 
 
@@ -113,32 +98,23 @@ class AnnouncedLoads(SimulatedEdge):
             self.node.decoder.cost_model.seed_verify_ms(load.verify_ms_p50)
 
 
-async def _measure_all(settings: PlacementBenchSettings, draft: LoadedModel, prompts: list[list[int]], address: str,
-                       proxy_port: int, url: str | None) -> list[dict]:
-    host, _, port = address.rpartition(":")
-    async with AsyncExitStack() as stack:
-        proxy = await stack.enter_async_context(
-            LinkProxy(LinkSettings(delay_ms=0.0), (host, int(port)), listen=("127.0.0.1", proxy_port)))
-        nodes = {}
-        for placement in PLACEMENTS:
-            node_settings = EdgeNodeSettings(draft=settings.draft, cloud=proxy.address, draft_runtime="torch",
-                                             dtype=settings.dtype, verifier="confidence:0.3")
-            nodes[placement] = await stack.enter_async_context(EdgeNode(node_settings, draft))
-        controls = None
-        if url is not None:
-            identity = EdgeIdentity(f"bench-placement-{os.getpid()}", "bench-placement", "bench", "-")
-            controls = AnnouncedLoads(identity, nodes["auto"])
-            await stack.enter_async_context(FleetAgent(BrokerSettings.parse(url), identity, controls,
-                                                       telemetry_interval_s=60.0))
-        rows = []
-        for rtt in settings.rtts_ms:
-            proxy.change_delay(rtt / 2)
-            rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, None), controls)
-        for rtt in settings.load_rtts_ms:
-            proxy.change_delay(rtt / 2)
-            async with BackgroundLoad(address, prompts, settings) as load:
-                rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, load), controls)
-        return rows
+async def _measure_all(settings: PlacementBenchSettings, system: SystemUnderTest, draft: LoadedModel,
+                       prompts: list[list[int]], url: str | None) -> list[dict]:
+    nodes = {p: await system.edge_node(draft, verifier="confidence:0.3") for p in PLACEMENTS}
+    controls = None
+    if url is not None:
+        identity = EdgeIdentity(f"bench-placement-{os.getpid()}", "bench-placement", "bench", "-")
+        controls = AnnouncedLoads(identity, nodes["auto"])
+        await system.hold(FleetAgent(BrokerSettings.parse(url), identity, controls, telemetry_interval_s=60.0))
+    rows = []
+    for rtt in settings.rtt_ms:
+        system.set_rtt(rtt)
+        rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, None), controls)
+    for rtt in settings.load_rtt_ms:
+        system.set_rtt(rtt)
+        async with BackgroundLoad(system.cloud_address, prompts, settings) as load:
+            rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, load), controls)
+    return rows
 
 
 def _heard(rows: list[dict], controls: AnnouncedLoads | None) -> list[dict]:
@@ -178,7 +154,7 @@ class BackgroundLoad:
         sampling = SamplingParams(temperature=1.0, seed=i)  # sampled: the streams do not all say the same
         while True:
             prompt = self.prompts[(i + self.generations) % len(self.prompts)]
-            request = wire.generate_request(prompt, sampling, 4 * self.settings.max_tokens,
+            request = wire.generate_request(prompt, sampling, 4 * self.settings.max_new_tokens,
                                             speculate_block=self.settings.k)
             try:
                 async for _chunk in stub.Generate(request):
@@ -218,29 +194,22 @@ async def _at_rtt(settings: PlacementBenchSettings, nodes: dict[str, EdgeNode], 
                      "chose": dict(Counter(r["used"] for r in requests)),
                      "learning": learning if placement == "auto" else None,
                      "placer": nodes[placement].decoder.placer.snapshot() if placement == "auto" else None,
-                     "cost_model": _costs(nodes[placement], settings.k)})
+                     "cost_model": _costs(nodes[placement].decoder.cost_model, settings.k)})
     log.info("rtt %g%s: %s", rtt_ms, " under load" if load else "",
              ", ".join(f"{r['placement']} {r['tokens_per_s']:.2f}" for r in rows))
     return rows
 
 
-def _costs(node: EdgeNode, k: int) -> dict[str, float]:
-    """What the node's cost model has learned (or still assumes): the edge side of auto's prediction."""
-    costs = node.decoder.cost_model
+def _costs(costs, k: int) -> dict[str, float]:
+    """What a node's cost model has learned (or still assumes): the edge side of auto's prediction."""
     return {"draft_ms": costs.effective_draft_ms, "rtt_ms": costs.rtt_ms, "verify_ms": costs.t_verify_ms(k)}
 
 
 async def _request(settings: PlacementBenchSettings, node: EdgeNode, prompt: list[int], placement: str,
                    rtt_ms: float):
-    edge_settings = EdgeSettings(DecodeSettings(mode=settings.mode, max_new_tokens=settings.max_tokens, k=settings.k),
-                                 placement=placement)
-    started = time.perf_counter()
-    result = await node.decoder.generate(prompt, edge_settings)
-    wall_s = time.perf_counter() - started
-    if result.degraded or result.error:
-        raise RuntimeError(f"placement {placement} at RTT {rtt_ms:g} ms lost the cloud: "
-                           f"{result.degraded_reason or result.error}")
-    return result, wall_s
+    edge_settings = EdgeSettings(DecodeSettings(mode=settings.mode, max_new_tokens=settings.max_new_tokens,
+                                                k=settings.k), placement=placement)
+    return await generate(node, prompt, edge_settings, f"placement {placement} at RTT {rtt_ms:g} ms")
 
 
 def goal(rows: list[dict]) -> list[dict]:
@@ -260,7 +229,7 @@ def goal(rows: list[dict]) -> list[dict]:
 
 def table(settings: PlacementBenchSettings, rows: list[dict]) -> str:
     lines = [f"mode {settings.mode}, greedy, k={settings.k}, {settings.target} <- {settings.draft} ({settings.dtype}), "
-             f"{settings.prompts} prompts x {settings.max_tokens} tokens, {settings.warmup} warm-up requests per "
+             f"{settings.prompts} prompts x {settings.max_new_tokens} tokens, {settings.warmup} warm-up requests per "
              f"placement and RTT; load: {settings.load_streams} other cloud-sd streams",
              "",
              "| RTT ms | load | edge tok/s | cloud tok/s | auto tok/s | auto / better | auto chose | auto learning | goal |",

@@ -3,10 +3,10 @@ r"""`sprinter bench proposer`: tokens per round trip with the draft model alone 
     sprinter bench proposer --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 \
         --rtt-ms 50 --repeats 3 --out results/bench-proposer
 
-The cloud runs as a process, the edge here, each on half of this process's cores (a core each on a
-two-core machine; both on the one core when run under `taskset -c N` on a shared machine); the
-edge reaches the cloud through the link proxy (sim/link/proxy.py: half the RTT each way). Every prompt
-of the suite (sim/data/proposer_prompts.jsonl, written for this bench: code editing, summarization and
+The cloud runs as a process, the edge here, on the system under test (sim/sweep/system.py): each on half of this
+process's cores (a core each on a two-core machine; both on the one core when run under `taskset -c N` on a shared
+machine), the edge reaching the cloud through the link proxy (half the RTT each way). Every prompt of the suite
+(sim/data/proposer_prompts.jsonl, written for this bench: code editing, summarization and
 question answering over a given passage, multi-turn chat with its history, math word problems,
 translation, plain code completion) is generated greedily with each `--proposer`, in `--repeats`
 interleaved passes (the proposers' order alternates pass by pass). Suffix drafting's cache of earlier
@@ -21,107 +21,57 @@ costs. Writes OUT/results.json, OUT/table.md and OUT/proposers.png.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import statistics
-from dataclasses import asdict, dataclass
+from collections import Counter
 from pathlib import Path
 
-import torch
-
-from common.spec.modes import CLOUD_DRAFTING, PROPOSERS, DecodeSettings, parse_branch_tokens
-from common.spec.propose.suffix_match import OutputCache
-from common.spec.propose.suffix_proposer import DEFAULT_CACHE_TOKENS
-from common.model.loading import DTYPES, load_model
 from common.lab.plots import pyplot
 from common.lab.prompt_sets import PromptRecord, load_prompts
+from common.model.loading import DTYPES, load_model
 from common.model.prompting import encode_prompt
 from common.sampling.params import SamplingParams
+from common.spec.modes import CLOUD_DRAFTING, DecodeSettings, parse_branch_tokens
+from common.spec.propose.suffix_match import OutputCache
+from common.spec.propose.suffix_proposer import DEFAULT_CACHE_TOKENS
 from common.stats import oracle_calls_per_token
 from edge.decoding.decoder import EdgeSettings
-from edge.node import EdgeNode, EdgeNodeSettings
+from edge.node import EdgeNode
 from sim.bench.proposer_calibration import calibration_table, fit_calibration
-from sim.link.proxy import LinkProxy
-from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.sweeps import SUITE, TREE_SUFFIX, ProposerBenchSettings
+from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
 
 log = logging.getLogger(__name__)
 
-TREE_SUFFIX = "+tree:"  # a variant's label: the proposer, then its branch budget (common/spec/tree/branching.py)
 TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins",
                "copy_branch_tokens", "copy_path_wins")
-
-SUITE = Path(__file__).resolve().parent.parent / "data" / "proposer_prompts.jsonl"
-GROUNDED = ("code-edit", "summarize", "passage-qa")  # where the answer copies from the prompt: the issue's goal
-
-
-@dataclass(frozen=True)
-class ProposerBenchSettings:
-    target: str = "qwen2.5-coder-1.5b"
-    draft: str = "qwen2.5-coder-0.5b"
-    dtype: str = "bfloat16"
-    draft_runtime: str = "torch"
-    rtt_ms: float = 50.0
-    modes: tuple[str, ...] = ("sd-block",)
-    proposers: tuple[str, ...] = PROPOSERS
-    repeats: int = 3
-    per_category: int | None = None  # the first N prompts of each category; None: all
-    categories: tuple[str, ...] = ()  # empty: every category of the suite
-    max_tokens: int = 128
-    k: int = 5
-    suffix_cache: bool = True
-    prompts: Path = SUITE
-    out: Path = Path("results/bench-proposer")
-    temperature: float = 0.0  # 0: greedy; else sampled, each pass with its own seed
-    skip_per_category: int = 0  # leave out the first N prompts of each category (prompt 1 is held out of fitting)
-    fit_calibration: Path | None = None  # write the copies' rates measured here, to ship beside the verifier
-    branch_tokens: tuple[str, ...] = ("0",)  # --branch-tokens of each variant: "0" (one path), a count, or "auto"
-
-    @property
-    def variants(self) -> tuple[str, ...]:
-        """Each proposer with each branch budget: `model`, or `model+tree:auto` with branching on."""
-        return tuple(p if b == "0" else f"{p}{TREE_SUFFIX}{b}" for p in self.proposers for b in self.branch_tokens)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+ROW_STATS = ("wall_s", "target_calls", "draft_forwards", "draft_fed_tokens", "suffix_tokens", "suffix_kept",
+             "block_lengths", "accepted_lengths", *TREE_COUNTS)
 
 
 def bench_proposer(settings: ProposerBenchSettings) -> str:
     """Measure every (pass, proposer, mode, prompt) and write OUT; return the table."""
-    settings.out.mkdir(parents=True, exist_ok=True)
-    records = chosen_prompts(load_prompts(settings.prompts), settings.categories, settings.per_category,
+    folder = RunFolder(settings.out)
+    records = chosen_prompts(load_prompts(settings.prompts or SUITE), settings.categories, settings.per_category,
                              settings.skip_per_category)
-    mine = os.sched_getaffinity(0)
-    cloud_cpus, edge_cpus = pinning(mine)
-    os.sched_setaffinity(0, edge_cpus)
-    torch.set_num_threads(len(edge_cpus))
-    try:
-        draft = load_model(settings.draft, DTYPES[settings.dtype])
-        prompts = [(r, encode_prompt(draft.tokenizer, r.prompt, r.chat)) for r in records]
-        # cloud-sd: the cloud drafts; its copies come from each request's own text alone, since one identity's
-        # cache there would let a proposer copy the same prompt's answer from another proposer's pass
-        cloud_draft = (("--draft", settings.draft, "--suffix-cache", "off") if CLOUD_DRAFTING in settings.modes
-                       else ())
-        with cloud_process("--target", settings.target, "--dtype", settings.dtype, *cloud_draft,
-                           log_path=settings.out / "cloud.log", cpus=cloud_cpus,
-                           env={"OMP_NUM_THREADS": str(len(cloud_cpus))}) as address:
-            host, _, port = address.rpartition(":")
-            rows, lookups_us, calibration = asyncio.run(_measure(settings, draft, prompts, (host, int(port))))
-    finally:
-        os.sched_setaffinity(0, mine)
+    draft = load_model(settings.draft, DTYPES[settings.dtype])
+    prompts = [(r, encode_prompt(draft.tokenizer, r.prompt, r.chat)) for r in records]
+    # cloud-sd: the cloud drafts; its copies come from each request's own text alone, since one identity's
+    # cache there would let a proposer copy the same prompt's answer from another proposer's pass
+    cloud_sd = CLOUD_DRAFTING in settings.modes
+    system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, cloud_drafts=cloud_sd,
+                            cloud_flags=("--suffix-cache", "off") if cloud_sd else (), rtt_ms=settings.rtt_ms)
+    rows, lookups_us, calibration = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
     summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
-    report = {"settings": {**asdict(settings), "out": str(settings.out), "prompts": str(settings.prompts)},
-              "lookup_us_median": statistics.median(lookups_us) if lookups_us else None,
-              "lookups": len(lookups_us), "calibration": calibration, "rows": rows, "summary": summary}
-    (settings.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    report["cores"] = {"cloud": sorted(cloud_cpus), "edge": sorted(edge_cpus)}
-    text = (table(settings, summary, report["lookup_us_median"], report["cores"]) + tree_table(summary)
-            + calibration_table(calibration))
-    (settings.out / "table.md").write_text(text + "\n")
-    plot(summary, settings.out / "proposers.png")
+    lookup_us = statistics.median(lookups_us) if lookups_us else None
+    cores = {"cloud": sorted(system.cores.cloud), "edge": sorted(system.cores.edge)}
+    folder.write_results(settings, cores=cores, lookup_us_median=lookup_us, lookups=len(lookups_us),
+                         calibration=calibration, rows=rows, summary=summary)
+    text = table(settings, summary, lookup_us, cores) + tree_table(summary) + calibration_table(calibration)
+    folder.write_table(text)
+    plot(summary, folder.path("proposers.png"))
     if settings.fit_calibration is not None:
         fitted = fit_calibration(calibration, "greedy" if settings.greedy else "sampled",
                                  f"{settings.draft} -> {settings.target}, {settings.dtype}, T={settings.temperature:g}, "
@@ -131,58 +81,39 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     return text
 
 
-def pinning(cores: set[int]) -> tuple[set[int], set[int]]:
-    """(the cloud's cores, the edge's): one each on a small machine, as the edge and cloud of a deployment have their
-    own; both on the one core this process may use when it was given one (`taskset -c N`: a shared machine). A
-    round's drafting and its verify mostly take turns, so sharing a core changes less than it seems."""
-    ordered = sorted(cores)
-    if len(ordered) == 1:
-        return set(ordered), set(ordered)
-    half = len(ordered) // 2
-    return set(ordered[:half]), set(ordered[half:])
-
-
 def chosen_prompts(records: list[PromptRecord], categories: tuple[str, ...], per_category: int | None,
                    skip: int = 0) -> list[PromptRecord]:
     """The suite's prompts in `categories` (all when empty): of each, `per_category` after the first `skip`."""
-    taken: dict[str, int] = {}
-    seen: dict[str, int] = {}
+    last = skip + (per_category if per_category is not None else len(records))
+    seen: Counter[str] = Counter()
     chosen = []
-    for record in records:
-        if categories and record.category not in categories:
-            continue
-        seen[record.category] = seen.get(record.category, 0) + 1
-        if seen[record.category] <= skip:
-            continue
-        if per_category is not None and taken.get(record.category, 0) >= per_category:
-            continue
-        taken[record.category] = taken.get(record.category, 0) + 1
-        chosen.append(record)
+    for record in (r for r in records if not categories or r.category in categories):
+        seen[record.category] += 1
+        if skip < seen[record.category] <= last:
+            chosen.append(record)
     return chosen
 
 
-async def _measure(settings: ProposerBenchSettings, draft, prompts: list[tuple[PromptRecord, list[int]]],
-                   upstream: tuple[str, int]) -> tuple[list[dict], list[float], list[dict]]:
-    link = LinkSettings(delay_ms=settings.rtt_ms / 2)
+async def _measure(settings: ProposerBenchSettings, system: SystemUnderTest, draft,
+                   prompts: list[tuple[PromptRecord, list[int]]]) -> tuple[list[dict], list[float], list[dict]]:
+    node = await system.edge_node(draft, draft_runtime=settings.draft_runtime, verifier="auto",
+                                  suffix_cache=settings.suffix_cache == "on")
     rows: list[dict] = []
     lookups_us: list[float] = []
-    async with LinkProxy(link, upstream) as proxy:
-        node_settings = EdgeNodeSettings(draft=settings.draft, cloud=proxy.address, draft_runtime=settings.draft_runtime,
-                                         dtype=settings.dtype, verifier="auto", suffix_cache=settings.suffix_cache)
-        async with EdgeNode(node_settings, draft) as node:
-            for proposer in settings.variants:  # warm every path (and the cloud) before timing
-                await node.decoder.generate(prompts[0][1], _edge_settings(settings, settings.modes[0], proposer, 8))
-            for run in range(settings.repeats):
-                order = settings.variants if run % 2 == 0 else tuple(reversed(settings.variants))
-                for proposer in order:
-                    # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
-                    node.decoder.suffix_memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache else None
-                    node.decoder.suffix_memory.match_us.clear()
-                    for mode in settings.modes:
-                        for record, ids in prompts:
-                            rows.append(await _request(node, settings, run, proposer, mode, record, ids))
-                    lookups_us += node.decoder.suffix_memory.match_us
-            return rows, lookups_us, node.decoder.suffix_memory.calibration_for(settings.greedy).report()
+    for proposer in settings.variants:  # warm every path (and the cloud) before timing
+        await node.decoder.generate(prompts[0][1], _edge_settings(settings, settings.modes[0], proposer, 8))
+    for run in range(settings.repeats):
+        order = settings.variants if run % 2 == 0 else tuple(reversed(settings.variants))
+        for proposer in order:
+            # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
+            memory = node.decoder.suffix_memory
+            memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache == "on" else None
+            memory.match_us.clear()
+            for mode in settings.modes:
+                for record, ids in prompts:
+                    rows.append(await _request(node, settings, run, proposer, mode, record, ids))
+            lookups_us += memory.match_us
+    return rows, lookups_us, node.decoder.suffix_memory.calibration_for(settings.greedy).report()
 
 
 def _edge_settings(settings: ProposerBenchSettings, mode: str, variant: str, max_tokens: int,
@@ -196,20 +127,13 @@ def _edge_settings(settings: ProposerBenchSettings, mode: str, variant: str, max
 async def _request(node: EdgeNode, settings: ProposerBenchSettings, run: int, proposer: str, mode: str,
                    record: PromptRecord, ids: list[int]) -> dict:
     # a pass's seed is shared by its proposers: under sampling each pass draws its own answers, alike for all
-    result = await node.decoder.generate(ids, _edge_settings(settings, mode, proposer, settings.max_tokens, run))
-    if result.degraded or result.error:
-        raise RuntimeError(f"{proposer} {mode} on {record.id} lost the cloud: {result.degraded_reason or result.error}")
+    result, _ = await generate(node, ids, _edge_settings(settings, mode, proposer, settings.max_tokens, run),
+                               f"{proposer} {mode} on {record.id}")
     s = result.stats
     log.info("pass %d %s %s %s: %d tokens, %.2f tokens/call, %.2f tokens/s, suffix share %.2f", run, proposer, mode,
              record.id, s.new_tokens, s.tokens_per_call or 0, s.tokens_per_s, s.suffix_share or 0)
     return {"run": run, "proposer": proposer, "mode": mode, "category": record.category, "prompt_id": record.id,
-            "tokens": s.new_tokens, "wall_s": s.wall_s, "target_calls": s.target_calls,
-            "draft_forwards": s.draft_forwards, "draft_fed_tokens": s.draft_fed_tokens,
-            "suffix_tokens": s.suffix_tokens, "suffix_kept": s.suffix_kept,
-            "block_lengths": list(s.block_lengths), "accepted_lengths": list(s.accepted_lengths),
-            "tree_rounds": s.tree_rounds, "tree_paths": s.tree_paths, "branch_tokens_sent": s.branch_tokens_sent,
-            "branch_tokens_kept": s.branch_tokens_kept, "side_path_wins": s.side_path_wins,
-            "copy_branch_tokens": s.copy_branch_tokens, "copy_path_wins": s.copy_path_wins}
+            "tokens": s.new_tokens, **{name: getattr(s, name) for name in ROW_STATS}}
 
 
 def oracle_rate(totals: dict, cap: int) -> float:
@@ -264,7 +188,7 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
     regime = "greedy" if settings.greedy else f"T={settings.temperature:g}"
     lines = [f"{regime}, {settings.target} <- {settings.draft} ({settings.dtype}), RTT {settings.rtt_ms:g} ms, k={settings.k}, "
              f"up to {settings.max_tokens} tokens, medians of {settings.repeats} interleaved passes; suffix cache "
-             f"{'on' if settings.suffix_cache else 'off'}"
+             f"{settings.suffix_cache}"
              + (f"; a suffix lookup costs {lookup_us:.0f} us (median)" if lookup_us is not None else "") + pinned,
              "",
              "| mode | category | proposer | tokens/call | calls/token | calls/token x oracle | tokens/s | suffix share "

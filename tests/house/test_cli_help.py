@@ -79,7 +79,7 @@ def test_help_imports_nothing_heavy(probe: dict) -> None:
 @pytest.mark.parametrize("module", ["edge.generate_command", "cloud.command", "edge.serve_command",
                                     "edge.verifier_training.command", "sim.sweep.command", "common.fleet_plane.command",
                                     "sim.link.command", "sim.demo", "sim.fleet.command", "sim.local_fleet",
-                                    "sim.fleet_demo", "sim.bench.policy", "sim.bench.command"])
+                                    "sim.fleet_demo", "sim.bench.settings.sweeps", "sim.bench.command"])
 def test_command_module_imports_nothing_heavy(module: str) -> None:
     code = f"import sys, {module}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,

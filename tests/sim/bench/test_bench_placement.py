@@ -7,17 +7,19 @@ import json
 
 import pytest
 
+from common.errors import UsageError
 from sim.bench.placement import PLACEMENTS, bench_placement, goal
-from sim.bench.settings import PlacementBenchSettings
+from sim.bench.settings.sweeps import PlacementBenchSettings
 
 
 def test_the_bench_measures_every_placement_at_every_rtt_and_under_load(tmp_path):
     settings = PlacementBenchSettings(target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                                      rtts_ms=(0.0, 40.0), load_rtts_ms=(40.0,), load_streams=1, prompts=2,
-                                      max_tokens=8, k=3, warmup=1, out=tmp_path)
+                                      rtt_ms=(0.0, 40.0), load_rtt_ms=(40.0,), load_streams=1, prompts=2,
+                                      max_new_tokens=8, k=3, warmup=1, out=tmp_path)
     text = bench_placement(settings)
 
     report = json.loads((tmp_path / "results.json").read_text())
+    assert list(report)[:4] == ["date", "machine", "commit", "settings"] and report["settings"]["rtt_ms"] == [0.0, 40.0]
     rows = report["rows"]
     assert [(r["rtt_ms"], r["load_streams"], r["placement"]) for r in rows] == [
         (rtt, load, p) for rtt, load in ((0.0, 0), (40.0, 0), (40.0, 1)) for p in PLACEMENTS]
@@ -48,7 +50,9 @@ def test_goal_reads_the_better_fixed_placement_and_the_worse_one_under_load():
 
 
 def test_bad_settings_are_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--max-new-tokens"):
-        PlacementBenchSettings(max_tokens=0)
-    with pytest.raises(ValueError, match="--rtt-ms"):
-        PlacementBenchSettings(rtts_ms=(-1.0,))
+    with pytest.raises(UsageError, match="--max-new-tokens"):
+        PlacementBenchSettings(max_new_tokens=0)
+    with pytest.raises(UsageError, match="--rtt-ms"):
+        PlacementBenchSettings(rtt_ms=(-1.0,))
+    with pytest.raises(UsageError, match="--mode 'target'"):
+        PlacementBenchSettings(mode="target")

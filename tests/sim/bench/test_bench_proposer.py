@@ -8,7 +8,8 @@ import pytest
 
 from common.cli import build_parser
 from common.lab.prompt_sets import load_prompts
-from sim.bench.proposer import SUITE, ProposerBenchSettings, chosen_prompts, summarize, table, tree_table
+from sim.bench.proposer import chosen_prompts, summarize, table, tree_table
+from sim.bench.settings.sweeps import SUITE, ProposerBenchSettings
 
 CATEGORIES = {"code-edit", "summarize", "passage-qa", "chat-history", "math", "translation", "code-complete"}
 
@@ -58,6 +59,7 @@ def test_the_command_parses() -> None:
     args = build_parser().parse_args(["bench", "proposer", "--categories", "math,code-edit", "--per-category", "1",
                                       "--suffix-cache", "off", "--page", "docs/benchmarks/proposers.md"])
     assert args.categories == ("math", "code-edit") and args.proposers == ("model", "suffix", "hybrid") and args.rtt_ms == 50
+    assert args.suffix_cache == "off" and args.per_category == 1
 
 
 def test_branch_budgets_make_variants_and_their_trees_are_tabled():
