@@ -129,7 +129,7 @@ class PolicyBenchSettings:
                                      max_new_tokens=self.max_new_tokens, fleet_validation=self.fleet_validation)
                     for temperature in self.temperatures]
         except ValueError as err:  # a bad policy or mode, said before any process starts
-            raise UsageError(str(err)) from None
+            raise UsageError(f"--mode {self.mode} with --policies {','.join(self.policies)}: {err}") from None
 
 
 PROPOSER = Bench(
