@@ -173,4 +173,34 @@ POLICY = Bench(
            "temperatures": "comma list; one sweep each", "rtt_ms": "comma list", "limit": "prompts",
            "out": "each temperature's sweep goes into OUT/T<temperature>"})
 
-BENCHES = (POLICY, FEATURES, UPLINK, PLACEMENT, PROPOSER)
+@dataclass(frozen=True)
+class AutoBenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: Dtype = "bfloat16"
+    engine: Literal["resident", "llama.cpp"] = "resident"
+    draft_runtime: Literal["onnx", "torch"] = "onnx"  # the edge's own
+    verifier: str = "auto"
+    rtt_ms: tuple[float, ...] = (0.0, 50.0, 100.0, 200.0)
+    passes: int = 3
+    prompts: int = 4
+    max_new_tokens: int = 48
+    k: int = 5
+    out: Path = Path("results/bench-auto")
+
+    def __post_init__(self) -> None:
+        for name in ("passes", "prompts", "max_new_tokens", "k"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.rtt_ms or min(self.rtt_ms) < 0:
+            raise UsageError(f"--rtt-ms must be a non-empty list of values >= 0, got {self.rtt_ms}")
+
+
+AUTO = Bench(
+    "auto", "--mode auto against target, sprinter-exact and cloud-sd at each RTT, on one cloud engine",
+    AutoBenchSettings, "sim.bench.auto:bench_auto", quiet_http=True,
+    helps={"engine": "the cloud's engine", "draft_runtime": "the edge's draft runtime",
+           "verifier": "the edge's verifier (auto: the one shipped for the pair)", "rtt_ms": "comma list",
+           "passes": "interleaved passes; each method's median is reported", "prompts": "the first N bench prompts"})
+
+BENCHES = (POLICY, FEATURES, UPLINK, PLACEMENT, PROPOSER, AUTO)
