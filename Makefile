@@ -22,7 +22,7 @@ MERMAID := docs/js/.mermaid-$(MERMAID_VERSION)
 COMPOSE_SCHEMA_DCLINT ?= 3.1.0
 COMPOSE_SCHEMA := .cache/compose-spec/.dclint-$(COMPOSE_SCHEMA_DCLINT)
 
-.PHONY: llama-cpp cmake mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer setup proto models-smollm2 models-qwen vllm docs clean
+.PHONY: llama-cpp cmake mosquitto promtool npm chromium mermaid compose-schema demo demo-fleet test gpu-check gpu-bundle bench bench-policy bench-local bench-cloud bench-draft bench-capacity bench-placement bench-uplink bench-proposer bench-auto setup proto models-smollm2 models-qwen vllm docs clean
 
 # The whole system on loopback: cloud service + edge daemon as processes, prompts through the OpenAI API.
 # ENGINE=llama.cpp puts the cloud's target on llama.cpp; either way llama.cpp's own server is measured beside it.
@@ -134,6 +134,12 @@ $(GPU_BUNDLE)/manifest.json: pyproject.toml $(STUBS) $(VENV)/.project
 	$(VENV)/bin/sprinter gpu bundle --out $(GPU_BUNDLE) --python-version $(GPU_PYTHON_VERSION)
 # Suffix drafting against the draft model alone (docs/benchmarks/proposers.md): every prompt of the suite, per
 # category, 3 interleaved passes at 50 ms RTT, cloud and edge pinned a core each. About an hour here.
+# --mode auto against the modes it chooses among, on both cloud engines (issue 56's goals table).
+bench-auto: $(VENV)/.models-qwen $(VENV)/.llama-cpp $(STUBS)
+	for engine in llama.cpp resident; do $(VENV)/bin/sprinter bench auto --target $(TARGET) --draft $(DRAFT) \
+	    --engine $$engine --prompts 2 --max-new-tokens 32 --out results/bench-auto-$$engine \
+	    --page docs/benchmarks/auto.md --section auto-$$engine || exit 1; done
+
 bench-proposer: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench proposer --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 50 --repeats 3 \
 	    --out results/bench-proposer --page docs/benchmarks/proposers.md

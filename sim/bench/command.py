@@ -1,4 +1,4 @@
-"""`sprinter bench local|cloud|draft|policy|prefill|prefix|prefix-fleet|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer|tree-shapes|llama-cpp`: the benchmarks behind docs/benchmarks/.
+"""`sprinter bench local|cloud|draft|policy|prefill|prefix|prefix-fleet|soak|chaos|dashboards|rollout|fleet|capacity|pipeline|features|uplink|placement|proposer|tree-shapes|llama-cpp|auto`: the benchmarks behind docs/benchmarks/.
 
 Each prints its table; with `--page docs/benchmarks/PAGE.md` it also writes it (and its plots) into that page,
 between the markers of its section, saying the date, the machine, the commit and the command.
@@ -18,6 +18,7 @@ between the markers of its section, saying the date, the machine, the commit and
     sprinter bench proposer --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-proposer
     sprinter bench tree-shapes --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-tree-shapes
     sprinter bench llama-cpp --target qwen2.5-coder-1.5b --out results/bench-llama-cpp
+    sprinter bench auto --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --engine llama.cpp --out results/bench-auto
 """
 
 from __future__ import annotations
