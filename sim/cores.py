@@ -2,7 +2,7 @@
 
     plan = CorePlan.split()                 # the cloud on the first half of my cores, the edge on the rest
     with plan.edge_here():                  # this process (the edge's draft, in process) on the edge's cores
-        CloudProcess(..., cpus=plan.cloud, env=plan.cloud_env())
+        CloudUnderTest(..., cpus=plan.cloud).running(log)   # sim/cloud_under_test.py: its torch pool sized to them
 
 A deployment's edge and cloud have cores of their own, so a measurement gives each its own: with two cores or
 more that this process may use, the cloud gets the first half and the edge the rest. Given one core (`taskset -c
@@ -47,9 +47,6 @@ class CorePlan:
     def apart(self) -> bool:
         """Whether the cloud and the edge have cores of their own."""
         return not self.cloud & self.edge
-
-    def cloud_env(self) -> dict[str, str]:
-        return thread_env(len(self.cloud))
 
     @contextmanager
     def edge_here(self) -> Iterator[None]:

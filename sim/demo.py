@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from common.spec.modes import mode_of
 from common.arguments import DTYPE_NAMES, names
-from sim.processes import cloud_process, edge_daemon, free_port
+from sim.cloud_under_test import CloudUnderTest
+from sim.processes import edge_daemon, free_port
 from sim.sweep.settings import BASELINES, is_baseline
 
 if TYPE_CHECKING:  # openai is the `test` extra: imported when the demo runs
@@ -223,15 +224,16 @@ def run(args: argparse.Namespace) -> int:
     baselines = baselines_to_run(args)
     print(f"starting the cloud ({args.target} on {engine}) and the edge daemon ({args.draft}, verifier "
           f"{args.verifier}); the first run converts and exports the models once", flush=True)
-    cloud_args = ["--draft", args.draft] + (["--engine", "llama.cpp"] if llama else ["--dtype", args.dtype])
-    with cloud_process("--target", args.target, *cloud_args, "--drain-s", "5",
-                       log_path=args.out / "cloud.log", startup_timeout_s=900) as cloud_address, \
-            edge_daemon(["--draft", args.draft, "--verifier", args.verifier, "--cloud", cloud_address,
+    cloud = CloudUnderTest(args.target, None if llama else args.dtype,  # llama.cpp: the GGUF's own types
+                           {"draft": args.draft, "engine": "llama.cpp" if llama else None, "drain_s": 5},
+                           startup_timeout_s=900)
+    with cloud.running(args.out / "cloud.log") as running, \
+            edge_daemon(["--draft", args.draft, "--verifier", args.verifier, "--cloud", running.address,
                          "--mode", "sprinter-exact", "--dtype", args.dtype,
                          "--model-name", f"{args.draft}+{args.target}"],
                         free_port(), args.out / "edge.log") as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="local", timeout=600, max_retries=0)
-        print(f"cloud on {cloud_address}, edge API on {base}/v1\n", flush=True)
+        print(f"cloud on {running.address}, edge API on {base}/v1\n", flush=True)
         answers = [ask_in_mode(client, mode, prompts, args.max_tokens, engine) for mode in modes]
     answers += ask_baselines(baselines, args, prompts) if baselines else []
     print("\nscoring every output with the target (NLL per token)", flush=True)

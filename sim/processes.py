@@ -144,21 +144,6 @@ class CloudProcess:
         self.stop()
 
 
-@contextmanager
-def cloud_process(*serve_args: str, port: int | None = None, log_path: Path | None = None,
-                  startup_timeout_s: float = 300.0, cpus: set[int] | None = None,
-                  env: dict[str, str] | None = None) -> Iterator[str]:
-    """`sprinter cloud serve ARGS` in its own process; yields its address; SIGTERM (drain) on exit.
-
-    `env`: extra environment variables (e.g. OMP_NUM_THREADS to match `cpus`).
-    """
-    if log_path:
-        log_path.write_text("")  # a fresh log per run; CloudProcess appends across restarts
-    with CloudProcess(*serve_args, port=port, log_path=log_path, startup_timeout_s=startup_timeout_s, cpus=cpus,
-                      env=env) as cloud:
-        yield cloud.address
-
-
 def _start_edge(args: list[str], port: int, log_file: IO[str] | int, cpus: set[int] | None,
                 env: dict[str, str] | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "edge", "serve",

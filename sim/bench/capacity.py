@@ -61,9 +61,11 @@ from common.sampling.distributions import SamplingParams
 from sim.bench.capacity_projection import format_projection, plot_projection, project
 from sim.bench.capacity_report import (GenerationTrace, edges_per_replica, format_table, itl_target, plot, prediction,
                                       replayed_length, summarise)
-from sim.bench.loaded_cloud import Phase, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.load_phase import Phase
+from sim.bench.prompts import bench_prompt_ids
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import BenchSettingsError, CapacityBenchSettings
+from sim.cloud_under_test import CloudUnderTest, replicas_started
 from sim.cores import CorePlan, my_cores
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -196,18 +198,18 @@ def core_plan(settings: CapacityBenchSettings) -> CorePlan:
     return CorePlan(frozenset({cloud}), frozenset(mine) - {cloud} or frozenset(mine))
 
 
-def _flags(settings: CapacityBenchSettings) -> list[str]:
+def _cloud(settings: CapacityBenchSettings) -> CloudUnderTest:
     most = max(settings.edges) + 4
-    return serve_flags(target=settings.target, draft=settings.draft, dtype=settings.dtype, max_batch=max(most, 8),
-                       max_sessions=2 * most, edge_max_generate=most, max_block=max(settings.k, 1),
-                       batch_window_ms=settings.batch_window_ms)
+    return CloudUnderTest(settings.target, settings.dtype, {
+        "draft": settings.draft, "max_batch": max(most, 8), "max_sessions": 2 * most, "edge_max_generate": most,
+        "max_block": max(settings.k, 1), "batch_window_ms": settings.batch_window_ms}, metrics=True)
 
 
 def _measure(settings: CapacityBenchSettings, modes: dict[str, Mode]) -> tuple[list[dict], list[Recorded]]:
     prompt_ids, tokenizer = bench_prompt_ids(settings.target)
     plan, rows = core_plan(settings), []
-    with plan.edge_here(), replicas_started(settings.out, "cloud", [set(plan.cloud)], plan.cloud_env(),
-                                            _flags(settings)) as (replica,):
+    with plan.edge_here(), replicas_started(_cloud(settings), settings.out, "cloud",
+                                                             [plan.cloud]) as (replica,):
         recorded = asyncio.run(record(replica.address, prompt_ids, settings.k, settings.max_new_tokens))
         # modes innermost: load from outside the replica's core (a shared machine) drifts over minutes, and
         # the modes compared at one (RTT, E) should share what drift there is

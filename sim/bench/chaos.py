@@ -53,7 +53,7 @@ class KillRecord:
 def bench_chaos(settings: ChaosSettings) -> Verdict:
     with loopback_system(settings, {"drain_s": 2}) as system:
         started = time.monotonic()
-        run = ChaosRun(settings, [replica.cloud for replica in system.replicas], system.bases[0])
+        run = ChaosRun(settings, [replica.process for replica in system.replicas], system.bases[0])
         asyncio.run(run.drive())
         wall_s = time.monotonic() - started
         edge_alive = system.edges_alive()

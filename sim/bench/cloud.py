@@ -40,7 +40,7 @@ from sim.bench.run_folder import RunFolder
 from sim.bench.settings.engines import CloudBenchSettings
 
 if TYPE_CHECKING:
-    from sim.bench.cloud_under_test import CloudUnderTest
+    from sim.cloud_under_test import CloudUnderTest
     from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -198,16 +198,18 @@ def cache_share(before: dict[str, float], after: dict[str, float]) -> float | No
 
 
 def cloud_under_test(settings: CloudBenchSettings, target: str, batching: bool) -> CloudUnderTest:
-    from sim.bench.cloud_under_test import CloudUnderTest
+    from sim.cloud_under_test import CloudUnderTest
 
     longest = max(settings.contexts) + settings.k * (settings.rounds + 2) + 64
     source = settings.source.resolve() if settings.source is not None else None
-    return CloudUnderTest(
-        target, settings.dtype, settings.engine, settings.device, max_context=max(4096, longest),
-        max_batch=settings.max_batch if batching else 1, max_sessions=max(settings.edges) + 4,
-        # vLLM allocates its whole KV cache at start: 2 GiB holds 16 edges at 4k tokens of SmolLM2 in bf16.
-        kv_budget_mb=2048 if settings.engine == "vllm" else 16384, batch_window_ms=settings.batch_window_ms,
-        cpus=settings.cpus, pythonpath=f"{source}:{source / 'proto'}" if source else None, metrics=True)
+    flags = {"engine": settings.engine,
+             "device": None if settings.device == "auto" else settings.device,  # an older cloud may lack --device
+             "max_context": max(4096, longest), "max_batch": settings.max_batch if batching else 1,
+             "max_sessions": max(settings.edges) + 4,
+             # vLLM allocates its whole KV cache at start: 2 GiB holds 16 edges at 4k tokens of SmolLM2 in bf16.
+             "kv_budget_mb": 2048 if settings.engine == "vllm" else 16384, "batch_window_ms": settings.batch_window_ms}
+    return CloudUnderTest(target, settings.dtype, flags, cpus=frozenset(settings.cpus) or None,
+                          pythonpath=f"{source}:{source / 'proto'}" if source else None, metrics=True)
 
 
 def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edges: list[RecordedEdge]) -> list[BenchRow]:
@@ -221,12 +223,12 @@ def measure_cloud(settings: CloudBenchSettings, target: str, batching: bool, edg
             replayed = with_context(edges, context)
             for n_edges in tqdm(settings.edges, desc=f"{target} {label} context {context} "
                                                      f"batching {'on' if batching else 'off'}"):
-                before = cloud.scrape()
+                before = cloud.metrics()
                 tokens_per_s, latencies, batch_sizes = asyncio.run(measure(cloud.address, replayed, n_edges,
                                                                            settings.rounds))
                 rows.append(BenchRow(target, label, context, n_edges, batching,
                                      tokens_per_s, statistics.median(latencies), percentile(latencies, 0.99),
-                                     statistics.fmean(batch_sizes), len(latencies), cache_share(before, cloud.scrape())))
+                                     statistics.fmean(batch_sizes), len(latencies), cache_share(before, cloud.metrics())))
     return rows
 
 

@@ -34,10 +34,12 @@ from common.table_cells import cell
 from edge.cloud_link.client import CloudEndpoint
 from edge.cloud_link.replicas import ReplicaSet
 from sim.bench.cloud import DEFAULT_DRAFTS, RecordedEdge, record_edges
-from sim.bench.loaded_cloud import Phase, PhaseUse, Replica, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.load_phase import Phase, PhaseUse
+from sim.bench.prompts import bench_prompt_ids
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import FleetBenchSettings
-from sim.cores import my_cores, thread_env
+from sim.cloud_under_test import CloudUnderTest, RunningCloud, replicas_started
+from sim.cores import my_cores
 from sim.fleet.costs import FleetCosts, ModeProfile, RttModel, demo_profiles, fit_forward_model
 from sim.fleet.simulation import run_fleet
 from sim.fleet.report import sweep
@@ -106,7 +108,7 @@ async def run_edge(clouds: ReplicaSet, recorded: list[RecordedEdge], edge: int, 
             await session.close()
 
 
-async def _drive(settings: FleetBenchSettings, replicas: list[Replica], recorded: list[RecordedEdge],
+async def _drive(settings: FleetBenchSettings, replicas: list[RunningCloud], recorded: list[RecordedEdge],
                  fingerprint: str) -> tuple[Calls, PhaseUse]:
     """Warm up, then the measured phase: what the edges saw, and what each replica did."""
     endpoint = lambda address, server_name: CloudEndpoint(address, tls_server_name=server_name)  # noqa: E731
@@ -158,9 +160,10 @@ def summarise(settings: FleetBenchSettings, layout: str, calls: Calls, used: Pha
 def measure_layout(settings: FleetBenchSettings, layout: str, recorded: list[RecordedEdge], fingerprint: str) -> dict:
     cpus, threads, pinning = layout_plan(layout)
     log.info("layout %s: %s, OMP_NUM_THREADS=%d, %d edges", layout, pinning, threads, settings.edges)
-    flags = serve_flags(target=settings.target, dtype=settings.dtype, batch_window_ms=settings.batch_window_ms,
-                        max_batch=settings.max_batch, max_sessions=4 * settings.edges + 8)
-    with replicas_started(settings.out, f"cloud-{layout}", cpus, thread_env(threads), flags) as replicas:
+    cloud = CloudUnderTest(settings.target, settings.dtype, {
+        "batch_window_ms": settings.batch_window_ms, "max_batch": settings.max_batch,
+        "max_sessions": 4 * settings.edges + 8}, threads=threads, metrics=True)
+    with replicas_started(cloud, settings.out, f"cloud-{layout}", cpus) as replicas:
         calls, used = asyncio.run(_drive(settings, replicas, recorded, fingerprint))
     return summarise(settings, layout, calls, used)
 

@@ -36,10 +36,11 @@ import httpx
 from common.model.loading import gguf_file, load_gguf_tokenizer
 from common.model.presets import GGUF_PRESETS
 from common.model.prompting import encode_prompt
-from sim.bench.cloud_under_test import CloudUnderTest, generate_at
+from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder, jsonable
 from sim.bench.settings.engines import LlamaCppBenchSettings
-from sim.bench.prompts import load_bench_prompts
+from sim.bench.timed_generate import generate_at
+from sim.cloud_under_test import CloudUnderTest
 from sim.sweep.baselines import LocalBaselines, llama_program
 
 
@@ -108,8 +109,8 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
     prompts = [encode_prompt(tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[:settings.prompts]]
     clouds = {"sprinter_llama_cpp": _llama_cpp_cloud(settings)}
     if settings.target in GGUF_PRESETS:
-        clouds["sprinter_resident"] = CloudUnderTest(settings.target, "bfloat16", "resident", max_context=None,
-                                                     cpus=(settings.core,))
+        clouds["sprinter_resident"] = CloudUnderTest(settings.target, "bfloat16", {"engine": "resident"},
+                                                     cpus=frozenset({settings.core}))
     runs: dict[str, list[dict]] = {name: [] for name in [*clouds, "llama_server"]}
     with LocalBaselines(("llama-server",), settings.target, settings.target, settings.out, {settings.core},
                         None) as server, ExitStack() as started:
@@ -123,8 +124,8 @@ def measure_decode(settings: LlamaCppBenchSettings, gguf: Path) -> dict:
 
 
 def _llama_cpp_cloud(settings: LlamaCppBenchSettings, *flags: str) -> CloudUnderTest:
-    return CloudUnderTest(settings.target, None, "llama.cpp", max_context=None, extra=("--threads", "1", *flags),
-                          cpus=(settings.core,))
+    return CloudUnderTest(settings.target, None, {"engine": "llama.cpp"}, ("--threads", "1", *flags),
+                          cpus=frozenset({settings.core}))
 
 
 def measure_turns(settings: LlamaCppBenchSettings, gguf: Path) -> dict:

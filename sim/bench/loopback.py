@@ -2,9 +2,9 @@
 benches (soak, chaos, dashboards) load and break.
 
     with loopback_system(settings, {"drain_s": 2}) as system:
-        system.bases[0], system.replicas[0].cloud.kill(), system.edges_alive()
+        system.bases[0], system.replicas[0].process.kill(), system.edges_alive()
 
-The replicas are those of sim/bench/loaded_cloud.py (`cloud serve --target T --dtype D` plus the bench's own
+The replicas are those of sim/cloud_under_test.py (`cloud serve --target T --dtype D` plus the bench's own
 flags, a metrics port each, OUT/cloud-I.log), started side by side; then every edge daemon, serving the draft
 against all of them with the settings' pipeline, logged to OUT/edge.log or its spec's name. The replicas run on the
 plan's cloud cores and the edges on its edge cores (sim/cores.py): given one core, they all share it.
@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
-from sim.bench.loaded_cloud import Replica, replicas_started, serve_flags
 from sim.bench.settings.operations import ServedSettings
+from sim.cloud_under_test import CloudUnderTest, RunningCloud, replicas_started
 from sim.cores import CorePlan, thread_env
 from sim.processes import EdgeHandle, edge_daemon_process, free_port
 
@@ -31,7 +31,7 @@ class EdgeSpec:
 
 @dataclass(frozen=True)
 class LoopbackSystem:
-    replicas: list[Replica]  # each restartable on its port (chaos kills them)
+    replicas: list[RunningCloud]  # each restartable on its port (chaos kills them)
     edges: list[EdgeHandle]
 
     @property
@@ -42,7 +42,7 @@ class LoopbackSystem:
         return all(edge.process.poll() is None for edge in self.edges)
 
 
-def edge_arguments(settings: ServedSettings, clouds: Sequence[Replica]) -> list[str]:
+def edge_arguments(settings: ServedSettings, clouds: Sequence[RunningCloud]) -> list[str]:
     return ["--draft", settings.draft, "--cloud", ",".join(r.address for r in clouds), "--dtype", settings.dtype,
             "--pipeline", settings.pipeline, "--model-name", f"{settings.draft}+{settings.target}"]
 
@@ -50,13 +50,13 @@ def edge_arguments(settings: ServedSettings, clouds: Sequence[Replica]) -> list[
 @contextmanager
 def loopback_system(settings: ServedSettings, serve: dict[str, object], edges: Sequence[EdgeSpec] = (EdgeSpec(),),
                     cloud_env: dict[str, str] | None = None) -> Iterator[LoopbackSystem]:
-    """The replicas (`serve`: their flags beyond target and dtype, as serve_flags takes them), each once SERVING,
+    """The replicas (`serve`: their flags beyond target and dtype, as CloudUnderTest takes them), each once SERVING,
     then the edges, each once answering."""
     settings.out.mkdir(parents=True, exist_ok=True)
     plan = CorePlan.split()
-    flags = serve_flags(target=settings.target, dtype=settings.dtype, **serve)
-    with replicas_started(settings.out, "cloud", [set(plan.cloud)] * settings.replicas,
-                          {**plan.cloud_env(), **(cloud_env or {})}, flags) as clouds, ExitStack() as running:
+    cloud = CloudUnderTest(settings.target, settings.dtype, serve, env=cloud_env or {}, metrics=True)
+    with replicas_started(cloud, settings.out, "cloud", [plan.cloud] * settings.replicas) as clouds, \
+            ExitStack() as running:
         handles = [running.enter_context(edge_daemon_process(
             edge_arguments(settings, clouds) + list(spec.args), free_port(), settings.out / spec.log_name,
             settings.startup_timeout_s, cpus=set(plan.edge), env={**thread_env(len(plan.edge)), **spec.env}))

@@ -23,10 +23,11 @@ import grpc
 from common import wire
 from common.stats import percentile
 from common.table_cells import cell
-from sim.bench.cloud_under_test import CloudUnderTest, target_stub
 from sim.bench.load import rss_bytes
 from sim.bench.run_folder import RunFolder, jsonable
 from sim.bench.settings.engines import PrefillBenchSettings
+from sim.bench.timed_generate import target_stub
+from sim.cloud_under_test import CloudUnderTest
 from sprinter.v1 import decoding_pb2 as pb
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -97,8 +98,8 @@ async def _measure(address: str, settings: PrefillBenchSettings) -> tuple[list[t
 def bench_prefill(settings: PrefillBenchSettings) -> str:
     """The run's row in OUT/results.json beside earlier runs' rows of other labels; returns this run's table."""
     folder = RunFolder(settings.out)
-    cloud = CloudUnderTest(settings.target, settings.dtype, extra=tuple(shlex.split(settings.serve_args)),
-                           pythonpath=settings.cloud_pythonpath)
+    cloud = CloudUnderTest(settings.target, settings.dtype, {"max_context": 4096},
+                           tuple(shlex.split(settings.serve_args)), pythonpath=settings.cloud_pythonpath)
     with cloud.running(folder.path(f"cloud-{settings.label}.log")) as running:
         samples, opened_at, done_at = asyncio.run(_measure(running.address, settings))
         peak = rss_bytes(running.pid, "VmHWM")

@@ -26,9 +26,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from common import wire
-from sim.bench.cloud_under_test import CloudUnderTest, target_stub, timed_generate
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.engines import PrefixBenchSettings
+from sim.bench.timed_generate import target_stub, timed_generate
+from sim.cloud_under_test import CloudUnderTest
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
 PAGE = 64  # the per-session layout's page: the cache's block on a CPU
@@ -105,15 +106,15 @@ async def _run(address: str, work):
 
 def bench_prefix(s: PrefixBenchSettings) -> str:
     folder = RunFolder(s.out)
-    cloud = CloudUnderTest(s.target, s.dtype, kv_budget_mb=s.kv_budget_mb, extra=("--max-streams", "64"),
-                           cpus=s.cloud_cpus)
-    with replace(cloud, extra=(*cloud.extra, "--no-prefix-cache")).running(folder.path("cloud-cold.log")) as cold:
+    cloud = CloudUnderTest(s.target, s.dtype, {"max_context": 4096, "kv_budget_mb": s.kv_budget_mb, "max_streams": 64},
+                           cpus=frozenset(s.cloud_cpus) or None)
+    with replace(cloud, flags={**cloud.flags, "prefix_cache": False}).running(folder.path("cloud-cold.log")) as cold:
         cold_ttft, cold_rate, _, _ = asyncio.run(_run(cold.address, lambda stub, v: _conversation(stub, v, s)))
     with replace(cloud, metrics=True).running(folder.path("cloud-cached.log")) as cached_cloud:
         ttft, rate, cached, prompt = asyncio.run(_run(cached_cloud.address, lambda stub, v: _conversation(stub, v, s)))
         cacheable, shared = asyncio.run(_run(cached_cloud.address, lambda stub, v: _shared_prompts(stub, v, s)))
         choices_ms, one_ms = asyncio.run(_run(cached_cloud.address, lambda stub, v: _choices(stub, v, s)))
-        over = cached_cloud.scrape().get("sprinter_cloud_kv_over_budget_total", float("nan"))
+        over = cached_cloud.metrics().get("sprinter_cloud_kv_over_budget_total", float("nan"))
     result = PrefixBenchResult({"cached": ttft, "cold": cold_ttft}, {"cached": rate, "cold": cold_rate}, cached, prompt,
                                cacheable, shared, over, choices_ms, one_ms)
     folder.write_results(s, **asdict(result))

@@ -35,9 +35,10 @@ import httpx
 
 from sim.bench.edge_chat import ChatReply, stream_chat, synthetic_text
 from sim.bench.load import scrape_metrics
-from sim.bench.loaded_cloud import Replica, bench_prompt_ids, replicas_started, serve_flags
+from sim.bench.prompts import bench_prompt_ids
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import PrefixFleetSettings
+from sim.cloud_under_test import CloudUnderTest, RunningCloud, replicas_started
 from sim.cores import thread_env
 from sim.processes import edge_daemon_process, free_port
 
@@ -93,9 +94,9 @@ def shared_share(requests: list[FleetRequest], shared_prefix_tokens: list[int]) 
     return shareable, served
 
 
-def _clouds(stack: ExitStack, s: PrefixFleetSettings, name: str, replicas: int, *extra: str) -> list[Replica]:
-    flags = serve_flags(target=s.target, dtype=s.dtype, max_context=4096, max_streams=64) + list(extra)
-    return stack.enter_context(replicas_started(s.out, name, [set(s.cpus)] * replicas, thread_env(len(s.cpus)), flags))
+def _clouds(stack: ExitStack, s: PrefixFleetSettings, name: str, replicas: int, *extra: str) -> list[RunningCloud]:
+    cloud = CloudUnderTest(s.target, s.dtype, {"max_context": 4096, "max_streams": 64}, extra, metrics=True)
+    return stack.enter_context(replicas_started(cloud, s.out, name, [frozenset(s.cpus)] * replicas))
 
 
 def _edge_args(s: PrefixFleetSettings, clouds: list[str]) -> list[str]:
@@ -153,7 +154,7 @@ def measure_conversations(s: PrefixFleetSettings, result: PrefixFleetResult) -> 
             result.turns += asyncio.run(_conversations(base, config, s, tokenizer))
 
 
-def _metrics(replicas: list[Replica], name: str) -> list[float]:
+def _metrics(replicas: list[RunningCloud], name: str) -> list[float]:
     """Each replica's unlabelled sample `name`; 0 where a replica does not expose it. (A long timeout: every
     process shares the pinned cores, a scrape may wait behind a prefill.)"""
     return [scrape_metrics(replica.metrics_port, timeout_s=30).get(name, 0.0) for replica in replicas]
@@ -174,7 +175,7 @@ def shared_prefix(tokenizer, system: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-async def _fleet_requests(bases: list[str], replicas: list[Replica], s: PrefixFleetSettings, tokenizer,
+async def _fleet_requests(bases: list[str], replicas: list[RunningCloud], s: PrefixFleetSettings, tokenizer,
                           result: PrefixFleetResult) -> None:
     systems = [synthetic_text(100 + i, s.system_tokens, tokenizer) for i in range(2)]
     result.shared_prefix_tokens = [shared_prefix(tokenizer, system) for system in systems]

@@ -82,7 +82,7 @@ def soak(settings: SoakSettings) -> Judged:
     with loopback_system(settings, serve, edges, cloud_env={"SPRINTER_CHECK_INVARIANTS": "1"}) as system:
         write_scrape_targets(settings.out, [f"127.0.0.1:{r.metrics_port}" for r in system.replicas],
                              [base.removeprefix("http://") for base in system.bases])
-        samplers = [ProcessSampler(lambda cloud=r.cloud: cloud.pid, system.edges[0].process.pid if i == 0 else None,
+        samplers = [ProcessSampler(lambda cloud=r.process: cloud.pid, system.edges[0].process.pid if i == 0 else None,
                                    r.metrics_port, settings.sample_s) for i, r in enumerate(system.replicas)]
         load = asyncio.run(_drive(settings, system.bases, identities, samplers))
         edge_alive = system.edges_alive()

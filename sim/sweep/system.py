@@ -5,10 +5,11 @@
 
     SystemSettings(..., edge_flags=("--verifier", "auto"))   # the edge as a daemon: sut.base is its OpenAI API
 
-The cloud is `sprinter cloud serve` in a process of its own. The link is a LinkProxy in this event loop
-(sim/link/proxy.py: half the RTT each way), listening on a port picked before anything starts, so that the cloud
-can announce it (`advertise_link`) and the edge keeps one `--cloud` while `set_rtt` changes the delay under it;
-`link=None` leaves it out (the edge dials the cloud). The edge is either `sprinter edge serve` in a process of its
+The cloud is `sprinter cloud serve` in a process of its own, as sim/cloud_under_test.py describes and starts
+every measurement's cloud. The link is a LinkProxy in this event loop (sim/link/proxy.py: half the RTT each way),
+listening on a port picked before anything starts, so that the cloud can announce it (`advertise_link`) and the
+edge keeps one `--cloud` while `set_rtt` changes the delay under it; `link=None` leaves it out (the edge dials the
+cloud). The edge is either `sprinter edge serve` in a process of its
 own or EdgeNodes in this process (edge/node.py), which then runs on the edge's cores. The cores are one CorePlan
 (sim/cores.py); `cores=None` pins nothing.
 """
@@ -24,10 +25,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sim.cloud_under_test import CloudUnderTest
 from sim.cores import CorePlan, thread_env
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.processes import cloud_process, edge_daemon_async, free_port
+from sim.processes import edge_daemon_async, free_port
 from sim.sweep.telemetry import cloud_fleet_args, edge_fleet_args
 
 if TYPE_CHECKING:
@@ -81,12 +83,15 @@ class SystemUnderTest:
         """The edge's --cloud: the link, or the cloud itself when there is none."""
         return f"127.0.0.1:{self.link_port}" if self.settings.link is not None else self.cloud_address
 
-    def cloud_serve_flags(self) -> list[str]:
-        s = self.settings
-        engine = ["--engine", "llama.cpp"] if s.engine == "llama.cpp" else ["--dtype", s.dtype]
-        return ["--target", s.target, *engine, *(["--device", s.device] if s.device else []),
-                *(["--draft", s.draft] if s.cloud_drafts else []), *cloud_fleet_args(s.mqtt_url),
-                *(["--advertise", f"127.0.0.1:{self.link_port}"] if s.advertise_link else []), *s.cloud_flags]
+    def cloud(self) -> CloudUnderTest:
+        """The cloud process, on the plan's cloud cores; llama.cpp runs the GGUF in its own types (no --dtype)."""
+        s, llama_cpp = self.settings, self.settings.engine == "llama.cpp"
+        flags = {"engine": "llama.cpp" if llama_cpp else None, "device": s.device,
+                 "draft": s.draft if s.cloud_drafts else None,
+                 "advertise": f"127.0.0.1:{self.link_port}" if s.advertise_link else None}
+        return CloudUnderTest(s.target, None if llama_cpp else s.dtype, flags,
+                              (*cloud_fleet_args(s.mqtt_url), *s.cloud_flags), cpus=s.cores.cloud if s.cores else None,
+                              threads=s.threads, startup_timeout_s=s.startup_timeout_s)
 
     async def __aenter__(self) -> SystemUnderTest:
         try:
@@ -104,9 +109,7 @@ class SystemUnderTest:
         if cores is not None and s.edge_flags is None:
             self._stack.enter_context(cores.edge_here())
         # Blocking while the cloud loads is fine: nothing else runs in this loop yet.
-        self.cloud_address = self._stack.enter_context(cloud_process(
-            *self.cloud_serve_flags(), log_path=s.out / "cloud.log", startup_timeout_s=s.startup_timeout_s,
-            cpus=set(cores.cloud) if cores else None, env=thread_env(s.threads_on(cores.cloud if cores else None))))
+        self.cloud_address = self._stack.enter_context(self.cloud().running(s.out / "cloud.log")).address
         if s.link is not None:
             host, _, port = self.cloud_address.rpartition(":")
             self.link = await self.hold(LinkProxy(replace(s.link, delay_ms=s.rtt_ms / 2), (host, int(port)),
