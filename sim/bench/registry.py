@@ -87,7 +87,7 @@ def run(bench: Bench, args: argparse.Namespace) -> int:
         table = getattr(importlib.import_module(module), function)(settings)
     except UsageError as err:  # a setting refused by the settings themselves or by the bench reading them together
         print(f"sprinter bench {bench.name}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None  # a usage error, as argparse exits
+        return 2  # a usage error's exit status, as argparse's
     table, passed = (table.table, table.passed) if isinstance(table, Verdict) else (table, True)
     print(table)
     out = getattr(settings, "out", None)
