@@ -138,7 +138,7 @@ $(GPU_BUNDLE)/manifest.json: pyproject.toml $(STUBS) $(VENV)/.project
 bench-auto: $(VENV)/.models-qwen $(VENV)/.llama-cpp $(STUBS)
 	for engine in llama.cpp resident; do $(VENV)/bin/sprinter bench auto --target $(TARGET) --draft $(DRAFT) \
 	    --engine $$engine --prompts 2 --max-new-tokens 32 --out results/bench-auto-$$engine \
-	    --page docs/benchmarks/auto.md --section auto-$$engine || exit 1; done
+	    --page docs/benchmarks/auto.md --section auto-$$(echo $$engine | tr . -) || exit 1; done
 
 bench-proposer: $(VENV)/.models-qwen $(STUBS)
 	$(VENV)/bin/sprinter bench proposer --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 50 --repeats 3 \
