@@ -7,12 +7,9 @@ time a cycle takes:
 
     speculating on the edge   E / (gamma * t_draft + rtt + t_verify(gamma) + t_uplink)
                               a round: draft gamma tokens here, one round trip, one verify of 1 + gamma tokens
-    streamed from the cloud   T / (rtt + t_prefill + (T / E) * t_round * load)
+    streamed from the cloud   T / (rtt + (T / E) * t_round * load)
                               the cloud decodes (target alone: E = 1, t_round = t_decode) or speculates beside the
                               target (cloud-sd: E and t_round its own rounds'); the stream pays the round trip once
-
-A request pays the prompt's prefill in the cloud once, whichever way it decodes (speculating on the edge, less what
-the first block's drafting hides: the edge opens its session while it drafts). Over a short answer it weighs most.
 
 E is the tokens a cycle yields (the accepted draft tokens + the target's own), T the request's token budget, and
 `load` >= 1 how much the cloud's queue stretches its steps. Every time is in ms and measured: the edge's draft step
@@ -39,12 +36,11 @@ def edge_speculation_rate(tokens_per_round: float, gamma: int, t_draft_ms: float
     return round_rate(tokens_per_round, gamma * t_draft_ms + rtt_ms + t_verify_ms + t_uplink_ms)
 
 
-def request_rate(max_tokens: int, tokens_per_round: float, round_ms: float, once_ms: float,
-                 load: float = 1.0) -> float:
-    """Tokens/s of a request that pays `once_ms` at its start (a stream's round trip, the prompt's prefill), then
-    max_tokens / E rounds of `round_ms` each, stretched by `load`."""
+def cloud_stream_rate(max_tokens: int, tokens_per_round: float, round_ms: float, rtt_ms: float,
+                      load: float = 1.0) -> float:
+    """Tokens/s of a stream the cloud decodes: one round trip, then max_tokens / E rounds of `round_ms` each."""
     rounds = max_tokens / max(tokens_per_round, 1e-6)
-    return 1e3 * max_tokens / max(once_ms + rounds * round_ms * load, 1e-6)
+    return 1e3 * max_tokens / max(rtt_ms + rounds * round_ms * load, 1e-6)
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,7 @@ class EdgeDecoder:
                        emit: Callable[[Released], None] = lambda released: None,
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
-                                   settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode,
-                                   len(prompt_ids))
+                                   settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode)
         if placed.mode != settings.decode.mode:  # cloud-sd and target take no call policy and no tree
             settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None, branch_tokens=0),
                                draft_dists="full")  # the edge drafts no more: no draft distribution goes up

@@ -4,12 +4,9 @@ cloud-sd: its placement), or, for `--mode auto`, not speculating at all (mode ta
 A pure decision over measured quantities, so that a response or a log can say why. Per user, in tokens/s, by the
 one cost model (common/spec/round_cost.py):
 
-    edge drafting   T / (t_prefill' + (T / E_edge) * (gamma * t_draft_edge + rtt + t_verify(gamma) + t_uplink))
-    cloud drafting  T / (rtt + t_prefill + (T / E_cloud) * t_round_cloud * load)      T = the request's max_tokens
-    target alone    T / (rtt + t_prefill + T * t_decode * load)
-
-(t_prefill: the cloud's prefill of the prompt, t_verify at the prompt's length; t_prefill' what the first block's
-drafting does not hide; t_uplink = uplink_bytes * 8 / bandwidth)
+    edge drafting   E_edge / (gamma * t_draft_edge + rtt + t_verify(gamma) + uplink_bytes * 8 / bandwidth)
+    cloud drafting  T / (rtt + (T / E_cloud) * t_round_cloud * load)        T = the request's max_tokens
+    target alone    T / (rtt + T * t_decode * load)
 
 where E is the tokens a round yields (accepted + the target's own), t_round_cloud = gamma * t_draft_cloud +
 t_verify(gamma) (the cloud's round, as its GenerateChunks report it), t_decode the cloud's decode step, and the
@@ -27,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.spec.round_cost import request_rate
+from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
 
 EDGE, CLOUD, TARGET = "edge", "cloud", "target"  # TARGET: no speculation (`--mode auto` alone offers it)
 DEFAULT_MARGIN = 0.15
@@ -51,7 +48,6 @@ class PlacementInputs:
     cloud_busy: bool = False  # the cloud announced a queue or refused with RESOURCE_EXHAUSTED lately
     cloud_drafts: bool = True  # some usable replica has a draft (ServiceInfo.draft_model_id)
     cloud_decode_ms: float | None = None  # the target's decode step, offered as an option (`--mode auto`); None: not
-    prefill_ms: float = 0.0  # the cloud's prefill of the prompt, paid once by every option (0: not modelled)
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_tokens < 1:
@@ -88,20 +84,18 @@ def uplink_ms(bytes_: float, mbps: float) -> float:
 
 
 def edge_tokens_per_s(q: PlacementInputs) -> float:
-    drafting_ms = q.gamma * q.t_draft_edge_ms
-    round_ms = drafting_ms + q.rtt_ms + q.t_verify_ms + uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps)
-    # the edge opens its session (the cloud prefills) while it drafts its first block
-    return request_rate(q.max_tokens, q.edge_tokens_per_round, round_ms, max(0.0, q.prefill_ms - drafting_ms))
+    return edge_speculation_rate(q.edge_tokens_per_round, q.gamma, q.t_draft_edge_ms, q.rtt_ms, q.t_verify_ms,
+                                 uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps))
 
 
 def cloud_tokens_per_s(q: PlacementInputs) -> float:
-    return request_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms + q.prefill_ms, q.cloud_load)
+    return cloud_stream_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
 
 
 def target_tokens_per_s(q: PlacementInputs) -> float | None:
     if q.cloud_decode_ms is None:
         return None
-    return request_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms + q.prefill_ms, q.cloud_load)
+    return cloud_stream_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms, q.cloud_load)
 
 
 def decide(q: PlacementInputs, previous: str | None = None, margin: float = DEFAULT_MARGIN) -> PlacementDecision:

@@ -93,13 +93,13 @@ class Placer:
             raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
 
     def place(self, mode: str, placement: str, k: int, max_tokens: int, cost_model: CostModel,
-              cloud: object | None, chooses_mode: bool = False, prompt_tokens: int = 0) -> Placed:
+              cloud: object | None, chooses_mode: bool = False) -> Placed:
         """The mode a request runs in; PlacementRefused when the placement cannot be served. `cloud` is the
         decoder's ReplicaSet (read: drafts(), drafting_load(), costs()); `chooses_mode` (`--mode auto`): the target
         alone is an option too."""
         check_placement(placement)
         if chooses_mode:
-            return self._choose(mode, k, max_tokens, cost_model, cloud, prompt_tokens)
+            return self._choose(mode, k, max_tokens, cost_model, cloud)
         if placement == EDGE:
             return self._count(Placed(EDGE, EDGE, mode))
         if cloud is None:
@@ -114,14 +114,12 @@ class Placer:
                                        "(sprinter cloud serve --draft); none of this edge's has one")
             return self._count(Placed(CLOUD, CLOUD, placed_mode(mode, CLOUD)))
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
-        decision = decide(self.inputs(k, max_tokens, cost_model, load, busy, drafts, prompt_tokens), self.previous,
-                          self.margin)
+        decision = decide(self.inputs(k, max_tokens, cost_model, load, busy, drafts), self.previous, self.margin)
         self.previous = decision.placement
         log.debug("placement auto: %s", decision)
         return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
 
-    def _choose(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object | None,
-                prompt_tokens: int) -> Placed:
+    def _choose(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object | None) -> Placed:
         """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target)."""
         if cloud is None:
             raise PlacementRefused("mode 'auto' chooses among ways of using a cloud, and this edge has none (--cloud)")
@@ -130,8 +128,8 @@ class Placer:
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
         decode_ms = self._cloud_decode_ms.value if self._cloud_decode_ms is not None else \
             costs.decode_ms() or cost_model.t_verify_ms(0)
-        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, cloud.drafts(),  # type: ignore[attr-defined]
-                                     prompt_tokens), cloud_decode_ms=decode_ms)
+        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, cloud.drafts()),  # type: ignore[attr-defined]
+                         cloud_decode_ms=decode_ms)
         decision = decide(inputs, self.previous_choice, self.margin)
         self.previous_choice = decision.placement
         chosen = TARGET_MODE if decision.placement == TARGET else placed_mode(mode, decision.placement)
@@ -143,7 +141,7 @@ class Placer:
         return placed
 
     def inputs(self, k: int, max_tokens: int, cost_model: CostModel, load: float = 1.0, busy: bool = False,
-               drafts: bool = True, prompt_tokens: int = 0) -> PlacementInputs:
+               drafts: bool = True) -> PlacementInputs:
         prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
         edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
         verify = cost_model.t_verify_ms(k)
@@ -152,9 +150,7 @@ class Placer:
         return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms, verify,
                                self._uplink_bytes.value, self.uplink_mbps,
                                self._cloud_tokens.value if self._cloud_tokens is not None else edge_tokens,
-                               cloud_round, load, busy, drafts,
-                               # the prompt's prefill: a forward of its tokens, on the verify line
-                               prefill_ms=cost_model.t_verify_ms(prompt_tokens - 1) if prompt_tokens > 1 else 0.0)
+                               cloud_round, load, busy, drafts)
 
     def observe_edge(self, stats: DecodeStats) -> None:
         """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round."""

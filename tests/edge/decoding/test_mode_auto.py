@@ -117,10 +117,3 @@ def test_the_api_reports_autos_choice_and_refuses_it_without_a_cloud(tiny_target
         refused = post(alone)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
         assert "needs a cloud" in refused.json()["error"]["message"]
-
-
-def test_every_option_pays_the_prompts_prefill_once_and_the_edge_drafts_beside_it() -> None:
-    long = decide(replace(NEAR, prefill_ms=640.0))  # 64 tokens: 21.3 rounds of 60 ms, or 64 steps of 20 ms
-    assert long.target_tokens_per_s == pytest.approx(1e3 * 64 / (640.0 + 64 * 20.0))
-    # the edge's session opens while its first block drafts (40 ms of it)
-    assert long.edge_tokens_per_s == pytest.approx(1e3 * 64 / (600.0 + 64 / 3.0 * 60.0))
