@@ -36,11 +36,12 @@ def edge_speculation_rate(tokens_per_round: float, gamma: int, t_draft_ms: float
     return round_rate(tokens_per_round, gamma * t_draft_ms + rtt_ms + t_verify_ms + t_uplink_ms)
 
 
-def cloud_stream_rate(max_tokens: int, tokens_per_round: float, round_ms: float, rtt_ms: float,
-                      load: float = 1.0) -> float:
-    """Tokens/s of a stream the cloud decodes: one round trip, then max_tokens / E rounds of `round_ms` each."""
+def request_rate(max_tokens: int, tokens_per_round: float, round_ms: float, once_ms: float,
+                 load: float = 1.0) -> float:
+    """Tokens/s of a request that pays `once_ms` at its start (a stream's round trip), then max_tokens / E rounds of
+    `round_ms` each, stretched by `load`."""
     rounds = max_tokens / max(tokens_per_round, 1e-6)
-    return 1e3 * max_tokens / max(rtt_ms + rounds * round_ms * load, 1e-6)
+    return 1e3 * max_tokens / max(once_ms + rounds * round_ms * load, 1e-6)
 
 
 @dataclass(frozen=True)

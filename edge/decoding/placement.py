@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
+from common.spec.round_cost import request_rate, edge_speculation_rate
 
 EDGE, CLOUD, TARGET = "edge", "cloud", "target"  # TARGET: no speculation (`--mode auto` alone offers it)
 DEFAULT_MARGIN = 0.15
@@ -89,13 +89,13 @@ def edge_tokens_per_s(q: PlacementInputs) -> float:
 
 
 def cloud_tokens_per_s(q: PlacementInputs) -> float:
-    return cloud_stream_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
+    return request_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
 
 
 def target_tokens_per_s(q: PlacementInputs) -> float | None:
     if q.cloud_decode_ms is None:
         return None
-    return cloud_stream_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms, q.cloud_load)
+    return request_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms, q.cloud_load)
 
 
 def decide(q: PlacementInputs, previous: str | None = None, margin: float = DEFAULT_MARGIN) -> PlacementDecision:

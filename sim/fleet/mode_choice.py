@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import mean
 
-from common.spec.round_cost import cloud_stream_rate, edge_speculation_rate
+from common.spec.round_cost import request_rate, edge_speculation_rate
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel, demo_profiles
 from sim.fleet.simulation import run_fleet
 
@@ -78,10 +78,10 @@ def predicted(cloud: Cloud, profiles: dict[str, ModeProfile], rtt_ms: float, tok
     gamma, cloud_gamma = mean(edge.block_lengths), mean(sd.block_lengths)
     verify = cloud.forward.t_forward_ms(1, round(gamma) + 1)
     cloud_round = cloud_gamma * cloud.draft_forward.t_forward_ms(1, 1) + cloud.forward.t_forward_ms(1, round(cloud_gamma) + 1)
-    return {"target": cloud_stream_rate(tokens, 1.0, cloud.forward.t_forward_ms(1, 1), rtt_ms),
+    return {"target": request_rate(tokens, 1.0, cloud.forward.t_forward_ms(1, 1), rtt_ms),
             "sprinter-exact": edge_speculation_rate(mean(edge.emitted), round(gamma), EDGE_DRAFT_MS + VERIFIER_MS,
                                                     rtt_ms, verify),
-            "cloud-sd": cloud_stream_rate(tokens, mean(sd.emitted), cloud_round, rtt_ms)}
+            "cloud-sd": request_rate(tokens, mean(sd.emitted), cloud_round, rtt_ms)}
 
 
 def simulated(cloud: Cloud, profiles: dict[str, ModeProfile], rtt_ms: float, tokens: int) -> dict[str, float]:

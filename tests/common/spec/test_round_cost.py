@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.spec.call_policy import goodput
-from common.spec.round_cost import CloudCosts, cloud_stream_rate, edge_speculation_rate
+from common.spec.round_cost import CloudCosts, request_rate, edge_speculation_rate
 
 
 def test_edge_speculation_is_a_rounds_tokens_over_its_time():
@@ -20,9 +20,9 @@ def test_goodput_is_the_edge_speculation_rate_per_ms():
 
 def test_a_cloud_stream_pays_the_round_trip_once():
     # target alone: a token per 40 ms step; 100 tokens after one 200 ms round trip
-    assert cloud_stream_rate(100, 1.0, 40.0, 200.0) == pytest.approx(100 / 4.2)
+    assert request_rate(100, 1.0, 40.0, 200.0) == pytest.approx(100 / 4.2)
     # a queue stretching every step by half
-    assert cloud_stream_rate(100, 1.0, 40.0, 200.0, load=1.5) == pytest.approx(100 / 6.2)
+    assert request_rate(100, 1.0, 40.0, 200.0, load=1.5) == pytest.approx(100 / 6.2)
 
 
 COSTS = CloudCosts(128, {(1, 1): 10.0, (1, 4): 16.0, (1, 8): 24.0, (4, 1): 14.0, (4, 8): 60.0})
