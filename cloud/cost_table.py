@@ -11,8 +11,11 @@ with no queue; the KV they take is released before the service opens.
 Grid: tokens 1 (a decode step), 4 and 8 (blocks of 3 and 7) and the largest block the limits allow up to 16 (1 + 16);
 sessions 1 and 4, and 128 tokens of context, each as far as the service's limits allow (`TableLimits`: a cloud
 started with a small --max-context, --max-sessions or KV budget times smaller shapes; the table says its context and
-its batches). On this project's CPU machine and Qwen2.5-Coder-1.5B in bf16 that is about 40 forwards, a few seconds
-of start-up; `cloud serve --cost-table off` skips it (GetInfo then reports no table and edges learn the
+its batches): 32 forwards after 4 prefills, each shape's first untimed. Measured on one core of this project's CPU machine (AMD EPYC,
+AVX-512) for Qwen2.5-Coder-1.5B, the resident engine in bf16 took 15.5 s of start-up for it (a decode step 239 ms,
+a block of 3 229 ms, 4 sessions x 17 tokens 689 ms); on llama.cpp its 32 forwards add up to about 10.5 s
+by its own medians (its 4 x 17 forward alone is 1 s).
+`cloud serve --cost-table off` skips it (GetInfo then reports no table and edges learn the
 costs from their verdicts alone).
 """
 

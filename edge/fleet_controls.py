@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common.spec.modes import POLICY_MODES, DecodeSettings, chooses_mode, mode_of, settings_mode
+from common.spec.modes import POLICY_MODES, DecodeSettings, needs_cloud, settings_mode
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from edge.api.completions import ApiSettings, Completions
 from edge.fleet_agent import EdgeIdentity
@@ -74,8 +74,7 @@ class DaemonControls:
             await self.node.use_clouds([str(address) for address in config.clouds])
         elif self.clouds_from_config and self.node.settings.cloud:  # the group cleared its clouds
             await self.node.use_clouds(self.node.settings.cloud.split(","))
-        mode = settings_mode(api.default_mode)
-        if (chooses_mode(api.default_mode) or not mode_of(mode).drafts) and self.node.cloud is None:  # drafting alone
+        if needs_cloud(api.default_mode) and self.node.cloud is None:  # a drafting mode runs from its draft alone
             raise ValueError(f"mode {api.default_mode!r} needs a cloud, and this edge has none: name one in 'clouds'")
         # From here on nothing awaits: the next request sees all of it.
         self.clouds_from_config = bool(config.clouds) or (self.clouds_from_config and not self.node.settings.cloud)

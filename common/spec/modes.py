@@ -129,6 +129,12 @@ def chooses_mode(name: str) -> bool:
     return name == AUTO_MODE
 
 
+def needs_cloud(name: str) -> bool:
+    """A request naming `name` cannot run from the draft alone: auto chooses among ways of using a cloud, and every
+    mode but draft uses one."""
+    return chooses_mode(name) or not mode_of(settings_mode(name)).drafts
+
+
 def settings_mode(name: str) -> str:
     """The mode a request naming `name` is set up and checked in: auto's edge speculation, or the mode itself."""
     return AUTO_SPECULATION if chooses_mode(name) else name

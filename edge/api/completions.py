@@ -22,7 +22,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
 from common.spec.modes import (MODE_CHOICES, PLACEMENTS, POLICY_MODES, PROPOSERS, DecodeSettings, check_branching,
-                               chooses_mode, mode_of, settings_mode, takes_trees)
+                               chooses_mode, mode_of, needs_cloud, settings_mode, takes_trees)
 from common.sampling.distributions import SamplingParams
 from common.sampling.params import GrammarError
 from edge.api.tool_calls import ToolsUnsupported
@@ -93,7 +93,7 @@ class Completions:
         if asked not in MODE_CHOICES:
             return openai_error(400, f"unknown mode {asked!r}; choose one of {', '.join(MODE_CHOICES)}", "mode")
         mode = settings_mode(asked)  # auto: set up as its edge speculation, which the placer may trade for another
-        if (chooses_mode(asked) or not mode_of(mode).drafts) and self.node.cloud is None:  # a drafting mode runs alone
+        if needs_cloud(asked) and self.node.cloud is None:  # a drafting mode runs from its draft alone
             return openai_error(400, f"mode {asked!r} needs a cloud, and this daemon has none (--cloud)", "mode")
         proposer = body.proposer or self.api.default_proposer
         if proposer not in PROPOSERS:

@@ -131,6 +131,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_type: type,
                             help=f"{helps.get(item.name, '')} (default: {shown})".lstrip(), **extra)
 
 
+def require_at_least(settings: object, minimum: int, names: tuple[str, ...]) -> None:
+    """A settings dataclass's check: each named field >= `minimum`, else a UsageError naming its flag."""
+    for name in names:
+        if getattr(settings, name) < minimum:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(settings, name)}")
+
+
 def settings_from(args: argparse.Namespace, settings_type: type[S]) -> S:
     return settings_type(**{item.name: getattr(args, item.name) for item in dataclasses.fields(settings_type)
                             if item.init})

@@ -10,7 +10,7 @@ from typing import Literal
 from common.errors import UsageError
 from common.model.devices import DEVICE_HELP
 from sim.bench.prompts import PROMPTS_FILE
-from sim.bench.registry import Bench
+from sim.bench.registry import Bench, require_at_least
 
 Dtype = Literal["bfloat16", "float32"]  # common/arguments.py DTYPE_NAMES
 
@@ -190,10 +190,8 @@ class PrefixBenchSettings:
     out: Path = Path("results/bench-prefix")
 
     def __post_init__(self) -> None:
-        for name in ("history_tokens", "answer_tokens", "new_tokens", "edges", "rounds", "system_tokens", "choices",
-                     "kv_budget_mb"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, ("history_tokens", "answer_tokens", "new_tokens", "edges", "rounds", "system_tokens",
+                                   "choices", "kv_budget_mb"))
 
 
 @dataclass(frozen=True)

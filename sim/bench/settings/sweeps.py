@@ -12,7 +12,7 @@ from typing import Literal
 
 from common.errors import UsageError
 from common.spec.modes import PROPOSERS, mode_of
-from sim.bench.registry import Bench
+from sim.bench.registry import Bench, require_at_least
 from sim.sweep.settings import SimulateSettings
 
 Dtype = Literal["bfloat16", "float32"]
@@ -84,9 +84,7 @@ class PlacementBenchSettings:
     out: Path = Path("results/bench-placement")
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens", "k", "load_streams"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, ("prompts", "max_new_tokens", "k", "load_streams"))
         if self.warmup < 0:
             raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
         if any(rtt < 0 for rtt in self.rtt_ms + self.load_rtt_ms):
@@ -189,9 +187,7 @@ class AutoBenchSettings:
     out: Path = Path("results/bench-auto")
 
     def __post_init__(self) -> None:
-        for name in ("passes", "prompts", "max_new_tokens", "k"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, ("passes", "prompts", "max_new_tokens", "k"))
         if not self.rtt_ms or min(self.rtt_ms) < 0:
             raise UsageError(f"--rtt-ms must be a non-empty list of values >= 0, got {self.rtt_ms}")
 
