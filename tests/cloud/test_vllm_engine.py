@@ -215,7 +215,7 @@ def test_a_repeated_prompts_logprobs_are_computed_not_read_from_the_cache(wide_v
 # Last in this module: it kills the shared vLLM cloud.
 def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path, wide_vllm, wide_target, wide_draft):
     prompts = [wide_target.tokenizer(t)["input_ids"] for t in ("The quick brown fox", "Once upon a time")]
-    reference = [LocalDecoder(wide_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=160)).token_ids
+    reference = [LocalDecoder(wide_target, None).generate(p, DecodeSettings(mode="target", max_new_tokens=96)).token_ids
                  for p in prompts]
 
     def resident() -> CloudProcess:
@@ -254,7 +254,7 @@ def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path
 
                 killer = asyncio.create_task(kill_when_busy())
                 results = await asyncio.gather(*(node.decoder.generate(p, EdgeSettings(DecodeSettings(
-                    mode=mode, max_new_tokens=160, k=3))) for p in prompts for mode in ("sd-block", "sprinter-exact")))
+                    mode=mode, max_new_tokens=96, k=3))) for p in prompts for mode in ("sd-block", "sprinter-exact")))
                 await killer
                 return results
 
