@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from sim.bench.dashboard_queries import PanelResult
 
 COLUMNS = 2
@@ -18,20 +18,17 @@ UNITS = {"percentunit": (0.01, "%"), "s": (1e-3, "ms"), "ms": (1.0, "ms"), "byte
 
 def plot_dashboard(title: str, results: list[PanelResult], start: float, end: float, out: Path, caption: str) -> Path:
     """One PNG: every panel of `results` over [start, end], x in seconds from `start`."""
-    plt = pyplot()
     rows = max(1, math.ceil(len(results) / COLUMNS))
-    figure, axes = plt.subplots(rows, COLUMNS, figsize=(13, 2.6 * rows), squeeze=False)
-    for ax, result in zip(axes.flat, results):
-        _draw_panel(ax, result, start)
-        ax.set_xlim(0, end - start)
-        ax.set_xlabel("s into the recording", fontsize=7)
-    for ax in list(axes.flat)[len(results):]:
-        ax.set_visible(False)
-    figure.suptitle(f"{title}\n{caption}", fontsize=11)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.5 / rows / 2.6))
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=80)
-    plt.close(figure)
+    with saved_figure(out, rows, COLUMNS, dpi=80, rect=(0, 0, 1, 1 - 0.5 / rows / 2.6), figsize=(13, 2.6 * rows),
+                      squeeze=False) as (figure, axes):
+        for ax, result in zip(axes.flat, results):
+            _draw_panel(ax, result, start)
+            ax.set_xlim(0, end - start)
+            ax.set_xlabel("s into the recording", fontsize=7)
+        for ax in list(axes.flat)[len(results):]:
+            ax.set_visible(False)
+        figure.suptitle(f"{title}\n{caption}", fontsize=11)
     return out
 
 

@@ -179,21 +179,15 @@ def format_table(summary: dict) -> str:
 
 
 def plot(result: RolloutResult, path: Path) -> None:
-    from common.lab.plots import pyplot
+    from common.lab.plots import saved_figure
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, real in (("real edges", True), ("simulated edges", False)):
-        values = sorted(result.latencies(real))
-        if values:
-            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{name} (n={len(values)})")
-    ax.set_xlabel("config ack latency (ms, publish to answer)")
-    ax.set_ylabel("fraction of acks")
-    ax.set_title("fleet config rollout")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(6, 4)) as (_, ax):
+        for name, real in (("real edges", True), ("simulated edges", False)):
+            values = sorted(result.latencies(real))
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{name} (n={len(values)})")
+        ax.set(xlabel="config ack latency (ms, publish to answer)", ylabel="fraction of acks", title="fleet config rollout")
+        ax.legend()
 
 
 def bench_rollout(settings: RolloutSettings) -> str:
