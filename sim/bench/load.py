@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from common.stats import percentile_ceil_rank
+from common.stats import percentile
 from sim.bench.edge_chat import sse_events
 
 log = logging.getLogger(__name__)
@@ -257,9 +257,9 @@ class ProcessSampler:
 def latency_summary(outcomes: Sequence[RequestOutcome]) -> dict[str, float | None]:
     latencies = [o.latency_s for o in outcomes if o.ok]
     ttfts = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
-    p = percentile_ceil_rank
-    return {"latency_s_p50": p(latencies, 50), "latency_s_p90": p(latencies, 90), "latency_s_p99": p(latencies, 99),
-            "latency_s_max": max(latencies, default=None), "ttft_s_p50": p(ttfts, 50), "ttft_s_p99": p(ttfts, 99)}
+    p = percentile
+    return {"latency_s_p50": p(latencies, 0.5), "latency_s_p90": p(latencies, 0.9), "latency_s_p99": p(latencies, 0.99),
+            "latency_s_max": max(latencies, default=None), "ttft_s_p50": p(ttfts, 0.5), "ttft_s_p99": p(ttfts, 0.99)}
 
 
 def http_client(concurrency: int) -> httpx.AsyncClient:

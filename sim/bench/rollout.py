@@ -31,7 +31,7 @@ import httpx
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
-from common.stats import percentile_ceil_rank
+from common.stats import percentile
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.operations import RolloutSettings
@@ -89,7 +89,7 @@ class RolloutResult:
         for name, real in (("all", None), ("real", True), ("simulated", False)):
             values = sorted(self.latencies(real))
             if values:
-                out[f"{name}_ack_ms"] = {"p50": percentile_ceil_rank(values, 50), "p99": percentile_ceil_rank(values, 99),
+                out[f"{name}_ack_ms"] = {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99),
                                          "max": values[-1], "n": len(values)}
         with_t, without_t = (self.telemetry_tokens_per_s.get(k) for k in ("telemetry", "none"))
         if with_t and without_t:
@@ -160,7 +160,7 @@ async def measure(settings: RolloutSettings) -> RolloutResult:
                                                                 timeout_s=30)
                 result.rounds.append([asdict(a) for a in answers])
                 log.info("round %d: %d acks, p99 %.0f ms", round_index + 1, sum(a.ok for a in answers),
-                         percentile_ceil_rank([a.latency_ms for a in answers if a.ok], 99) or 0.0)
+                         percentile([a.latency_ms for a in answers if a.ok], 0.99) or 0.0)
             if settings.real_edges:
                 result.telemetry_tokens_per_s = await _telemetry_cost(settings, bases[0], bases[-1])
     return result
