@@ -61,7 +61,7 @@ class RequestOutcome:
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # the answer's, from its `sprinter` object
     sprinter: dict[str, Any] | None = None  # the rest of that object: time in line, reopens, calls, stats
-    text: str = ""  # streams: the content as it came
+    text: str = ""  # the answer's content (a stream's as it came)
     prompt_tokens: int | None = None  # the usage's
 
     @property
@@ -149,7 +149,9 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
 
 def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     if answer.get("usage"):  # a whole (not streamed) answer
-        outcome.tokens = answer["usage"]["completion_tokens"]
+        outcome.tokens, outcome.prompt_tokens = (answer["usage"][k] for k in ("completion_tokens", "prompt_tokens"))
+        choice = answer["choices"][0]
+        outcome.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
     outcome.degraded = bool(answer["sprinter"]["degraded"])
     outcome.degraded_reason = answer["sprinter"].get("degraded_reason")
     outcome.token_ids = answer["sprinter"].get("token_ids")
