@@ -58,7 +58,7 @@ npm:
 	$(call debian,npm,npm,the docs site needs npm to fetch mermaid.js)
 
 # tests/deploy/test_deploy.py checks deploy/compose/prometheus.yml with Prometheus's own checker, promtool (Debian's prometheus).
-# The same package's server, `prometheus`, records a soak for `sprinter bench dashboards` (tests/sim/bench/test_dashboard_plots.py).
+# The same package's server, `prometheus`, records a soak for `sprinter bench dashboards` (tests/sim/bench/test_dashboards.py).
 promtool:
 	$(call debian,promtool,prometheus,the deploy tests need promtool)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -105,17 +104,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[nearest_rank_index(len(ordered), q)]
-
-
-def percentile_ceil_rank(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (q in 0..100) by the textbook nearest rank: the ceil(q/100 n)-th smallest value; None
-    for no values. A second convention, kept because the load, soak and rollout benches (sim/bench/load.py) have
-    always reported theirs so and their published figures compare with it: between two samples it takes the lower
-    where `percentile` may take the upper (p50 of 1, 2, 3, 4: 2 here, 3 there)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 @dataclass

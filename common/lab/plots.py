@@ -1,8 +1,16 @@
-"""Plots are files: matplotlib on its non-interactive backend, imported only by code that draws."""
+"""Plots are files: matplotlib on its non-interactive backend, imported only by code that draws.
+
+    with saved_figure(out / "plot.png", 1, 2, figsize=(10, 4)) as (fig, axes):
+        axes[0].plot(...)                 # laid out tight, saved and closed when the block ends
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def pyplot() -> ModuleType:
@@ -13,3 +21,18 @@ def pyplot() -> ModuleType:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+@contextmanager
+def saved_figure(path: Path, rows: int = 1, columns: int = 1, dpi: int = 120,
+                 rect: tuple[float, float, float, float] | None = None, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """A figure of rows x columns axes (`plt.subplots`' keywords pass on) that the block draws on; laid out tight
+    (within `rect`), written to `path` and closed when it ends. A block that raises writes nothing."""
+    plt = pyplot()
+    fig, axes = plt.subplots(rows, columns, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout(**({"rect": rect} if rect else {}))
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

@@ -104,22 +104,18 @@ def study_tables(points: list[CurvePoint], ablation: list[AblationRow], label: s
 
 
 def plot_learning_curve(points: list[CurvePoint], label: str, path: Path) -> None:
-    from common.lab.plots import pyplot
+    from common.lab.plots import saved_figure
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for kind in dict.fromkeys(p.kind for p in points):
-        mine = sorted((p.train_tokens, p.test_auc) for p in points if p.kind == kind)
-        ax.plot(*zip(*mine), marker="o", label=kind)
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out ROC AUC")
-    ax.set_title(f"verifier learning curve ({label} label)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(5.5, 4.2)) as (fig, ax):
+        for kind in dict.fromkeys(p.kind for p in points):
+            mine = sorted((p.train_tokens, p.test_auc) for p in points if p.kind == kind)
+            ax.plot(*zip(*mine), marker="o", label=kind)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("held-out ROC AUC")
+        ax.set_title(f"verifier learning curve ({label} label)")
+        ax.grid(alpha=0.3)
+        ax.legend()
 
 
 def run_study(dataset: VerifierDataset, settings: TrainSettings, out: Path) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 
 from cloud.batcher import MAX_HOLD_S, STRAGGLER_SHARE
 from common.spec.modes import mode_of
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.table_cells import cell
 from sim.bench.capacity_report import edges_per_replica, replayed_length
 from sim.fleet.capacity import project_capacity
@@ -296,23 +296,19 @@ def format_projection(projection: dict[str, Any]) -> str:
 
 def plot_projection(projection: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     """Per-user tokens/s against edges per replica, a panel per RTT: simulated lines, the measured points as markers."""
-    plt = pyplot()
     rtts = list(dict.fromkeys(r["rtt_ms"] for r in projection["rows"]))
-    fig, axes = plt.subplots(1, len(rtts), figsize=(4.2 * len(rtts), 4), squeeze=False, sharey=True)
-    labels = list(dict.fromkeys(r["label"] for r in projection["rows"]))
-    colours = {m: f"C{i}" for i, m in enumerate(labels)}
-    for ax, rtt in zip(axes[0], rtts):
-        for r in (r for r in projection["rows"] if r["rtt_ms"] == rtt):
-            ax.plot(r["edges"], r["tokens_per_s_per_user"], color=colours[r["label"]], label=f"{r['label']} (sim)")
-            seen = sorted((m["edges"], m["tokens_per_s_per_user"]) for m in rows if m["mode"] == r["label"]
-                          and math.isclose(m["rtt_ms"], rtt) and m["tokens_per_s_per_user"])
-            if seen:
-                ax.plot(*zip(*seen), "o", color=colours[r["label"]], label=f"{r['label']} (measured)")
-        ax.set(xscale="log", xlabel="edges per replica", title=f"RTT {rtt:g} ms")
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("tokens/s per user")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, 1, len(rtts), figsize=(4.2 * len(rtts), 4), squeeze=False, sharey=True) as (fig, axes):
+        labels = list(dict.fromkeys(r["label"] for r in projection["rows"]))
+        colours = {m: f"C{i}" for i, m in enumerate(labels)}
+        for ax, rtt in zip(axes[0], rtts):
+            for r in (r for r in projection["rows"] if r["rtt_ms"] == rtt):
+                ax.plot(r["edges"], r["tokens_per_s_per_user"], color=colours[r["label"]], label=f"{r['label']} (sim)")
+                seen = sorted((m["edges"], m["tokens_per_s_per_user"]) for m in rows if m["mode"] == r["label"]
+                              and math.isclose(m["rtt_ms"], rtt) and m["tokens_per_s_per_user"])
+                if seen:
+                    ax.plot(*zip(*seen), "o", color=colours[r["label"]], label=f"{r['label']} (measured)")
+            ax.set(xscale="log", xlabel="edges per replica", title=f"RTT {rtt:g} ms")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].set_ylabel("tokens/s per user")
+        axes[0][0].legend(fontsize=7)

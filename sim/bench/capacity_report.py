@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.stats import percentile
 from common.table_cells import cell
 
@@ -178,20 +178,14 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Per-user tokens/s against edges per replica: a panel per RTT, a line per mode."""
-    plt = pyplot()
     rtts = sorted({r["rtt_ms"] for r in rows})
-    fig, axes = plt.subplots(1, len(rtts), figsize=(4.5 * len(rtts), 4), squeeze=False)
-    for ax, rtt in zip(axes[0], rtts):
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            series = sorted((r["edges"], r["tokens_per_s_per_user"]) for r in rows
-                            if r["mode"] == mode and r["rtt_ms"] == rtt and r["tokens_per_s_per_user"])
-            if series:
-                ax.plot(*zip(*series), marker="o", label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("edges per replica")
-        ax.set_ylabel("tokens/s per user")
-        ax.set_title(f"RTT {rtt:g} ms")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, 1, len(rtts), figsize=(4.5 * len(rtts), 4), squeeze=False) as (fig, axes):
+        for ax, rtt in zip(axes[0], rtts):
+            for mode in dict.fromkeys(r["mode"] for r in rows):
+                series = sorted((r["edges"], r["tokens_per_s_per_user"]) for r in rows
+                                if r["mode"] == mode and r["rtt_ms"] == rtt and r["tokens_per_s_per_user"])
+                if series:
+                    ax.plot(*zip(*series), marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="edges per replica", ylabel="tokens/s per user", title=f"RTT {rtt:g} ms")
+            ax.legend(fontsize=7)

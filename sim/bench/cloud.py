@@ -32,7 +32,7 @@ from tqdm import tqdm
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
 from common.model.loading import load_model
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.model.prompting import encode_prompt
 from common.stats import percentile
 from sim.bench.prompts import load_bench_prompts
@@ -170,24 +170,20 @@ def format_table(rows: list[BenchRow]) -> str:
 
 def plot(rows: list[BenchRow], path: Path) -> None:
     """Verified tokens/s against edges: a panel per target and context, a line per engine and batching."""
-    plt = pyplot()
     panels = list(dict.fromkeys((r.target, r.context) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, (target, context) in zip(axes[0], panels):
-        for engine in dict.fromkeys(r.engine for r in rows):
-            for batching in (True, False):
-                series = [r for r in rows if (r.target, r.context, r.engine, r.batching) == (target, context, engine,
-                                                                                               batching)]
-                if series:
-                    ax.plot([r.edges for r in series], [r.verified_tokens_per_s for r in series], marker="o",
-                            linestyle="-" if batching else ":", label=f"{engine}, batching {'on' if batching else 'off'}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent edges")
-        ax.set_ylabel("verified tokens/s")
-        ax.set_title(f"{target}, context {context}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with saved_figure(path, 1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False) as (fig, axes):
+        for ax, (target, context) in zip(axes[0], panels):
+            for engine in dict.fromkeys(r.engine for r in rows):
+                for batching in (True, False):
+                    series = [r for r in rows if (r.target, r.context, r.engine, r.batching) == (target, context, engine,
+                                                                                                   batching)]
+                    if series:
+                        ax.plot([r.edges for r in series], [r.verified_tokens_per_s for r in series], marker="o",
+                                linestyle="-" if batching else ":", label=f"{engine}, batching {'on' if batching else 'off'}")
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="concurrent edges", ylabel="verified tokens/s")
+            ax.set_title(f"{target}, context {context}")
+            ax.legend(fontsize=7)
 
 
 def cache_share(before: dict[str, float], after: dict[str, float]) -> float | None:

@@ -6,13 +6,13 @@ system prompts are its own (no public benchmark prompt) and every run sends the 
 
 from __future__ import annotations
 
-import json
 import random
-import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
+
+from sim.bench.load import RequestSpec, send_request
 
 WORDS = ("the service reads each request and writes a short answer to the log before it closes the file "
          "a small team keeps the build green while the nightly jobs move data between the two stores "
@@ -56,43 +56,12 @@ class ChatReply:
         return int(self.stats.get("draft_reused_tokens", 0))
 
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
-    """The JSON events of a streamed OpenAI answer, in order; None last when the stream ended with [DONE]."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):].strip()
-        if payload == "[DONE]":
-            yield None
-            return
-        yield json.loads(payload)
-
-
 async def stream_chat(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]],
                       max_tokens: int) -> ChatReply:
-    """POST a greedy streamed chat completion (with usage) to the edge at `base`; raise on any failure."""
-    body = {"model": "x", "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    first_at, pieces, stats, usage, done = None, [], None, None, False
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
-        async for event in sse_events(response):
-            if event is None:
-                done = True
-                break
-            if "error" in event:
-                raise RuntimeError(f"error event in the stream: {event['error']}")
-            choice = event["choices"][0] if event.get("choices") else {}
-            content = (choice.get("delta") or {}).get("content")
-            if content:
-                first_at = first_at or time.perf_counter()
-                pieces.append(content)
-            if choice.get("finish_reason"):
-                stats = event["sprinter"]["stats"]
-            usage = event.get("usage") or usage
-    if not done or stats is None or usage is None or first_at is None:
-        raise RuntimeError("cut stream: no content, no final chunk, no usage or no [DONE]")
-    return ChatReply((first_at - started) * 1e3, (time.perf_counter() - started) * 1e3, "".join(pieces),
-                     usage["prompt_tokens"], usage["completion_tokens"], stats)
+    """A greedy streamed chat completion (with usage) to the edge at `base`, in its default mode; raise on any
+    failure (sim/bench/load.py judges it)."""
+    answer = await send_request(client, base, RequestSpec(0, "", True, None, max_tokens, True, messages=tuple(messages)))
+    if not answer.ok or answer.ttft_s is None or not answer.sprinter or "stats" not in answer.sprinter:
+        raise RuntimeError(answer.error or "cut stream: no content or no stats in the final chunk")
+    return ChatReply(answer.ttft_s * 1e3, answer.latency_s * 1e3, answer.text, answer.prompt_tokens or 0,
+                     answer.tokens, answer.sprinter["stats"])

@@ -40,7 +40,7 @@ from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout, ResidentKV
 from common.model.devices import resolve_device
 from common.model.loading import DTYPES
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.stats import percentile
 from common.sampling.params import SamplingParams
 from common.spec.acceptance_rules import Proposal, decide
@@ -181,25 +181,21 @@ def format_table(rows: list[EngineRow]) -> str:
 
 
 def plot(rows: list[EngineRow], path: Path) -> None:
-    plt = pyplot()
     targets = sorted({r.target for r in rows})
-    fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4), squeeze=False)
-    for ax, target in zip(axes[0], targets):
-        for attention, context, batching in sorted({(r.attention, r.context, r.batching) for r in rows
-                                                    if r.target == target}):
-            line = sorted((r for r in rows if (r.target, r.attention, r.context, r.batching)
-                           == (target, attention, context, batching)), key=lambda r: r.edges)
-            ax.plot([r.edges for r in line], [r.tokens_per_s for r in line], marker="o" if batching else "x",
-                    linestyle="-" if attention == "paged" else "--" if batching else ":",
-                    label=f"{attention}, context {context}, batching {'on' if batching else 'off'}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent edges")
-        ax.set_ylabel("verified draft tokens/s")
-        ax.set_title(f"{target} ({rows[0].device}, random weights)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with saved_figure(path, 1, len(targets), figsize=(5.5 * len(targets), 4), squeeze=False) as (fig, axes):
+        for ax, target in zip(axes[0], targets):
+            for attention, context, batching in sorted({(r.attention, r.context, r.batching) for r in rows
+                                                        if r.target == target}):
+                line = sorted((r for r in rows if (r.target, r.attention, r.context, r.batching)
+                               == (target, attention, context, batching)), key=lambda r: r.edges)
+                ax.plot([r.edges for r in line], [r.tokens_per_s for r in line], marker="o" if batching else "x",
+                        linestyle="-" if attention == "paged" else "--" if batching else ":",
+                        label=f"{attention}, context {context}, batching {'on' if batching else 'off'}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set(xlabel="concurrent edges", ylabel="verified draft tokens/s")
+            ax.set_title(f"{target} ({rows[0].device}, random weights)")
+            ax.legend(fontsize=7)
 
 
 def bench_engine(settings: EngineBenchSettings) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 from common import wire
 from common.model.loading import vocab_fingerprint
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.sampling.distributions import SamplingParams
 from common.stats import percentile
 from common.table_cells import cell
@@ -249,21 +249,17 @@ def report(settings: FleetBenchSettings, rows: list[dict], projection: dict) -> 
 
 
 def plot(projection: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    results = projection["results"]
-    for m in sorted({r["n_replicas"] for r in results}):
-        series = sorted((r for r in results if r["n_replicas"] == m), key=lambda r: r["n_edges"])
-        ax.plot([r["n_edges"] for r in series], [r["fleet_tokens_per_s"] for r in series], marker="o",
-                label=f"{m} replica{'s' if m > 1 else ''}")
-    ax.set(xscale="log", yscale="log", xlabel="edges", ylabel="fleet tokens/s (simulated)",
-           title=f"projection, {projection['profile']['name']}"
-                 + (" (illustrative profile)" if projection["profile"]["note"].startswith("ILLUSTRATIVE") else ""))
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(7, 4.5)) as (fig, ax):
+        results = projection["results"]
+        for m in sorted({r["n_replicas"] for r in results}):
+            series = sorted((r for r in results if r["n_replicas"] == m), key=lambda r: r["n_edges"])
+            ax.plot([r["n_edges"] for r in series], [r["fleet_tokens_per_s"] for r in series], marker="o",
+                    label=f"{m} replica{'s' if m > 1 else ''}")
+        ax.set(xscale="log", yscale="log", xlabel="edges", ylabel="fleet tokens/s (simulated)",
+               title=f"projection, {projection['profile']['name']}"
+                     + (" (illustrative profile)" if projection["profile"]["note"].startswith("ILLUSTRATIVE") else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
 
 
 def bench_fleet(settings: FleetBenchSettings) -> str:

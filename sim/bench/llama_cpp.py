@@ -209,10 +209,13 @@ def format_table(result: LlamaCppBenchResult) -> str:
 
 
 def plot(result: LlamaCppBenchResult, path: Path) -> None:
-    from common.lab.plots import pyplot
+    from common.lab.plots import saved_figure
 
-    plt = pyplot()
-    figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    with saved_figure(path, 1, 2, dpi=110, figsize=(10, 3.5)) as (_, axes):
+        _draw(result, axes)
+
+
+def _draw(result: LlamaCppBenchResult, axes) -> None:
     v, d = result.verify, result.decode
     if v:
         n, block = v["verified_tokens"], v["verified_tokens"] // result.settings["edges"]
@@ -229,8 +232,4 @@ def plot(result: LlamaCppBenchResult, path: Path) -> None:
                   "llama_server": "llama-server"}
         bars = {label: d[key]["decode_tokens_per_s"] for key, label in labels.items() if key in d}
         axes[1].barh(list(bars), list(bars.values()), color=["C1" if "llama-server" in b else "C0" for b in bars])
-        axes[1].set_title("mode target: decode")
-        axes[1].set_xlabel("tokens/s")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        axes[1].set(title="mode target: decode", xlabel="tokens/s")

@@ -15,15 +15,14 @@ import logging
 import os
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from common.stats import percentile_ceil_rank
-from sim.bench.edge_chat import sse_events
+from common.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +34,12 @@ class RequestSpec:
     index: int
     prompt: str
     chat: bool
-    mode: str
+    mode: str | None  # None: the edge's default mode
     max_tokens: int
     stream: bool
     temperature: float = 0.0
     seed: int = 0
+    messages: tuple[dict[str, str], ...] = ()  # a chat's whole conversation, in place of `prompt` alone
 
 
 @dataclass
@@ -60,7 +60,9 @@ class RequestOutcome:
     degraded_reason: str | None = None  # the edge's: cloud_unreachable, deadline, no_cloud
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # the answer's, from its `sprinter` object
-    sprinter: dict[str, Any] | None = None  # the rest of that object: time in line, reopens, calls (for a trace)
+    sprinter: dict[str, Any] | None = None  # the rest of that object: time in line, reopens, calls, stats
+    text: str = ""  # the answer's content (a stream's as it came)
+    prompt_tokens: int | None = None  # the usage's
 
     @property
     def ended_s(self) -> float:
@@ -70,11 +72,14 @@ class RequestOutcome:
 def request_body(spec: RequestSpec) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of the request: chat prompts to /v1/chat/completions, others to /v1/completions."""
     body: dict[str, Any] = {"model": "sprinter", "max_tokens": spec.max_tokens, "temperature": spec.temperature,
-                            "seed": spec.seed, "stream": spec.stream, "mode": spec.mode}
+                            "seed": spec.seed, "stream": spec.stream}
+    if spec.mode is not None:
+        body["mode"] = spec.mode
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
     if spec.chat:
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": spec.prompt}]}
+        messages = list(spec.messages) or [{"role": "user", "content": spec.prompt}]
+        return "/v1/chat/completions", {**body, "messages": messages}
     return "/v1/completions", {**body, "prompt": spec.prompt}
 
 
@@ -100,6 +105,18 @@ async def send_request(client: httpx.AsyncClient, base: str, spec: RequestSpec) 
     return outcome
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON events of a streamed OpenAI answer, in order; None last when the stream ended with [DONE]."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):].strip()
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
+
+
 async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], outcome: RequestOutcome) -> None:
     done = final = False
     async with client.stream("POST", url, json=body) as response:
@@ -118,11 +135,12 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
             content = choice.get("text") or (choice.get("delta") or {}).get("content")
             if content and outcome.ttft_s is None:
                 outcome.ttft_s = time.monotonic() - outcome.started_s
+            outcome.text += content or ""
             if choice.get("finish_reason"):  # the final chunk (degraded ones before it carry a partial `sprinter`)
                 _read_final(event, outcome)
                 final = True
             if event.get("usage"):  # after it, a chunk of its own (stream_options.include_usage)
-                outcome.tokens = event["usage"]["completion_tokens"]
+                outcome.tokens, outcome.prompt_tokens = (event["usage"][k] for k in ("completion_tokens", "prompt_tokens"))
     if not (final and done):
         outcome.error = f"cut stream: {'no final event' if not final else 'no [DONE]'} (HTTP 200)"
         return
@@ -131,7 +149,9 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any], o
 
 def _read_final(answer: dict[str, Any], outcome: RequestOutcome) -> None:
     if answer.get("usage"):  # a whole (not streamed) answer
-        outcome.tokens = answer["usage"]["completion_tokens"]
+        outcome.tokens, outcome.prompt_tokens = (answer["usage"][k] for k in ("completion_tokens", "prompt_tokens"))
+        choice = answer["choices"][0]
+        outcome.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
     outcome.degraded = bool(answer["sprinter"]["degraded"])
     outcome.degraded_reason = answer["sprinter"].get("degraded_reason")
     outcome.token_ids = answer["sprinter"].get("token_ids")
@@ -257,9 +277,9 @@ class ProcessSampler:
 def latency_summary(outcomes: Sequence[RequestOutcome]) -> dict[str, float | None]:
     latencies = [o.latency_s for o in outcomes if o.ok]
     ttfts = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
-    p = percentile_ceil_rank
-    return {"latency_s_p50": p(latencies, 50), "latency_s_p90": p(latencies, 90), "latency_s_p99": p(latencies, 99),
-            "latency_s_max": max(latencies, default=None), "ttft_s_p50": p(ttfts, 50), "ttft_s_p99": p(ttfts, 99)}
+    p = percentile
+    return {"latency_s_p50": p(latencies, 0.5), "latency_s_p90": p(latencies, 0.9), "latency_s_p99": p(latencies, 0.99),
+            "latency_s_max": max(latencies, default=None), "ttft_s_p50": p(ttfts, 0.5), "ttft_s_p99": p(ttfts, 0.99)}
 
 
 def http_client(concurrency: int) -> httpx.AsyncClient:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common.errors import UsageError
 from common.spec.modes import PIPELINED_MODES
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.capacity import PipelineBenchSettings
 from sim.fleet.costs import FleetCosts, ForwardModel, ModeProfile, RttModel
@@ -90,18 +90,14 @@ def table_of(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (mode, pipeline) in dict.fromkeys((r["mode"], r["pipeline"]) for r in rows):
-        mine = [r for r in rows if (r["mode"], r["pipeline"]) == (mode, pipeline)]
-        ax.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o",
-                linestyle={"off": ":", "ahead": "--", "send-ahead": "-"}[pipeline], label=f"{mode}/{pipeline}")
-    ax.set(xlabel="round trip (ms)", ylabel="tokens/s per edge", title=f"{rows[0]['edges']} edges, "
-           f"{rows[0]['replicas']} GPU replicas (ASSUMED costs), measured hit rates")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(7, 4)) as (fig, ax):
+        for (mode, pipeline) in dict.fromkeys((r["mode"], r["pipeline"]) for r in rows):
+            mine = [r for r in rows if (r["mode"], r["pipeline"]) == (mode, pipeline)]
+            ax.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o",
+                    linestyle={"off": ":", "ahead": "--", "send-ahead": "-"}[pipeline], label=f"{mode}/{pipeline}")
+        ax.set(xlabel="round trip (ms)", ylabel="tokens/s per edge", title=f"{rows[0]['edges']} edges, "
+               f"{rows[0]['replicas']} GPU replicas (ASSUMED costs), measured hit rates")
+        ax.legend(fontsize=8)
 
 
 def bench_pipeline(settings: PipelineBenchSettings) -> str:

@@ -40,7 +40,7 @@ import grpc
 from common import wire
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.model.loading import DTYPES, LoadedModel, load_model
 from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
@@ -248,17 +248,13 @@ def table(settings: PlacementBenchSettings, rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Tokens/s against RTT, a line per placement; the points under load as crosses of the same colour."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for placement, colour in zip(PLACEMENTS, ("tab:blue", "tab:orange", "tab:green")):
-        for loaded, style in ((False, dict(marker="o", linestyle="-")), (True, dict(marker="x", linestyle=":"))):
-            series = [r for r in rows if r["placement"] == placement and bool(r["load_streams"]) == loaded]
-            if series:
-                ax.plot([r["rtt_ms"] for r in series], [r["tokens_per_s"] for r in series], color=colour,
-                        label=f"{placement}{', under load' if loaded else ''}", **style)
-    ax.set_xlabel("RTT (ms)")
-    ax.set_ylabel("tokens/s per request (wall, TTFT included)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(6.5, 4)) as (fig, ax):
+        for placement, colour in zip(PLACEMENTS, ("tab:blue", "tab:orange", "tab:green")):
+            for loaded, style in ((False, dict(marker="o", linestyle="-")), (True, dict(marker="x", linestyle=":"))):
+                series = [r for r in rows if r["placement"] == placement and bool(r["load_streams"]) == loaded]
+                if series:
+                    ax.plot([r["rtt_ms"] for r in series], [r["tokens_per_s"] for r in series], color=colour,
+                            label=f"{placement}{', under load' if loaded else ''}", **style)
+        ax.set_xlabel("RTT (ms)")
+        ax.set_ylabel("tokens/s per request (wall, TTFT included)")
+        ax.legend(fontsize=7)

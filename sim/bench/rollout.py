@@ -31,7 +31,7 @@ import httpx
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad, EdgeState, EdgeTelemetry, FleetConfig
 from common.fleet_plane.operator import ApplyResult, apply_config, read_fleet
-from common.stats import percentile_ceil_rank
+from common.stats import percentile
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.operations import RolloutSettings
@@ -89,7 +89,7 @@ class RolloutResult:
         for name, real in (("all", None), ("real", True), ("simulated", False)):
             values = sorted(self.latencies(real))
             if values:
-                out[f"{name}_ack_ms"] = {"p50": percentile_ceil_rank(values, 50), "p99": percentile_ceil_rank(values, 99),
+                out[f"{name}_ack_ms"] = {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99),
                                          "max": values[-1], "n": len(values)}
         with_t, without_t = (self.telemetry_tokens_per_s.get(k) for k in ("telemetry", "none"))
         if with_t and without_t:
@@ -160,7 +160,7 @@ async def measure(settings: RolloutSettings) -> RolloutResult:
                                                                 timeout_s=30)
                 result.rounds.append([asdict(a) for a in answers])
                 log.info("round %d: %d acks, p99 %.0f ms", round_index + 1, sum(a.ok for a in answers),
-                         percentile_ceil_rank([a.latency_ms for a in answers if a.ok], 99) or 0.0)
+                         percentile([a.latency_ms for a in answers if a.ok], 0.99) or 0.0)
             if settings.real_edges:
                 result.telemetry_tokens_per_s = await _telemetry_cost(settings, bases[0], bases[-1])
     return result
@@ -179,21 +179,15 @@ def format_table(summary: dict) -> str:
 
 
 def plot(result: RolloutResult, path: Path) -> None:
-    from common.lab.plots import pyplot
+    from common.lab.plots import saved_figure
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, real in (("real edges", True), ("simulated edges", False)):
-        values = sorted(result.latencies(real))
-        if values:
-            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{name} (n={len(values)})")
-    ax.set_xlabel("config ack latency (ms, publish to answer)")
-    ax.set_ylabel("fraction of acks")
-    ax.set_title("fleet config rollout")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(6, 4)) as (_, ax):
+        for name, real in (("real edges", True), ("simulated edges", False)):
+            values = sorted(result.latencies(real))
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{name} (n={len(values)})")
+        ax.set(xlabel="config ack latency (ms, publish to answer)", ylabel="fraction of acks", title="fleet config rollout")
+        ax.legend()
 
 
 def bench_rollout(settings: RolloutSettings) -> str:

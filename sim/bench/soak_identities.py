@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.stats import percentile_ceil_rank
+from common.stats import percentile
 from sim.bench.load import RequestOutcome, seconds
 
 
@@ -58,8 +58,8 @@ def identity_summary(identities: Sequence[Identity], outcomes: Sequence[RequestO
         latencies = [o.latency_s for o in own_done]
         rows.append({"identity": identity.name, "workers": identity.workers, "requests": len(own),
                      "completed": len(own_done), "errors": len(own) - len(own_done), "tokens": tokens,
-                     "tokens_window": window, "latency_s_p50": percentile_ceil_rank(latencies, 50),
-                     "latency_s_p99": percentile_ceil_rank(latencies, 99),
+                     "tokens_window": window, "latency_s_p50": percentile(latencies, 0.5),
+                     "latency_s_p99": percentile(latencies, 0.99),
                      "tokens_share_window": window / window_total if window_total else None,
                      "tokens_share": tokens / total if total else None})
     return rows

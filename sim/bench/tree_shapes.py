@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import UsageError
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.lab.prompt_sets import load_prompts
 from common.spec.call_policy import CostModel
 from sim.bench.proposer import chosen_prompts
@@ -319,7 +319,6 @@ def _validation(v: dict) -> str:
 def plot(summary: dict, path: Path) -> None:
     """x one path against branch tokens per round: the edge's and the round-robin shapes, the best grids within each
     budget, the oracles."""
-    plt = pyplot()
     shapes = summary["shapes"]
     budgets = range(1, max(int(b) for b in summary["best"]) + 1)
 
@@ -329,18 +328,16 @@ def plot(summary: dict, path: Path) -> None:
 
     def each(prefix: str) -> list[float]:
         return [shapes[f"{prefix}:{b}"]["x_one_path"] for b in budgets]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for values, style, label in ((each("edge"), "o-", "the edge's shape"), (each("round-robin"), "x:", "round-robin"),
-                                 (envelope("lowest:"), "s-", "best k x L at the lowest estimate"),
-                                 (envelope("spread:"), "^-", "best spread over m points"),
-                                 (envelope("nested:"), "v-", "best nested"),
-                                 (envelope("oracle-at-rejection:"), "d--", "oracle: best k x L at the rejection"),
-                                 (each("oracle-path"), "k--", "oracle: the target's path")):
-        ax.plot(list(budgets), values, style, label=label)
-    ax.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
-    ax.set(xlabel="branch tokens per round (at most)", ylabel="tokens per call, x one path")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with saved_figure(path, figsize=(7, 4.5)) as (_, ax):
+        for values, style, label in ((each("edge"), "o-", "the edge's shape"),
+                                     (each("round-robin"), "x:", "round-robin"),
+                                     (envelope("lowest:"), "s-", "best k x L at the lowest estimate"),
+                                     (envelope("spread:"), "^-", "best spread over m points"),
+                                     (envelope("nested:"), "v-", "best nested"),
+                                     (envelope("oracle-at-rejection:"), "d--", "oracle: best k x L at the rejection"),
+                                     (each("oracle-path"), "k--", "oracle: the target's path")):
+            ax.plot(list(budgets), values, style, label=label)
+        ax.axhline(1.25, color="grey", linestyle=":", label="goal 1.25x")
+        ax.set(xlabel="branch tokens per round (at most)", ylabel="tokens per call, x one path")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)

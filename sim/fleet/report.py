@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.spec.modes import mode_of
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from common.table_cells import cell
 from sim.fleet.costs import FleetCosts, ModeProfile
 from sim.fleet.simulation import run_fleet
@@ -58,7 +58,6 @@ def format_table(results: list[FleetResult]) -> str:
 
 
 def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
-    plt = pyplot()
     charts = [("tokens_per_s_mean", "tokens/s per edge", "tokens_per_s.png", True),
               ("itl_ms_p99", "ITL p99 (ms)", "itl_p99.png", True),
               ("cloud_utilisation", "cloud utilisation (busy fraction)", "cloud_utilisation.png", False)]
@@ -67,30 +66,27 @@ def plot(results: list[FleetResult], out: Path, title: str = "") -> list[Path]:
     styles = ["-", "--", ":", "-."]
     paths = []
     for metric, label, name, log_y in charts:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for i, profile in enumerate(profiles):
-            for j, m in enumerate(replica_counts):
-                series = sorted((r for r in results if run_label(r) == profile and r.n_replicas == m), key=lambda r: r.n_edges)
-                if metric == "cloud_utilisation" and series and not mode_of(series[0].mode).uses_cloud:
-                    continue  # no cloud
-                ys = [getattr(r, metric) for r in series]
-                if not series or all(y is None for y in ys):
-                    continue
-                ax.plot([r.n_edges for r in series], [math.nan if y is None else y for y in ys],
-                        color=f"C{i}", linestyle=styles[j % len(styles)], marker="o", markersize=3,
-                        label=f"{profile}, {m} replica{'s' if m > 1 else ''}")
-        ax.set_xscale("log")
-        if log_y:
-            ax.set_yscale("log")
-        ax.set_xlabel("edges (N)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        if title:
-            ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
+        with saved_figure(out / name, figsize=(7, 4.5)) as (_, ax):
+            for i, profile in enumerate(profiles):
+                for j, m in enumerate(replica_counts):
+                    series = sorted((r for r in results if run_label(r) == profile and r.n_replicas == m), key=lambda r: r.n_edges)
+                    if metric == "cloud_utilisation" and series and not mode_of(series[0].mode).uses_cloud:
+                        continue  # no cloud
+                    ys = [getattr(r, metric) for r in series]
+                    if not series or all(y is None for y in ys):
+                        continue
+                    ax.plot([r.n_edges for r in series], [math.nan if y is None else y for y in ys],
+                            color=f"C{i}", linestyle=styles[j % len(styles)], marker="o", markersize=3,
+                            label=f"{profile}, {m} replica{'s' if m > 1 else ''}")
+            ax.set_xscale("log")
+            if log_y:
+                ax.set_yscale("log")
+            ax.set_xlabel("edges (N)")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+            if title:
+                ax.set_title(title, fontsize=9)
         paths.append(out / name)
     return paths
 

@@ -6,17 +6,15 @@ One line (or point set) per run, a (mode, pipeline): coloured by mode, styled by
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from sim.sweep.results import pipeline_of
 from sim.sweep.settings import BASELINES, is_baseline, run_label
 from sim.sweep.summary import SummaryRow, mode_rank, pipeline_rank, token_gaps_ms
 
-if TYPE_CHECKING:  # matplotlib is the optional `bench` extra: imported only when drawing
-    from matplotlib.figure import Figure
 
 
 Run = tuple[str, str]  # (mode, pipeline)
@@ -60,55 +58,47 @@ def gaps_by_run(records: list[dict[str, Any]], rtt: float) -> dict[Run, np.ndarr
 
 
 def plot_all(rows: list[SummaryRow], records: list[dict[str, Any]], out: Path) -> list[Path]:
-    plt = pyplot()
-    paths = []
+    runs, paths = _runs(rows), []
 
-    def save(fig: Figure, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        paths.append(out / name)
-
-    runs = _runs(rows)
     def per_rtt(metric: str, ylabel: str, title: str, name: str) -> None:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run in runs:
-            xs, ys = _series(rows, run, metric)
-            ax.plot(xs, ys, marker="o", linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
-        ax.set(xlabel="round-trip time (ms)", ylabel=ylabel, title=title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, name)
+        with saved_figure(out / name, figsize=(7, 4.5)) as (_, ax):
+            for run in runs:
+                xs, ys = _series(rows, run, metric)
+                ax.plot(xs, ys, marker="o", linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
+            ax.set(xlabel="round-trip time (ms)", ylabel=ylabel, title=title)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        paths.append(out / name)
 
     per_rtt("tokens_per_s", "tokens/s (client wall time)", "Speed vs network latency", "tokens_per_s_vs_rtt.png")
     per_rtt("target_calls_per_token", "target calls per token", "Cloud calls per generated token",
             "target_calls_per_token.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = ("o", "^", "s", "D")
-    for run in runs:
-        points = [(r.target_calls_per_token, r.target_nll_per_token) for r in rows
-                  if (r.mode, r.pipeline) == run and r.target_nll_per_token is not None]
-        if points:
-            ax.scatter(*zip(*points), marker=markers[pipeline_rank(run[1]) % len(markers)], **_style(run))
-    ax.set(xlabel="cloud cost: target calls per token", ylabel="target NLL per token (nats, lower is better)",
-           title="Quality vs cloud cost (one point per RTT)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "quality_vs_cloud_cost.png")
+    with saved_figure(out / "quality_vs_cloud_cost.png", figsize=(7, 4.5)) as (_, ax):
+        markers = ("o", "^", "s", "D")
+        for run in runs:
+            points = [(r.target_calls_per_token, r.target_nll_per_token) for r in rows
+                      if (r.mode, r.pipeline) == run and r.target_nll_per_token is not None]
+            if points:
+                ax.scatter(*zip(*points), marker=markers[pipeline_rank(run[1]) % len(markers)], **_style(run))
+        ax.set(xlabel="cloud cost: target calls per token", ylabel="target NLL per token (nats, lower is better)",
+               title="Quality vs cloud cost (one point per RTT)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    paths.append(out / "quality_vs_cloud_cost.png")
 
     rtt = itl_rtt(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    if rtt is not None:
-        by_run = gaps_by_run(records, rtt)
-        for run in (r for r in runs if r in by_run):
-            gaps = by_run[run]
-            ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post",
-                    linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
-        ax.set_xscale("symlog", linthresh=1.0)  # many gaps are 0 (a block released at once), some are round trips
-        ax.set_title(f"Inter-token latency CDF at RTT {rtt:g} ms")
-    ax.set(xlabel="gap between consecutive tokens (ms)", ylabel="fraction of gaps")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "itl_cdf.png")
+    with saved_figure(out / "itl_cdf.png", figsize=(7, 4.5)) as (_, ax):
+        if rtt is not None:
+            by_run = gaps_by_run(records, rtt)
+            for run in (r for r in runs if r in by_run):
+                gaps = by_run[run]
+                ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post",
+                        linestyle=LINE_STYLES[pipeline_rank(run[1]) % len(LINE_STYLES)], **_style(run))
+            ax.set_xscale("symlog", linthresh=1.0)  # many gaps are 0 (a block released at once), some are round trips
+            ax.set_title(f"Inter-token latency CDF at RTT {rtt:g} ms")
+        ax.set(xlabel="gap between consecutive tokens (ms)", ylabel="fraction of gaps")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    paths.append(out / "itl_cdf.png")
     return paths

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.fleet_plane.messages import CloudLoad, EdgeTelemetry
-from common.lab.plots import pyplot
+from common.lab.plots import saved_figure
 from sim.sweep.settings import base_mode
 from sim.sweep.summary import mode_rank
 from sim.sweep.telemetry import TELEMETRY_FILE, TELEMETRY_INTERVAL_S, read_telemetry
@@ -90,28 +90,24 @@ def plot_telemetry(out: Path) -> Path | None:
     spans = phase_spans(lines, t0)
     methods = sorted({s.mode for s in spans}, key=lambda m: (mode_rank(base_mode(m)), m))
     colors = {mode: f"C{i % 10}" for i, mode in enumerate(methods)}
-    plt = pyplot()
-    fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
-    axes[0].plot(*_series(edge, t0, "tokens_per_s"), marker=".", color="k")
-    axes[0].set_ylabel("edge tokens/s")
-    axes[1].plot(*_calls_per_token(edge, t0), marker=".", color="k")
-    axes[1].set_ylabel("target calls / token")
-    axes[2].step(*_series(cloud, t0, "open_sessions"), where="post", color="k", label="open sessions")
-    axes[2].step(*_series(cloud, t0, "queue_depth"), where="post", color="tab:red", label="queue depth")
-    axes[2].set_ylabel("cloud sessions")
-    axes[2].legend(fontsize=7, loc="upper right")
-    axes[3].plot(*_series(cloud, t0, "verify_ms_p50"), marker=".", color="k")
-    axes[3].set(ylabel="cloud verify ms p50", xlabel="seconds since the first message")
-    _shade(list(axes), spans, colors)
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    if methods:
-        from matplotlib.patches import Patch
+    with saved_figure(out / PLOT_FILE, 4, 1, rect=(0, 0, 1, 0.93), figsize=(9, 9), sharex=True) as (fig, axes):
+        axes[0].plot(*_series(edge, t0, "tokens_per_s"), marker=".", color="k")
+        axes[0].set_ylabel("edge tokens/s")
+        axes[1].plot(*_calls_per_token(edge, t0), marker=".", color="k")
+        axes[1].set_ylabel("target calls / token")
+        axes[2].step(*_series(cloud, t0, "open_sessions"), where="post", color="k", label="open sessions")
+        axes[2].step(*_series(cloud, t0, "queue_depth"), where="post", color="tab:red", label="queue depth")
+        axes[2].set_ylabel("cloud sessions")
+        axes[2].legend(fontsize=7, loc="upper right")
+        axes[3].plot(*_series(cloud, t0, "verify_ms_p50"), marker=".", color="k")
+        axes[3].set(ylabel="cloud verify ms p50", xlabel="seconds since the first message")
+        _shade(list(axes), spans, colors)
+        for ax in axes:
+            ax.grid(True, alpha=0.3)
+        if methods:
+            from matplotlib.patches import Patch
 
-        fig.legend(handles=[Patch(color=colors[m], alpha=0.4, label=m) for m in methods], loc="upper center",
-                   bbox_to_anchor=(0.5, 0.97), ncol=min(len(methods), 6), fontsize=8, frameon=False)
-    fig.suptitle("Fleet plane telemetry during the sweep (background: the method measured)", y=0.995, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(out / PLOT_FILE, dpi=120)
-    plt.close(fig)
+            fig.legend(handles=[Patch(color=colors[m], alpha=0.4, label=m) for m in methods], loc="upper center",
+                       bbox_to_anchor=(0.5, 0.97), ncol=min(len(methods), 6), fontsize=8, frameon=False)
+        fig.suptitle("Fleet plane telemetry during the sweep (background: the method measured)", y=0.995, fontsize=10)
     return out / PLOT_FILE

@@ -11,7 +11,7 @@ import pytest
 
 from common.cli import parse_args
 from common.errors import UsageError
-from common.stats import percentile_ceil_rank
+from common.stats import percentile
 from sim.bench import registry
 from sim.bench.load import RequestOutcome, parse_metrics
 from sim.bench.settings.operations import ChaosSettings, SoakSettings
@@ -141,8 +141,8 @@ def test_metrics_parsing_and_percentiles():
     text = ('# HELP sprinter_cloud_kv_cache_bytes KV\n# TYPE sprinter_cloud_kv_cache_bytes gauge\n'
             'sprinter_cloud_kv_cache_bytes 1.5e+06\nsprinter_cloud_errors_total{code="NOT_FOUND"} 2.0\n')
     assert parse_metrics(text) == {"sprinter_cloud_kv_cache_bytes": 1.5e6, 'sprinter_cloud_errors_total{code="NOT_FOUND"}': 2.0}
-    assert percentile_ceil_rank([3, 1, 2, 4], 50) == 2 and percentile_ceil_rank([3, 1, 2, 4], 99) == 4
-    assert percentile_ceil_rank([], 50) is None
+    assert percentile([3, 1, 2, 4], 0.5) == 3 and percentile([3, 1, 2, 4], 0.99) == 4  # round(q (n - 1)): rank 2 of 0..3
+    assert percentile([], 0.5) is None
 
 
 def _outcome(index: int, tokens: int, ended_s: float, ok: bool = True) -> RequestOutcome:

@@ -16,10 +16,9 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from sim.bench.dashboard_plots import plot_dashboard
-from sim.bench.dashboard_queries import (PanelQuery, dashboard_panels, evaluate_panels, filled, grafana_rate_interval,
-                                         legend, load_dashboard, range_series)
-from sim.bench.dashboards import DashboardResult, format_dashboards, prometheus_server, recorded_window
+from sim.bench.dashboards import (DashboardResult, PanelQuery, dashboard_panels, evaluate_panels, filled,
+                                  format_dashboards, grafana_rate_interval, legend, load_dashboard, plot_dashboard,
+                                  prometheus_server, range_series, recorded_window)
 from sim.bench.settings.operations import DashboardBenchSettings
 from sim.bench.soak import write_scrape_targets
 from tests.deploy.test_deploy import missing
