@@ -25,6 +25,7 @@ frame (a limit, a bug), the generation ends with the tokens made so far and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -194,11 +195,13 @@ class EdgeDecoder:
         continuing from the tokens the ones before committed."""
         segment: EdgeSettings | None = settings
         while segment is not None:
-            if not generation.settings.traits.drafts:
-                boundary = (lambda: switch.due(generation)) if switch is not None else _never
-                await self._target(generation, segment, use, deadline_at, drafts, boundary)
-            else:
-                await self._speculate(generation, segment, use, deadline_at, drafts, switch)
+            with tracer.span("edge.segment", mode=generation.settings.mode, at_token=len(generation.new_tokens)) \
+                    if switch is not None else contextlib.nullcontext():
+                if not generation.settings.traits.drafts:
+                    boundary = (lambda: switch.due(generation)) if switch is not None else _never
+                    await self._target(generation, segment, use, deadline_at, drafts, boundary)
+                else:
+                    await self._speculate(generation, segment, use, deadline_at, drafts, switch)
             segment = switch.begin(generation) if switch is not None else None
 
     def _learn_placement(self, generation: Generation, stats: DecodeStats, use: CloudUse,

@@ -1,4 +1,4 @@
-"""`--mode auto` within a request (issue 56): the request runs as segments, one mode each, switching at round boundaries.
+"""`--mode auto` within a request (issue 56): a request runs as segments, one mode each, switching at round ends.
 
 A boundary is where the edge and the cloud agree on the context: a verdict applied (speculating on the edge), a
 chunk of a cloud stream committed (mode target's tokens, cloud-sd's rounds). There the runner asks `ModeSwitch.due`:

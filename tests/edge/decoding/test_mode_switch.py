@@ -1,7 +1,8 @@
 """`--mode auto` switching within a request (edge/decoding/mode_switch.py), over a real cloud on loopback.
 
 A placer that switches by force every few tokens, through the target alone, speculation on the edge and in the cloud,
-makes the switches deterministic: greedy output in float32 is the target's own, token for token, streamed or not,
+makes the switches deterministic: greedy output in float32 is the target's own, token for token (the tiny pair and
+SmolLM2-135M with its 4-layer draft), streamed or not,
 with a pipeline sending candidates ahead at the switch, with logprobs, a stop string and max_tokens; sampled output
 at T=1 follows the target's law over the first tokens (chi-square, fixed seeds). The real placer switches on its
 own when what it measures during the request changes its prediction by more than the margin. Through the API a
@@ -21,6 +22,7 @@ import torch
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
+from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
 from common.spec.generation import Released
 from common.spec.local_decoder import LocalDecoder
@@ -127,6 +129,22 @@ def test_forced_switches_through_every_mode_keep_the_targets_greedy_output(draft
     modes = {s["mode"] for s in _check_switches(result, 4)}
     assert modes == {"target", "sprinter-exact", "cloud-sd"}
     assert result.placed.describe()["switches"] == len(result.placed.switches()) - 1
+
+
+@pytest.mark.smollm2
+def test_smollm2_with_forced_switches_equals_the_target(smollm2, smollm2_4_layers) -> None:
+    prompt = encode_prompt(smollm2.tokenizer, "Write a haiku about the sea.", chat=True)
+    reference = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40))
+    settings = CloudSettings(target="smollm2-135m", draft="smollm2-135m:layers=4", batch_window_ms=1, cost_table="off")
+
+    async def work(node: EdgeNode):
+        node.decoder.placer = Alternating(every=5)
+        return await node.decoder.generate(prompt, _auto(40, pipeline="send-ahead"))
+
+    with ServerThread(settings, smollm2, draft=smollm2_4_layers) as cloud:
+        result = asyncio.run(on_edge(cloud.address, smollm2_4_layers, work))
+    assert not result.degraded and result.error is None and result.token_ids == reference.token_ids
+    assert {s["mode"] for s in _check_switches(result, 4)} == {"target", "sprinter-exact", "cloud-sd"}
 
 
 def test_a_stop_string_ends_the_generation_in_whichever_mode_it_falls(drafting_cloud, tiny_target, tiny_draft):
