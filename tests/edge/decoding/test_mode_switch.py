@@ -24,6 +24,7 @@ from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
+from common.sampling.params import GrammarSpec
 from common.spec.generation import Released
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
@@ -129,6 +130,25 @@ def test_forced_switches_through_every_mode_keep_the_targets_greedy_output(draft
     modes = {s["mode"] for s in _check_switches(result, 4)}
     assert modes == {"target", "sprinter-exact", "cloud-sd"}
     assert result.placed.describe()["switches"] == len(result.placed.switches()) - 1
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6, logit_bias=((5, 3.0),)),
+    SamplingParams(grammar=GrammarSpec("json_object")),
+], ids=["penalties", "json"])
+def test_penalties_and_a_grammar_carry_across_switches(drafting_cloud, tiny_target, tiny_draft, sampling) -> None:
+    """Penalties count the completion and a grammar constrains it whichever mode made its tokens."""
+    prompt = tiny_target.tokenizer("The quick brown fox")["input_ids"]
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24,
+                                                                                 sampling=sampling))
+
+    async def work(node: EdgeNode):
+        node.decoder.placer = Alternating(every=2)
+        return await node.decoder.generate(prompt, _auto(24, sampling))
+
+    result = asyncio.run(on_edge(drafting_cloud.address, tiny_draft, work))
+    assert not result.degraded and result.error is None and result.token_ids == reference.token_ids
+    _check_switches(result, 2)  # (the json object closes in 3 tokens: one switch)
 
 
 @pytest.mark.smollm2
