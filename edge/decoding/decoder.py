@@ -20,6 +20,9 @@ the cloud again after `cloud_retry_s`; mode target does the same with its Genera
 cloud is waited for, never a reason to degrade; a request's own deadline (`request_deadline_s`) is:
 past it the rest of the generation comes from the draft, reason `deadline`. If the cloud refuses a
 frame (a limit, a bug), the generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
+
+`--mode auto` (`EdgeSettings.chooses_mode`) runs a request as segments of one mode each: every runner asks at each
+round boundary whether to go on, and the next mode continues the same `Generation` (edge/decoding/mode_switch.py).
 """
 
 from __future__ import annotations

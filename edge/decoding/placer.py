@@ -11,7 +11,9 @@ A placement names where the draft runs: `edge` (the mode as asked), `cloud` (`pl
 
 `--mode auto` (`chooses_mode`) adds a third option, not speculating: mode target, the cloud decoding alone, at its
 decode step as learned from earlier target streams' GenerateChunks, with the cloud's cost table (GetInfo) as the
-prior. The cost table is also the prior of the verify time t_verify(gamma) until the edge has timed verdicts.
+prior. The cost table is also the prior of the verify time t_verify(gamma) until the edge has timed verdicts. It
+chooses at a request's start and again at its round boundaries (`choose_mode`, asked by edge/decoding/mode_switch.py),
+from the same estimates, which the request's own rounds and chunks update as they come.
 """
 
 from __future__ import annotations
