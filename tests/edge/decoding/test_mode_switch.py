@@ -184,6 +184,39 @@ def test_a_stop_string_ends_the_generation_in_whichever_mode_it_falls(drafting_c
     _check_switches(result, 2)
 
 
+def test_a_cloud_lost_mid_request_degrades_the_segment_running_and_ends_the_switching(tiny_target, tiny_draft):
+    """From the first token served by the draft alone no switch comes: the segment running goes on degraded."""
+    prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
+    no_eos = tuple((token, -100.0) for token in tiny_target.eos_token_ids)  # the draft goes on to max_tokens
+    sampling = SamplingParams(logit_bias=no_eos)
+    reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40,
+                                                                                 sampling=sampling))
+    cloud = ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1, dtype="float32", drain_s=0.2),
+                         tiny_target).__enter__()
+    made: list[int] = []
+    killed: list[int] = []
+    degraded_at: list[int] = []
+
+    def emit(released: Released) -> None:
+        made.extend(released.tokens)
+        if len(made) >= 8 and not killed:
+            killed.append(len(made))
+            cloud.__exit__(None, None, None)  # the cloud goes away mid-request, whichever mode runs then
+
+    async def work(node: EdgeNode):
+        node.decoder.placer = Alternating(order=("target", "edge"), every=3)
+        return await node.decoder.generate(prompt, _auto(40, sampling, cloud_retry_s=30.0), emit=emit,
+                                           on_degraded=lambda reason: degraded_at.append(len(made)))
+
+    result = asyncio.run(on_edge(cloud.address, tiny_draft, work))
+    assert result.degraded_reason == "cloud_unreachable" and len(result.token_ids) == 40 == len(made)
+    assert result.token_ids == made  # each token once, in order
+    switches = result.placed.switches()
+    assert result.token_ids[:switches[-1]["at_token"]] == reference.token_ids[:switches[-1]["at_token"]]
+    # (a chunk the cloud sent before it went may still bring a switch: the loss is not known yet)
+    assert degraded_at and killed[0] <= degraded_at[0] and all(s["at_token"] <= degraded_at[0] for s in switches)
+
+
 def test_the_placer_switches_on_its_own_when_the_target_turns_slow_mid_request(tiny_target, tiny_draft) -> None:
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
     reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
