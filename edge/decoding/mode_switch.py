@@ -26,6 +26,7 @@ from typing import Callable
 
 from common.spec.call_policy import CostModel
 from common.spec.generation import Generation
+from common.spec.propose.drafting import Drafter
 from edge.decoding.edge_settings import EdgeSettings
 from edge.decoding.placement import EDGE
 from edge.decoding.placer import Placed, Placer
@@ -67,7 +68,7 @@ class ModeSwitch:
     degraded: Callable[[], bool]  # no switching once the request runs from the draft alone
     later: list[Placed] = field(default_factory=list)
     pending: Placed | None = None  # the switch a runner stopped for, not begun yet
-    drafter: object | None = None  # the edge segments' drafter, kept across them (its KV holds the context)
+    drafter: Drafter | None = None  # the edge segments' drafter, kept across them (its KV holds the context)
     edge_rounds: int = 0
     _tokens: int = 0  # completion tokens at the last boundary
     _calls: int = 0  # target calls then
