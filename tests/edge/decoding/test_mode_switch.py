@@ -290,4 +290,4 @@ def test_a_streamed_response_after_switches_carries_each_token_once_and_lists_th
     assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] == 20
     switches = whole["sprinter"]["decision"]["switches"]
     assert len(switches) >= 3 and [s["mode"] for s in switches[:2]] == ["target", "cloud-sd"]
-    assert f'sprinter_edge_mode_switches_total{{mode="cloud-sd"}}' in metrics
+    assert 'sprinter_edge_mode_switches_total{mode="cloud-sd"}' in metrics
