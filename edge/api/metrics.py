@@ -69,6 +69,14 @@ class PipelineGaugeCollector:
         yield gauge
 
 
+def _placement_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Where requests ran (placement, `--mode auto`'s first choice), and `--mode auto`'s switches after it."""
+    return (Counter("sprinter_edge_placements", "Requests placed, by the placement (or mode auto) asked and what ran: "
+                    "edge or cloud drafting, or the target alone", ["asked", "used"], registry=r),
+            Counter("sprinter_edge_mode_switches", "Switches of --mode auto within a request, at a round boundary, by "
+                    "the mode switched to", ["mode"], registry=r))
+
+
 class EdgeMetrics:
     def __init__(self, cost_model: CostModel, replicas: Callable[[], ReplicaSet | None] = lambda: None,
                  ahead_records: Callable[[], dict[tuple[str, str], AheadRecord]] = dict) -> None:
@@ -97,8 +105,7 @@ class EdgeMetrics:
                                       "refused", ["reason"], registry=r)
         self.refused = Counter("sprinter_edge_cloud_refusals", "Generations ended early by a cloud refusal", ["code"],
                                registry=r)
-        self.placements = Counter("sprinter_edge_placements", "Requests placed, by the placement (or mode auto) asked "
-                                  "and what ran: edge or cloud drafting, or the target alone", ["asked", "used"], registry=r)
+        self.placements, self.mode_switches = _placement_counters(r)
         self.queue_seconds = Histogram("sprinter_edge_cloud_queue_seconds", "Time a request waited in the cloud's "
                                        "admission queue", registry=r,
                                        buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
@@ -143,6 +150,8 @@ class EdgeMetrics:
         self.draft_prefill_saved.inc(result.stats.draft_prefill_saved_ms / 1e3)
         if result.placed is not None:
             self.placements.labels(result.placed.asked, result.placed.used).inc()
+            for switch in result.placed.later:
+                self.mode_switches.labels(switch.mode).inc()
         if result.degraded_reason is not None:
             self.degraded.labels(result.degraded_reason).inc()
         self.totals.requests += 1

@@ -20,11 +20,15 @@ the cloud again after `cloud_retry_s`; mode target does the same with its Genera
 cloud is waited for, never a reason to degrade; a request's own deadline (`request_deadline_s`) is:
 past it the rest of the generation comes from the draft, reason `deadline`. If the cloud refuses a
 frame (a limit, a bug), the generation ends with the tokens made so far and the refusal in `EdgeResult.error`.
+
+`--mode auto` (`EdgeSettings.chooses_mode`) runs a request as segments of one mode each: every runner asks at each
+round boundary whether to go on, and the next mode continues the same `Generation` (edge/decoding/mode_switch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -41,7 +45,7 @@ from common.spec.propose.proposer_choice import proposer_for
 from common.spec.propose.suffix_proposer import SuffixMemory
 from common.spec.generation import Generation, Released, StopSequences
 from common.sampling.logprobs import TokenLogprob, logprobs_of
-from common.spec.modes import DRAFT_DISTS, PIPELINES, DecodeSettings, call_policy, mode_of
+from common.spec.modes import DecodeSettings, call_policy, mode_of
 from common.spec.speculative_round import block_limit, draft_block, speculative_round
 from common.sampling.logits_processing import processor_for
 from common.model.loading import LoadedModel, vocab_fingerprint
@@ -52,8 +56,10 @@ from common.spec.verifier import Verifier, verifier_for
 from edge.cloud_link.client import CloudLinkError, CloudRefused
 from edge.decoding.ahead_gauge import AheadGauge, AheadRecord
 from edge.cloud_link.cloud_target import CloudUse, CloudTarget, draft_sampling
+from edge.decoding.edge_settings import EdgeSettings
+from edge.decoding.mode_switch import ModeSwitch, segment_settings
 from edge.decoding.pipeline import PipelinedRounds
-from edge.decoding.placer import Placed, Placer, check_placement
+from edge.decoding.placer import Placed, Placer
 from edge.decoding.target_mode import CloudGenerate
 from edge.runtime.draft_reuse import GenerationDrafts
 from edge.cloud_link.replicas import ReplicaSet
@@ -67,45 +73,6 @@ class Degraded:
     (`CloudUse.degraded_reason`: cloud_unreachable, deadline, no_cloud)."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class EdgeSettings:
-    decode: DecodeSettings
-    cloud_retry_s: float = 2.0  # while degraded, how often to try the cloud again
-    max_sparse_support: int = 4096  # sampling: the draft samples from at most this many tokens (sent exactly)
-    stop: tuple[str, ...] = ()  # OpenAI's stop sequences
-    request_deadline_s: float | None = None  # how long the request may wait for the cloud in all; None: as needed
-    pipeline_adapts: bool = True  # False: draft ahead every round even when it does not pay (edge/decoding/ahead_gauge.py)
-    pipeline: str = "off"  # edge/decoding/pipeline.py: draft while a block is in flight ("ahead"), and send it ("send-ahead")
-    placement: str = "edge"  # where the draft runs: edge, cloud (cloud-sd), auto (edge/decoding/placer.py)
-    # Under sampling, what a verify frame carries of the draft's distributions: "full" (all of them), or
-    # "on-rejection" (p_draft of each token alone; the cloud asks for what it needs at a rejection, one more
-    # round trip there: cloud/residual.py). Only for modes whose rule reads a distribution only where it rejects.
-    draft_dists: str = "full"
-    priority: int = 0  # the request's place within its edge's share of the cloud's line: lower first (as vLLM's)
-    chooses_mode: bool = False  # `--mode auto`: the placer picks target, decode's mode, or cloud-sd (placer.py)
-
-    def __post_init__(self) -> None:
-        if self.pipeline not in PIPELINES:
-            raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
-        check_placement(self.placement)
-        if self.draft_dists not in DRAFT_DISTS:
-            raise ValueError(f"unknown draft_dists {self.draft_dists!r}; choose one of {', '.join(DRAFT_DISTS)}")
-        if self.draft_dists == "on-rejection":
-            self._check_on_rejection()
-
-    def _check_on_rejection(self) -> None:
-        traits = self.decode.traits
-        if not traits.dists_on_rejection:
-            raise ValueError(f"draft_dists 'on-rejection' needs a rule that reads a draft distribution only where it "
-                             f"rejects (the token rule); mode {self.decode.mode!r} "
-                             + (f"verifies with the {traits.verify_method} rule, which reads every one: use 'full'"
-                                if traits.verify_method else "verifies no blocks"))
-        if self.pipeline == "send-ahead" and traits.pipelines:
-            raise ValueError("draft_dists 'on-rejection' cannot go with pipeline 'send-ahead': candidates queued "
-                             "behind a block would reach the cloud before the answer to its residual query; "
-                             "use pipeline 'ahead' or 'off', or draft_dists 'full'")
 
 
 @dataclass
@@ -126,6 +93,11 @@ class EdgeResult:
     @property
     def degraded(self) -> bool:
         return self.degraded_reason is not None
+
+
+def _never() -> bool:
+    """The boundary of a request that never switches mode."""
+    return False
 
 
 class EdgeDecoder:
@@ -187,9 +159,7 @@ class EdgeDecoder:
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
                                    settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode)
-        if placed.mode != settings.decode.mode:  # cloud-sd and target take no call policy and no tree
-            settings = replace(settings, decode=replace(settings.decode, mode=placed.mode, policy=None, branch_tokens=0),
-                               draft_dists="full")  # the edge drafts no more: no draft distribution goes up
+        asked, settings = settings, segment_settings(settings, placed)
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
         generation = Generation(list(prompt_ids), settings.decode, self.eos_token_ids, StatsRecorder(mode), emit,
@@ -198,30 +168,55 @@ class EdgeDecoder:
         verifier = self.verifier_identity
         deadline_at = time.monotonic() + settings.request_deadline_s if settings.request_deadline_s else None
         drafts = GenerationDrafts(self.make_draft_lm)
+        switch = ModeSwitch(self.placer, asked, placed, self.cost_model, self.cloud,
+                            lambda: use.degraded_reason is not None) if asked.chooses_mode else None
         with tracer.span("edge.generate", mode=mode, placement=placed.used, prompt_tokens=len(prompt_ids)) as span:
             try:
-                if not generation.settings.traits.drafts:
-                    await self._target(generation, settings, use, deadline_at, drafts)
-                else:
-                    await self._speculate(generation, settings, use, deadline_at, drafts)
+                await self._segments(generation, settings, use, deadline_at, drafts, switch)
             except CloudRefused as err:  # keep what was made; the response says why it ended early
                 log.warning("the cloud refused mid-generation after %d tokens: %s", len(generation.new_tokens), err)
                 use.error = err
-            span.set(new_tokens=len(generation.new_tokens), degraded_reason=use.degraded_reason, reopens=use.reopens)
+            span.set(new_tokens=len(generation.new_tokens), degraded_reason=use.degraded_reason, reopens=use.reopens,
+                     switches=len(switch.later) if switch is not None else 0)
         # off the event loop: keeping the context for the next turn copies the draft's KV
         await asyncio.to_thread(drafts.release, generation.recorder)
         tokens = generation.new_tokens
         text = self._decode(tokens)
         stats = generation.recorder.finish(len(tokens))
-        if generation.settings.traits.placeable and not use.degraded_reason and use.error is None:
-            self.placer.observe_edge(stats)
+        self._learn_placement(generation, stats, use, switch)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         # off the event loop: where no target scored the prompt, the draft's forward over it does
         prompt_logprobs = await asyncio.to_thread(self._prompt_logprobs, prompt_ids, settings.decode.sampling, use) \
             if settings.decode.sampling.prompt_logprobs is not None else None
         return EdgeResult(tokens, stop.cut(text) if stop else text, stats,
                           use.degraded_reason, use.reopens, finish, use.error, verifier, generation.logprobs,
-                          prompt_logprobs, placed, use.queued_ms / 1e3)
+                          prompt_logprobs, switch.placed if switch is not None else placed, use.queued_ms / 1e3)
+
+    async def _segments(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
+                        deadline_at: float | None, drafts: GenerationDrafts, switch: ModeSwitch | None) -> None:
+        """Run the request in its mode; under `--mode auto` segment by segment (edge/decoding/mode_switch.py), each
+        continuing from the tokens the ones before committed."""
+        segment: EdgeSettings | None = settings
+        while segment is not None:
+            with tracer.span("edge.segment", mode=generation.settings.mode, at_token=len(generation.new_tokens)) \
+                    if switch is not None else contextlib.nullcontext():
+                if not generation.settings.traits.drafts:
+                    boundary = (lambda: switch.due(generation)) if switch is not None else _never
+                    await self._target(generation, segment, use, deadline_at, drafts, boundary)
+                else:
+                    await self._speculate(generation, segment, use, deadline_at, drafts, switch)
+            segment = switch.begin(generation) if switch is not None else None
+
+    def _learn_placement(self, generation: Generation, stats: DecodeStats, use: CloudUse,
+                         switch: ModeSwitch | None) -> None:
+        """What placement learns of a finished request that ran as promised: the edge's tokens and uplink bytes a
+        round (`--mode auto` learned its rounds' tokens as they came, and may have run other modes besides)."""
+        if use.degraded_reason or use.error is not None:
+            return
+        if switch is not None:
+            self.placer.observe_uplink(stats.uplink_bytes, switch.edge_rounds)
+        elif generation.settings.traits.placeable:
+            self.placer.observe_edge(stats)
 
     def _prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams,
                          use: CloudUse) -> list[TokenLogprob] | None:
@@ -239,13 +234,13 @@ class EdgeDecoder:
         return self.draft.tokenizer.decode(tokens, skip_special_tokens=True)
 
     async def _target(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                      deadline_at: float | None, drafts: GenerationDrafts) -> None:
+                      deadline_at: float | None, drafts: GenerationDrafts, boundary: Callable[[], bool]) -> None:
         """Modes target and cloud-sd: the cloud generates (speculates) alone (edge/decoding/target_mode.py)."""
         if self.cloud is None:
             raise ValueError(f"mode {generation.settings.mode!r} needs a cloud (--cloud HOST:PORT)")
         run = CloudGenerate(self.cloud, self.vocab_fingerprint, self.cost_model, self.placer,
                             lambda: self._drafter(replace(settings.decode, proposer="model"), generation.prompt_ids, drafts),
-                            settings.priority, settings.cloud_retry_s)
+                            settings.priority, settings.cloud_retry_s, boundary=boundary)
         await run.run(generation, use, deadline_at)
 
     def _drafter(self, decode: DecodeSettings, prompt_ids: list[int], drafts: GenerationDrafts) -> Drafter:
@@ -256,8 +251,9 @@ class EdgeDecoder:
                              processor_for(sampling, prompt_ids, grammars), proposer_for(decode, self.suffix_memory))
 
     async def _speculate(self, generation: Generation, settings: EdgeSettings, use: CloudUse,
-                         deadline_at: float | None, drafts: GenerationDrafts) -> None:
-        """Speculative rounds until the generation is done."""
+                         deadline_at: float | None, drafts: GenerationDrafts, switch: ModeSwitch | None) -> None:
+        """Speculative rounds until the generation is done, or (`--mode auto`) a boundary where `switch` switches;
+        the drafter stays for the request's next edge segment (its KV holds the context)."""
         mode, traits = generation.settings.mode, generation.settings.traits
         if traits.uses_cloud and self.cloud is None:
             log.warning("no cloud configured: mode %s runs from the draft alone", mode)
@@ -265,7 +261,10 @@ class EdgeDecoder:
         support = min(settings.max_sparse_support, self.cloud.limits.max_sparse_support or settings.max_sparse_support
                       ) if self.cloud is not None else settings.max_sparse_support
         decode = replace(settings.decode, sampling=draft_sampling(settings.decode.sampling, support))
-        drafter = self._drafter(decode, generation.prompt_ids, drafts)
+        drafter = switch.drafter if switch is not None and switch.drafter is not None else \
+            self._drafter(decode, generation.prompt_ids, drafts)
+        if switch is not None:
+            switch.drafter = drafter
         policy = None
         if traits.speculative:  # fresh per generation; what it learns of the link lives in the cost model
             policy = call_policy(generation.settings, verifier_for(self.verifier, decode.sampling.temperature), self.cost_model)
@@ -273,15 +272,16 @@ class EdgeDecoder:
         cloud_target = None if not traits.uses_cloud or self.cloud is None else self._cloud_target(generation, settings, use, support,
                                                                                     deadline_at)
         try:
-            await self._rounds(generation, settings, drafter, cloud_target, policy)
-            if cloud_target is not None and not use.degraded_reason:  # verified output: what later requests may copy
-                drafter.proposer.observe_output(generation.new_tokens)
+            await self._rounds(generation, settings, drafter, cloud_target, policy,
+                               (lambda: switch.due(generation)) if switch is not None else _never)
+            if cloud_target is not None and not use.degraded_reason and generation.done:
+                drafter.proposer.observe_output(generation.new_tokens)  # verified output: what later requests may copy
         finally:
             if cloud_target is not None:
-                generation.recorder.uplink_bytes = cloud_target.uplink_bytes
-                generation.recorder.downlink_bytes = cloud_target.downlink_bytes
-                generation.recorder.residual_queries = cloud_target.residual_queries
-                generation.recorder.cached_tokens = cloud_target.cached_tokens
+                generation.recorder.uplink_bytes += cloud_target.uplink_bytes  # += : one session per edge segment
+                generation.recorder.downlink_bytes += cloud_target.downlink_bytes
+                generation.recorder.residual_queries += cloud_target.residual_queries
+                generation.recorder.cached_tokens += cloud_target.cached_tokens
                 use.prompt_logprobs = use.prompt_logprobs or cloud_target.prompt_logprobs
                 use.queued_ms += cloud_target.session.queued_ms
                 await cloud_target.close()
@@ -299,7 +299,8 @@ class EdgeDecoder:
         return cloud_target
 
     async def _rounds(self, generation: Generation, settings: EdgeSettings, drafter: Drafter,
-                      cloud_target: CloudTarget | None, policy: CallPolicy | None) -> None:
+                      cloud_target: CloudTarget | None, policy: CallPolicy | None, boundary: Callable[[], bool]) -> None:
+        """Rounds until the generation is done or `boundary()`, asked after each verdict, says to stop there."""
         carried = None
         traits = generation.settings.traits
         if cloud_target is not None and traits.first_token_from_open:
@@ -309,12 +310,16 @@ class EdgeDecoder:
             record = self.ahead_records.setdefault((settings.pipeline, generation.settings.mode), AheadRecord())
             await PipelinedRounds(generation, drafter, cloud_target, policy, self.cost_model, settings.pipeline,
                                   lambda: self._fit_to_cloud(generation),
-                                  AheadGauge(record, settings.pipeline_adapts)).run(carried)
+                                  AheadGauge(record, settings.pipeline_adapts), boundary=boundary).run(carried)
+            return
         while not generation.done:
             if cloud_target is not None:
                 self._fit_to_cloud(generation)
-            await speculative_round(generation, drafter, cloud_target, policy, self.cost_model, prefix=carried)
+            round_ = await speculative_round(generation, drafter, cloud_target, policy, self.cost_model,
+                                             prefix=carried)
             carried = None
+            if round_.verdict is not None and boundary():
+                return
 
     async def _first_token(self, generation: Generation, drafter: Drafter, cloud_target: CloudTarget,
                            policy: CallPolicy | None) -> PendingBlock | None:
@@ -331,7 +336,7 @@ class EdgeDecoder:
             token = first[0] if first is not None else None
             if first is not None:
                 generation.recorder.target_calls += 1
-                generation.commit(0, [token], [first[1]] if first[1] is not None else None)
+                generation.commit(len(generation.new_tokens), [token], [first[1]] if first[1] is not None else None)
             block = await drafting if drafting is not None else PendingBlock()
         finally:
             if drafting is not None:

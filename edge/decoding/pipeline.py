@@ -140,9 +140,13 @@ class PipelinedRounds:
     fit_to_cloud: Callable[[], None]
     gauge: AheadGauge
     max_candidates: int = 3  # send-ahead's budget per block in flight
+    # asked after each verdict: True stops the rounds there (`--mode auto` switches: edge/decoding/mode_switch.py);
+    # what was drafted or sent ahead is dropped with the session, never committed
+    boundary: Callable[[], bool] = lambda: False
 
     async def run(self, carried: PendingBlock | None = None) -> None:
-        """Rounds until the generation is done; `carried`: tokens drafted ahead to start the first block with."""
+        """Rounds until the generation is done or `boundary()` stops them; `carried`: tokens drafted ahead to start
+        the first block with."""
         generation = self.generation
         matched: Candidate | None = None  # a sent candidate the cloud is verifying now
         verdict_at = time.perf_counter()
@@ -178,6 +182,8 @@ class PipelinedRounds:
             verdict_at = time.perf_counter()
             self._learn(verdict, candidates, lag_ms)
             carried, matched = self._commit(context, block, verdict, candidates)
+            if verdict is not None and self.boundary():
+                return
 
     def _learn(self, verdict: Verdict | None, candidates: list[Candidate], lag_ms: float) -> None:
         """Teach the gauge this round: hit or not, what a hit saves (drafting a candidate, and with a sent one

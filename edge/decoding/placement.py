@@ -17,7 +17,10 @@ us with RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for
 all ("never the worse one under load").
 
 Hysteresis: a request keeps the previous request's placement unless the other side is predicted faster by
-more than `margin` (a share), so that a request-by-request decision does not flap on noise.
+more than `margin` (a share), so that a request-by-request decision does not flap on noise. `--mode auto` decides
+again at a request's round boundaries (edge/decoding/mode_switch.py) over the tokens left, with the option running
+as `previous`; a cloud stream already open (`open_stream`) pays no round trip again, so that the end of a request,
+where T is small, does not look cheaper anywhere else than where it is.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class PlacementInputs:
     cloud_busy: bool = False  # the cloud announced a queue or refused with RESOURCE_EXHAUSTED lately
     cloud_drafts: bool = True  # some usable replica has a draft (ServiceInfo.draft_model_id)
     cloud_decode_ms: float | None = None  # the target's decode step, offered as an option (`--mode auto`); None: not
+    open_stream: str | None = None  # CLOUD or TARGET: that option's stream is open already (mid-request: no RTT again)
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_tokens < 1:
@@ -88,14 +92,20 @@ def edge_tokens_per_s(q: PlacementInputs) -> float:
                                  uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps))
 
 
+def stream_open_ms(q: PlacementInputs, option: str) -> float:
+    """What a cloud stream pays once before its rounds: the round trip, unless it is open already."""
+    return 0.0 if q.open_stream == option else q.rtt_ms
+
+
 def cloud_tokens_per_s(q: PlacementInputs) -> float:
-    return request_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, q.rtt_ms, q.cloud_load)
+    return request_rate(q.max_tokens, q.cloud_tokens_per_round, q.cloud_round_ms, stream_open_ms(q, CLOUD),
+                        q.cloud_load)
 
 
 def target_tokens_per_s(q: PlacementInputs) -> float | None:
     if q.cloud_decode_ms is None:
         return None
-    return request_rate(q.max_tokens, 1.0, q.cloud_decode_ms, q.rtt_ms, q.cloud_load)
+    return request_rate(q.max_tokens, 1.0, q.cloud_decode_ms, stream_open_ms(q, TARGET), q.cloud_load)
 
 
 def decide(q: PlacementInputs, previous: str | None = None, margin: float = DEFAULT_MARGIN) -> PlacementDecision:

@@ -11,7 +11,9 @@ A placement names where the draft runs: `edge` (the mode as asked), `cloud` (`pl
 
 `--mode auto` (`chooses_mode`) adds a third option, not speculating: mode target, the cloud decoding alone, at its
 decode step as learned from earlier target streams' GenerateChunks, with the cloud's cost table (GetInfo) as the
-prior. The cost table is also the prior of the verify time t_verify(gamma) until the edge has timed verdicts.
+prior. The cost table is also the prior of the verify time t_verify(gamma) until the edge has timed verdicts. It
+chooses at a request's start and again at its round boundaries (`choose_mode`, asked by edge/decoding/mode_switch.py),
+from the same estimates, which the request's own rounds and chunks update as they come.
 """
 
 from __future__ import annotations
@@ -41,22 +43,30 @@ class PlacementRefused(SprinterError, ValueError):
 
 @dataclass(frozen=True)
 class Placed:
-    """How a request was placed: what it asked, where it drafted, the mode that ran, and why."""
+    """How a request was placed: what it asked, where it drafted, the mode that ran, and why. Under `--mode auto`
+    this is the request's first choice, and `later` its switches at round boundaries (edge/decoding/mode_switch.py)."""
 
     asked: str
-    used: str  # "edge" or "cloud"
-    mode: str  # the mode actually run
+    used: str  # "edge" or "cloud" (or "target": `--mode auto` chose not to speculate)
+    mode: str  # the mode actually run (the first, under `--mode auto`)
     decision: PlacementDecision | None = None  # auto's prediction
     note: str | None = None  # e.g. why a cloud placement stayed on the edge
+    at_token: int = 0  # the completion token this choice took over at
+    later: tuple[Placed, ...] = ()  # `--mode auto`'s switches after the first choice, in order
 
     def switches(self) -> list[dict[str, object]]:
-        """`--mode auto`'s choices (the response's `sprinter.decision`): the mode chosen at each switch, with every
-        option's predicted tokens/s. One, at token 0: the choice is made per request."""
+        """`--mode auto`'s choices (the response's `sprinter.decision`): the mode chosen at each switch (the first at
+        token 0), with every option's predicted tokens/s over the tokens left."""
         if self.decision is None or not chooses_mode(self.asked):
             return []
+        return [choice._switch() for choice in (self, *self.later)]
+
+    def _switch(self) -> dict[str, object]:
+        assert self.decision is not None
         modes = {EDGE: AUTO_SPECULATION, CLOUD: CLOUD_DRAFTING, TARGET: TARGET_MODE}
         predicted = {modes[option]: rate for option, rate in self.decision.predicted().items()}
-        return [{"at_token": 0, "mode": self.mode, "reason": self.decision.reason, "predicted_tokens_per_s": predicted}]
+        return {"at_token": self.at_token, "mode": self.mode, "reason": self.decision.reason,
+                "predicted_tokens_per_s": predicted}
 
     def describe(self) -> dict[str, object]:
         described: dict[str, object] = {"asked": self.asked, "used": self.used, "mode": self.mode}
@@ -64,6 +74,8 @@ class Placed:
             described.update({k: v for k, v in self.decision.describe().items() if k != "placement"})
         if self.note:
             described["note"] = self.note
+        if self.later:
+            described["switches"] = len(self.later)
         return described
 
 
@@ -99,7 +111,10 @@ class Placer:
         alone is an option too."""
         check_placement(placement)
         if chooses_mode:
-            return self._choose(mode, k, max_tokens, cost_model, cloud)
+            if cloud is None:
+                raise PlacementRefused("mode 'auto' chooses among ways of using a cloud, and this edge has none "
+                                       "(--cloud)")
+            return self._count(self.choose_mode(mode, k, max_tokens, cost_model, cloud, self.previous_choice))
         if placement == EDGE:
             return self._count(Placed(EDGE, EDGE, mode))
         if cloud is None:
@@ -119,22 +134,23 @@ class Placer:
         log.debug("placement auto: %s", decision)
         return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
 
-    def _choose(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object | None) -> Placed:
-        """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target)."""
-        if cloud is None:
-            raise PlacementRefused("mode 'auto' chooses among ways of using a cloud, and this edge has none (--cloud)")
+    def choose_mode(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object,
+                    current: str | None, at_token: int = 0) -> Placed:
+        """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target), for
+        the `max_tokens` left. At a request's start `current` is the last request's choice; at its round boundaries
+        (`at_token` > 0: edge/decoding/mode_switch.py) the option running, whose cloud stream, if it has one, is
+        open already. Either wins unless another is predicted faster by more than the margin."""
         costs: CloudCosts = cloud.costs()  # type: ignore[attr-defined]
         cost_model.seed_verify_prior(costs)
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
         decode_ms = self._cloud_decode_ms.value if self._cloud_decode_ms is not None else \
             costs.decode_ms() or cost_model.t_verify_ms(0)
         inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, cloud.drafts()),  # type: ignore[attr-defined]
-                         cloud_decode_ms=decode_ms)
-        decision = decide(inputs, self.previous_choice, self.margin)
+                         cloud_decode_ms=decode_ms, open_stream=current if at_token else None)
+        decision = decide(inputs, current, self.margin)
         self.previous_choice = decision.placement
-        chosen = TARGET_MODE if decision.placement == TARGET else placed_mode(mode, decision.placement)
-        log.debug("mode auto: %s", decision)
-        return self._count(Placed(AUTO_MODE, decision.placement, chosen, decision))
+        log.debug("mode auto at token %d: %s", at_token, decision)
+        return Placed(AUTO_MODE, decision.placement, option_mode(mode, decision.placement), decision, at_token=at_token)
 
     def _count(self, placed: Placed) -> Placed:
         self.decisions[(placed.asked, placed.used)] += 1
@@ -159,6 +175,15 @@ class Placer:
         self._edge_tokens = _update(self._edge_tokens, stats.new_tokens / stats.target_calls)
         self._uplink_bytes.update(stats.uplink_bytes / stats.target_calls)
 
+    def observe_edge_round(self, tokens: float) -> None:
+        """The tokens one edge round of a `--mode auto` request yielded, learned as it goes (observe_edge, at the end
+        of a request, would mix its other modes' calls in); its uplink bytes come with `observe_uplink`."""
+        self._edge_tokens = _update(self._edge_tokens, tokens)
+
+    def observe_uplink(self, bytes_: int, rounds: int) -> None:
+        if rounds > 0:
+            self._uplink_bytes.update(bytes_ / rounds)
+
     def observe_cloud_round(self, tokens: int, drafted: int, step_ms: float, first: bool) -> None:
         """One cloud-sd round as its GenerateChunk reported it; the first also holds the prefill, so it teaches
         tokens a round but not a round's time."""
@@ -181,6 +206,11 @@ class Placer:
                 "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None,
                 "cloud_decode_ms": self._cloud_decode_ms.value if self._cloud_decode_ms else None,
                 "previous_choice": self.previous_choice}
+
+
+def option_mode(mode: str, option: str) -> str:
+    """The mode `--mode auto` runs for `option` (edge, cloud, target) when its edge speculation is `mode`."""
+    return TARGET_MODE if option == TARGET else placed_mode(mode, option)
 
 
 def _update(ewma: Ewma | None, x: float) -> Ewma:

@@ -51,6 +51,9 @@ class CloudGenerate:
     priority: int = 0  # orders the request within its edge's share of the cloud's line
     cloud_retry_s: float = 2.0
     ticket: QueuePlace | None = None  # the place in the cloud's line, kept for the next try
+    # asked after each chunk committed: True ends the stream there (`--mode auto` switches: mode_switch.py); the
+    # tokens the cloud made past it are dropped unread, never committed
+    boundary: Callable[[], bool] = lambda: False
 
     async def run(self, generation: Generation, use: CloudUse, deadline_at: float | None) -> None:
         drafter, retry_at, busy, failures = None, None, 0, 0
@@ -147,6 +150,6 @@ class CloudGenerate:
                 if chunk.prompt_logprobs:
                     use.prompt_logprobs = wire.logprobs_from_proto(chunk.prompt_logprobs, generation.prompt_ids[1:])
                 finish = chunk.finish_reason or None  # empty from a cloud that predates the field
-                if generation.done:
-                    return None  # our own limit or stop: our own reason
+                if generation.done or self.boundary():
+                    return None  # our own limit or stop (our own reason), or a switch to another mode
         return finish

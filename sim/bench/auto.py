@@ -9,7 +9,8 @@ RTT, after one untimed request per method, `--passes` interleaved passes each ge
 every method: mode target, sprinter-exact, cloud-sd and auto (the methods' order rotates pass by pass). The fixed
 modes' requests also teach the edge their costs, as a daemon's earlier requests would. A pass's tokens/s is its
 tokens over its wall time; the table gives each method's median over the passes, auto's over the best fixed mode
-and over target (the goals: >= 0.97 and >= 0.97), what auto chose, and its predicted tokens/s over the measured
+and over target (the goals: >= 0.97 and >= 0.97), what auto chose first (and in how many requests it switched
+mode within the request), and its predicted tokens/s over the measured, over the requests that kept one mode
 (goal: within 15%). Writes OUT/results.json and OUT/table.md.
 """
 
@@ -76,8 +77,9 @@ async def _one(settings: AutoBenchSettings, node: EdgeNode, ids: list[int], meth
     record = {"rtt_ms": rtt, "pass": number, "method": method, "mode": result.stats.mode, "tokens": len(result.token_ids),
               "wall_s": wall, "token_ids": result.token_ids}
     if auto and result.placed is not None and result.placed.decision is not None:
-        (switch,) = result.placed.switches()
-        record["predicted_tokens_per_s"] = switch["predicted_tokens_per_s"]
+        first, *later = result.placed.switches()
+        record["predicted_tokens_per_s"] = first["predicted_tokens_per_s"]
+        record["switches"] = [{"at_token": s["at_token"], "mode": s["mode"]} for s in later]  # within the request
     return record
 
 
@@ -93,12 +95,14 @@ def summarize(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                      for (t, method, _), rs in passes.items() if t == rtt and method == m)
                 for m in METHODS}
         autos = [r for (t, method, _), rs in passes.items() if t == rtt and method == AUTO_MODE for r in rs]
+        # a prediction is of one mode over the whole request: requests that switched mode within are left out
         ratios = [r["predicted_tokens_per_s"][r["mode"]] / (r["tokens"] / r["wall_s"]) for r in autos
-                  if "predicted_tokens_per_s" in r]
+                  if "predicted_tokens_per_s" in r and not r.get("switches")]
         best = max(FIXED, key=rate.__getitem__)
         rows.append({"rtt_ms": rtt, "tokens_per_s": rate, "best_fixed": best,
                      "auto_over_best": rate[AUTO_MODE] / rate[best], "auto_over_target": rate[AUTO_MODE] / rate[TARGET_MODE],
                      "auto_chose": dict(Counter(r["mode"] for r in autos)),
+                     "auto_switched": sum(bool(r.get("switches")) for r in autos),
                      "predicted_over_measured": statistics.median(ratios) if ratios else None})
     return rows
 
@@ -109,7 +113,8 @@ def table(settings: AutoBenchSettings, rows: list[dict[str, Any]]) -> str:
              "| RTT ms | " + " | ".join(METHODS) + " | auto / best | auto / target | auto chose | predicted / measured |",
              "|" + " --- |" * (len(METHODS) + 5)]
     for r in rows:
-        chose = ", ".join(f"{mode} {n}" for mode, n in sorted(r["auto_chose"].items()))
+        chose = ", ".join(f"{mode} {n}" for mode, n in sorted(r["auto_chose"].items())) + \
+            (f" (switched within {r['auto_switched']})" if r.get("auto_switched") else "")
         lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cell(r["tokens_per_s"][m], ".2f") for m in METHODS)
                      + f" | {r['auto_over_best']:.2f} | {r['auto_over_target']:.2f} | {chose} | "
                      f"{cell(r['predicted_over_measured'], '.2f')} |")

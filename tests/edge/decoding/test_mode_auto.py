@@ -45,6 +45,13 @@ def test_speculating_wins_near_a_slow_target_and_the_target_alone_far_from_it() 
     assert drafting.placement == "cloud" and set(drafting.predicted()) == {"edge", "cloud", "target"}
 
 
+def test_mid_request_an_open_stream_pays_no_round_trip_again() -> None:
+    end = replace(NEAR, rtt_ms=200.0, max_tokens=2)  # 2 tokens left, the edge's round: 3 tokens in 260 ms
+    assert decide(end).placement == "edge"  # a fresh stream of the target's: 2 tokens in 200 + 40 ms
+    kept = decide(replace(end, open_stream="target"), previous="target")  # the stream running: 2 in 40 ms
+    assert kept.placement == "target" and kept.target_tokens_per_s == pytest.approx(1e3 * 2 / 40.0)
+
+
 def test_a_busy_cloud_loses_cloud_drafting_and_stretches_the_targets_stream() -> None:
     far = replace(NEAR, rtt_ms=200.0, cloud_drafts=True, cloud_round_ms=4 * 2.0 + 20.0)
     busy = decide(replace(far, cloud_busy=True, cloud_load=3.0))

@@ -19,6 +19,7 @@ def test_bench_auto_times_every_method_and_auto_matches_the_targets_output(tmp_p
     assert {"date", "machine", "commit", "settings", "rows", "requests"} <= set(report)
     (row,) = report["rows"]
     assert set(row["tokens_per_s"]) == set(METHODS) and sum(row["auto_chose"].values()) == 1
+    assert 0 <= row["auto_switched"] <= 1
     timed = [r for r in report["requests"] if r["pass"] == 0]
     assert {r["method"] for r in timed} == set(METHODS)
     assert len({tuple(r["token_ids"]) for r in timed}) == 1  # lossless: the same greedy tokens in every method
