@@ -6,12 +6,14 @@ r"""`sprinter bench auto`: `--mode auto` against every mode it chooses among, at
 The cloud runs as a process (serving the draft too, for cloud-sd), the edge here with the edge's own draft runtime,
 each on half of this process's cores, behind the link proxy (the system under test, sim/sweep/system.py). At each
 RTT, after one untimed request per method, `--passes` interleaved passes each generate the bench prompts greedily in
-every method: mode target, sprinter-exact, cloud-sd and auto (the methods' order rotates pass by pass). The fixed
+every method: mode target, sprinter-exact, cloud-sd and auto (the methods' order rotates pass by pass), and with
+`--baseline llama-server` (the default) llama.cpp's server alone on the cloud's core, serving the target's GGUF
+with no link (what a user would run instead; sim/sweep/baselines.py), the same prompts as the same token ids. The fixed
 modes' requests also teach the edge their costs, as a daemon's earlier requests would. A pass's tokens/s is its
 tokens over its wall time; the table gives each method's median over the passes, auto's over the best fixed mode
 and over target (the goals: >= 0.97 and >= 0.97), what auto chose first (and in how many requests it switched
 mode within the request), and its predicted tokens/s over the measured, over the requests that kept one mode
-(goal: within 15%). Writes OUT/results.json and OUT/table.md.
+(goal: within 15%), and auto over llama-server alone. Writes OUT/results.json and OUT/table.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter, defaultdict
+from contextlib import ExitStack
 from typing import Any
+
+import httpx
 
 from common.model.loading import DTYPES, load_model
 from common.model.prompting import encode_prompt
@@ -30,12 +35,14 @@ from edge.node import EdgeNode
 from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import AutoBenchSettings
+from sim.sweep.baselines import LocalBaselines
 from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
 
 log = logging.getLogger(__name__)
 
 FIXED = (TARGET_MODE, AUTO_SPECULATION, CLOUD_DRAFTING)
 METHODS = (*FIXED, AUTO_MODE)
+LLAMA_SERVER = "llama-server"
 
 
 def bench_auto(settings: AutoBenchSettings) -> str:
@@ -52,21 +59,46 @@ def bench_auto(settings: AutoBenchSettings) -> str:
     return text
 
 
+def methods(settings: AutoBenchSettings) -> tuple[str, ...]:
+    return METHODS + ((LLAMA_SERVER,) if settings.baseline == LLAMA_SERVER else ())
+
+
 async def _measure(settings: AutoBenchSettings, sut: SystemUnderTest, draft: Any,
                    prompts: list[list[int]]) -> list[dict[str, Any]]:
     node = await sut.edge_node(draft, draft_runtime=settings.draft_runtime, verifier=settings.verifier)
+    every = methods(settings)
     requests = []
-    for rtt in settings.rtt_ms:
-        sut.set_rtt(rtt)
-        for method in METHODS:  # untimed: the link's new RTT and each way's costs, learned as a daemon would
-            await _one(settings, node, prompts[0], method, rtt, -1)
-        for number in range(settings.passes):
-            order = METHODS[number % len(METHODS):] + METHODS[:number % len(METHODS)]
-            for method in order:
-                for ids in prompts:
-                    requests.append(await _one(settings, node, ids, method, rtt, number))
-        log.info("bench auto: RTT %g ms done", rtt)
+    with ExitStack() as stack:
+        baselines = None
+        if settings.baseline == LLAMA_SERVER:  # on the cloud's cores, which sit idle while it serves
+            cloud_cpus = set(sut.settings.cores.cloud) if sut.settings.cores else None
+            baselines = stack.enter_context(LocalBaselines((LLAMA_SERVER,), settings.target, settings.draft,
+                                                           settings.out, cloud_cpus, None))
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(ids: list[int], method: str, rtt: float, number: int) -> dict[str, Any]:
+                if method == LLAMA_SERVER:
+                    return await _one_baseline(settings, baselines, client, ids, rtt, number)
+                return await _one(settings, node, ids, method, rtt, number)
+
+            for rtt in settings.rtt_ms:
+                sut.set_rtt(rtt)
+                for method in every:  # untimed: the link's new RTT and each way's costs, learned as a daemon would
+                    await one(prompts[0], method, rtt, -1)
+                for number in range(settings.passes):
+                    for method in every[number % len(every):] + every[:number % len(every)]:
+                        for ids in prompts:
+                            requests.append(await one(ids, method, rtt, number))
+                log.info("bench auto: RTT %g ms done", rtt)
     return requests
+
+
+async def _one_baseline(settings: AutoBenchSettings, baselines: LocalBaselines | None, client: httpx.AsyncClient,
+                        ids: list[int], rtt: float, number: int) -> dict[str, Any]:
+    """llama-server alone, greedy, for the same token ids (it has no link: its rate does not depend on the RTT)."""
+    assert baselines is not None
+    streamed = await baselines.stream(client, LLAMA_SERVER, ids, settings.max_new_tokens)
+    return {"rtt_ms": rtt, "pass": number, "method": LLAMA_SERVER, "mode": LLAMA_SERVER,
+            "tokens": len(streamed["token_ids"]), "wall_s": streamed["wall_s"], "token_ids": streamed["token_ids"]}
 
 
 async def _one(settings: AutoBenchSettings, node: EdgeNode, ids: list[int], method: str, rtt: float,
@@ -91,9 +123,10 @@ def summarize(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
             passes[(r["rtt_ms"], r["method"], r["pass"])].append(r)
     rows = []
     for rtt in sorted({r["rtt_ms"] for r in requests}):
+        present = [m for m in (*METHODS, LLAMA_SERVER) if any(t == rtt and method == m for t, method, _ in passes)]
         rate = {m: statistics.median(sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
                                      for (t, method, _), rs in passes.items() if t == rtt and method == m)
-                for m in METHODS}
+                for m in present}
         autos = [r for (t, method, _), rs in passes.items() if t == rtt and method == AUTO_MODE for r in rs]
         # a prediction is of one mode over the whole request: requests that switched mode within are left out
         ratios = [r["predicted_tokens_per_s"][r["mode"]] / (r["tokens"] / r["wall_s"]) for r in autos
@@ -103,19 +136,23 @@ def summarize(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "auto_over_best": rate[AUTO_MODE] / rate[best], "auto_over_target": rate[AUTO_MODE] / rate[TARGET_MODE],
                      "auto_chose": dict(Counter(r["mode"] for r in autos)),
                      "auto_switched": sum(bool(r.get("switches")) for r in autos),
+                     "auto_over_llama_server": rate[AUTO_MODE] / rate[LLAMA_SERVER] if LLAMA_SERVER in rate else None,
                      "predicted_over_measured": statistics.median(ratios) if ratios else None})
     return rows
 
 
 def table(settings: AutoBenchSettings, rows: list[dict[str, Any]]) -> str:
+    every = methods(settings)
+    baseline = " auto / llama-server |" if LLAMA_SERVER in every else ""
     lines = [f"Engine {settings.engine}; tokens/s, median of {settings.passes} passes over {settings.prompts} prompts "
              f"x {settings.max_new_tokens} tokens, greedy.", "",
-             "| RTT ms | " + " | ".join(METHODS) + " | auto / best | auto / target | auto chose | predicted / measured |",
-             "|" + " --- |" * (len(METHODS) + 5)]
+             "| RTT ms | " + " | ".join(every) + f" | auto / best | auto / target |{baseline} auto chose | "
+             "predicted / measured |", "|" + " --- |" * (len(every) + 5 + bool(baseline))]
     for r in rows:
         chose = ", ".join(f"{mode} {n}" for mode, n in sorted(r["auto_chose"].items())) + \
             (f" (switched within {r['auto_switched']})" if r.get("auto_switched") else "")
-        lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cell(r["tokens_per_s"][m], ".2f") for m in METHODS)
-                     + f" | {r['auto_over_best']:.2f} | {r['auto_over_target']:.2f} | {chose} | "
+        over_baseline = f" {cell(r['auto_over_llama_server'], '.2f')} |" if baseline else ""
+        lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cell(r["tokens_per_s"].get(m), ".2f") for m in every)
+                     + f" | {r['auto_over_best']:.2f} | {r['auto_over_target']:.2f} |{over_baseline} {chose} | "
                      f"{cell(r['predicted_over_measured'], '.2f')} |")
     return "\n".join(lines)

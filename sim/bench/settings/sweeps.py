@@ -179,6 +179,7 @@ class AutoBenchSettings:
     engine: Literal["resident", "llama.cpp"] = "resident"
     draft_runtime: Literal["onnx", "torch"] = "onnx"  # the edge's own
     verifier: str = "auto"
+    baseline: Literal["llama-server", "off"] = "llama-server"  # what a user would run instead: the target's GGUF
     rtt_ms: tuple[float, ...] = (0.0, 50.0, 100.0, 200.0)
     passes: int = 3
     prompts: int = 4
@@ -197,6 +198,8 @@ AUTO = Bench(
     AutoBenchSettings, "sim.bench.auto:bench_auto", quiet_http=True,
     helps={"engine": "the cloud's engine", "draft_runtime": "the edge's draft runtime",
            "verifier": "the edge's verifier (auto: the one shipped for the pair)", "rtt_ms": "comma list",
+           "baseline": "llama-server: llama.cpp's server alone on the cloud's core, one more method (needs the "
+                       "target's GGUF preset); off: our methods only",
            "passes": "interleaved passes; each method's median is reported", "prompts": "the first N bench prompts"})
 
 BENCHES = (POLICY, FEATURES, UPLINK, PLACEMENT, PROPOSER, AUTO)

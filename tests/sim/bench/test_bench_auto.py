@@ -11,7 +11,7 @@ from sim.bench.settings.sweeps import AutoBenchSettings
 
 def test_bench_auto_times_every_method_and_auto_matches_the_targets_output(tmp_path):
     settings = AutoBenchSettings(target="tiny-random", draft="tiny-random-draft", dtype="float32",
-                                 draft_runtime="torch", verifier="confidence:0.3", rtt_ms=(50.0,), passes=1,
+                                 draft_runtime="torch", verifier="confidence:0.3", baseline="off", rtt_ms=(50.0,), passes=1,
                                  prompts=1, max_new_tokens=8, out=tmp_path)
     text = bench_auto(settings)
     assert "| 50 |" in text and "auto / best" in text
