@@ -34,8 +34,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     commands = verifier.add_subparsers(dest="verifier_command", required=True)
 
     collect = commands.add_parser("collect", help="record decoding data for training (resumable)")
-    _add_pair_arguments(collect)
-    _add_collect_arguments(collect)
+    _add_pair_arguments(collect), _add_collect_arguments(collect)
     collect.add_argument("--data", type=Path, required=True, help="directory for the shards")
     collect.set_defaults(run=run_collect)
 
