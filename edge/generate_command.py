@@ -33,7 +33,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on the pending block (sprinter modes, and sd modes under --policy)")
     p.add_argument("--verifier", default="auto",
                    help="sprinter modes and the call policy's acceptance estimates: 'auto' (the verifier shipped for this pair, else confidence:0.5), "
-                        "'confidence:THRESHOLD' or a learned verifier's .json metadata file")
+                        "'confidence:THRESHOLD', 'margin-logistic[:THRESHOLD]' (fitted online from the verdicts) or a learned "
+                        "verifier's .json metadata file")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     add_device_argument(p, "the local decoder's torch models run (not with --cloud: the edge's draft is ONNX)")
 

@@ -35,7 +35,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = edge.add_parser("serve", help="serve the OpenAI-compatible API backed by the draft and the cloud",
                         description="Run the draft (and verifier) here; verify on the cloud; serve /v1 on localhost.")
     p.add_argument("--draft", default="tiny-random-draft")
-    p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T or a verifier.json")
+    p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T, "
+                                                       "margin-logistic[:T] (fitted online) or a verifier.json")
     add_companion_argument(p)
     p.add_argument("--mode", default="sprinter-exact", choices=MODE_CHOICES,
                    help="default mode; a request may set its own. auto: per request, the target alone, speculating "

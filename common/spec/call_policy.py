@@ -1,17 +1,16 @@
 """Call policies: after each drafted token, draft another or send the pending block to the cloud now.
 
-The edge asks `should_send(accept_probs, cap)` after every drafted token, where accept_probs holds
-a_1..a_g, the verifier's calibrated probability that the target accepts each pending token given its
-prefix. Policies are pure decisions over floats; `CostModel` learns, from what the edge observes, the
-costs the goodput policy weighs (research.md sections 3 and 6).
+The edge asks `should_send(accept_probs, cap)` after every drafted token, where accept_probs holds a_1..a_g, the
+verifier's calibrated probability that the target accepts each pending token given its prefix. Policies are pure
+decisions over floats; `CostModel` learns, from what the edge observes, the costs the goodput policy (and adaptive:
+common/spec/adaptive_policy.py) weighs (research.md sections 3 and 6).
 
 Goodput, as a renewal-reward rate (one round = draft g tokens, one round trip, one verification):
     E(g)       = sum_{j<=g} prod_{i<=j} a_i                      expected accepted draft tokens
     goodput(g) = (E(g) + 1) / (g * t_draft + rtt + t_verify(g))  tokens per ms; +1: the target's own token
 With a pipeline (edge/decoding/pipeline.py) t_draft is the effective cost: the share of blocks drafted while the
-previous block was in flight costs no time of its own. The plan counts the a_i as the cloud has been
-seen to keep them (`CostModel.keep`, common/spec/keep_model.py): block verification keeps more of a long
-block than E(g) says.
+previous block was in flight costs no time of its own. The plan counts the a_i as the cloud has been seen to keep
+them (`CostModel.keep`, common/spec/keep_model.py): block verification keeps more of a long block than E(g) says.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.spec.adaptive_policy import parse_adaptive
 from common.spec.keep_model import KeepModel, expected_accepted_length
 from common.spec.round_cost import CloudCosts, edge_speculation_rate
 
@@ -92,11 +92,10 @@ class FixedPolicy:
 class HeuristicPolicy:
     """transformers' "heuristic" schedule for assisted generation (candidate_generator.py).
 
-    Rule: block length k starts at 5; after each verdict, k += 2 if every token sent was accepted
-    (n_accepted == block_length, also when the block was cut short by the cap, as transformers compares
-    with the candidates actually drafted), else k = max(1, k - 1). k has no upper bound of its own:
-    `cap` bounds the blocks. The state persists across verdicts; a fresh policy per generation gives
-    transformers' "heuristic_transient".
+    Rule: block length k starts at 5; after each verdict, k += 2 if every token sent was accepted (n_accepted ==
+    block_length, also when the cap cut the block short, as transformers compares with the candidates actually
+    drafted), else k = max(1, k - 1); only `cap` bounds k. The state persists across verdicts (a fresh policy per
+    generation gives transformers' "heuristic_transient").
     """
 
     k: int = 5
@@ -358,7 +357,7 @@ class GoodputPolicy:
 
 
 POLICY_FORMS = ("fixed:K", "heuristic", "flag", "flag:THRESHOLD", "goodput", "goodput:max=N", "goodput:price=MS",
-                "goodput:max=N,price=MS")
+                "goodput:max=N,price=MS", "adaptive", "adaptive:max=N")
 
 
 def _goodput_options(value: str) -> dict[str, float | int] | None:
@@ -375,10 +374,9 @@ def _goodput_options(value: str) -> dict[str, float | int] | None:
 
 
 def parse_policy(spec: str, cost_model: CostModel | None = None) -> CallPolicy:
-    """'fixed:5' | 'heuristic' | 'flag' | 'flag:0.5' | 'goodput' | 'goodput:max=16,price=500' -> a policy.
-
-    cost_model is shared with the caller, which feeds it observations; goodput gets a fresh one
-    with default priors when none is given.
+    """'fixed:5' | 'heuristic' | 'flag' | 'flag:0.5' | 'goodput' | 'goodput:max=16,price=500' | 'adaptive' |
+    'adaptive:max=16' -> a policy. cost_model is shared with the caller, which feeds it observations; goodput and
+    adaptive (common/spec/adaptive_policy.py) get a fresh one with default priors when none is given.
     """
     kind, sep, value = spec.strip().partition(":")
     try:
@@ -388,8 +386,10 @@ def parse_policy(spec: str, cost_model: CostModel | None = None) -> CallPolicy:
             return HeuristicPolicy()
         if kind == "flag":
             return FlagPolicy(float(value)) if sep else FlagPolicy()
+        model = cost_model if cost_model is not None else CostModel()
+        if kind == "adaptive" and (adaptive := parse_adaptive(value, model)) is not None:
+            return adaptive
         if kind == "goodput":
-            model = cost_model if cost_model is not None else CostModel()
             if not sep:
                 return GoodputPolicy(model)
             options = _goodput_options(value)

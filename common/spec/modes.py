@@ -257,6 +257,9 @@ def call_policy(settings: DecodeSettings, verifier: Verifier, cost_model: CostMo
     traits = settings.traits
     if traits.default_policy is None:
         raise ValueError(f"mode {settings.mode!r} drafts no blocks for a target: it has no call policy")
+    if traits.releases_passed and getattr(verifier, "learns_from_verdicts", False):
+        raise ValueError(f"mode {settings.mode!r} releases the tokens its verifier passes unchecked, so no verdict "
+                         "judges them: a verifier that learns from verdicts (margin-logistic) needs a lossless mode")
     spec = (settings.policy if traits.takes_policy else None) or traits.default_policy.format(k=settings.k)
     if spec.strip() == "flag":  # a bare flag means the verifier's own threshold (a learned one is tuned), not 0.5
         return FlagPolicy(verifier.threshold)

@@ -26,6 +26,7 @@ class DraftStep:
     companion: tuple[float, float] | None = None  # (S, A) of common/spec/companion.py, when a companion runs
     # (token_prob, entropy) of the token drafted just before this one in its block, when the verifier reads it
     previous: tuple[float, float] | None = None
+    position: int | None = None  # its index in the pending block (0: the block's first token), when the drafter knows it
 
 
 class Verifier(Protocol):
@@ -102,4 +103,5 @@ def parse_verifier(spec: str) -> Verifier:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1], got {threshold}")
         return ConfidenceVerifier(threshold)
-    raise ValueError(f"unknown verifier {spec!r}; expected 'confidence:THRESHOLD'")
+    raise ValueError(f"unknown verifier {spec!r}; expected 'confidence:THRESHOLD' (the edge also loads 'auto', "
+                     "'margin-logistic[:THRESHOLD]' and a learned verifier's .json: edge/runtime/verifier.py)")

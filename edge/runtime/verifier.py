@@ -28,6 +28,7 @@ from common.spec.propose.suffix_proposer import Priors, load_priors
 from common.errors import PairMismatch
 from common.fleet_plane.messages import verifier_digest
 from common.model.loading import vocab_fingerprint
+from common.spec.margin_logistic import KIND as MARGIN_LOGISTIC, MarginLogisticVerifier, parse_margin_logistic
 from common.spec.verifier import ConfidenceVerifier, DraftStep, Verifier, draft_confidence_features, draft_margin, parse_verifier
 from edge.runtime.ort_sessions import make_session
 
@@ -231,7 +232,8 @@ def _shipped(draft_spec: str | None, target_id: str | None) -> Verifier | None:
 
 def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spec: str | None = None,
                   target_id: str | None = None, companion_spec: str | None = None) -> Verifier:
-    """'auto', 'confidence:THRESHOLD' or the path of a learned verifier's metadata JSON (checked against the pair).
+    """'auto', 'confidence:THRESHOLD', 'margin-logistic[:THRESHOLD]' (common/spec/margin_logistic.py: fitted online
+    from the verdicts) or the path of a learned verifier's metadata JSON (checked against the pair).
 
     'auto' takes the verifiers shipped for this draft/target pair (one for greedy decoding and one for
     sampling when both are shipped: `TemperatureMatched`), else the confidence baseline. A learned verifier
@@ -244,6 +246,8 @@ def load_verifier(spec: str, draft_tokenizer: PreTrainedTokenizerBase, draft_spe
             return parse_verifier(AUTO_FALLBACK)
     elif spec.endswith(".json"):
         verifier = LearnedVerifier.load(Path(spec))
+    elif spec.partition(":")[0] == MARGIN_LOGISTIC:
+        return parse_margin_logistic(spec.partition(":")[2])
     else:
         return parse_verifier(spec)
     verifier.check_pair(draft_tokenizer, draft_spec, target_id)
@@ -259,6 +263,8 @@ def verifier_identity(verifier: Verifier) -> dict:
                 "sha256": verifier.greedy.sha256}
     if isinstance(verifier, LearnedVerifier):
         return {"id": str(verifier.metadata["id"]), "sha256": verifier.sha256}
+    if isinstance(verifier, MarginLogisticVerifier):
+        return {"id": verifier.spec, "sha256": None}
     return {"id": f"confidence:{verifier.threshold:g}", "sha256": None}
 
 

@@ -16,7 +16,8 @@ Per drafted token x the shards hold everything any label needs:
     runner_up_prob [n]: the draft's second-highest probability at T=1 (with max_prob, the top-2 margin),
     p_draft / p_target: both models' probability of x under the sampling settings,
     target_argmax_match: the target's greedy choice is x (the greedy label),
-    on_path, position, prompt_index;
+    on_path, position, block_position (x's index in its block: the position a per-position verifier reads), prompt_index;
+(the draft's top-1 minus top-2 logit margin is log(max_prob / runner_up_prob): no column of its own);
     companion [n, 2] (S, A of common/spec/companion.py), only when a companion ran (`--companion SPEC`).
 Shards of `shard_size` prompts are written atomically; a rerun skips the finished ones (resume).
 A token budget (`max_tokens`, checked before each shard) stops early; `worker=(i, n)` collects every
@@ -82,6 +83,7 @@ class TokenRecord:
     target_argmax_match: bool
     on_path: bool
     position: int
+    block_position: int = 0
     companion: tuple[float, float] | None = None
 
 
@@ -115,7 +117,7 @@ def _token_records(block: PendingBlock, verdict: Verdict, position: int) -> list
                         p_draft=drafted.probability, p_target=float(p_target[i, drafted.token]),
                         runner_up_prob=runner_up_prob(drafted.step.logits),
                         target_argmax_match=greedy_match[i], on_path=i <= verdict.n_accepted,
-                        position=position + i, companion=drafted.step.companion)
+                        position=position + i, block_position=i, companion=drafted.step.companion)
             for i, drafted in enumerate(block.drafted)]
 
 
@@ -135,6 +137,7 @@ def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarr
         "target_argmax_match": np.asarray([r.target_argmax_match for _, r in rows], dtype=bool),
         "on_path": np.asarray([r.on_path for _, r in rows], dtype=bool),
         "position": np.asarray([r.position for _, r in rows], dtype=np.int32),
+        "block_position": np.asarray([r.block_position for _, r in rows], dtype=np.int32),
         "prompt_index": np.asarray([i for i, _ in rows], dtype=np.int32),
     }
     if rows[0][1].companion is not None:  # a collection records companion signals for every token or none
@@ -258,5 +261,6 @@ def load_dataset(data_dir: Path) -> VerifierDataset:
     if not paths:
         raise FileNotFoundError(f"{data_dir} has no shards yet")
     shards = [dict(np.load(p)) for p in paths]
-    arrays = {key: np.concatenate([s[key] for s in shards]) for key in shards[0]}
+    # a column added later (block_position) stands only when every shard has it: a resumed collection may mix
+    arrays = {key: np.concatenate([s[key] for s in shards]) for key in shards[0] if all(key in s for s in shards)}
     return VerifierDataset(manifest, arrays)

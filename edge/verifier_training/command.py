@@ -1,4 +1,4 @@
-"""`sprinter verifier collect | train | eval | study | bound | replay`: make a learned verifier for a pair, and measure it.
+"""`sprinter verifier collect | train | eval | study | bound | replay | compare`: make a learned verifier for a pair, and measure it.
 
     sprinter verifier train --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out verifiers/qwen
 collects decoding data (resumable, in OUT/data unless --data says otherwise), trains the linear and
@@ -34,8 +34,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     commands = verifier.add_subparsers(dest="verifier_command", required=True)
 
     collect = commands.add_parser("collect", help="record decoding data for training (resumable)")
-    _add_pair_arguments(collect)
-    _add_collect_arguments(collect)
+    _add_pair_arguments(collect), _add_collect_arguments(collect)
     collect.add_argument("--data", type=Path, required=True, help="directory for the shards")
     collect.set_defaults(run=run_collect)
 
@@ -78,6 +77,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     bound.set_defaults(run=run_bound)
 
     _add_replay(commands)
+    _add_compare(commands)
 
     evaluate = commands.add_parser("eval", help="decode held-out prompts: learned verifier vs confidence baseline")
     _add_pair_arguments(evaluate)
@@ -104,6 +104,20 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--seeds", type=int, default=8, help="acceptance draws per trace")
     replay.add_argument("--limit", type=int, help="the first N held-out prompts (as `sprinter simulate --limit N` picks them)")
     replay.set_defaults(run=run_replay)
+
+
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    compare = commands.add_parser("compare", help="a learned verifier against the margin-logistic estimator (fitted "
+                                                  "online on the other prompts) on its held-out prompts (no models)")
+    compare.add_argument("--data", type=Path, required=True, help="collected data holding the verifier's held-out prompts")
+    compare.add_argument("--verifier", type=Path, required=True, help="a learned verifier's verifier.json")
+    compare.add_argument("--out", type=Path, required=True, help="directory for compare.json, compare.md, calibration.png")
+    compare.add_argument("--block", type=int, default=8,
+                         help="block length cut from data decoded in one block per prompt (--segment 0); data collected "
+                              "with --segment K keeps its own blocks")
+    compare.add_argument("--label", default="auto", choices=["auto", "greedy", "paper", "soft"])
+    compare.add_argument("--seed", type=int, default=0, help="the acceptance events drawn from soft labels")
+    compare.set_defaults(run=run_compare)
 
 
 def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -321,3 +335,22 @@ def _matched_lines(comparison: dict[str, list[dict]]) -> str:
             lines.append(f"- {p['method']}: calls/token {p['target_calls_per_token']:.3f}, {quality} {p[quality]:.3f} "
                          f"vs confidence {'-' if baseline is None else format(baseline, '.3f')}")
     return "\n".join(lines)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from edge.runtime.verifier import LearnedVerifier
+    from edge.verifier_training.collect import load_dataset
+    from edge.verifier_training.compare import CompareSettings, compare, table
+    from edge.verifier_training.plots import plot_comparison
+
+    result = compare(load_dataset(args.data), LearnedVerifier.load(args.verifier),
+                     CompareSettings(block=args.block, label=args.label, seed=args.seed))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compare.json").write_text(json.dumps(result, indent=1))
+    (args.out / "compare.md").write_text(table(result))
+    try:
+        plot_comparison(result, args.out / "calibration.png")
+    except ImportError:
+        log.warning("matplotlib is not installed: no calibration plot (pip install 'sprinter[bench]')")
+    print(table(result))
+    return 0

@@ -1,4 +1,4 @@
-"""The verifier pipeline's plots: the reliability diagram and the calls-vs-quality trade-off (PNG)."""
+"""The verifier pipeline's plots: the reliability diagram, the calls-vs-quality trade-off and the estimator comparison (PNG)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,24 @@ def plot_replay(rows: list[ReplayRow], path: Path) -> None:
         axes[0][0].set_ylabel("tokens/s (modelled rounds)")
         axes[0][0].legend(fontsize=7)
         fig.suptitle("call policies replayed on held-out traces")
+
+
+def plot_comparison(result: dict, path: Path) -> None:
+    """`sprinter verifier compare`: reliability on the reached held-out tokens, and calibration by block position."""
+    with saved_figure(path, 1, 2, figsize=(9.5, 4.5)) as (fig, (left, right)):
+        left.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
+        for name, table in result["reliability"].items():
+            left.plot([r["predicted"] for r in table], [r["observed"] for r in table], marker="o", label=name)
+        left.set_xlabel("predicted acceptance probability")
+        left.set_ylabel("observed acceptance rate (reached held-out tokens)")
+        left.legend(fontsize=8)
+        rows = result["by_position"]
+        positions = [r["position"] for r in rows]
+        right.plot(positions, [r["observed"] for r in rows], color="black", marker="s", label="observed")
+        for name in result["reliability"]:
+            right.plot(positions, [r[name]["predicted"] for r in rows], marker="o", label=f"{name} (mean predicted)")
+        right.set_xlabel("position in the block (0: first drafted token)")
+        right.set_ylabel("acceptance rate")
+        right.legend(fontsize=8)
+        data = result["data"]
+        fig.suptitle(f"{data['draft']} -> {data['target']}, {data['label']} label: calibration on held-out prompts")

@@ -166,7 +166,7 @@ class ModelProposer:
         companion = self.companion if to_verify else None
         signals = companion.features(full, row.logits, token) if companion is not None else None
         previous = _last_confidence(block) if reads_history(verifier) else None
-        step = DraftStep(token, row.logits, row.hidden, signals, previous)
+        step = DraftStep(token, row.logits, row.hidden, signals, previous, position=len(block))
         return step, p_draft, verifier.score(step) if verifier is not None else None
 
     @property
@@ -189,7 +189,10 @@ class ModelProposer:
         return row.logits
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
-        """The draft learns nothing from verdicts."""
+        """The draft learns nothing from verdicts; a verifier that learns online (margin-logistic) hears them."""
+        learn = getattr(self.verifier, "observe_verdict", None)
+        if learn is not None and block.drafted:
+            learn([proposed.step for proposed in block.drafted], n_accepted)
 
     def observe_output(self, output: list[int]) -> None:
         """The draft learns nothing from outputs."""

@@ -291,7 +291,8 @@ class SuffixProposer:
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
         """Calibrate: each copied token the target reached (all before it kept) counts, kept or not; a block of the
-        draft's alone tells what a run must beat."""
+        draft's alone tells what a run must beat. The draft model hears the verdict too (its verifier may learn)."""
+        self.model.observe_verdict(block, n_accepted)
         if block.drafted and block.model_tokens == len(block):
             self.memory.model_kept.update(n_accepted)
         for i, proposed in enumerate(block.drafted[: n_accepted + 1]):
