@@ -79,6 +79,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="resident engine: per-session (each session's KV in its own buffers, one attention call per "
                         "session per layer) or paged (one page pool, one flex_attention call per layer for all "
                         "sessions); auto: paged on CUDA, per-session on a CPU (default)")
+    p.add_argument("--query-tiles", default=DEFAULTS.query_tiles, choices=["auto", "on", "off"],
+                   help="paged attention: pad each session's rows in a forward to the fused kernel's 16-row query tile, "
+                        "so each tile reads only its own session's pages instead of every session's (forwards of up "
+                        "to 128 padded rows: verifies and decodes; larger ones are not padded). The rows are the same "
+                        "either way. auto: on CUDA, off on a CPU, where attention is not fused (default)")
     p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
                    help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
                         "`make vllm` builds (.venv-vllm; this command moves there by itself); llama.cpp: the GGUF "

@@ -46,6 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from cloud.engine import TargetRows
 from cloud.kv_pool import PagedKV
 from cloud.paged_attention import PagedBatch, PagedPlan, fused, paged_attention
+from cloud.query_tiles import tiles_for
 from cloud.resident_kv import ResidentKV
 from common.spec.tree.draft_tree import ancestors, check_parents, depths, is_chain
 
@@ -102,12 +103,14 @@ def install(model: PreTrainedModel) -> None:
         model.set_attn_implementation(ATTENTION)
 
 
-def packed_forward_of(model: PreTrainedModel) -> Callable[..., list[TargetRows]]:
-    """`model`'s packed forward as the batcher calls it (cloud/batcher.py: PackedForward), its attention installed."""
+def packed_forward_of(model: PreTrainedModel, query_tiles: bool = False) -> Callable[..., list[TargetRows]]:
+    """`model`'s packed forward as the batcher calls it (cloud/batcher.py: PackedForward), its attention installed;
+    `query_tiles`: paged forwards pad each session's rows to the kernel's query tile (cloud/query_tiles.py)."""
     install(model)
 
-    def forward(*args: Any) -> list[TargetRows]:
-        return forward_packed(model, *args)  # looked up per call: a test's spy may stand in for it
+    def forward(*args: Any, **kwargs: Any) -> list[TargetRows]:
+        # looked up per call: a test's spy may stand in for it
+        return forward_packed(model, *args, **kwargs, **({"query_tiles": True} if query_tiles else {}))
 
     return forward
 
@@ -134,7 +137,7 @@ def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_lo
 @torch.inference_mode()
 def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
                    n_logits: list[int], full_logits: list[bool] | None = None,
-                   trees: list[list[int] | None] | None = None) -> list[TargetRows]:
+                   trees: list[list[int] | None] | None = None, query_tiles: bool = False) -> list[TargetRows]:
     """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
 
     Returns, per session, the rows of its last `n_logits[i]` new positions (row r predicts the token
@@ -142,12 +145,13 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     (default: every session). The inputs go to the device in one copy and the rows come back in one,
     with no synchronisation per session. Caches are ResidentKV (attention per session) or PagedKV of
     one pool (cloud/paged_attention.py). `trees[i]`: session i's block as a tree (module docstring); None: a
-    chain. `install(model)` must have run.
+    chain. `query_tiles`: paged, each session's rows padded to the kernel's query tile where the forward is small
+    enough (cloud/query_tiles.py); the rows are the same. `install(model)` must have run.
     """
     trees = trees if trees is not None else [None] * len(caches)
     _check(caches, new_tokens, n_logits, trees)
     trees = _chains_as_none(trees, len(caches))
-    inputs = pack(model, caches, new_tokens, n_logits, trees)
+    inputs = pack(model, caches, new_tokens, n_logits, trees, query_tiles)
     logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens, trees)
     for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
         cache.length += len(tokens)
@@ -159,14 +163,15 @@ class PackedInputs:
     """Every integer one forward needs, as one host tensor: ids [N], positions [N], kept rows [K], then the plan's."""
 
     host: torch.Tensor
-    n: int  # N: new tokens in the packed row
+    n: int  # N: columns of the packed row (new tokens, and with query tiles their padding)
     k: int  # K: rows whose logits are kept
     plan: PagedPlan | None  # the page tables, for caches of a pool
 
 
 def pack(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
-         n_logits: list[int], trees: list[list[int] | None] | None = None) -> PackedInputs:
-    """Reserve each cache's new entries and lay out the forward's inputs (the lengths do not move yet)."""
+         n_logits: list[int], trees: list[list[int] | None] | None = None, query_tiles: bool = False) -> PackedInputs:
+    """Reserve each cache's new entries and lay out the forward's inputs (the lengths do not move yet); with
+    `query_tiles` and a pool, a small enough forward's rows are padded per session (cloud/query_tiles.py)."""
     trees = _chains_as_none(trees, len(caches))
     for cache, tokens in zip(caches, new_tokens):
         cache.reserve(cache.length + len(tokens))
@@ -175,8 +180,12 @@ def pack(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_t
                  for offset in ([d - 1 for d in depths(tree)] if tree is not None else range(len(tokens)))]
     ends = list(accumulate(len(tokens) for tokens in new_tokens))
     kept_rows = [row for end, n in zip(ends, n_logits) for row in range(end - n, end)]
-    plan = (PagedPlan.of(caches, new_tokens, fused(model.device.type), trees) if isinstance(caches[0], PagedKV)
-            else None)
+    paged = isinstance(caches[0], PagedKV)
+    tiles = tiles_for([len(tokens) for tokens in new_tokens]) if query_tiles and paged else None
+    plan = PagedPlan.of(caches, new_tokens, fused(model.device.type), trees, tiles) if paged else None
+    if tiles is not None:  # a padding column repeats its session's last token and position; only real rows are kept
+        ids, positions = [ids[row] for row in tiles.source], [positions[row] for row in tiles.source]
+        kept_rows = [tiles.real_rows[row] for row in kept_rows]
     host = torch.tensor(ids + positions + kept_rows)
     return PackedInputs(torch.cat([host, plan.host]) if plan else host, len(ids), len(kept_rows), plan)
 

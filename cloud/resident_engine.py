@@ -193,6 +193,7 @@ class ResidentEngine(BatchedEngine):
     prefix_cache: PrefixCache | None = None  # KV reusable across sessions by prefix; the session store charges it
     name: str = "resident"
     tree_attention: bool = True  # cloud/packed_forward.py: positions by depth, each token seeing its ancestors
+    query_tiles: bool = False  # cloud/query_tiles.py: the batcher's forwards pad each session's rows (warm_up's too)
 
     def __post_init__(self) -> None:
         self._caches: weakref.WeakSet[ResidentKV] = weakref.WeakSet()  # every live per-session buffer pair
@@ -222,7 +223,8 @@ class ResidentEngine(BatchedEngine):
         caches = [self.new_session_kv(), self.new_session_kv()]
         try:
             for new_tokens in ([[0]], [[0] * 3, [0] * 4]):
-                forward_packed(self.target.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens))
+                forward_packed(self.target.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens),
+                               query_tiles=self.query_tiles)
         except Exception as err:
             if self.kv_pool is None:
                 raise

@@ -232,7 +232,8 @@ class CloudServer:
         # The pool holds the budget, plus a forward's and the Generate calls' page rounding of slack.
         kv_pool = KVPool(kv_layout, settings.kv_budget_bytes, slack_tokens=settings.max_forward_tokens
                          + settings.max_batch * kv_layout.page_tokens) if paged else None
-        async with Batcher(packed_forward_of(target.model), settings.batch_window_ms / 1e3, settings.max_batch,
+        tiled = settings.tiled(target.model.device.type)
+        async with Batcher(packed_forward_of(target.model, tiled), settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher, \
@@ -240,8 +241,9 @@ class CloudServer:
             prefix_cache = (PrefixCache(kv_layout, kv_pool, settings.share_prefix_cache,
                                         on_evict=self.metrics.prefix_cache_evictions.inc)
                             if settings.prefix_cache else None)
-            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft, prefix_cache)
-            log.info("resident engine on %s, %s attention", kv_layout.device, "paged" if paged else "per-session")
+            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft, prefix_cache, query_tiles=tiled)
+            log.info("resident engine on %s, %s attention%s", kv_layout.device, "paged" if paged else "per-session",
+                     ", query tiles per session" if tiled else "")
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
                 await asyncio.to_thread(engine.warm_up)
             yield engine

@@ -19,6 +19,7 @@ ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout
 
 
 ON_OFF = ("suffix_cache", "cost_table")  # settings that are "on" or "off"
+AUTO_ON_OFF = ("query_tiles",)  # settings that are "auto" (by device), "on" or "off"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class CloudSettings:
     dtype: str = "bfloat16"
     device: str = "auto"  # common/model/devices.py: where the resident engine's weights and KV live
     attention: str = "auto"  # per-session buffers, or one page pool (auto: paged on CUDA, per-session on a CPU)
+    # cloud/query_tiles.py: paged forwards pad each session's rows to the fused kernel's 16-row query tile, so a tile
+    # reads only its own session's pages (auto: on CUDA, where the kernel is fused; off on a CPU, where it is not)
+    query_tiles: str = "auto"
     engine: str = "resident"  # cloud/engine.py: the embedded engine, vLLM (its own environment, `make vllm`) or llama.cpp
     threads: int | None = None  # llama.cpp's threads (--engine llama.cpp); None: one per core this process may use
     # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
@@ -160,10 +164,18 @@ class CloudSettings:
         return [message for ok, message in checks if not ok] + self._engine_problems() + self._device_problems()
 
     def _device_problems(self) -> list[str]:
+        """Settings whose meaning depends on the device (auto ones decide by it)."""
+        unknown = [f"--{n.replace('_', '-')} must be auto, on or off" for n in AUTO_ON_OFF
+                   if getattr(self, n) not in ("auto", "on", "off")]
+        if unknown:
+            return unknown
         try:
-            resolve_device(self.device)
+            device = resolve_device(self.device)
         except DeviceError as err:
             return [str(err)]
+        if self.engine == "resident" and self.query_tiles == "on" and not self.paged(device.type):
+            return [f"--query-tiles on pads the rows of paged attention's forwards, and this cloud's attention on "
+                    f"{device.type} is per-session: add --attention paged, or leave --query-tiles at auto"]
         return []
 
     def _engine_problems(self) -> list[str]:
@@ -182,6 +194,7 @@ class CloudSettings:
                 "edge_kv_budget_mb": "--edge-kv-budget-mb (vLLM's KV cache is shared, not held per session)",
                 "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
                 "attention": "--attention (vLLM has its own attention backends)",
+                "query_tiles": "--query-tiles (vLLM has its own attention backends)",
                 "share_prefix_cache": "--share-prefix-cache (vLLM keeps each session's cache blocks its own)",
                 "threads": "--threads (llama.cpp's)",
             }
@@ -189,6 +202,7 @@ class CloudSettings:
             not_here = vllm_only | {
                 "device": "--device (this llama.cpp build runs on the CPU)",
                 "attention": "--attention (llama.cpp has its own attention)",
+                "query_tiles": "--query-tiles (llama.cpp has its own attention)",
                 "dtype": "--dtype (llama.cpp computes in the GGUF file's own types)",
             }
         else:
@@ -200,6 +214,12 @@ class CloudSettings:
     def paged(self, device_type: str) -> bool:
         """Whether the resident engine keeps its KV in one page pool (`--attention`, auto by device)."""
         return self.attention == "paged" or (self.attention == "auto" and device_type == "cuda")
+
+    def tiled(self, device_type: str) -> bool:
+        """Whether paged forwards pad each session's rows to the kernel's query tile (`--query-tiles`, auto: on CUDA,
+        where flex_attention is fused: cloud/paged_attention.py)."""
+        return self.paged(device_type) and (self.query_tiles == "on" or
+                                            (self.query_tiles == "auto" and device_type == "cuda"))
 
     @property
     def max_verify_tokens(self) -> int:

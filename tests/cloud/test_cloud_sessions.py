@@ -25,10 +25,12 @@ from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 OK = grpc.StatusCode.OK.value[0]
 
 
-@pytest.fixture(scope="module", params=["per-session", "paged"])
+@pytest.fixture(scope="module", params=["per-session", "paged", "paged-tiles"])
 def cloud(request, tiny_target):
-    """Every test here runs on both KV layouts of the resident engine (cloud/packed_forward.py)."""
-    settings = CloudSettings(target="tiny-random", batch_window_ms=2, attention=request.param)
+    """Every test here runs on both KV layouts of the resident engine (cloud/packed_forward.py), the paged one with
+    query tiles per session too (cloud/query_tiles.py)."""
+    settings = CloudSettings(target="tiny-random", batch_window_ms=2, attention=request.param.removesuffix("-tiles"),
+                             query_tiles="on" if request.param.endswith("-tiles") else "auto")
     with ServerThread(settings, tiny_target) as server:
         yield server
 
