@@ -1,0 +1,98 @@
+"""Which captured CUDA graph a paged forward would replay, the padding that reaches it, and how its buffer is refilled.
+
+A CUDA graph replays fixed shapes from fixed addresses. A paged forward (cloud/paged_attention.py) has fixed shapes
+for a given count of sessions and query rows: the fused plan spans the whole pool and lists up to every page per
+query block, so only R (sessions) and N (rows) vary. As vLLM captures a graph per batch size, the engine would
+capture one per bucket of sessions x rows and pad each forward up to the smallest bucket that holds it; a forward
+past the largest bucket, or with a tree block (its ancestor table's width varies), runs eagerly.
+
+The plan is data only, and runs the same on a CPU (sim/gpu_check's dry run plans the owed forward with it):
+`bucket_for` picks the bucket, `refill_plan` says where each part of the packed ints goes in the bucket's static
+buffer and what its padding holds. Padding keeps every row a real row's copy, never a fully masked one:
+    - a padding row repeats the last real row (token, position, session, entry), as a query tile's padding does;
+    - its KV goes to the scratch slot (a pool slot no session owns), so it overwrites nothing;
+    - a padding session has no pages (its page_index row is all -1) and no row of its own;
+    - a padding kept row reads row 0, whose logits are dropped on the host.
+Capture and replay themselves (torch.cuda.CUDAGraph in the resident engine's verify and decode forwards) are not
+built yet: issue 59 owes them, with the figures of a GPU host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SESSION_BUCKETS = (1, 2, 4, 8, 16)  # sessions per captured forward (the default --max-batch is 8)
+ROW_BUCKETS = (16, 32, 64, 128)  # query rows, padding included: whole 16-row query tiles, up to one 128-row block
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One captured shape: R sessions and N query rows (N kept rows and N written entries at most)."""
+
+    sessions: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """A forward's bucket and the padding that reaches it; `bucket` None: it runs eagerly, for `reason`."""
+
+    bucket: Bucket | None
+    pad_sessions: int = 0
+    pad_rows: int = 0
+    reason: str = ""
+
+
+def bucket_for(sessions: int, rows: int, has_tree: bool = False, session_buckets: tuple[int, ...] = SESSION_BUCKETS,
+               row_buckets: tuple[int, ...] = ROW_BUCKETS) -> BucketChoice:
+    """The smallest bucket holding a forward of `sessions` sessions and `rows` query rows (after query tiles)."""
+    if sessions < 1 or rows < sessions:
+        raise ValueError(f"a forward has >= 1 session and >= 1 row per session, got {sessions} sessions, {rows} rows")
+    if has_tree:
+        return BucketChoice(None, reason="a tree block's ancestor table changes shape with the tree: eager")
+    fits_sessions = [b for b in session_buckets if b >= sessions]
+    fits_rows = [b for b in row_buckets if b >= rows]
+    if not fits_sessions or not fits_rows:
+        return BucketChoice(None, reason=f"{sessions} sessions x {rows} rows is past the largest bucket "
+                                         f"({max(session_buckets)} x {max(row_buckets)}): eager")
+    bucket = Bucket(min(fits_sessions), min(fits_rows))
+    return BucketChoice(bucket, bucket.sessions - sessions, bucket.rows - rows)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One part of the static buffer: `length` ints at `offset`; `real` of them are refilled from the forward, the
+    rest hold `padding` (what a padding entry is: module docstring)."""
+
+    name: str
+    offset: int
+    length: int
+    real: int
+    padding: str
+
+
+def refill_plan(bucket: Bucket, sessions: int, rows: int, kept: int, written: int, pool_pages: int,
+                q_block: int) -> list[Segment]:
+    """Where a forward of `sessions` x `rows` (`kept` kept rows, `written` new entries) lands in `bucket`'s static buffer, in the
+    order of the packed ints (cloud/packed_forward.py `pack`, cloud/paged_attention.py `PagedPlan`): ids,
+    positions, kept rows, slots, written rows, query sessions, entries, page_index [R, P], kv_num_blocks [B],
+    kv_indices [B, P]. The fused plan's P is the pool's pages; B = rows / q_block."""
+    if (sessions > bucket.sessions or rows > bucket.rows or not 1 <= kept <= rows or not 1 <= written <= rows
+            or bucket.rows % q_block):
+        raise ValueError(f"{sessions} sessions x {rows} rows ({kept} kept, {written} written) do not fit {bucket} in {q_block}-row blocks")
+    blocks, real_blocks = bucket.rows // q_block, -(-rows // q_block)
+    parts = [("ids", bucket.rows, rows, "the last real row's token"),
+             ("positions", bucket.rows, rows, "the last real row's position"),
+             ("kept_rows", bucket.rows, kept, "row 0 (dropped on the host)"),
+             ("slots", bucket.rows, written, "the scratch slot"),
+             ("written_rows", bucket.rows, written, "a padding row"),
+             ("q_session", bucket.rows, rows, "the last real row's session"),
+             ("entries", bucket.rows, rows, "the last real row's entry"),
+             ("page_index", bucket.sessions * pool_pages, sessions * pool_pages, "-1 (a padding session has no pages)"),
+             ("kv_num_blocks", blocks, real_blocks, "the last real block's count"),
+             ("kv_indices", blocks * pool_pages, real_blocks * pool_pages, "the last real block's pages")]
+    segments, offset = [], 0
+    for name, length, real, padding in parts:
+        segments.append(Segment(name, offset, length, real, padding))
+        offset += length
+    return segments
