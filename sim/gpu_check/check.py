@@ -20,6 +20,7 @@ from typing import Any
 
 from common.model.devices import resolve_device
 from sim.gpu_check.graphs import graphs_step
+from sim.gpu_check.tiles import tiles_step
 from sim.gpu_check.prefix import prefix_step
 from sim.gpu_check.run_state import CheckRun, Deadline
 from sim.gpu_check.sizes import STEP_BUDGET_S, sizes_for
@@ -28,9 +29,9 @@ from sim.gpu_check.tree import tree_step
 
 log = logging.getLogger(__name__)
 STEPS: tuple[tuple[str, Callable[[CheckRun, Deadline], Any]], ...] = (
-    ("env", env_step), ("owed", owed_step), ("table", table_step), ("graphs", graphs_step), ("prefix", prefix_step),
-    ("tree", tree_step), ("pytest", pytest_step), ("profile", profile_step))
-FEATURES = ("graphs", "prefix", "tree")  # steps whose result is one row of features.json; env's is env.json, the others
+    ("env", env_step), ("owed", owed_step), ("table", table_step), ("graphs", graphs_step), ("tiles", tiles_step),
+    ("prefix", prefix_step), ("tree", tree_step), ("pytest", pytest_step), ("profile", profile_step))
+FEATURES = ("graphs", "tiles", "prefix", "tree")  # steps whose result is one row of features.json; env's is env.json, the others
 #                                  write their own files as rows come
 
 

@@ -41,6 +41,8 @@ def section_text(results: Path, plot_path: Path | None = None) -> str:
     features = _read(results / "features.json") or {}
     if "graphs" in features:
         parts.append("**CUDA graphs**: " + _graphs(features["graphs"]))
+    if "tiles" in features:
+        parts.append(tiles_text(features["tiles"]))
     if "prefix" in features:
         parts.append("**The prefix cache**: " + _prefix(features["prefix"]))
     parts.append(tree_text(features.get("tree")))
@@ -90,6 +92,21 @@ def _graphs(graphs: dict) -> str:
     return (f"{graphs['target']}, {graphs['edges']} edges x {graphs['tokens']} tokens, context {graphs['context']}: "
             f"eager p50 {graphs['eager_p50_ms']} ms, graph replay p50 {graphs['graph_p50_ms']} ms "
             f"({graphs['graph_speedup']}x)")
+
+
+def tiles_text(tiles: dict) -> str:
+    """Query tiles per session on and off: a row per context (attention kernel ms per layer on a GPU only)."""
+    lines = ["**Query tiles per session** (paged verify forward, tiles off / on; cloud/query_tiles.py):", "",
+             "| target | edges x tokens | context | forward ms off | forward ms on | on / off | attention ms/layer off "
+             "| attention ms/layer on | graph bucket (on) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in tiles["rows"]:
+        lines.append(f"| {r['target']} | {r['edges']} x {r['tokens']} | {r['context']} | {r['tiles_off_forward_ms']} | "
+                     f"{r['tiles_on_forward_ms']} | {r['tiled_over_untiled']}x | "
+                     f"{r['tiles_off_attention_ms_per_layer'] or '-'} | {r['tiles_on_attention_ms_per_layer'] or '-'} | "
+                     f"{r['tiles_on_graph_bucket']} |")
+    if tiles["not_reached"]:
+        lines.append(f"\nNot reached within the step's budget: {json.dumps(tiles['not_reached'])}")
+    return "\n".join(lines)
 
 
 def _prefix(row: dict) -> str:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 # The tree step compiles the paged kernel with the tree mask twice (8 sessions' 136 rows take the prefill tiles, one
 # session's 17 the verify tiles); its 25 s are the slack of owed (44 s used of 80 on the first H100 run) and graphs
 # (3 s of 25), so the total stays the same.
-STEP_BUDGET_S = {"env": 30.0, "owed": 65.0, "table": 150.0, "graphs": 15.0, "prefix": 10.0, "tree": 25.0,
-                 "pytest": 90.0, "profile": 10.0}
+# The tiles step (query tiles on and off, 3 contexts) compiles the kernel for 16-row query blocks: its 25 s bring the
+# whole run to 7 minutes, the issue's ceiling (not yet measured on a GPU).
+STEP_BUDGET_S = {"env": 30.0, "owed": 65.0, "table": 150.0, "graphs": 15.0, "tiles": 25.0, "prefix": 10.0,
+                 "tree": 25.0, "pytest": 90.0, "profile": 10.0}
 GOAL_VERIFY_P50_MS = 3.0  # 1.5B, 8 edges x 6 tokens, 1k context
 GOAL_BATCHING_GAIN = 6.0  # verified tokens/s, batching on over off, 8 edges, 1k context
 GOAL_CONTEXT_RATIO = 1.3  # verify p50 at 4k context over 128, 8 edges

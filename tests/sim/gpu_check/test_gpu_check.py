@@ -78,7 +78,7 @@ def test_the_dry_run_runs_every_step_on_torch_and_the_bundle_alone(dry_run):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {s["step"]: s["status"] for s in summary["steps"]} == {
-        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "prefix": "done", "tree": "done",
+        "env": "done", "owed": "done", "table": "done", "graphs": "skipped", "tiles": "done", "prefix": "done", "tree": "done",
         "pytest": "done", "profile": "done"}
     env = json.loads((out / "env.json").read_text())
     assert env["transformers"] == "5.23.0" and env["device"] == "cpu"
@@ -88,13 +88,19 @@ def test_the_dry_run_runs_every_step_on_torch_and_the_bundle_alone(dry_run):
 def test_the_dry_run_writes_what_comes_back_and_the_page_reads_it(dry_run):
     out, _, _ = dry_run
     assert sorted(p.name for p in out.iterdir()) == ["env.json", "features.json", "gpu-check.log", "owed.json",
-                                                      "profile.txt", "pytest.txt", "summary.json", "table.json"]
+                                                      "profile.txt", "pytest.txt", "summary.json", "table.json",
+                                                      "tiles.json"]
     owed = json.loads((out / "owed.json").read_text())
     assert len(owed["rows"]) == 8 and all(g["value"] is not None for g in owed["goals"])
     table = json.loads((out / "table.json").read_text())
     assert len(table["rows"]) == 2 * 3 * 2 * 2 and not table["not_reached"]  # layouts x contexts x edges x batching
     features = json.loads((out / "features.json").read_text())
     assert "need a CUDA device" in features["graphs"]["reason"]
+    tiles = features["tiles"]
+    assert [r["context"] for r in tiles["rows"]] == [16, 32, 64] and not tiles["not_reached"]
+    assert all(r["tiles_on_rows"] == 32 and r["tiles_off_rows"] == 12 for r in tiles["rows"])  # 2 x 6, each to 16
+    assert all(r["tiles_on_graph_bucket"] == "2x32" for r in tiles["rows"])
+    assert "**Query tiles per session**" in section_text(out)
     assert features["prefix"]["cached_tokens"] == 128 and features["prefix"]["trials"] == 3  # 2 whole pages of 64
     tree = features["tree"]
     assert [r["sessions"] for r in tree["rows"]] == [1, 2] and not tree["not_reached"]
