@@ -16,7 +16,8 @@ accepted tokens per round instead, as a recorded acceptance profile would.
 
 Both of the resident engine's layouts are measured (`--attention`, default both): per-session
 buffers with one attention call per session per layer, and the paged pool with one flex_attention
-call per layer (fused on CUDA, unfused on a CPU).
+call per layer (fused on CUDA, unfused on a CPU; with query tiles per session on CUDA, as a paged cloud there
+has them by default: cloud/query_tiles.py).
 
 Reports, per target, layout, context and edge count: forward p50/p99 (one forward of the round), verify
 p50/p99 (from the round's start to the edge's rows on the host: an unbatched edge waits for the
@@ -38,6 +39,7 @@ from cloud.kv_pool import KVPool, PagedKV
 from cloud.packed_forward import forward_packed, install
 from cloud.paged_attention import PAGE_TOKENS_PAGED
 from cloud.resident_kv import KVLayout, ResidentKV
+from cloud.settings import CloudSettings
 from common.model.devices import resolve_device
 from common.model.loading import DTYPES
 from common.lab.plots import saved_figure
@@ -104,9 +106,11 @@ def _verify(model: torch.nn.Module, sessions: list[BenchSession], k: int, accept
     vocab = model.config.vocab_size
     blocks = [[rng.randrange(vocab) for _ in range(k)] for _ in sessions]
     pasts = [session.cache.length for session in sessions]
+    tiles = CloudSettings(attention="paged").tiled(model.device.type)  # query tiles as a paged cloud there has them
     started = time.perf_counter()
     rows = forward_packed(model, [s.cache for s in sessions], [[s.pending] + b for s, b in zip(sessions, blocks)],
-                          [k + 1] * len(sessions), [False] * len(sessions))
+                          [k + 1] * len(sessions), [False] * len(sessions),
+                          query_tiles=tiles)
     ended = time.perf_counter()  # the rows are on the host: the device has finished
     for session, block, past, row in zip(sessions, blocks, pasts, rows):
         verdict = decide(Proposal(block), "block", SamplingParams(), argmax=row.argmax.tolist())
