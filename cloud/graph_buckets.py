@@ -6,9 +6,10 @@ query block, so only R (sessions) and N (rows) vary. As vLLM captures a graph pe
 capture one per bucket of sessions x rows and pad each forward up to the smallest bucket that holds it; a forward
 past the largest bucket, or with a tree block (its ancestor table's width varies), runs eagerly.
 
-The plan is data only, and runs the same on a CPU (sim/gpu_check's dry run plans the owed forward with it):
-`bucket_for` picks the bucket, `refill_plan` says where each part of the packed ints goes in the bucket's static
-buffer and what its padding holds. Padding keeps every row a real row's copy, never a fully masked one:
+The plan runs the same on a CPU (sim/gpu_check's dry run plans the owed forward with it): `bucket_for` picks the
+bucket, `refill_plan` says where each part of the packed ints goes in the bucket's static buffer and what its padding
+holds, and `padded_to` builds those ints, which a replay would copy into the static buffer; run eagerly they give the
+unpadded forward's rows (tests/cloud/test_graph_buckets.py), which is what a replay of their capture computes. Padding keeps every row a real row's copy, never a fully masked one:
     - a padding row repeats the last real row (token, position, session, entry), as a query tile's padding does;
     - its KV goes to the scratch slot (a pool slot no session owns), so it overwrites nothing;
     - a padding session has no pages (its page_index row is all -1) and no row of its own;
@@ -19,7 +20,11 @@ built yet: issue 59 owes them, with the figures of a GPU host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
+
+from cloud.packed_forward import PackedInputs
 
 SESSION_BUCKETS = (1, 2, 4, 8, 16)  # sessions per captured forward (the default --max-batch is 8)
 ROW_BUCKETS = (16, 32, 64, 128)  # query rows, padding included: whole 16-row query tiles, up to one 128-row block
@@ -96,3 +101,31 @@ def refill_plan(bucket: Bucket, sessions: int, rows: int, kept: int, written: in
         segments.append(Segment(name, offset, length, real, padding))
         offset += length
     return segments
+
+
+def padded_to(inputs: PackedInputs, bucket: Bucket, scratch_slot: int) -> PackedInputs:
+    """`inputs` (a tiled, fused, chain-only paged forward's) padded to `bucket`: the ints a captured graph's static
+    buffer is refilled with, their padding as the module docstring says. Run eagerly, the padded forward's first
+    `inputs.k` rows are the unpadded forward's rows and it writes the same KV, plus the scratch slot."""
+    plan = inputs.plan
+    if plan is None or not plan.tiled or plan.tree_width or plan.width != plan.pool.pages:
+        raise ValueError("only a paged forward with query tiles, the fused plan and no tree block pads to a bucket")
+    segments = refill_plan(bucket, plan.sessions, inputs.n, inputs.k, plan.n_written, plan.pool.pages, plan.q_block)
+    real = dict(zip([s.name for s in segments], inputs.host.split([s.real for s in segments])))
+    padding_rows = sorted(set(range(bucket.rows)) - set(real["written_rows"].tolist()))
+    pads = {"ids": real["ids"][-1:], "positions": real["positions"][-1:], "kept_rows": torch.zeros(1, dtype=torch.long),
+            "slots": torch.tensor([scratch_slot]), "q_session": real["q_session"][-1:],
+            "entries": real["entries"][-1:], "page_index": torch.tensor([-1]),
+            "kv_num_blocks": real["kv_num_blocks"][-1:], "kv_indices": real["kv_indices"][-plan.pool.pages:]}
+    parts = []
+    for segment in segments:
+        part = real[segment.name]
+        if segment.name == "written_rows":
+            parts += [part, torch.tensor(padding_rows, dtype=torch.long)]
+            continue
+        missing = segment.length - segment.real
+        pad = pads[segment.name]
+        parts += [part, pad.repeat(-(-missing // len(pad)))[:missing]]
+    padded_plan = replace(plan, n_tokens=bucket.rows, n_written=bucket.rows, sessions=bucket.sessions,
+                          q_blocks=bucket.rows // plan.q_block, host=torch.cat(parts[6:]))
+    return PackedInputs(torch.cat(parts), bucket.rows, bucket.rows, padded_plan)

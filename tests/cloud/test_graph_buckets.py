@@ -3,14 +3,17 @@ where its ints land in the bucket's static buffer. Pure planning: it runs the sa
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 
 import cloud.packed_forward
 from cloud.kv_pool import KVPool
-from cloud.packed_forward import install, pack
+from cloud.packed_forward import forward_packed, install, pack, run_packed
 from cloud.resident_kv import KVLayout
 
-from cloud.graph_buckets import ROW_BUCKETS, Bucket, bucket_for, refill_plan
+from cloud.graph_buckets import ROW_BUCKETS, Bucket, bucket_for, padded_to, refill_plan
 from cloud.paged_attention import Q_BLOCK
 from cloud.query_tiles import TILE_ROWS, tiles_for
 
@@ -77,3 +80,49 @@ def test_the_real_parts_are_the_packed_forwards_ints_in_order(tiny_target, monke
     assert real["kv_num_blocks"].tolist() == [len(cache.pages) for cache in caches]
     for cache in caches:
         cache.release()
+
+
+def test_a_forward_padded_to_its_bucket_gives_the_same_rows_and_kv(tiny_target, monkeypatch):
+    """What a graph replay computes, run eagerly: sessions and rows padded to the bucket, the padding's KV in the
+    scratch slot. The kept rows and every session's KV equal the unpadded forward's in float32."""
+    monkeypatch.setattr(cloud.packed_forward, "fused", lambda device_type: True)
+    model = tiny_target.model
+    install(model)
+    results = []
+    for padded in (False, True):
+        layout = KVLayout.of(model, page_tokens=4)
+        pool = KVPool(layout, budget_bytes=40 * layout.bytes_per_page)
+        scratch_page = pool.take(1)[0]  # a page no session owns
+        rng = random.Random(3)
+        caches = [pool.session() for _ in range(3)]
+        for cache, n in zip(caches, (5, 0, 11)):
+            if n:
+                forward_packed(model, [cache], [[rng.randrange(model.config.vocab_size) for _ in range(n)]], [1])
+        blocks = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (6, 1, 3)]
+        with torch.inference_mode():
+            inputs = pack(model, caches, blocks, [6, 1, 2], query_tiles=True)
+            if padded:
+                choice = bucket_for(3, inputs.n)
+                assert choice.bucket == Bucket(4, 64) and choice.pad_rows == 16
+                inputs = padded_to(inputs, choice.bucket, scratch_page * layout.page_tokens)
+                assert inputs.n == inputs.k == 64 and inputs.plan.sessions == 4
+            logits = run_packed(model, inputs, inputs.host, caches, blocks)[:9]
+        kv = [pool.keys[:, :, cache.slots(0, cache.length + len(b))] for cache, b in zip(caches, blocks)]
+        results.append((logits, kv))
+    (want, want_kv), (got, got_kv) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for a, b in zip(got_kv, want_kv):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_only_a_tiled_fused_chain_forward_pads(tiny_target):
+    model = tiny_target.model
+    install(model)
+    layout = KVLayout.of(model, page_tokens=4)
+    pool = KVPool(layout, budget_bytes=8 * layout.bytes_per_page)
+    cache = pool.session()
+    inputs = pack(model, [cache], [[1, 2]], [1])  # untiled (and unfused on a CPU)
+    with pytest.raises(ValueError, match="query tiles"):
+        padded_to(inputs, Bucket(1, 16), 0)
+    cache.release()
