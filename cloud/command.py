@@ -84,6 +84,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "so each tile reads only its own session's pages instead of every session's (forwards of up "
                         "to 128 padded rows: verifies and decodes; larger ones are not padded). The rows are the same "
                         "either way. auto: on CUDA, off on a CPU, where attention is not fused (default)")
+    p.add_argument("--cuda-graphs", default=DEFAULTS.cuda_graphs, choices=["auto", "on", "off"],
+                   help="replay paged forwards with query tiles (verifies and decodes of up to 8 sessions and 128 "
+                        "padded rows) from CUDA graphs, one per bucket of sessions x rows, captured on first use: one "
+                        "launch instead of hundreds; other forwards run eagerly. auto: on CUDA (default); on: refused "
+                        "on any other device")
     p.add_argument("--engine", default=DEFAULTS.engine, choices=ENGINES,
                    help="resident: the embedded engine (default); vllm: vLLM in this process, from the environment "
                         "`make vllm` builds (.venv-vllm; this command moves there by itself); llama.cpp: the GGUF "

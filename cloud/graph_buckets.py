@@ -26,7 +26,7 @@ import torch
 
 from cloud.packed_forward import PackedInputs
 
-SESSION_BUCKETS = (1, 2, 4, 8, 16)  # sessions per captured forward (the default --max-batch is 8)
+SESSION_BUCKETS = (1, 2, 4, 8)  # sessions per captured forward: a tiled forward holds at most 128 / 16 of them
 ROW_BUCKETS = (16, 32, 64, 128)  # query rows, padding included: whole 16-row query tiles, up to one 128-row block
 
 

@@ -103,14 +103,16 @@ def install(model: PreTrainedModel) -> None:
         model.set_attn_implementation(ATTENTION)
 
 
-def packed_forward_of(model: PreTrainedModel, query_tiles: bool = False) -> Callable[..., list[TargetRows]]:
+def packed_forward_of(model: PreTrainedModel, query_tiles: bool = False,
+                      replay: Replay | None = None) -> Callable[..., list[TargetRows]]:
     """`model`'s packed forward as the batcher calls it (cloud/batcher.py: PackedForward), its attention installed;
-    `query_tiles`: paged forwards pad each session's rows to the kernel's query tile (cloud/query_tiles.py)."""
+    `query_tiles`: paged forwards pad each session's rows to the kernel's query tile (cloud/query_tiles.py);
+    `replay`: CUDA graphs' (cloud/cuda_graphs.py)."""
     install(model)
+    options = ({"query_tiles": True} if query_tiles else {}) | ({"replay": replay} if replay is not None else {})
 
     def forward(*args: Any, **kwargs: Any) -> list[TargetRows]:
-        # looked up per call: a test's spy may stand in for it
-        return forward_packed(model, *args, **kwargs, **({"query_tiles": True} if query_tiles else {}))
+        return forward_packed(model, *args, **kwargs, **options)  # looked up per call: a test's spy may stand in
 
     return forward
 
@@ -137,7 +139,8 @@ def _check(caches: list[ResidentKV | PagedKV], new_tokens: list[list[int]], n_lo
 @torch.inference_mode()
 def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],
                    n_logits: list[int], full_logits: list[bool] | None = None,
-                   trees: list[list[int] | None] | None = None, query_tiles: bool = False) -> list[TargetRows]:
+                   trees: list[list[int] | None] | None = None, query_tiles: bool = False,
+                   replay: Replay | None = None) -> list[TargetRows]:
     """Run session i's `new_tokens[i]` on top of `caches[i]`, all in one forward; the caches grow in place.
 
     Returns, per session, the rows of its last `n_logits[i]` new positions (row r predicts the token
@@ -146,13 +149,16 @@ def forward_packed(model: PreTrainedModel, caches: list[ResidentKV] | list[Paged
     with no synchronisation per session. Caches are ResidentKV (attention per session) or PagedKV of
     one pool (cloud/paged_attention.py). `trees[i]`: session i's block as a tree (module docstring); None: a
     chain. `query_tiles`: paged, each session's rows padded to the kernel's query tile where the forward is small
-    enough (cloud/query_tiles.py); the rows are the same. `install(model)` must have run.
+    enough (cloud/query_tiles.py); the rows are the same. `replay`: the logits from a CUDA graph where it has one
+    for this forward (cloud/cuda_graphs.py), None to run it eagerly. `install(model)` must have run.
     """
     trees = trees if trees is not None else [None] * len(caches)
     _check(caches, new_tokens, n_logits, trees)
     trees = _chains_as_none(trees, len(caches))
     inputs = pack(model, caches, new_tokens, n_logits, trees, query_tiles)
-    logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens, trees)
+    logits = replay(inputs) if replay is not None else None
+    if logits is None:
+        logits = run_packed(model, inputs, inputs.host.to(model.device), caches, new_tokens, trees)
     for cache, tokens in zip(caches, new_tokens):  # only now: a forward that raised leaves every length as it was
         cache.length += len(tokens)
     return _read_rows(logits, n_logits, full_logits or [True] * len(caches))
@@ -166,6 +172,10 @@ class PackedInputs:
     n: int  # N: columns of the packed row (new tokens, and with query tiles their padding)
     k: int  # K: rows whose logits are kept
     plan: PagedPlan | None  # the page tables, for caches of a pool
+
+
+# A forward's logits [K, V] replayed from a CUDA graph (cloud/cuda_graphs.py), or None: run it eagerly.
+Replay = Callable[[PackedInputs], "torch.Tensor | None"]
 
 
 def pack(model: PreTrainedModel, caches: list[ResidentKV] | list[PagedKV], new_tokens: list[list[int]],

@@ -32,7 +32,7 @@ from cloud.engine import (Abandoned, EngineSession, ForwardResult, GeneratedToke
                           scored_prefill)
 from cloud.kv_pool import KVPool, PagedKV
 from cloud.prefix_cache import PrefixCache, Reuse, reusing
-from cloud.packed_forward import forward_packed
+from cloud.packed_forward import Replay, forward_packed
 from cloud.resident_kv import KVLayout, ResidentKV
 from cloud.cloud_sd import CloudSpeculation, DraftEngine, SpeculatedRound, SpeculationRequest
 from common.model.loading import LoadedModel, vocab_fingerprint
@@ -194,6 +194,7 @@ class ResidentEngine(BatchedEngine):
     name: str = "resident"
     tree_attention: bool = True  # cloud/packed_forward.py: positions by depth, each token seeing its ancestors
     query_tiles: bool = False  # cloud/query_tiles.py: the batcher's forwards pad each session's rows (warm_up's too)
+    replay: Replay | None = None  # cloud/cuda_graphs.py: the batcher's forwards replay CUDA graphs (warm_up captures)
 
     def __post_init__(self) -> None:
         self._caches: weakref.WeakSet[ResidentKV] = weakref.WeakSet()  # every live per-session buffer pair
@@ -224,12 +225,13 @@ class ResidentEngine(BatchedEngine):
         try:
             for new_tokens in ([[0]], [[0] * 3, [0] * 4]):
                 forward_packed(self.target.model, caches[:len(new_tokens)], new_tokens, [1] * len(new_tokens),
-                               query_tiles=self.query_tiles)
+                               query_tiles=self.query_tiles, replay=self.replay)
         except Exception as err:
             if self.kv_pool is None:
                 raise
-            raise ValueError(f"paged attention does not run on {self.kv_layout.device} ({type(err).__name__}: {err}); "
-                             "start with --attention per-session") from err
+            way_out = "--cuda-graphs off, or --attention per-session" if self.replay else "--attention per-session"
+            raise ValueError(f"paged attention{' replayed from CUDA graphs' if self.replay else ''} does not run on "
+                             f"{self.kv_layout.device} ({type(err).__name__}: {err}); start with {way_out}") from err
         finally:
             for cache in caches:
                 cache.release()

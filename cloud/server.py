@@ -26,6 +26,7 @@ from cloud.auth import EdgeAuthenticator
 from cloud.target_host import TargetHost
 from cloud.llama_cpp_engine import LlamaCppEngine, default_threads
 from cloud.llama_cpp_prefix import LlamaCppPrefixCache
+from cloud.cuda_graphs import GraphForwards
 from cloud.packed_forward import packed_forward_of
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats, TargetEngine
@@ -233,7 +234,9 @@ class CloudServer:
         kv_pool = KVPool(kv_layout, settings.kv_budget_bytes, slack_tokens=settings.max_forward_tokens
                          + settings.max_batch * kv_layout.page_tokens) if paged else None
         tiled = settings.tiled(target.model.device.type)
-        async with Batcher(packed_forward_of(target.model, tiled), settings.batch_window_ms / 1e3, settings.max_batch,
+        graphs = GraphForwards(target.model, kv_pool) if settings.graphed(target.model.device.type) else None
+        replay = graphs.replay if graphs is not None else None
+        async with Batcher(packed_forward_of(target.model, tiled, replay), settings.batch_window_ms / 1e3, settings.max_batch,
                            on_batch=self._observe_batch, demand=lambda: self.servicer.open_streams,
                            max_prefill_chunk=settings.max_prefill_chunk,
                            max_forward_tokens=settings.max_forward_tokens) as batcher, \
@@ -241,9 +244,10 @@ class CloudServer:
             prefix_cache = (PrefixCache(kv_layout, kv_pool, settings.share_prefix_cache,
                                         on_evict=self.metrics.prefix_cache_evictions.inc)
                             if settings.prefix_cache else None)
-            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft, prefix_cache, query_tiles=tiled)
-            log.info("resident engine on %s, %s attention%s", kv_layout.device, "paged" if paged else "per-session",
-                     ", query tiles per session" if tiled else "")
+            engine = ResidentEngine(target, batcher, kv_layout, kv_pool, draft, prefix_cache, query_tiles=tiled,
+                                    replay=replay)
+            log.info("resident engine on %s, %s attention%s%s", kv_layout.device, "paged" if paged else "per-session",
+                     ", query tiles per session" if tiled else "", ", CUDA graphs" if graphs is not None else "")
             if paged or kv_layout.device.type != "cpu":  # compiles the paged kernel; initialises the GPU's libraries
                 await asyncio.to_thread(engine.warm_up)
             yield engine

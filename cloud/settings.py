@@ -19,7 +19,7 @@ ATTENTIONS = ("auto", "per-session", "paged")  # the resident engine's KV layout
 
 
 ON_OFF = ("suffix_cache", "cost_table")  # settings that are "on" or "off"
-AUTO_ON_OFF = ("query_tiles",)  # settings that are "auto" (by device), "on" or "off"
+AUTO_ON_OFF = ("query_tiles", "cuda_graphs")  # settings that are "auto" (by device), "on" or "off"
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class CloudSettings:
     # cloud/query_tiles.py: paged forwards pad each session's rows to the fused kernel's 16-row query tile, so a tile
     # reads only its own session's pages (auto: on CUDA, where the kernel is fused; off on a CPU, where it is not)
     query_tiles: str = "auto"
+    # cloud/cuda_graphs.py: paged forwards with query tiles replayed from a CUDA graph per bucket (auto: on CUDA)
+    cuda_graphs: str = "auto"
     engine: str = "resident"  # cloud/engine.py: the embedded engine, vLLM (its own environment, `make vllm`) or llama.cpp
     threads: int | None = None  # llama.cpp's threads (--engine llama.cpp); None: one per core this process may use
     # vLLM's own knobs (--engine vllm only): None leaves vLLM's default
@@ -173,9 +175,17 @@ class CloudSettings:
             device = resolve_device(self.device)
         except DeviceError as err:
             return [str(err)]
-        if self.engine == "resident" and self.query_tiles == "on" and not self.paged(device.type):
+        if self.engine != "resident":
+            return []
+        if self.query_tiles == "on" and not self.paged(device.type):
             return [f"--query-tiles on pads the rows of paged attention's forwards, and this cloud's attention on "
                     f"{device.type} is per-session: add --attention paged, or leave --query-tiles at auto"]
+        if self.cuda_graphs == "on" and device.type != "cuda":
+            return [f"--cuda-graphs on needs a CUDA device (a graph replays CUDA kernels), and this cloud's target is "
+                    f"on {device.type}: leave --cuda-graphs at auto or off"]
+        if self.cuda_graphs == "on" and not self.tiled(device.type):
+            return ["--cuda-graphs on replays paged forwards with query tiles: it needs --attention paged or auto "
+                    "and --query-tiles on or auto"]
         return []
 
     def _engine_problems(self) -> list[str]:
@@ -195,6 +205,7 @@ class CloudSettings:
                 "device": "--device (vLLM picks its own platform: a GPU when it sees one)",
                 "attention": "--attention (vLLM has its own attention backends)",
                 "query_tiles": "--query-tiles (vLLM has its own attention backends)",
+                "cuda_graphs": "--cuda-graphs (vLLM captures its own; --vllm-eager turns them off)",
                 "share_prefix_cache": "--share-prefix-cache (vLLM keeps each session's cache blocks its own)",
                 "threads": "--threads (llama.cpp's)",
             }
@@ -203,6 +214,7 @@ class CloudSettings:
                 "device": "--device (this llama.cpp build runs on the CPU)",
                 "attention": "--attention (llama.cpp has its own attention)",
                 "query_tiles": "--query-tiles (llama.cpp has its own attention)",
+                "cuda_graphs": "--cuda-graphs (this llama.cpp build runs on the CPU)",
                 "dtype": "--dtype (llama.cpp computes in the GGUF file's own types)",
             }
         else:
@@ -220,6 +232,11 @@ class CloudSettings:
         where flex_attention is fused: cloud/paged_attention.py)."""
         return self.paged(device_type) and (self.query_tiles == "on" or
                                             (self.query_tiles == "auto" and device_type == "cuda"))
+
+    def graphed(self, device_type: str) -> bool:
+        """Whether the resident engine replays its tiled paged forwards from CUDA graphs (`--cuda-graphs`, auto: on
+        CUDA)."""
+        return device_type == "cuda" and self.tiled(device_type) and self.cuda_graphs in ("auto", "on")
 
     @property
     def max_verify_tokens(self) -> int:

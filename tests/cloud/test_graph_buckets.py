@@ -28,11 +28,11 @@ def test_the_smallest_bucket_that_holds_the_forward():
     assert bucket_for(3, 20).bucket == Bucket(4, 32)
     assert (bucket_for(3, 20).pad_sessions, bucket_for(3, 20).pad_rows) == (1, 12)
     assert bucket_for(1, 1).bucket == Bucket(1, 16)
-    assert bucket_for(16, 128).bucket == Bucket(16, 128)
+    assert bucket_for(8, 128).bucket == Bucket(8, 128)
 
 
 def test_past_the_largest_bucket_or_with_a_tree_it_runs_eagerly():
-    assert bucket_for(17, 64).bucket is None and "largest bucket" in bucket_for(17, 64).reason
+    assert bucket_for(9, 64).bucket is None and "largest bucket" in bucket_for(9, 64).reason
     assert bucket_for(8, 300).bucket is None
     assert bucket_for(2, 20, has_tree=True).bucket is None and "tree" in bucket_for(2, 20, has_tree=True).reason
     with pytest.raises(ValueError):
