@@ -1,11 +1,10 @@
-"""Whether CUDA graphs pay: one paged verify forward captured as a graph, its replay timed against the eager forward.
+"""Whether CUDA graphs pay: the engine's graph replay (cloud/cuda_graphs.py) of the owed verify forward, against eager.
 
-The paged layout keeps every shape of a forward fixed for a given batch: the pool spans the same pages,
-the mask lists the same width, and N new tokens make an N-column row (cloud/paged_attention.py). So one
-graph per (sessions, tokens) bucket could serve every forward of that bucket; this measures what one
-such graph saves at the owed size (8 edges x 6 tokens, 1k context). Both sides re-verify the same
-block at the same positions: the inputs copied into one static device buffer, the forward, the argmax
-rows back on the host.
+The forward is the paged verify at the owed size (8 edges x 6 tokens, 1k context) with query tiles per session, as a
+CUDA cloud runs it by default: padded to its bucket of sessions x rows (cloud/graph_buckets.py), its ints copied into
+the bucket's static buffer, the captured graph replayed. Both sides re-verify the same block at the same positions and
+bring the argmax rows back to the host. On a CPU the step plans only (the bucket and the static buffer's size) and
+says why it captured nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 
+from cloud.cuda_graphs import GraphForwards
+from cloud.graph_buckets import bucket_for, refill_plan
 from cloud.packed_forward import pack, run_packed
 from sim.bench.engine import release
 from sim.gpu_check.run_state import CheckRun, Deadline
@@ -26,56 +27,46 @@ REPEATS = 30
 
 
 def graphs_step(run: CheckRun, deadline: Deadline) -> dict[str, Any]:
-    if run.device.type != "cuda":
-        return {"captured": False, "reason": f"CUDA graphs need a CUDA device; this run is on {run.device}"}
     sizes, settings = run.sizes, run.bench_settings()
     model = run.model(sizes.owed)
-    _, sessions = run.sessions(model, "paged", sizes.owed_edges, sizes.mid_context, settings)
+    pool, sessions = run.sessions(model, "paged", sizes.owed_edges, sizes.mid_context, settings)
     rng = random.Random(4)
     caches = [session.cache for session in sessions]
     blocks = [[s.pending] + [rng.randrange(model.config.vocab_size) for _ in range(sizes.k)] for s in sessions]
-    inputs = pack(model, caches, blocks, [len(b) for b in blocks])
-    static = inputs.host.to(run.device)
-
-    def forward() -> torch.Tensor:
-        return run_packed(model, inputs, static, caches, blocks).argmax(-1)
-
-    row = {"target": sizes.owed, "attention": "paged", "edges": sizes.owed_edges, "tokens": sizes.k + 1,
-           "context": sizes.mid_context}
+    inputs = pack(model, caches, blocks, [len(b) for b in blocks], query_tiles=True)
+    choice = bucket_for(len(caches), inputs.n)
+    row = {"target": sizes.owed, "attention": "paged", "query_tiles": True, "edges": sizes.owed_edges,
+           "tokens": sizes.k + 1, "context": sizes.mid_context,
+           "bucket": f"{choice.bucket.sessions}x{choice.bucket.rows}" if choice.bucket else choice.reason}
+    if choice.bucket is not None:
+        segments = refill_plan(choice.bucket, len(caches), inputs.n, inputs.k, inputs.plan.n_written, pool.pages,
+                               inputs.plan.q_block)
+        row["static_ints"] = sum(segment.length for segment in segments)
+    if run.device.type != "cuda":
+        release(sessions)
+        return row | {"captured": False, "reason": f"CUDA graphs need a CUDA device; this run is on {run.device} "
+                                                   "(the bucket is planned only)"}
     with torch.inference_mode():
-        eager_ms = _timed(lambda: forward().cpu(), static, inputs.host, run)
+        eager_ms = _timed(lambda: run_packed(model, inputs, inputs.host.to(run.device), caches, blocks)
+                          .argmax(-1).cpu(), run)
         try:
-            graph, output = _capture(forward)
+            graphs = GraphForwards(model, pool)
+            graphs.replay(inputs)  # captures the bucket's graph
         except Exception as err:  # noqa: BLE001 - what stops a capture is the answer this step gives
             release(sessions)
             return row | {"captured": False, "reason": f"{type(err).__name__}: {err}"[:2000], "eager_p50_ms": eager_ms}
-        replay_ms = _timed(lambda: (graph.replay(), output.cpu()), static, inputs.host, run)
+        replay_ms = _timed(lambda: graphs.replay(inputs).argmax(-1).cpu(), run)
     release(sessions)
     return row | {"captured": True, "eager_p50_ms": eager_ms, "graph_p50_ms": replay_ms,
                   "graph_speedup": round(eager_ms / replay_ms, 3)}
 
 
-def _capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm up on a side stream (compiled kernels, allocator), then capture one forward."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = forward()
-    return graph, output
-
-
-def _timed(step: Callable[[], object], static: torch.Tensor, host: torch.Tensor, run: CheckRun) -> float:
-    """p50 ms of (inputs to the device, `step`, rows to the host) over REPEATS, after 3 untimed."""
+def _timed(step: Callable[[], object], run: CheckRun) -> float:
+    """p50 ms of `step` (inputs to the device, the forward, rows to the host) over REPEATS, after 3 untimed."""
     times = []
     for i in range(REPEATS + 3):
         run.synchronize()
         started = time.perf_counter()
-        static.copy_(host, non_blocking=False)
         step()
         if i >= 3:
             times.append((time.perf_counter() - started) * 1e3)

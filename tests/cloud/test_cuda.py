@@ -153,3 +153,30 @@ def test_cuda_cloud_over_grpc_equals_the_target_alone(tiny_target, tiny_draft, a
         remote = _edge_loop(channel, tiny_draft, ids, 24, 4, SamplingParams())
     cut = next((i + 1 for i, t in enumerate(remote) if t in tiny_target.eos_token_ids), len(remote))
     assert remote[:cut] == expected
+
+
+def test_cuda_tiled_forwards_replayed_from_graphs_equal_the_model_alone_in_float32():
+    """Query tiles per session and CUDA graphs (cloud/query_tiles.py, cloud/cuda_graphs.py): the first forward of a
+    bucket captures its graph, the next replay it, and every row is the model's own; a forward past the buckets (a
+    tree block) runs eagerly."""
+    from cloud.cuda_graphs import GraphForwards
+
+    model = _tiny_qwen2(torch.float32)
+    layout = KVLayout.of(model, page_tokens=128)
+    pool = KVPool(layout, 64 * layout.bytes_per_page)
+    graphs = GraphForwards(model, pool)
+    rng = random.Random(6)
+    caches = [pool.session() for _ in range(3)]
+    contexts = [[rng.randrange(300) for _ in range(n)] for n in (3, 150, 40)]
+    for cache, context in zip(caches, contexts):
+        forward_packed(model, [cache], [context], [1])
+    for _ in range(3):  # the same bucket (3 sessions, each <= 16 rows: 4 x 64), captured once, replayed twice
+        blocks = [[rng.randrange(300) for _ in range(rng.randint(1, 6))] for _ in caches]
+        rows = forward_packed(model, caches, blocks, [len(b) for b in blocks], query_tiles=True, replay=graphs.replay)
+        for cache, context, block, row in zip(caches, contexts, blocks, rows):
+            context += block
+            torch.testing.assert_close(row.logits, _plain(model, context, len(block)), atol=1e-4, rtol=0)
+    assert graphs.replays == 3 and len(graphs._captured) == 1
+    tree_rows = forward_packed(model, caches[:1], [[1, 2, 3]], [3], trees=[[-1, 0, 0]], query_tiles=True,
+                               replay=graphs.replay)
+    assert graphs.eager == 1 and tree_rows[0].logits.shape == (3, 300)
