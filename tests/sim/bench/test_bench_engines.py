@@ -99,7 +99,7 @@ def _answering(token_ids: dict[str, list[int]]) -> httpx.AsyncClient:
     def answer(request: httpx.Request) -> httpx.Response:
         prompt = json.loads(request.content)["prompt"]
         return httpx.Response(200, json={"choices": [{"text": "", "finish_reason": "length"}],
-                                         "usage": {"completion_tokens": 3},
+                                         "usage": {"prompt_tokens": 2, "completion_tokens": 3},
                                          "sprinter": {"degraded": False, "token_ids": token_ids[prompt]}})
     return httpx.AsyncClient(transport=httpx.MockTransport(answer))
 
