@@ -29,7 +29,7 @@ Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime s
   memory-bandwidth bound and smaller weights are the only big lever left; but the logits then differ from the
   torch model (a different draft, not a faster copy of the same one), so a quantised export is checked by
   greedy agreement with torch rather than by a logit bound (edge/onnx_export/verify.py). Derived from the
-  float32 export, cached next to it as `<key>-int8` or `<key>-int4`.
+  float32 export, cached next to it as `<key>-int8` or `<key>-int4-r<recipe version>`.
 - Post-processing: onnxscript's ORT fusions (RMSNorm, skip-RMSNorm, rotary, attention ->
   com.microsoft ops; CUDA has them too). Measured interleaved on CPU: SmolLM2-135M 15.8 -> 14.1
   ms/token (30 layers of small matrices: per-node overhead is a visible share), Qwen2.5-0.5B no
@@ -64,7 +64,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common.model.loading import LoadedModel, cache_root
-from edge.onnx_export.quantize import DATA_FILE, INT4_RECIPE, WEIGHT_FORMATS, quantize_weights
+from edge.onnx_export.quantize import DATA_FILE, INT4_RECIPE, INT4_RECIPE_VERSION, WEIGHT_FORMATS, quantize_weights
 from edge.onnx_export.verify import DraftExportError, check_quantised, verify_export
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, we
 def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: str) -> Path:
     """The float32 export with its MatMul weights quantised to `weights`, made on first use."""
     source = export_draft(loaded, fuse, verify)
-    target = source.parent.with_name(f"{source.parent.name}-{weights}")
+    suffix = f"{weights}-r{INT4_RECIPE_VERSION}" if weights == "int4" else weights
+    target = source.parent.with_name(f"{source.parent.name}-{suffix}")
     path = target / MODEL_FILE
     if path.exists():
         log.info("ONNX draft for %s (%s weights): cached at %s", loaded.spec, weights, path)

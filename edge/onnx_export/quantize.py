@@ -6,7 +6,7 @@ lets the CPU kernel quantise activations to int8 and use integer dot products (V
 the kernels dequantise the weights on every call and lose most of the gain.
 
 - int8: symmetric round-to-nearest (ORT's default quantiser).
-- int4: see `INT4_RECIPE`, chosen by acceptance against the target (docs/edge.md has the table).
+- int4: see `INT4_RECIPE`, chosen by acceptance against the target and speed (docs/edge.md has the tables).
 
 Only this module's functions import onnx and ORT's quantisers, so the CLI can read `WEIGHT_FORMATS`
 without loading them.
@@ -23,14 +23,17 @@ WEIGHT_FORMATS = ("float32", "int8", "int4")
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)
-# How `int4` is made, chosen by acceptance against the target (Qwen2.5-Coder-0.5B drafting for the 1.5B, docs/edge.md):
-# asymmetric round-to-nearest 4-bit blocks (a zero point per block follows skewed blocks, on which a symmetric scale
-# wastes levels) for the attention's query and output and the MLP's gate and up projections; int8 for the rest:
-# the LM head (the largest single weight, whose error reaches the choice of token directly), the MLP's down projection
-# and the attention's key and value (narrow under grouped-query attention, so cheap to keep). Tokens per call against
-# int8's, 14 prompts: this recipe -0.4%; RTN 4-bit everywhere but an int8 head -3.4%; HQQ 4-bit everywhere -2.7% (and
-# 20 minutes to quantise the head); RTN 4-bit everywhere -5.6% (6 prompts).
-INT4_RECIPE = "rtn-asym int4; int8 head, down, key, value"
+# How `int4` is made, chosen by acceptance against the target and decode speed (Qwen2.5-Coder-0.5B drafting for the
+# 1.5B, docs/edge.md): asymmetric round-to-nearest 4-bit blocks (a zero point per block follows skewed blocks, on
+# which a symmetric scale wastes levels), except the MLP's down projection and the attention's key and value, kept at
+# int8 (key and value are narrow under grouped-query attention, so cheap to keep). Tokens per call against int8's,
+# 14 prompts: this recipe -1.7% at 1.35x int8's decode speed; the LM head at int8 too -0.4% at 1.21x; RTN 4-bit
+# everywhere but an int8 head -3.4%; HQQ 4-bit everywhere -2.7% (its float zero points miss the fast kernel);
+# RTN 4-bit everywhere -5.6% (6 prompts).
+INT4_RECIPE = "rtn-asym int4; int8 down, key, value"
+# Part of the int4 export's cache directory name (`<key>-int4-r2`): an export made by an earlier recipe is not reused.
+INT4_RECIPE_VERSION = 2
+
 
 
 def quantize_weights(source: Path, destination: Path, weights: str) -> None:
@@ -57,16 +60,16 @@ def _matmul_nbits(model, bits: int, symmetric: bool, exclude: list[str] | None =
 
 
 def kept_at_int8(model) -> list[str]:
-    """Names of the MatMuls `int4` keeps at int8, told apart by their weights' shapes [in, out]: the LM head (the
-    widest output), the MLP's down projection (in > out) and the attention's key and value (in = hidden size,
-    out narrower: grouped-query attention; a model without it has none told apart, and keeps them at int4)."""
+    """Names of the MatMuls `int4` keeps at int8, told apart by their weights' shapes [in, out]: the MLP's down
+    projection (in > out) and the attention's key and value (in = hidden size, out narrower: grouped-query attention;
+    a model without it has none told apart, and keeps them at int4). The LM head (the widest output) is int4."""
     weights = _constant_weights(model)
     if not weights:
         return []
     head = max(weights, key=lambda name: weights[name][1])
     hidden = weights[head][0]  # the head reads the hidden state
     return [name for name, (rows, cols) in weights.items()
-            if name == head or rows > cols or (rows == hidden and cols < hidden)]
+            if name != head and (rows > cols or (rows == hidden and cols < hidden))]
 
 
 def _constant_weights(model) -> dict[str, tuple[int, int]]:

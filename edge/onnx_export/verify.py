@@ -29,7 +29,7 @@ AGREEMENT_PROMPTS = (
     "The old lighthouse on the northern cape was built in",
     "Question: Why does ice float on water?\nAnswer:",
 )
-AGREEMENT_TOKENS = 32  # greedy tokens per prompt
+AGREEMENT_TOKENS = 64  # greedy tokens per prompt: 192 positions in all (at 96, one position moved int4 across 0.85)
 
 
 class DraftExportError(SprinterError, RuntimeError):
@@ -43,10 +43,10 @@ class ExportCheck:
     min_agreement: float
 
 
-# Measured on Qwen2.5-Coder-0.5B (96 positions): int8 1.0, int4 (edge/onnx_export/quantize.py's recipe) 0.90,
-# which kept tokens per call within 0.4% of int8's; RTN 4-bit everywhere 0.83-0.84 and with an int8 head 0.875,
-# which lost 3-6%. SmolLM2-135M (from a Q4_1 GGUF) reaches 0.82 with the recipe and is refused. A graph of wrong
-# weights agrees on almost nothing.
+# Measured (192 positions): Qwen2.5-Coder-0.5B int8 0.995 and int4 (edge/onnx_export/quantize.py's recipe) 0.906,
+# which kept tokens per call within 1.7% of int8's; SmolLM2-135M (from a Q4_1 GGUF) int8 0.953 and int4 0.818, refused.
+# At 96 positions, RTN 4-bit everywhere agreed 0.83-0.84 and lost 5-7% of tokens per call. A graph of wrong weights
+# agrees on almost nothing.
 QUANTISED_CHECKS = {"int8": ExportCheck(min_agreement=0.9), "int4": ExportCheck(min_agreement=0.85)}
 
 

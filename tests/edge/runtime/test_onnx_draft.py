@@ -23,7 +23,7 @@ from edge.runtime.draft import exported_draft, load_draft_runtime
 from edge.runtime.kv_slice import KvSlicer
 from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
 from edge.onnx_export.export import export_draft, model_fingerprint, read_export_info
-from edge.onnx_export.quantize import INT4_RECIPE, kept_at_int8
+from edge.onnx_export.quantize import INT4_RECIPE, INT4_RECIPE_VERSION, kept_at_int8
 from edge.onnx_export.verify import (QUANTISED_CHECKS, DraftExportError, ExportCheck, check_quantised, greedy_agreement,
                                       verify_export)
 
@@ -202,9 +202,9 @@ def test_int4_weights_are_a_separate_export_checked_by_agreement(tiny_target: Lo
     # is lowered here to see the recipe's parts; the refusal at the real bound is the next test.
     monkeypatch.setitem(QUANTISED_CHECKS, "int4", ExportCheck(min_agreement=0.4))
     path = export_draft(tiny_target, weights="int4")
-    assert path.parent.name == tiny_onnx.parent.name + "-int4"
+    assert path.parent.name == tiny_onnx.parent.name + f"-int4-r{INT4_RECIPE_VERSION}"
     kept = set(kept_at_int8(onnx.load(str(tiny_onnx), load_external_data=False)))
-    assert len(kept) == 1 + 3 * tiny_target.model.config.num_hidden_layers  # the head; each layer's down, key, value
+    assert len(kept) == 3 * tiny_target.model.config.num_hidden_layers  # each layer's down, key and value
     bits = {name.rsplit("_Q", 1)[0]: b for name, b in _matmul_bits(path).items()}
     assert {name for name, b in bits.items() if b == 8} == kept and 4 in bits.values()  # the rest is int4
     info = read_export_info(path)
