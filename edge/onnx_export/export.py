@@ -24,12 +24,12 @@ Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime s
   float16 MatMul is slower than float32 on this x86 CPU (a [1,896]x[896,65536] MatMul: ~5 ms float32,
   ~6 ms float16; see `sprinter bench draft`), so half precision would cost accuracy and Casts for
   nothing. A bf16-loaded model is upcast (exactly) to a float32 copy for export and verification.
-- Optional weight-only quantisation (`weights="int8"`): MatMul weights become ORT
-  MatMulNBits blocks (32 values per scale, symmetric, int8 compute). A draft step reads every weight
-  once, so it is memory-bandwidth bound and smaller weights are the only big lever left; but the
-  logits then differ from the torch model (a different draft, not a faster copy of the same one), so
-  the default stays float32 (Qwen2.5-0.5B: ~3% relative logit error, ~2.5x faster). Derived from the
-  float32 export, cached next to it as `<key>-int8`.
+- Optional weight-only quantisation (`weights="int8"` or `"int4"`, edge/onnx_export/quantize.py): MatMul
+  weights become ORT MatMulNBits blocks with int8 compute. A draft step reads every weight once, so it is
+  memory-bandwidth bound and smaller weights are the only big lever left; but the logits then differ from the
+  torch model (a different draft, not a faster copy of the same one), so a quantised export is checked by
+  greedy agreement with torch rather than by a logit bound (edge/onnx_export/verify.py). Derived from the
+  float32 export, cached next to it as `<key>-int8` or `<key>-int4-r<recipe version>`.
 - Post-processing: onnxscript's ORT fusions (RMSNorm, skip-RMSNorm, rotary, attention ->
   com.microsoft ops; CUDA has them too). Measured interleaved on CPU: SmolLM2-135M 15.8 -> 14.1
   ms/token (30 layers of small matrices: per-node overhead is a visible share), Qwen2.5-0.5B no
@@ -39,7 +39,7 @@ Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime s
   fusion flag, the model config (minus its dtype) and every state-dict entry (name, shape and all of
   its bytes as float32). Hashing every byte takes ~1.5 s for Qwen2.5-0.5B, cheap next to a 60 s
   export, and the key changes whenever any weight changes; a checkpoint loaded in bf16 or in float32
-  maps to the same export. `int8` exports live next to their source under `<key>-int8`.
+  maps to the same export. Quantised exports live next to their source under `<key>-<weights>`.
 - Atomicity: everything is written to a sibling temporary directory, which is renamed into place;
   a directory that exists under the final name is complete. A concurrent exporter that loses the
   rename race discards its copy.
@@ -63,26 +63,18 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from common.errors import SprinterError
 from common.model.loading import LoadedModel, cache_root
+from edge.onnx_export.quantize import DATA_FILE, INT4_RECIPE, INT4_RECIPE_VERSION, WEIGHT_FORMATS, quantize_weights
+from edge.onnx_export.verify import DraftExportError, check_quantised, verify_export
 
 log = logging.getLogger(__name__)
 
 # Bump when the graph interface or the export recipe changes: old cache entries then stop matching.
 EXPORT_FORMAT_VERSION = 2  # 2: a batch axis (a tree's branches side by side)
 MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)
 INFO_FILE = "export.json"
-# int4 (RTN, block 32) was tried: 2-3x faster again than int8 on a MatMul, but logits off by ~40%.
-WEIGHT_FORMATS = ("float32", "int8")
-# Relative error `verify_export` accepts: float32 differs from torch by summation order only.
-_TOLERANCE = {"float32": 1e-3, "int8": 0.1}
 # Example sizes for tracing: all distinct and > 1, so torch.export specialises none of them.
 _EXAMPLE_NEW, _EXAMPLE_PAST, _EXAMPLE_KEEP, _EXAMPLE_BATCH = 3, 7, 2, 4
-
-
-class DraftExportError(SprinterError, RuntimeError):
-    """The model cannot be exported, or the exported graph disagrees with torch."""
 
 
 def input_names(n_layers: int) -> list[str]:
@@ -150,9 +142,10 @@ def export_dir(model: PreTrainedModel, fuse: bool = True) -> Path:
 def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, weights: str = "float32") -> Path:
     """Path of the model's ONNX export, exporting it on first use (Qwen2.5-0.5B: about a minute).
 
-    `fuse` applies ONNX Runtime's fused ops (RMSNorm, rotary, attention); `verify` compares one
-    prefill and one decode step against torch before the file is cached; `weights` other than
-    float32 quantises the MatMul weights of the float32 export (lossy; see the module docstring).
+    `fuse` applies ONNX Runtime's fused ops (RMSNorm, rotary, attention); `verify` checks the graph against
+    torch before the file is cached (float32: logits and hidden states; quantised: greedy agreement, see
+    edge/onnx_export/verify.py); `weights` other than float32 quantises the MatMul weights of the float32
+    export (lossy; see the module docstring).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, not {weights!r}")
@@ -170,7 +163,10 @@ def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, we
     with _staging_dir(target) as staging, _quiet_exporter_logs():
         fp32 = float32_model(loaded.model)
         stages = _export_to(fp32, staging / MODEL_FILE, fuse)
-        errors = _verify_stage(fp32, staging / MODEL_FILE, "float32", stages) if verify else None
+        errors = None
+        if verify:
+            with _stage("verify against torch", stages):
+                errors = verify_export(fp32, staging / MODEL_FILE)
         _write_info(staging / INFO_FILE, loaded, fuse, stages, "float32", errors)
         _publish(staging, target)
     log.info("ONNX export of %s done in %.1f s: %s", loaded.spec, time.perf_counter() - started, path)
@@ -180,7 +176,8 @@ def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, we
 def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: str) -> Path:
     """The float32 export with its MatMul weights quantised to `weights`, made on first use."""
     source = export_draft(loaded, fuse, verify)
-    target = source.parent.with_name(f"{source.parent.name}-{weights}")
+    suffix = f"{weights}-r{INT4_RECIPE_VERSION}" if weights == "int4" else weights
+    target = source.parent.with_name(f"{source.parent.name}-{suffix}")
     path = target / MODEL_FILE
     if path.exists():
         log.info("ONNX draft for %s (%s weights): cached at %s", loaded.spec, weights, path)
@@ -189,8 +186,11 @@ def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: st
     stages: dict[str, float] = {}
     with _staging_dir(target) as staging, _quiet_exporter_logs():
         with _stage(f"quantise MatMul weights to {weights}", stages):
-            quantize_weights(source, staging / MODEL_FILE, bits=int(weights[3:]))
-        errors = _verify_stage(float32_model(loaded.model), staging / MODEL_FILE, weights, stages) if verify else None
+            quantize_weights(source, staging / MODEL_FILE, weights)
+        errors = None
+        if verify:
+            with _stage("check greedy agreement with torch", stages):
+                errors = check_quantised(float32_model(loaded.model), loaded.tokenizer, staging / MODEL_FILE, weights)
         _write_info(staging / INFO_FILE, loaded, fuse, stages, weights, errors)
         _publish(staging, target)
     return path
@@ -202,27 +202,6 @@ def float32_model(model: PreTrainedModel) -> PreTrainedModel:
         return model
     log.info("making a float32 copy of the model for export")
     return copy.deepcopy(model).float()
-
-
-def _verify_stage(model: PreTrainedModel, path: Path, weights: str, stages: dict[str, float]) -> dict[str, float]:
-    with _stage("verify against torch", stages):
-        return verify_export(model, path, _TOLERANCE[weights])
-
-
-def quantize_weights(source: Path, destination: Path, bits: int, block_size: int = 32) -> None:
-    """Rewrite every MatMul with a constant weight as MatMulNBits (symmetric, `block_size` per scale).
-
-    accuracy_level 4 lets the CPU kernel quantise activations to int8 and use VNNI dot products;
-    without it the 8-bit kernel dequantises weights on every call and is slower than float32.
-    """
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), bits=bits, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=4)
-    quantizer.process()
-    # location is relative to the model file, so the directory can be renamed afterwards.
-    onnx.save(quantizer.model.model, str(destination), save_as_external_data=True, location=DATA_FILE)
 
 
 def _check_supported(model: PreTrainedModel) -> None:
@@ -301,30 +280,6 @@ def _example_inputs(model: PreTrainedModel) -> tuple[tuple, tuple]:
     return (input_ids, logits_index, *past), dynamic_shapes
 
 
-def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -> dict[str, float]:
-    """Prefill 5 tokens then decode 1 through ONNX Runtime and torch; raise if logits or hidden differ.
-
-    The tolerance is relative to the largest logit: fused kernels sum in a different order.
-    """
-    from edge.runtime.onnx_draft import OnnxCachedLM
-    from common.model.cached_lm import CachedLM
-
-    torch_lm, onnx_lm = CachedLM(model, with_hidden=True), OnnxCachedLM(path, with_hidden=True)
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, model.config.vocab_size, (6,), generator=generator).tolist()
-    errors: dict[str, float] = {}
-    for length in (5, 6):
-        ref, got = torch_lm.advance_to(context[:length], 2), onnx_lm.advance_to(context[:length], 2)
-        for what, a, b in (("logits", ref.logits, got.logits), ("hidden", ref.hidden.float(), got.hidden)):
-            error = float((a - b).abs().max() / a.abs().max().clamp(min=1e-6))
-            errors[what] = max(errors.get(what, 0.0), error)
-    log.info("ONNX vs torch, max relative error: %s", ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    for what, error in errors.items():
-        if not error <= tolerance:
-            raise DraftExportError(f"ONNX export disagrees with torch on {what}: relative error {error:.2e} > {tolerance}")
-    return errors
-
-
 def _write_info(path: Path, loaded: LoadedModel, fuse: bool, stages: dict[str, float], weights: str,
                 errors: dict[str, float] | None) -> None:
     kv_heads, head_dim = kv_shape(loaded.model)
@@ -332,7 +287,8 @@ def _write_info(path: Path, loaded: LoadedModel, fuse: bool, stages: dict[str, f
         spec=loaded.spec, format=EXPORT_FORMAT_VERSION, dtype="float32", weights=weights, fuse=fuse, torch=torch.__version__,
         n_layers=loaded.model.config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
         hidden_size=loaded.model.config.hidden_size, vocab_size=loaded.vocab_size, export_seconds=stages,
-        verify_relative_error=errors,
+        verify=errors,
+        recipe=INT4_RECIPE if weights == "int4" else None,
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     path.write_text(json.dumps(info, indent=2))

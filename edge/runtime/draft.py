@@ -32,7 +32,7 @@ def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int 
     """The draft's cached runtime: ONNX Runtime (exported on first use) or the torch reference.
 
     `threads`: ONNX Runtime's intra-op pool (default every core); for torch, when given, it calls
-    `torch.set_num_threads`, which is process-wide. `weights="int8"` selects the quantised export
+    `torch.set_num_threads`, which is process-wide. `weights="int8"` or `"int4"` selects a quantised export
     (faster, but a slightly different draft); `onnx_options` go to `OnnxDraftModel`.
     """
     if runtime == "torch":

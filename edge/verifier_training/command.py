@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 from common.arguments import DTYPE_NAMES, floats
 from common.lab.results_page import add_page_arguments, publish_if_asked
+from edge.onnx_export.quantize import WEIGHT_FORMATS
 
 if TYPE_CHECKING:  # models load in the commands that run: `--help` imports no torch
     from common.model.cached_lm import DraftLM
@@ -127,7 +128,7 @@ def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (default: the project's 320-prompt set)")
     p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"],
                    help="train on the hidden states of the runtime the edge will run")
-    p.add_argument("--draft-weights", default="int8", choices=["int8", "float32"])
+    p.add_argument("--draft-weights", default="int8", choices=WEIGHT_FORMATS)
     p.add_argument("--threads", type=int, help="ONNX Runtime threads (default: every core)")
 
 

@@ -36,7 +36,7 @@ from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import AutoBenchSettings
 from sim.sweep.baselines import LocalBaselines
-from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def bench_auto(settings: AutoBenchSettings) -> str:
                             engine=settings.engine, cloud_drafts=True, rtt_ms=settings.rtt_ms[0])
     requests = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
     rows = summarize(requests)
-    folder.write_results(settings, rows=rows, requests=requests)
+    folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), rows=rows,
+                         requests=requests)
     text = table(settings, rows)
     folder.write_table(text)
     return text
@@ -145,7 +146,8 @@ def table(settings: AutoBenchSettings, rows: list[dict[str, Any]]) -> str:
     every = methods(settings)
     baseline = " auto / llama-server |" if LLAMA_SERVER in every else ""
     lines = [f"Engine {settings.engine}; tokens/s, median of {settings.passes} passes over {settings.prompts} prompts "
-             f"x {settings.max_new_tokens} tokens, greedy.", "",
+             f"x {settings.max_new_tokens} tokens, greedy; draft {draft_label(settings.draft_runtime, settings.dtype)}.",
+             "",
              "| RTT ms | " + " | ".join(every) + f" | auto / best | auto / target |{baseline} auto chose | "
              "predicted / measured |", "|" + " --- |" * (len(every) + 5 + bool(baseline))]
     for r in rows:

@@ -52,7 +52,7 @@ from sim.bench.prompts import load_bench_prompts
 from sim.bench.rollout import SimulatedEdge
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import PlacementBenchSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
 from sim.sweep.telemetry import sweep_broker
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -73,7 +73,7 @@ def bench_placement(settings: PlacementBenchSettings) -> str:
                                 cloud_flags=("--edge-max-generate", str(settings.load_streams + 4)), mqtt_url=url,
                                 advertise_link=True)
         rows = measure_here(system, lambda sut: _measure_all(settings, sut, draft, prompts, url))
-    folder.write_results(settings, broker=url, rows=rows, goal=goal(rows))
+    folder.write_results(settings, draft=draft_label(), broker=url, rows=rows, goal=goal(rows))
     text = table(settings, rows)
     folder.write_table(text)
     plot(rows, folder.path("tokens_per_s.png"))
@@ -230,7 +230,7 @@ def goal(rows: list[dict]) -> list[dict]:
 def table(settings: PlacementBenchSettings, rows: list[dict]) -> str:
     lines = [f"mode {settings.mode}, greedy, k={settings.k}, {settings.target} <- {settings.draft} ({settings.dtype}), "
              f"{settings.prompts} prompts x {settings.max_new_tokens} tokens, {settings.warmup} warm-up requests per "
-             f"placement and RTT; load: {settings.load_streams} other cloud-sd streams",
+             f"placement and RTT; load: {settings.load_streams} other cloud-sd streams; draft {draft_label()}",
              "",
              "| RTT ms | load | edge tok/s | cloud tok/s | auto tok/s | auto / better | auto chose | auto learning | goal |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -41,7 +41,7 @@ from edge.node import EdgeNode
 from sim.bench.proposer_calibration import calibration_table, fit_calibration
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import SUITE, TREE_SUFFIX, ProposerBenchSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
     lookup_us = statistics.median(lookups_us) if lookups_us else None
     cores = {"cloud": sorted(system.cores.cloud), "edge": sorted(system.cores.edge)}
-    folder.write_results(settings, cores=cores, lookup_us_median=lookup_us, lookups=len(lookups_us),
-                         calibration=calibration, rows=rows, summary=summary)
+    folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), cores=cores,
+                         lookup_us_median=lookup_us, lookups=len(lookups_us), calibration=calibration, rows=rows,
+                         summary=summary)
     text = table(settings, summary, lookup_us, cores) + tree_table(summary) + calibration_table(calibration)
     folder.write_table(text)
     plot(summary, folder.path("proposers.png"))
@@ -188,7 +189,7 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
     regime = "greedy" if settings.greedy else f"T={settings.temperature:g}"
     lines = [f"{regime}, {settings.target} <- {settings.draft} ({settings.dtype}), RTT {settings.rtt_ms:g} ms, k={settings.k}, "
              f"up to {settings.max_tokens} tokens, medians of {settings.repeats} interleaved passes; suffix cache "
-             f"{settings.suffix_cache}"
+             f"{settings.suffix_cache}; draft {draft_label(settings.draft_runtime, settings.dtype)}"
              + (f"; a suffix lookup costs {lookup_us:.0f} us (median)" if lookup_us is not None else "") + pinned,
              "",
              "| mode | category | proposer | tokens/call | calls/token | calls/token x oracle | tokens/s | suffix share "

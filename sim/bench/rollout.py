@@ -112,7 +112,7 @@ async def _simulated_fleet(stack: AsyncExitStack, broker: BrokerSettings, n: int
 async def _real_edges(stack: AsyncExitStack, settings: RolloutSettings, url: str) -> list[str]:
     """The real edges' base URLs, then the control edge's (without telemetry); none with no real edges."""
     cpus, env = set(my_cores()[-1:]), thread_env(1)  # one core, one thread: the pairs compare like with like
-    common = ["--draft", settings.draft, "--draft-runtime", "torch", "--verifier", "confidence:0.5", "--mode", "draft"]
+    common = ["--draft", settings.draft, "--draft-runtime", "onnx", "--verifier", "confidence:0.5", "--mode", "draft"]
     runs = [(common + ["--mqtt", url, "--edge-id", f"real-{i}", "--group", GROUP, "--telemetry-interval", "1"],
              f"edge-real-{i}.log") for i in range(settings.real_edges)]
     runs += [(common, "edge-control.log")] if runs else []

@@ -27,7 +27,7 @@ from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import UplinkBenchSettings
 from sim.link.shaping import LinkSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def bench_uplink(settings: UplinkBenchSettings) -> str:
     system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, link=link,
                             rtt_ms=settings.rtt_ms[0])
     rows = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
-    folder.write_results(settings, rows=rows)
+    folder.write_results(settings, draft=draft_label(), rows=rows)
     text = table(settings, rows)
     folder.write_table(text)
     return text
@@ -83,7 +83,8 @@ async def _at(node: EdgeNode, settings: UplinkBenchSettings, prompts: list[list[
 def table(settings: UplinkBenchSettings, rows: list[dict]) -> str:
     bandwidth = f"{settings.bandwidth_mbps:g} Mbit/s each way" if settings.bandwidth_mbps else "unlimited bandwidth"
     lines = [f"mode sd, T={settings.temperature:g}, k={settings.k}, {settings.target} <- {settings.draft} "
-             f"({settings.dtype}), {settings.prompts} prompts x {settings.max_tokens} tokens, {bandwidth}",
+             f"({settings.dtype}), {settings.prompts} prompts x {settings.max_tokens} tokens, {bandwidth}; "
+             f"draft {draft_label()}",
              "",
              "| RTT ms | draft dists | tokens | uplink B/token | downlink B/token | tokens/s | verify RTs/token "
              "| extra RTs/token |",

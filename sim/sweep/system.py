@@ -136,13 +136,23 @@ class SystemUnderTest:
         log.info("link: rtt %g ms", rtt_ms)
 
     async def edge_node(self, draft: LoadedModel, **settings: Any) -> EdgeNode:
-        """An edge in this process dialling the cloud through the link (torch draft unless `settings` say)."""
+        """An edge in this process dialling the cloud through the link; it drafts as the edge daemon does (ONNX
+        Runtime, int8 weights) unless `settings` say otherwise."""
         from edge.node import EdgeNode, EdgeNodeSettings  # the daemon's systems need no edge here
 
         s = self.settings
-        node_settings = EdgeNodeSettings(**{"draft": s.draft, "cloud": self.edge_dials, "dtype": s.dtype,
-                                            "draft_runtime": "torch", **settings})
+        node_settings = EdgeNodeSettings(**{"draft": s.draft, "cloud": self.edge_dials, "dtype": s.dtype, **settings})
         return await self.hold(EdgeNode(node_settings, draft))
+
+
+def draft_label(runtime: str = "onnx", dtype: str = "bfloat16") -> str:
+    """How an edge's draft ran, for a table's headline: "onnx-int8" (the edge daemon's runtime and weights) or
+    "torch-<dtype>"."""
+    if runtime == "torch":
+        return f"torch-{dtype}"
+    from edge.node import EdgeNodeSettings
+
+    return f"{runtime}-{EdgeNodeSettings.draft_weights}"
 
 
 def measure_here(settings: SystemSettings, scenario: Callable[[SystemUnderTest], Awaitable[T]]) -> T:

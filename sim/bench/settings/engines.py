@@ -56,7 +56,7 @@ class Config:
     fuse: bool = True
     io_binding: bool | None = None  # None: the runtime's default (binding on CUDA only)
     threads: int | None = None  # None: --threads
-    weights: str = "float32"  # onnx only: "int8" is a lossy weight-only quantisation (MatMulNBits)
+    weights: str = "float32"  # onnx only: "int8" and "int4" are lossy weight-only quantisations (MatMulNBits)
 
 
 CONFIGS = (
@@ -69,6 +69,7 @@ CONFIGS = (
     Config("onnx-unfused", "onnx", fuse=False),
     Config("onnx-1-thread", "onnx", threads=1),
     Config("onnx-int8", "onnx", weights="int8"),
+    Config("onnx-int4", "onnx", weights="int4"),
 )
 
 

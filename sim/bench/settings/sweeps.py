@@ -25,7 +25,7 @@ class ProposerBenchSettings:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
-    draft_runtime: Literal["torch", "onnx"] = "torch"
+    draft_runtime: Literal["torch", "onnx"] = "onnx"  # the edge's own (int8 weights)
     rtt_ms: float = 50.0
     modes: tuple[str, ...] = ("sd-block",)
     proposers: tuple[str, ...] = PROPOSERS

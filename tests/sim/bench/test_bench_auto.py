@@ -17,6 +17,7 @@ def test_bench_auto_times_every_method_and_auto_matches_the_targets_output(tmp_p
     assert "| 50 |" in text and "auto / best" in text
     report = json.loads((tmp_path / "results.json").read_text())
     assert {"date", "machine", "commit", "settings", "rows", "requests"} <= set(report)
+    assert report["draft"] == "torch-float32" and "draft torch-float32" in text  # what this test's edge ran
     (row,) = report["rows"]
     assert set(row["tokens_per_s"]) == set(METHODS) and sum(row["auto_chose"].values()) == 1
     assert 0 <= row["auto_switched"] <= 1

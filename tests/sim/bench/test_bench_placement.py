@@ -20,6 +20,7 @@ def test_the_bench_measures_every_placement_at_every_rtt_and_under_load(tmp_path
 
     report = json.loads((tmp_path / "results.json").read_text())
     assert list(report)[:4] == ["date", "machine", "commit", "settings"] and report["settings"]["rtt_ms"] == [0.0, 40.0]
+    assert report["draft"] == "onnx-int8"  # the edge's own runtime and weights
     rows = report["rows"]
     assert [(r["rtt_ms"], r["load_streams"], r["placement"]) for r in rows] == [
         (rtt, load, p) for rtt, load in ((0.0, 0), (40.0, 0), (40.0, 1)) for p in PLACEMENTS]

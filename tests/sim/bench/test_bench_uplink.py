@@ -15,7 +15,8 @@ def test_the_bench_measures_each_draft_dists_at_each_rtt(tmp_path):
     text = bench_uplink(settings)
 
     report = json.loads((tmp_path / "results.json").read_text())
-    assert list(report) == ["date", "machine", "commit", "settings", "rows"]
+    assert list(report) == ["date", "machine", "commit", "settings", "draft", "rows"]
+    assert report["draft"] == "onnx-int8"  # the edge's own runtime and weights
     assert report["settings"]["rtt_ms"] == [0.0, 20.0] and report["settings"]["out"] == str(tmp_path)
     rows = report["rows"]
     assert [(r["rtt_ms"], r["draft_dists"]) for r in rows] == [
