@@ -189,12 +189,12 @@ def measure(settings: DraftBenchSettings, chosen: list[Config], prompt: list[int
     return list(results.values())
 
 
+@torch.no_grad()  # not torch.set_grad_enabled(False): that outlived the bench in its process (a test after it broke)
 def bench_draft(settings: DraftBenchSettings) -> str:
     """Every chosen config, `rounds` times; writes OUT; returns the table and the MatMul dtype probe's line."""
     import onnxruntime as ort
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_grad_enabled(False)
     settings = replace(settings, threads=settings.threads or available_cores())
     chosen = [c for c in CONFIGS if c.name in settings.configs]
     prompt = bench_prompt(load_model(settings.model, torch.bfloat16), settings.prompt_tokens)

@@ -166,9 +166,9 @@ def run_prompt(engine: LocalDecoder, target: LoadedModel, draft: LoadedModel, pr
     return records
 
 
+@torch.no_grad()  # scoped: a process-wide set_grad_enabled(False) outlives the bench (tests run after it)
 def bench_local(settings: LocalBenchSettings) -> str:
     """Every mode and assisted config on every prompt at every temperature; writes OUT, returns the table."""
-    torch.set_grad_enabled(False)
     target, draft = load_pair(settings.target, settings.draft, DTYPES[settings.dtype])
     engine = LocalDecoder(target, draft, ConfidenceVerifier(settings.verifier_threshold))
     prompts = load_bench_prompts(settings.prompts)
