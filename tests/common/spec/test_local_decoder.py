@@ -94,9 +94,9 @@ def test_smollm2_lossless_modes_equal_target_greedy(smollm2, smollm2_4_layers, d
     # A self-draft's one prompt shows it all (every token accepted); the 4-layer draft's rejections need both.
     for prompt in SMOLLM2_PROMPTS[:1] if draft_name == "self" else SMOLLM2_PROMPTS:
         ids = encode_prompt(smollm2.tokenizer, prompt, chat=True)
-        target = engine.generate(ids, DecodeSettings(mode="target", max_new_tokens=32))
+        target = engine.generate(ids, DecodeSettings(mode="target", max_new_tokens=24))
         for mode in LOSSLESS:
-            result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=32, k=5))
+            result = engine.generate(ids, DecodeSettings(mode=mode, max_new_tokens=24, k=5))
             assert result.token_ids == target.token_ids, (mode, prompt)
             if draft_name == "self":  # a model always agrees with itself: every draft token is accepted
                 assert result.stats.accept_rate_by_position and min(result.stats.accept_rate_by_position) == 1.0

@@ -120,7 +120,8 @@ def test_auto_moves_to_the_cloud_when_the_rtt_rises_and_back_when_the_cloud_is_b
     prompt = tiny_target.tokenizer("Once upon a time")["input_ids"]
     # A cloud draft step priced well above the tiny draft's on the edge: at RTT 0 the edge is faster.
     placer = Placer(prior_cloud_draft_ms=30.0)
-    settings = EdgeSettings(DecodeSettings(mode="sd", max_new_tokens=24, k=4), placement="auto")
+    # 12 tokens: about 12 rounds a request on the tiny pair, each 300 ms once the RTT rises
+    settings = EdgeSettings(DecodeSettings(mode="sd", max_new_tokens=12, k=4), placement="auto")
 
     async def work(cloud: ServerThread):
         host, _, port = cloud.address.rpartition(":")
