@@ -180,8 +180,9 @@ def collect(target: LoadedModel, draft: LoadedModel, make_draft_lm: Callable[[bo
               for start in range(0, len(prompts), settings.shard_size)]
     todo = [(n, shard) for n, shard in enumerate(shards)
             if n % workers == index and not (out_dir / f"shard-{n:05d}.npz").exists()]
-    if len(todo) < len(shards):
-        log.info("resuming: %d of %d shards already collected in %s", len(shards) - len(todo), len(shards), out_dir)
+    mine = sum(1 for n in range(len(shards)) if n % workers == index)
+    if len(todo) < mine:  # this worker's own shards: the others belong to the other workers
+        log.info("resuming: %d of this worker's %d shards already collected in %s", mine - len(todo), mine, out_dir)
     target_lm = CachedLM(target.model)
     draft_lm = make_draft_lm(True)  # the verifier's features read the draft's hidden states
     companion = make_companion() if make_companion is not None else None

@@ -104,6 +104,8 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--verify-per-token-ms", type=float, required=True, help="the verify time each block token adds")
     replay.add_argument("--seeds", type=int, default=8, help="acceptance draws per trace")
     replay.add_argument("--limit", type=int, help="the first N held-out prompts (as `sprinter simulate --limit N` picks them)")
+    replay.add_argument("--block", type=int, default=8, help="the margin-logistic estimator's training blocks, as "
+                        "`verifier compare --block` (data decoded in one block per prompt is cut into blocks of this)")
     replay.set_defaults(run=run_replay)
 
 
@@ -274,12 +276,18 @@ def run_bound(args: argparse.Namespace) -> int:
 
 def run_replay(args: argparse.Namespace) -> int:
     from edge.verifier_training.collect import load_dataset
+    from edge.verifier_training.compare import CompareSettings, fitted_estimator
     from edge.verifier_training.plots import plot_replay
     from edge.verifier_training.replay import ReplaySettings, RoundCosts, held_out_traces, replay, write_report
     from edge.runtime.verifier import LearnedVerifier
 
-    learned = LearnedVerifier.load(args.verifier)
-    traces = held_out_traces(load_dataset(args.data), learned.metadata, learned.score_features, args.limit)
+    learned, dataset = LearnedVerifier.load(args.verifier), load_dataset(args.data)
+    estimator = None
+    if "runner_up_prob" in dataset.arrays:  # the margin: vLLM's adaptive verification is replayed beside goodput
+        estimator = fitted_estimator(dataset, learned, CompareSettings(block=args.block))
+    else:
+        log.warning("this data predates the runner-up probability: no margin-logistic policies (collect it again)")
+    traces = held_out_traces(dataset, learned.metadata, learned.score_features, args.limit, estimator)
     costs = RoundCosts(args.draft_ms, args.verify_ms, args.verify_per_token_ms)
     settings = ReplaySettings(rtts_ms=args.rtt_ms, seeds=args.seeds)
     rows = replay(traces, costs, settings)

@@ -138,15 +138,22 @@ def by_position(scores: dict[str, np.ndarray], target: np.ndarray, position: np.
     return rows
 
 
+def fitted_estimator(dataset: VerifierDataset, verifier: LearnedVerifier, settings: CompareSettings) -> MarginLogistic:
+    """The estimator after hearing, block by block, the verdicts on every prompt the verifier does not hold out."""
+    check_pair(dataset, verifier)
+    outcome = events(labels_for(dataset, settings.label), settings.seed)
+    blocks = blocks_of(dataset, outcome, settings.block)
+    return fit_online(blocks, logit_margins(dataset), outcome, ~held_out_mask(dataset, verifier), settings.estimator)
+
+
 def compare(dataset: VerifierDataset, verifier: LearnedVerifier, settings: CompareSettings) -> dict:
     """The comparison's JSON (see the module docstring)."""
-    check_pair(dataset, verifier)
+    estimator = fitted_estimator(dataset, verifier, settings)
     target = labels_for(dataset, settings.label)
     outcome = events(target, settings.seed)
     margins = logit_margins(dataset)
     blocks = blocks_of(dataset, outcome, settings.block)
     test = held_out_mask(dataset, verifier)
-    estimator = fit_online(blocks, margins, outcome, ~test, settings.estimator)
     features = tuple(verifier.metadata["features"])
     scores = {LEARNED: verifier.score_features(feature_matrix(dataset, features)[test]).astype(np.float64),
               ESTIMATOR: estimator_scores(estimator, blocks.position[test], margins[test]),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.lab.plots import saved_figure
 from edge.verifier_training.evaluate import EvalRow
-from edge.verifier_training.replay import EXACT, HINDSIGHT, LEARNED, ReplayRow
+from edge.verifier_training.replay import ALL, ESTIMATOR_BUDGET, EXACT, HINDSIGHT, LEARNED, ReplayRow
 
 
 def plot_reliability(tables: dict[str, list[dict]], label: str, path: Path) -> None:
@@ -55,7 +55,7 @@ def plot_replay(rows: list[ReplayRow], path: Path) -> None:
     rtts = sorted({r.rtt_ms for r in rows})
     with saved_figure(path, 1, len(rtts), figsize=(4.2 * len(rtts), 4.0), squeeze=False, sharey=True) as (fig, axes):
         for ax, rtt in zip(axes[0], rtts):
-            at = [r for r in rows if r.rtt_ms == rtt]
+            at = [r for r in rows if r.rtt_ms == rtt and r.category == ALL]
             fixed = sorted((r for r in at if r.policy.startswith("fixed:")), key=lambda r: r.calls_per_token)
             ax.plot([r.calls_per_token for r in fixed], [r.tokens_per_s for r in fixed], "s--", color="grey", label="fixed K")
             for r in fixed:
@@ -66,6 +66,9 @@ def plot_replay(rows: list[ReplayRow], path: Path) -> None:
                                key=lambda r: r.calls_per_token)
                 ax.plot([r.calls_per_token for r in curve], [r.tokens_per_s for r in curve], style,
                         label=f"{prefix} (+ call price)")
+            for r in at:
+                if r.policy == ESTIMATOR_BUDGET:
+                    ax.plot(r.calls_per_token, r.tokens_per_s, "rD", label=ESTIMATOR_BUDGET)
             hindsight = next(r for r in at if r.policy == HINDSIGHT)
             ax.plot(hindsight.calls_per_token, hindsight.tokens_per_s, "k*", markersize=11, label=HINDSIGHT)
             ax.axvspan(hindsight.calls_per_token, 1.2 * hindsight.calls_per_token, color="green", alpha=0.12,

@@ -27,6 +27,14 @@ Policies (every block stops at the cap, 20, and at the trace's end):
     ... +price:P        goodput with a price of P ms on a cloud call (`--policy goodput:price=P`): it plans as
                         if every round took P ms longer, which buys fewer calls with tokens/s (the frontier
                         in the plot).
+    adaptive ...        the budget rule of vLLM's adaptive verification (common/spec/adaptive_policy.py).
+    ... + margin-logistic  reading the margin-logistic estimator (common/spec/margin_logistic.py) instead of the
+                        learned verifier: fitted, as an edge would fit it online, on the verdicts of every prompt
+                        that is not held out, and scoring each token at its position in the round's block.
+                        "adaptive + margin-logistic" is vLLM's configuration (issue 58).
+
+Every policy is tallied over all traces and per prompt category (each against the hindsight oracle of its own
+category).
 
 Approximation: after a rejection the real edge drafts on from the target's token, the trace from the draft's
 own; the trace's later tokens stand in for that continuation (at segment-0 collection, the a_i of tokens
@@ -37,20 +45,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from common.spec.adaptive_policy import AdaptivePolicy
 from common.spec.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
+from common.spec.margin_logistic import MarginLogistic, sigmoid
 from common.lab.prompt_sets import interleave_categories
 from edge.verifier_training.collect import VerifierDataset
+from edge.verifier_training.compare import logit_margins
 from edge.verifier_training.features import feature_matrix, labels_for
 
 CAP = 20  # the run-length cap of the edge's loop
 HINDSIGHT = "hindsight oracle"
 EXACT = "goodput exact-a"
 LEARNED = "goodput"
+ESTIMATOR_BUDGET = "adaptive + margin-logistic"  # vLLM's adaptive verification
+ALL = "all"
 
 BlockChooser = Callable[[int, int, np.ndarray], int]  # (pos, cap, kept-by-coin) -> tokens to draft, g
 
@@ -59,6 +72,8 @@ BlockChooser = Callable[[int, int, np.ndarray], int]  # (pos, cap, kept-by-coin)
 class Trace:
     accept_prob: list[float]  # [n] a_i
     score: list[float]  # [n] s_i
+    category: str = ""
+    block_scores: np.ndarray | None = None  # [CAP, n] the estimator's p for token i at block position j; None: no estimator
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,7 @@ class ReplayRow:
     wasted_draft_share: float  # drafted tokens the cloud threw away / drafted
     calls_vs_hindsight: float
     calls_vs_exact: float  # against goodput exact-a at the same RTT
+    category: str = ALL  # the prompts tallied: all, or one category
 
 
 def kept_run(kept: np.ndarray, pos: int, g: int) -> int:
@@ -114,6 +130,26 @@ def policy_chooser(policy: CallPolicy, scores: Sequence[float]) -> BlockChooser:
             g += 1
         return g
     return choose
+
+
+def block_position_chooser(policy: CallPolicy, block_scores: np.ndarray) -> BlockChooser:
+    """As policy_chooser, with scores that depend on where a token sits in the block: block_scores[j, i] ([CAP, n])."""
+    def choose(pos: int, cap: int, kept: np.ndarray) -> int:
+        g = 1
+        while not policy.should_send(block_scores[np.arange(g), pos + np.arange(g)].tolist(), cap):
+            g += 1
+        return g
+    return choose
+
+
+def estimator_block_scores(estimator: MarginLogistic, margins: np.ndarray) -> np.ndarray:
+    """[CAP, n]: p = sigmoid(w_j * margin_i + b_j) of token i at block position j (1.0 where j is still warming up)."""
+    scores = np.ones((CAP, len(margins)))
+    for j in range(CAP):
+        parameters = estimator.parameters_at(j)
+        if parameters is not None:
+            scores[j] = [sigmoid(parameters[0] * m + parameters[1]) for m in margins]
+    return scores
 
 
 def hindsight_chooser(pos: int, cap: int, kept: np.ndarray) -> int:
@@ -142,6 +178,10 @@ def goodput_policy(costs: RoundCosts, rtt_ms: float, price_ms: float = 0.0) -> G
                          call_price_ms=price_ms)
 
 
+def adaptive_policy(costs: RoundCosts, rtt_ms: float) -> AdaptivePolicy:
+    return AdaptivePolicy(goodput_policy(costs, rtt_ms).cost_model, max_block=CAP)
+
+
 def _choosers(trace: Trace, costs: RoundCosts, rtt_ms: float, settings: ReplaySettings) -> dict[str, BlockChooser]:
     choosers: dict[str, BlockChooser] = {HINDSIGHT: hindsight_chooser}
     choosers |= {f"fixed:{k}": policy_chooser(FixedPolicy(k), trace.score) for k in settings.fixed_ks}
@@ -149,20 +189,29 @@ def _choosers(trace: Trace, costs: RoundCosts, rtt_ms: float, settings: ReplaySe
         choosers[name] = policy_chooser(goodput_policy(costs, rtt_ms), scores)
         for price in settings.prices_ms:
             choosers[f"{name} +price:{price:g}"] = policy_chooser(goodput_policy(costs, rtt_ms, price), scores)
+    choosers["adaptive + learned"] = policy_chooser(adaptive_policy(costs, rtt_ms), trace.score)
+    if trace.block_scores is not None:
+        choosers[ESTIMATOR_BUDGET] = block_position_chooser(adaptive_policy(costs, rtt_ms), trace.block_scores)
+        choosers["goodput + margin-logistic"] = block_position_chooser(goodput_policy(costs, rtt_ms), trace.block_scores)
     return choosers
 
 
 def replay(traces: list[Trace], costs: RoundCosts, settings: ReplaySettings) -> list[ReplayRow]:
+    """Rows per RTT and policy over all traces (category "all"), then per prompt category when there are several."""
+    categories = sorted({t.category for t in traces})
     rows: list[ReplayRow] = []
     for rtt in settings.rtts_ms:
-        tallies: dict[str, Tally] = {}
+        tallies: dict[tuple[str, str], Tally] = {}
         for seed in range(settings.seeds):
             rng = np.random.default_rng(seed)
             for trace in traces:
                 kept = rng.random(len(trace.accept_prob)) < np.asarray(trace.accept_prob)
                 for name, choose in _choosers(trace, costs, rtt, settings).items():
-                    replay_trace(choose, kept, costs, rtt, tallies.setdefault(name, Tally()))
-        rows += _rows(rtt, tallies)
+                    for category in (ALL, trace.category) if len(categories) > 1 else (ALL,):
+                        replay_trace(choose, kept, costs, rtt, tallies.setdefault((name, category), Tally()))
+        for category in (ALL, *categories) if len(categories) > 1 else (ALL,):
+            rows += [replace(r, category=category)
+                     for r in _rows(rtt, {n: t for (n, c), t in tallies.items() if c == category})]
     return rows
 
 
@@ -177,10 +226,15 @@ def _rows(rtt_ms: float, tallies: dict[str, Tally]) -> list[ReplayRow]:
             for name, t in tallies.items()]
 
 
+def overall(rows: list[ReplayRow]) -> list[ReplayRow]:
+    return [r for r in rows if r.category == ALL]
+
+
 def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[np.ndarray], np.ndarray],
-                    limit: int | None = None) -> list[Trace]:
+                    limit: int | None = None, estimator: MarginLogistic | None = None) -> list[Trace]:
     """One trace per held-out prompt of the verifier (never its training or calibration prompts), in position
-    order; `limit`: the first N prompts with categories interleaved, the ones `sprinter simulate --limit N` decodes."""
+    order; `limit`: the first N prompts with categories interleaved, the ones `sprinter simulate --limit N` decodes.
+    With a fitted `estimator`, each trace also holds its scores by block position (the estimator's policies)."""
     held_out = set(metadata.get("training", {}).get("held_out_prompt_ids", []))
     index_of = {p.id: i for i, p in enumerate(dataset.prompts)}
     # id order is the shipped prompt file's order, from which simulate interleaves its prompts
@@ -191,13 +245,16 @@ def held_out_traces(dataset: VerifierDataset, metadata: dict, score: Callable[[n
                          "trained on (sprinter verifier train --data)")
     accept = labels_for(dataset, "auto")  # a_i: the soft label when sampled, 0/1 under greedy
     scores = score(feature_matrix(dataset, tuple(metadata["features"])))
+    margins = logit_margins(dataset) if estimator is not None else None
     prompt_index, position = dataset.arrays["prompt_index"], dataset.arrays["position"]
     traces = []
     for i in indices:
         rows = np.flatnonzero(prompt_index == i)
         rows = rows[np.argsort(position[rows])]
         if len(rows):
-            traces.append(Trace(accept[rows].astype(float).tolist(), scores[rows].astype(float).tolist()))
+            block_scores = estimator_block_scores(estimator, margins[rows]) if margins is not None else None
+            traces.append(Trace(accept[rows].astype(float).tolist(), scores[rows].astype(float).tolist(),
+                                dataset.prompts[i].category, block_scores))
     return traces
 
 
@@ -211,18 +268,33 @@ def table(rows: list[ReplayRow]) -> str:
 
 
 def best_fixed(rows: list[ReplayRow], rtt_ms: float) -> ReplayRow:
-    return max((r for r in rows if r.rtt_ms == rtt_ms and r.policy.startswith("fixed:")), key=lambda r: r.tokens_per_s)
+    return max((r for r in overall(rows) if r.rtt_ms == rtt_ms and r.policy.startswith("fixed:")),
+               key=lambda r: r.tokens_per_s)
+
+
+def by_category(rows: list[ReplayRow], policies: Sequence[str] = (LEARNED, ESTIMATOR_BUDGET, HINDSIGHT)) -> str:
+    """Per RTT and prompt category: tokens/s and calls per token (x that category's hindsight oracle) per policy."""
+    shown = [p for p in policies if any(r.policy == p for r in rows)]
+    lines = ["| RTT ms | category | " + " | ".join(shown) + " |", "|---|---|" + "---|" * len(shown)]
+    at = {(r.rtt_ms, r.category, r.policy): r for r in rows}
+    for rtt, category in sorted({(r.rtt_ms, r.category) for r in rows}, key=lambda k: (k[0], k[1] != ALL, k[1])):
+        cells = [f"{at[rtt, category, p].tokens_per_s:.2f} tok/s, {at[rtt, category, p].calls_per_token:.3f} "
+                 f"({at[rtt, category, p].calls_vs_hindsight:.2f}x)" for p in shown]
+        lines.append(f"| {rtt:g} | {category} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def headline(rows: list[ReplayRow]) -> str:
-    """Per RTT: the best fixed K, goodput with the verifier, with exact a_i, and the hindsight oracle."""
-    lines = ["| RTT ms | best fixed K (tokens/s, calls/token) | goodput | goodput exact-a | hindsight oracle |",
-             "|---|---|---|---|---|"]
+    """Per RTT: the best fixed K, goodput with the verifier, with exact a_i, vLLM's configuration (when the data
+    holds margins) and the hindsight oracle."""
+    policies = [p for p in (LEARNED, EXACT, ESTIMATOR_BUDGET, HINDSIGHT) if any(r.policy == p for r in rows)]
+    lines = ["| RTT ms | best fixed K (tokens/s, calls/token) | " + " | ".join(policies) + " |",
+             "|---|---|" + "---|" * len(policies)]
     for rtt in sorted({r.rtt_ms for r in rows}):
-        at = {r.policy: r for r in rows if r.rtt_ms == rtt}
+        at = {r.policy: r for r in overall(rows) if r.rtt_ms == rtt}
         fixed = best_fixed(rows, rtt)
         cells = [f"{r.tokens_per_s:.2f} tok/s, {r.calls_per_token:.3f} ({r.calls_vs_hindsight:.2f}x)"
-                 for r in (fixed, at[LEARNED], at[EXACT], at[HINDSIGHT])]
+                 for r in (fixed, *(at[p] for p in policies))]
         lines.append(f"| {rtt:g} | {fixed.policy}: {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -233,7 +305,8 @@ def write_report(rows: list[ReplayRow], costs: RoundCosts, settings: ReplaySetti
     tokens = sum(len(t.accept_prob) for t in traces)
     summary = (f"Replay on {len(traces)} held-out traces ({tokens} drafted tokens) x {settings.seeds} seeds; "
                f"costs {asdict(costs)} ms. calls/token (x the hindsight oracle's) per policy:\n\n"
-               f"{headline(rows)}\n\nEvery policy\n\n{table(rows)}")
+               f"{headline(rows)}\n\nBy prompt category\n\n{by_category(rows)}\n\n"
+               f"Every policy, all prompts\n\n{table(overall(rows))}")
     (out / "replay.md").write_text(summary + "\n")
     (out / "replay.json").write_text(json.dumps({"costs": asdict(costs), "settings": asdict(settings),
                                                  "traces": len(traces), "tokens": tokens,

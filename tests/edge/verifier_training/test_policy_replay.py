@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from common.spec.call_policy import FixedPolicy
-from edge.verifier_training.replay import (EXACT, HINDSIGHT, LEARNED, ReplaySettings, RoundCosts, Tally, Trace,
-                                           hindsight_chooser, kept_run, policy_chooser, replay, replay_trace)
+from common.spec.margin_logistic import MarginLogistic
+from edge.verifier_training.replay import (ALL, CAP, ESTIMATOR_BUDGET, EXACT, HINDSIGHT, LEARNED, ReplaySettings,
+                                           RoundCosts, Tally, Trace, adaptive_policy, block_position_chooser,
+                                           by_category, estimator_block_scores, hindsight_chooser, kept_run,
+                                           policy_chooser, replay, replay_trace)
 
 COSTS = RoundCosts(draft_ms=40.0, verify_base_ms=700.0, verify_per_token_ms=40.0)
 
@@ -57,3 +60,36 @@ def test_knowing_each_acceptance_probability_beats_a_verifier_that_knows_nothing
     # a price on calls buys fewer calls with tokens/s
     priced = rows[f"{EXACT} +price:1000"]
     assert priced.calls_per_token <= rows[EXACT].calls_per_token
+
+
+def test_estimator_scores_are_read_at_each_tokens_position_in_its_block():
+    # p is high at block positions 0-2 and low from 3 on, whatever the token: the adaptive budget sends once it
+    # has seen the drop (the fourth token), wherever the block starts
+    block_scores = np.full((CAP, 40), 0.05)
+    block_scores[:3] = 0.99
+    choose = block_position_chooser(adaptive_policy(COSTS, 50.0), block_scores)
+    kept = np.ones(40, dtype=bool)
+    assert choose(0, CAP, kept) == choose(17, CAP, kept) == 4
+    estimator = MarginLogistic()
+    estimator.params = {0: (1.0, 0.0), 2: (2.0, -1.0)}
+    scores = estimator_block_scores(estimator, np.array([0.0, 1.0]))
+    assert scores.shape == (CAP, 2)
+    assert scores[0].tolist() == pytest.approx([0.5, 1 / (1 + np.exp(-1.0))])
+    assert scores[1].tolist() == scores[0].tolist()  # position 1 reads the nearest shallower fit
+    assert scores[5].tolist() == pytest.approx([1 / (1 + np.exp(1.0)), 1 / (1 + np.exp(-1.0))])
+
+
+def test_each_category_is_tallied_against_its_own_hindsight_oracle():
+    rng = np.random.default_rng(2)
+    traces = [Trace(np.where(rng.random(50) < rate, 0.1, 0.97).tolist(), [0.8] * 50, category,
+                    np.full((CAP, 50), 0.8))
+              for category, rate in (("easy", 0.05), ("hard", 0.4)) for _ in range(6)]
+    rows = replay(traces, COSTS, ReplaySettings(rtts_ms=(50.0,), fixed_ks=(4,), prices_ms=(), seeds=2))
+    at = {(r.category, r.policy): r for r in rows}
+    assert {r.category for r in rows} == {ALL, "easy", "hard"}
+    assert {ESTIMATOR_BUDGET, "adaptive + learned", "goodput + margin-logistic"} <= {r.policy for r in rows}
+    for category in ("easy", "hard"):
+        assert at[category, HINDSIGHT].calls_vs_hindsight == 1.0
+    # the easy prompts keep longer runs: fewer calls per token, more tokens/s
+    assert at["easy", HINDSIGHT].calls_per_token < at[ALL, HINDSIGHT].calls_per_token < at["hard", HINDSIGHT].calls_per_token
+    assert "| 50 | easy |" in by_category(rows)
