@@ -286,7 +286,7 @@ class CostModel:
         b = max(0.0, (sxy + lam * self.prior_verify_per_token_ms) / (max(sxx, 0.0) + lam))
         return mean_v - b * mean_g, b
 
-    def t_verify_ms(self, g: int) -> float:
+    def t_verify_ms(self, g: float) -> float:
         a, b = self.verify_line()
         return max(0.0, a + b * g)
 

@@ -30,7 +30,7 @@ def round_rate(tokens_per_round: float, round_ms: float) -> float:
     return 1e3 * tokens_per_round / max(round_ms, 1e-6)
 
 
-def edge_speculation_rate(tokens_per_round: float, gamma: int, t_draft_ms: float, rtt_ms: float, t_verify_ms: float,
+def edge_speculation_rate(tokens_per_round: float, gamma: float, t_draft_ms: float, rtt_ms: float, t_verify_ms: float,
                           t_uplink_ms: float = 0.0) -> float:
     """Tokens/s of speculating on the edge: gamma draft steps here, a round trip and a verify per round."""
     return round_rate(tokens_per_round, gamma * t_draft_ms + rtt_ms + t_verify_ms + t_uplink_ms)

@@ -72,6 +72,7 @@ class ModeSwitch:
     edge_rounds: int = 0
     _tokens: int = 0  # completion tokens at the last boundary
     _calls: int = 0  # target calls then
+    _drafted: int = 0  # draft tokens verified then
 
     @property
     def current(self) -> Placed:
@@ -106,12 +107,14 @@ class ModeSwitch:
         settings = segment_settings(self.asked, self.current)
         generation.settings = settings.decode
         self._tokens, self._calls = len(generation.new_tokens), generation.recorder.target_calls
+        self._drafted = sum(generation.recorder.block_lengths)
         return settings
 
     def _learn(self, generation: Generation, at: int) -> None:
         """An edge round's yield, as the placer weighs it: tokens per target call (the open's first token is one)."""
-        calls = generation.recorder.target_calls
+        calls, drafted = generation.recorder.target_calls, sum(generation.recorder.block_lengths)
         if self.current.used == EDGE and calls > self._calls and at > self._tokens:
-            self.placer.observe_edge_round((at - self._tokens) / (calls - self._calls))
+            self.placer.observe_edge_round((at - self._tokens) / (calls - self._calls),
+                                           (drafted - self._drafted) / (calls - self._calls))
             self.edge_rounds += calls - self._calls
-        self._tokens, self._calls = at, calls
+        self._tokens, self._calls, self._drafted = at, calls, drafted

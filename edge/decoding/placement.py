@@ -4,11 +4,12 @@ cloud-sd: its placement), or, for `--mode auto`, not speculating at all (mode ta
 A pure decision over measured quantities, so that a response or a log can say why. Per user, in tokens/s, by the
 one cost model (common/spec/round_cost.py):
 
-    edge drafting   E_edge / (gamma * t_draft_edge + rtt + t_verify(gamma) + uplink_bytes * 8 / bandwidth)
+    edge drafting   E_edge / (g * t_draft_edge + rtt + t_verify(g) + uplink_bytes * 8 / bandwidth)
     cloud drafting  T / (rtt + (T / E_cloud) * t_round_cloud * load)        T = the request's max_tokens
     target alone    T / (rtt + T * t_decode * load)
 
-where E is the tokens a round yields (accepted + the target's own), t_round_cloud = gamma * t_draft_cloud +
+where E is the tokens a round yields (accepted + the target's own), g the draft tokens an edge round sends as this
+edge's rounds have sent them (a call policy such as goodput grows blocks past k; gamma = k before any), t_round_cloud = gamma * t_draft_cloud +
 t_verify(gamma) (the cloud's round, as its GenerateChunks report it), t_decode the cloud's decode step, and the
 cloud's stream pays the round trip once at the start. `load` >= 1 stretches the cloud's steps when it announces a
 queue: cloud drafting spends
@@ -42,7 +43,7 @@ class PlacementInputs:
     edge_tokens_per_round: float  # E_edge: accepted + 1
     t_draft_edge_ms: float  # one draft step on the edge (less what a pipeline hides)
     rtt_ms: float
-    t_verify_ms: float  # t_verify(gamma)
+    t_verify_ms: float  # t_verify(g): at the observed draft tokens a round (edge_drafted_per_round), else gamma
     uplink_bytes_per_round: float
     uplink_mbps: float  # 0: unlimited (the uplink costs no time)
     cloud_tokens_per_round: float  # E_cloud
@@ -51,6 +52,7 @@ class PlacementInputs:
     cloud_busy: bool = False  # the cloud announced a queue or refused with RESOURCE_EXHAUSTED lately
     cloud_drafts: bool = True  # some usable replica has a draft (ServiceInfo.draft_model_id)
     cloud_decode_ms: float | None = None  # the target's decode step, offered as an option (`--mode auto`); None: not
+    edge_drafted_per_round: float | None = None  # g: draft tokens an edge round sends, as observed; None: gamma
     open_stream: str | None = None  # CLOUD or TARGET: that option's stream is open already (mid-request: no RTT again)
 
     def __post_init__(self) -> None:
@@ -88,7 +90,8 @@ def uplink_ms(bytes_: float, mbps: float) -> float:
 
 
 def edge_tokens_per_s(q: PlacementInputs) -> float:
-    return edge_speculation_rate(q.edge_tokens_per_round, q.gamma, q.t_draft_edge_ms, q.rtt_ms, q.t_verify_ms,
+    drafted = q.gamma if q.edge_drafted_per_round is None else q.edge_drafted_per_round
+    return edge_speculation_rate(q.edge_tokens_per_round, drafted, q.t_draft_edge_ms, q.rtt_ms, q.t_verify_ms,
                                  uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps))
 
 

@@ -95,6 +95,7 @@ class Placer:
     previous_choice: str | None = None  # `--mode auto`'s last choice: its own hysteresis, apart from placement's
     decisions: Counter = field(default_factory=Counter)  # (asked, used) -> requests
     _edge_tokens: Ewma | None = None  # tokens an edge round yields
+    _edge_drafted: Ewma | None = None  # draft tokens an edge round sends: the call policy's blocks, not k
     _uplink_bytes: Ewma = field(default_factory=lambda: Ewma(0.0, ALPHA))  # per edge round
     _cloud_tokens: Ewma | None = None  # tokens a cloud-sd round yields
     _cloud_round_ms: Ewma | None = None
@@ -160,25 +161,28 @@ class Placer:
                drafts: bool = True) -> PlacementInputs:
         prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
         edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
-        verify = cost_model.t_verify_ms(k)
+        drafted = self._edge_drafted.value if self._edge_drafted is not None else None
         cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
-            k * self.prior_cloud_draft_ms + verify
-        return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms, verify,
+            k * self.prior_cloud_draft_ms + cost_model.t_verify_ms(k)
+        return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms,
+                               cost_model.t_verify_ms(k if drafted is None else drafted),
                                self._uplink_bytes.value, self.uplink_mbps,
                                self._cloud_tokens.value if self._cloud_tokens is not None else edge_tokens,
-                               cloud_round, load, busy, drafts)
+                               cloud_round, load, busy, drafts, edge_drafted_per_round=drafted)
 
     def observe_edge(self, stats: DecodeStats) -> None:
         """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round."""
         if stats.target_calls == 0 or stats.new_tokens == 0:
             return
-        self._edge_tokens = _update(self._edge_tokens, stats.new_tokens / stats.target_calls)
+        self.observe_edge_round(stats.new_tokens / stats.target_calls, sum(stats.block_lengths) / stats.target_calls)
         self._uplink_bytes.update(stats.uplink_bytes / stats.target_calls)
 
-    def observe_edge_round(self, tokens: float) -> None:
-        """The tokens one edge round of a `--mode auto` request yielded, learned as it goes (observe_edge, at the end
-        of a request, would mix its other modes' calls in); its uplink bytes come with `observe_uplink`."""
+    def observe_edge_round(self, tokens: float, drafted: float) -> None:
+        """The tokens one edge round of a `--mode auto` request yielded and the draft tokens it sent, learned as it
+        goes (observe_edge, at the end of a request, would mix its other modes' calls in); its uplink bytes come
+        with `observe_uplink`."""
         self._edge_tokens = _update(self._edge_tokens, tokens)
+        self._edge_drafted = _update(self._edge_drafted, drafted)
 
     def observe_uplink(self, bytes_: int, rounds: int) -> None:
         if rounds > 0:
@@ -201,6 +205,7 @@ class Placer:
     def snapshot(self) -> dict[str, object]:
         return {"previous": self.previous, "uplink_mbps": self.uplink_mbps,
                 "edge_tokens_per_round": self._edge_tokens.value if self._edge_tokens else None,
+                "edge_drafted_per_round": self._edge_drafted.value if self._edge_drafted else None,
                 "uplink_bytes_per_round": self._uplink_bytes.value,
                 "cloud_tokens_per_round": self._cloud_tokens.value if self._cloud_tokens else None,
                 "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None,

@@ -18,6 +18,7 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
+from common.spec.call_policy import CostModel
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
 from edge.api.app import ApiSettings, create_app
@@ -56,6 +57,18 @@ def test_a_busy_cloud_loses_cloud_drafting_and_stretches_the_targets_stream() ->
     far = replace(NEAR, rtt_ms=200.0, cloud_drafts=True, cloud_round_ms=4 * 2.0 + 20.0)
     busy = decide(replace(far, cloud_busy=True, cloud_load=3.0))
     assert busy.placement != "cloud" and busy.target_tokens_per_s < decide(far).target_tokens_per_s / 2
+
+
+def test_the_edge_is_priced_at_the_blocks_its_rounds_send_not_at_k() -> None:
+    # a goodput policy sends 10-token blocks where k is 4: the rounds' 3 tokens cost 10 draft steps and a verify of 10
+    cost_model = CostModel(prior_draft_ms=10.0, prior_rtt_ms=0.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=1.0)
+    placer = Placer()
+    placer.observe_edge_round(3.0, 10.0)
+    inputs = placer.inputs(4, 64, cost_model)
+    assert inputs.edge_drafted_per_round == pytest.approx(10.0)
+    assert inputs.t_verify_ms == pytest.approx(cost_model.t_verify_ms(10.0))
+    assert decide(inputs).edge_tokens_per_s == pytest.approx(1e3 * 3.0 / (10 * 10.0 + 20.0 + 10 * 1.0))
+    assert Placer().inputs(4, 64, cost_model).edge_drafted_per_round is None  # before any round: k
 
 
 def test_placement_alone_never_offers_the_target() -> None:
