@@ -1,5 +1,8 @@
 """llama.cpp in this process, through llama-cpp-python's low-level (ctypes) API: one model, one context.
 
+Both sides run llama.cpp through this module: the cloud's target engine (`LlamaCppModel`) and the edge's draft
+runtime (edge/runtime/llama_cpp_draft.py, which loads a model with `load_gguf` and makes its own contexts).
+
 The cloud's llama.cpp engine (cloud/llama_cpp_engine.py) asks this module for three things only:
 decode a batch of segments (each a sequence's new tokens at its positions) in one `llama_decode`,
 read the rows of the positions asked for, and edit a sequence's KV cells (remove a tail, copy a
@@ -51,7 +54,8 @@ def bindings():
     try:
         import llama_cpp
     except (ImportError, OSError, RuntimeError) as err:  # OSError/RuntimeError: the package without its libraries
-        raise LlamaCppUnavailable(f"--engine llama.cpp needs llama-cpp-python built for this CPU ({err}); run "
+        raise LlamaCppUnavailable(f"llama.cpp (--engine llama.cpp, --draft-runtime llama.cpp) needs llama-cpp-python "
+                                  f"built for this CPU ({err}); run "
                                   "`make llama-cpp` (builds it from source with native flags, a few minutes)") from err
     return llama_cpp
 
@@ -86,14 +90,8 @@ class LlamaCppModel:
 
     def __init__(self, path: Path, shape: ContextShape) -> None:
         lib = self.lib = bindings()
-        lib.llama_backend_init()
         self._log_callback = _quiet(lib)
-        model_params = lib.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
-        if not self.model:
-            raise LlamaCppModelError(f"llama.cpp could not load {path} (not a GGUF file, or an architecture this "
-                                     "build does not know)")
+        self.model = load_gguf(lib, path)
         self.path = path
         params = lib.llama_context_default_params()
         params.n_ctx = shape.kv_bytes // self.bytes_per_cell + shape.slack_cells
@@ -195,9 +193,27 @@ class LlamaCppModel:
             self.context = self.model = None
 
 
+def load_gguf(lib, path: Path):
+    """The model in the GGUF file `path`, its weights on the CPU (a `llama_model` pointer; `llama_model_free` it)."""
+    lib.llama_backend_init()
+    _quiet(lib)
+    model_params = lib.llama_model_default_params()
+    model_params.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise LlamaCppModelError(f"llama.cpp could not load {path} (not a GGUF file, or an architecture this "
+                                 "build does not know)")
+    return model
+
+
+_LOG_FORWARD: list = []  # the one callback set: llama.cpp keeps it as a bare pointer, so it lives as long as we do
+
+
 def _quiet(lib):
     """llama.cpp logs every load to stderr: keep its warnings and errors, through `logging`. Returns the callback,
-    which llama.cpp keeps as a bare pointer: its owner must hold it as long as the library lives."""
+    set once per process and held here: llama.cpp keeps a bare pointer to it, and both sides load models."""
+    if _LOG_FORWARD:
+        return _LOG_FORWARD[0]
 
     @lib.llama_log_callback
     def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
@@ -206,4 +222,5 @@ def _quiet(lib):
                     text.decode(errors="replace").rstrip())
 
     lib.llama_log_set(forward, ctypes.c_void_p())
+    _LOG_FORWARD.append(forward)
     return forward
