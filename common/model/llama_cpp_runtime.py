@@ -35,6 +35,9 @@ from common.errors import SprinterError
 log = logging.getLogger(__name__)
 F16_BYTES = 2  # llama.cpp's default KV cell type (type_k, type_v) is f16
 GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4  # ggml_log_level
+# Warnings that only say llama.cpp did what it was asked: the edge's draft asks per-token embeddings (pooling none)
+# of a model that declares no pooling, on every new context. Logged at debug, not as warnings.
+ASKED_FOR = ("pooling_type is [-1], but [0] was specified",)
 
 
 class LlamaCppUnavailable(SprinterError, RuntimeError):
@@ -218,8 +221,10 @@ def _quiet(lib):
     @lib.llama_log_callback
     def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if level in (GGML_LOG_WARN, GGML_LOG_ERROR):
-            log.log(logging.WARNING if level == GGML_LOG_WARN else logging.ERROR, "llama.cpp: %s",
-                    text.decode(errors="replace").rstrip())
+            message = text.decode(errors="replace").rstrip()
+            expected = level == GGML_LOG_WARN and any(phrase in message for phrase in ASKED_FOR)
+            log.log(logging.DEBUG if expected else logging.WARNING if level == GGML_LOG_WARN else logging.ERROR,
+                    "llama.cpp: %s", message)
 
     lib.llama_log_set(forward, ctypes.c_void_p())
     _LOG_FORWARD.append(forward)
