@@ -36,7 +36,7 @@ from edge.runtime.llama_cpp_draft import LlamaCppDraftLM, LlamaCppDraftModel
 from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
 from edge.runtime.ort_sessions import available_cores
-from sim.bench.prompts import load_bench_prompts
+from sim.bench.prompts import PROMPTS_FILE, PROPOSER_PROMPTS_FILE, load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.engines import CONFIGS, Config, DraftBenchSettings
 
@@ -65,8 +65,9 @@ class Result:
 
 
 def bench_prompt(loaded: LoadedModel, n_tokens: int) -> list[int]:
-    """The first `n_tokens` tokens of the bench prompts, concatenated (code first, as drafting sees it)."""
-    texts = [prompt["prompt"] for prompt in load_bench_prompts()]
+    """The first `n_tokens` tokens of the bench prompts, concatenated (code first, as drafting sees it), then of the
+    proposer suite's (the bench prompts alone hold about 100 tokens)."""
+    texts = [prompt["prompt"] for path in (PROMPTS_FILE, PROPOSER_PROMPTS_FILE) for prompt in load_bench_prompts(path)]
     ids = loaded.tokenizer("\n".join(texts))["input_ids"]
     if len(ids) < n_tokens:
         raise ValueError(f"the bench prompts hold only {len(ids)} tokens")
