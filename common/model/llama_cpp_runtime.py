@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import SprinterError
+from common.errors import SprinterError, UsageError
 
 log = logging.getLogger(__name__)
 F16_BYTES = 2  # llama.cpp's default KV cell type (type_k, type_v) is f16
@@ -40,8 +40,9 @@ GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4  # ggml_log_level
 ASKED_FOR = ("pooling_type is [-1], but [0] was specified",)
 
 
-class LlamaCppUnavailable(SprinterError, RuntimeError):
-    """llama-cpp-python is not installed (`make llama-cpp` builds it from source with native CPU flags)."""
+class LlamaCppUnavailable(UsageError, RuntimeError):
+    """llama-cpp-python is not installed (`make llama-cpp` builds it from source with native CPU flags). A
+    `UsageError`: `sprinter` says it in one line, whichever side asked for llama.cpp."""
 
 
 class LlamaCppModelError(SprinterError, ValueError):

@@ -151,10 +151,10 @@ class LlamaCppDraftLM:
             end = self._chunk_end(start, n, k)
             first_row = max(start, n - k)
             self._decode(new_tokens[start:end], keep + start, first_row - start)
+            self.tokens.extend(new_tokens[start:end])  # as each decode lands: a failed one leaves tokens = cells
             for index in range(first_row - start, end - start):
                 self._read(index, start + index - (n - k), logits, hidden)
             start = end
-        self.tokens.extend(new_tokens)
         self.forward_calls += 1
         return ForwardOutput(logits=torch.from_numpy(logits),
                              hidden=torch.from_numpy(hidden) if hidden is not None else None)

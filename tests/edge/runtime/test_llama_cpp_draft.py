@@ -9,11 +9,13 @@ llama.cpp runs (a rollback against a fresh context) and where the target decides
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 from common.cli import main
+from common.errors import UsageError
 from common.model.cached_lm import CachedLM
 from common.model.llama_cpp_runtime import LlamaCppUnavailable, bindings
 from common.model.loading import LoadedModel
@@ -118,10 +120,18 @@ def test_the_runtime_is_picked_by_name_and_drafts_branches_one_after_another(smo
     lm = load_draft_runtime(smollm2, "llama.cpp", threads=1)
     assert isinstance(lm, llama_cpp_draft.LlamaCppDraftLM)
     assert lm.batches is False and lm.reusable is False
-    assert runtime_label("llama.cpp", None) == "llama.cpp"
+    assert runtime_label("llama.cpp", None) == "llama.cpp"  # what verifier collect records as draft_runtime
+    assert runtime_label("onnx", None) == "onnx-int8" and runtime_label("torch", None) == "torch"
 
 
-def test_a_weight_format_is_refused_with_llama_cpp(smollm2, capsys):
+def test_without_the_bindings_the_refusal_is_one_line_saying_how_to_get_them(smollm2, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
+    with pytest.raises(LlamaCppUnavailable, match="needs llama-cpp-python .*make llama-cpp") as refused:
+        draft_lm_factory(smollm2, "llama.cpp")
+    assert isinstance(refused.value, UsageError) and "\n" not in str(refused.value)
+
+
+def test_a_weight_format_is_refused_with_llama_cpp(smollm2, capsys, tmp_path):
     with pytest.raises(DraftWeightsNotApplicable, match="GGUF's own quantisation"):
         EdgeNodeSettings(draft="smollm2-135m", draft_runtime="llama.cpp", draft_weights="int8")
     with pytest.raises(DraftWeightsNotApplicable):
@@ -130,3 +140,6 @@ def test_a_weight_format_is_refused_with_llama_cpp(smollm2, capsys):
     assert main(["generate", "--cloud", "127.0.0.1:9", "--draft", "smollm2-135m", "--draft-runtime", "llama.cpp",
                  "--draft-weights", "int8", "--prompt", "hi"]) == 2
     assert "--draft-weights int8 does not apply to --draft-runtime llama.cpp" in capsys.readouterr().err
+    assert main(["verifier", "collect", "--data", str(tmp_path), "--draft-runtime", "llama.cpp",
+                 "--draft-weights", "float32"]) == 2  # before any model loads
+    assert "--draft-weights float32 does not apply" in capsys.readouterr().err
