@@ -11,9 +11,10 @@ positions. With `with_hidden`, the context also returns per-token embeddings (`e
 none): the output of the final norm, the same vector as torch's `hidden_states[-1]` for Llama and Qwen2,
 and it comes from the same decode as the logits (tests/edge/runtime/test_llama_cpp_draft.py compares it).
 
-What it does not do:
-- draft a tree's branches side by side (`batches` is False): trees draft their branches one after another;
-- keep prompt KV across requests (`reusable` is False): `--draft-cache-mb` passes it by.
+It does not draft a tree's branches side by side (`batches` is False: one sequence per context): trees draft
+their branches one after another, which the drafters do for any runtime without `batches`. It does keep prompt
+KV across requests (`--draft-cache-mb`): a snapshot is the sequence's state as llama.cpp writes it
+(`llama_state_seq_get_data`: its cells' K and V, f16), read back into a fresh context and cut to the prefix reused.
 
 Glossary
     model     the GGUF's weights, loaded once (`LlamaCppDraftModel`) behind any number of LMs
@@ -23,9 +24,11 @@ Glossary
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +44,14 @@ BATCH_TOKENS = 256  # tokens per llama_decode: a longer prefill goes in several 
 # at 512 rows of Qwen's 152k vocabulary, 18 MB at 16. A draft asks one row a step; more go in several decodes.
 MAX_ROWS = 16
 FIRST_CELLS = 1024  # a new context's cells; doubled (and the context re-filled) when a context outgrows them
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """An owned copy of a context's one sequence: `length` positions, as llama.cpp's state bytes."""
+
+    length: int
+    data: ctypes.Array
 
 
 class LlamaCppDraftModel:
@@ -87,7 +98,7 @@ class LlamaCppDraftLM:
     """One generation's draft on llama.cpp: a context of its own and the tokens its KV holds."""
 
     batches = False  # one sequence per context: a tree's branches are drafted one after another
-    reusable = False  # no KV snapshot: the edge's draft cache (--draft-cache-mb) passes this runtime by
+    reusable = True  # a snapshot of the sequence's state stands for its tokens, and any prefix of them
 
     def __init__(self, model: LlamaCppDraftModel, with_hidden: bool = False) -> None:
         self.model = model  # held: the weights outlive every context over them
@@ -130,6 +141,25 @@ class LlamaCppDraftLM:
         if not self.lib.llama_memory_seq_rm(self._memory, 0, length, -1):
             raise LlamaCppModelError(f"llama.cpp could not remove positions {length}.. of the draft's context")
         del self.tokens[length:]
+
+    def kv_snapshot(self) -> tuple[KVSnapshot, int]:
+        """An owned copy of the KV of `tokens` (the edge's draft cache keeps it across requests), and its bytes."""
+        size = self.lib.llama_state_seq_get_size(self._context, 0)
+        data = (ctypes.c_uint8 * size)()
+        if self.lib.llama_state_seq_get_data(self._context, data, size, 0) != size:
+            raise LlamaCppModelError("llama.cpp could not copy the draft's KV out")
+        return KVSnapshot(len(self.tokens), data), size
+
+    def start_from(self, tokens: list[int], kv: KVSnapshot) -> None:
+        """Replace the KV with the first len(tokens) positions of a snapshot of `tokens` (or more)."""
+        self._fit(kv.length)
+        self.lib.llama_memory_seq_rm(self._memory, 0, 0, -1)
+        self.tokens = []
+        if not self.lib.llama_state_seq_set_data(self._context, kv.data, len(kv.data), 0):
+            raise LlamaCppModelError(f"llama.cpp could not read back a snapshot of {kv.length} positions")
+        if kv.length > len(tokens) and not self.lib.llama_memory_seq_rm(self._memory, 0, len(tokens), -1):
+            raise LlamaCppModelError(f"llama.cpp could not cut a snapshot to its first {len(tokens)} positions")
+        self.tokens = list(tokens)
 
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput:
         """Make the KV hold `context`; return logits [k, V] (and hidden states [k, H]) of its last k positions.

@@ -8,6 +8,7 @@ llama.cpp runs (a rollback against a fresh context) and where the target decides
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -22,10 +23,13 @@ from common.model.loading import LoadedModel
 from common.model.prompting import encode_prompt
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
+from common.spec.verifier import ConfidenceVerifier
+from edge.decoding.decoder import EdgeDecoder, EdgeSettings
 from edge.node import EdgeNodeSettings
 from edge.runtime import llama_cpp_draft
 from edge.runtime.draft import draft_lm_factory, llama_cpp_draft as load_gguf_draft, load_draft_runtime
 from edge.runtime.draft_choice import DraftWeightsNotApplicable, runtime_label
+from edge.runtime.draft_reuse import DraftKVCache
 
 try:
     bindings()
@@ -107,6 +111,28 @@ def test_a_context_outgrowing_its_cells_moves_to_a_larger_one(gguf, prompt, monk
     assert torch.nn.functional.cosine_similarity(grown.hidden, fresh.hidden, dim=-1).min() > 0.999
 
 
+def test_the_draft_cache_reuses_a_conversations_cells_and_changes_no_output(smollm2, prompt):
+    greedy = EdgeSettings(DecodeSettings(mode="draft", max_new_tokens=12))
+    cache = DraftKVCache(64 << 20)
+    cold, warm = (EdgeDecoder(smollm2, draft_lm_factory(smollm2, "llama.cpp", threads=1, cache=with_cache),
+                              ConfidenceVerifier(0.5), None) for with_cache in (None, cache))
+
+    async def turns() -> None:
+        first = await warm.generate(prompt, greedy)
+        assert first.token_ids == (await cold.generate(prompt, greedy)).token_ids
+        # The next turn extends the first: its prompt, the answer and a new message, all but the message reused.
+        second_prompt = prompt + first.token_ids + smollm2.tokenizer(" And in C?")["input_ids"]
+        second = await warm.generate(second_prompt, greedy)
+        assert second.token_ids == (await cold.generate(second_prompt, greedy)).token_ids
+        assert second.stats.draft_reused_tokens >= len(prompt) + len(first.token_ids) - 1
+        half = await warm.generate(prompt[:len(prompt) // 2] + [28] * 8, greedy)  # a snapshot cut short
+        assert half.stats.draft_reused_tokens == len(prompt) // 2
+        assert half.token_ids == (await cold.generate(prompt[:len(prompt) // 2] + [28] * 8, greedy)).token_ids
+
+    asyncio.run(turns())
+    assert cache.hits == 2
+
+
 def test_sd_block_with_the_llama_cpp_draft_is_the_targets_greedy_output(smollm2, prompt):
     settings = DecodeSettings(mode="sd-block", k=4, max_new_tokens=24)
     target = LocalDecoder(smollm2, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=24))
@@ -119,7 +145,7 @@ def test_sd_block_with_the_llama_cpp_draft_is_the_targets_greedy_output(smollm2,
 def test_the_runtime_is_picked_by_name_and_drafts_branches_one_after_another(smollm2):
     lm = load_draft_runtime(smollm2, "llama.cpp", threads=1)
     assert isinstance(lm, llama_cpp_draft.LlamaCppDraftLM)
-    assert lm.batches is False and lm.reusable is False
+    assert lm.batches is False and lm.reusable is True
     assert runtime_label("llama.cpp", None) == "llama.cpp"  # what verifier collect records as draft_runtime
     assert runtime_label("onnx", None) == "onnx-int8" and runtime_label("torch", None) == "torch"
 
