@@ -82,7 +82,8 @@ class DraftBenchSettings:
     repeats: int = 2  # timed decodes per config per round
     rounds: int = 3  # passes over all configs (each rebuilds the runtime)
     threads: int | None = None  # intra-op threads (torch, ORT, llama.cpp); None: the cores ONNX Runtime may use
-    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS)
+    # Every config but llama.cpp's, which needs llama-cpp-python (a build of its own): named, it runs beside them.
+    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS if c.runtime != "llama.cpp")
     out: Path = Path("results/bench-draft")
 
 
@@ -247,7 +248,7 @@ DRAFT = Bench(
     helps={"repeats": "timed decodes per config per round", "rounds": "passes over all configs (each rebuilds the "
                                                                       "runtime)",
            "threads": "intra-op threads, torch, ORT and llama.cpp (unset: the cores it may use)",
-           "configs": "comma list of configs to run"})
+           "configs": "comma list of configs to run (llama.cpp, the draft's GGUF on llama-cpp-python, only when named)"})
 
 PREFILL = Bench(
     "prefill", "verify latency of busy sessions while a long prompt opens", PrefillBenchSettings,
