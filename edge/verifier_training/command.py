@@ -133,7 +133,8 @@ def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on the hidden states of the runtime the edge will run")
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS,
                    help=f"ONNX draft weights (default {EDGE_WEIGHTS}); not with --draft-runtime llama.cpp")
-    p.add_argument("--threads", type=int, help="ONNX Runtime threads (default: every core)")
+    p.add_argument("--threads", type=int, help="the draft runtime's threads, ONNX Runtime's or llama.cpp's "
+                                                "(default: every core)")
 
 
 def _add_collect_arguments(p: argparse.ArgumentParser) -> None:

@@ -74,7 +74,8 @@ def bench_prompt(loaded: LoadedModel, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def greedy_decode(runtime: CachedLM | OnnxCachedLM | LlamaCppDraftLM, prompt: list[int], n_new: int) -> tuple[float, float, list[int]]:
+def greedy_decode(runtime: CachedLM | OnnxCachedLM | LlamaCppDraftLM, prompt: list[int],
+                  n_new: int) -> tuple[float, float, list[int]]:
     """Prefill, then `n_new` one-token steps. Returns (prefill ms, decode ms per token, new tokens)."""
     t0 = time.perf_counter()
     out = runtime.advance_to(prompt)
