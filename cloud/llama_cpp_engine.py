@@ -4,7 +4,7 @@ On a CPU this is what a user would run the target on: llama.cpp's kernels, built
 (docs/benchmarks/llama-cpp.md measures it against llama-server and the resident engine). It sits behind
 the same seam and scheduler as the resident engine: the batcher (cloud/batcher.py) gathers whatever
 verifies wait, and one `llama_decode` runs them all, each session's block as its own sequence, logits
-only at the rows the rule reads (cloud/llama_cpp_runtime.py).
+only at the rows the rule reads (common/model/llama_cpp_runtime.py).
 
 Glossary
     sequence      a session's (or a Generate's) KV in llama.cpp's one context: a sequence id; ids are
@@ -42,7 +42,7 @@ import torch
 from cloud.batcher import Batcher
 from cloud.engine import EngineSession, TargetInfo, TargetRows
 from cloud.errors import exhausted
-from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
+from common.model.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
 from cloud.resident_engine import BatchedEngine
 from cloud.resident_kv import KVLayout
 from common.model.loading import eos_token_ids, gguf_file, load_gguf_tokenizer, vocab_fingerprint

@@ -12,7 +12,10 @@ The family, by side (class, builtin base kept, where raised: what the caller doe
   pair, or the cloud's target) do not go together. Refuse the pairing; the message says what to pair.
 - `UsageError`, here: a value from the command line this project cannot act on. `sprinter` prints its
   message as one line and exits 2, as argparse does. `UnknownModel` (OSError), common/model/loading.py: a model
-  spec that is no preset, no directory, and no Hugging Face id that loads from here.
+  spec that is no preset, no directory, and no Hugging Face id that loads from here. `LlamaCppUnavailable`
+  (RuntimeError), common/model/llama_cpp_runtime.py: llama.cpp asked for (either side) without llama-cpp-python.
+  `DraftWeightsNotApplicable` (ValueError), edge/runtime/draft_choice.py: `--draft-weights` with a draft runtime
+  that runs its own (llama.cpp).
 - `DeviceError` (ValueError), common/model/devices.py: a `--device` this machine lacks. Exit 2 with the message.
 - `MissingPresetError` (RuntimeError), common/model/presets.py: a preset's package or file is missing or
   corrupt. Install what the message says.

@@ -21,6 +21,7 @@ from common.model.devices import DeviceError, add_device_argument, resolve_devic
 from common.sampling.params import SamplingParams
 from common.stats import DecodeStats
 from edge.onnx_export.quantize import WEIGHT_FORMATS as DRAFT_WEIGHTS
+from edge.runtime.draft_choice import DEFAULT_RUNTIME, EDGE_WEIGHTS, RUNTIMES
 
 
 def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,11 +118,15 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long one request may wait for the cloud in all (a busy cloud is waited for; past this "
                         "the rest comes from the draft, degraded with reason 'deadline'). Default: no limit; a "
                         "request may set its own (request_deadline_s)")
-    p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"], help="with --cloud")
-    p.add_argument("--draft-weights", default="int8", choices=DRAFT_WEIGHTS,
-                   help="ONNX draft weights: int8 is about 2x faster than float32 on CPU, int4 faster again with a "
-                        "slightly different draft (docs/edge.md); lossless modes stay exact either way")
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores)")
+    p.add_argument("--draft-runtime", default=DEFAULT_RUNTIME, choices=RUNTIMES,
+                   help="with --cloud: the draft on ONNX Runtime, on llama.cpp (its GGUF as shipped; no side-by-side "
+                        "tree branches) or on torch (the reference)")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS,
+                   help=f"ONNX draft weights (default {EDGE_WEIGHTS}): int8 is about 2x faster than float32 on CPU, "
+                        "int4 faster again with a slightly different draft (docs/edge.md); lossless modes stay exact "
+                        "either way. Not with --draft-runtime llama.cpp (the GGUF's own quantisation)")
+    p.add_argument("--threads", type=int, help="the draft runtime's threads (ONNX Runtime's intra-op pool, "
+                                                "llama.cpp's; default: all cores)")
     p.add_argument("--pipeline", default="off", choices=PIPELINES,
                    help="with --cloud, modes sd, sd-block and sprinter-exact: while a block is in flight draft the next one "
                         "for the likeliest verdict (ahead), or for the few likeliest and send them along (send-ahead); "

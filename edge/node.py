@@ -20,6 +20,7 @@ from common.spec.propose.suffix_proposer import suffix_memory
 from edge.decoding.decoder import EdgeDecoder
 from edge.decoding.placer import Placer
 from edge.runtime.draft import draft_lm_factory
+from edge.runtime.draft_choice import DEFAULT_RUNTIME, runtime_weights
 from edge.runtime.draft_reuse import DraftKVCache
 from edge.cloud_link.replicas import ReplicaSet
 from edge.runtime.verifier import (LearnedVerifier, TemperatureMatched, load_verifier, shipped_suffix_priors,
@@ -42,8 +43,10 @@ class EdgeNodeSettings:
     insecure: bool = False  # allow a bearer token over plaintext (a test rig, a tunnel): it travels in clear
     cloud_deadline_s: float = 30.0  # per verify round trip and per Generate chunk
     max_model_len: int | None = None  # cap on prompt + completion tokens, below the draft's and the cloud's own
-    draft_runtime: str = "onnx"  # or "torch": the reference and fallback
-    draft_weights: str = "int8"  # ONNX: int8 MatMul weights (about 2x faster on CPU; verification keeps lossless modes exact)
+    draft_runtime: str = DEFAULT_RUNTIME  # "onnx", "llama.cpp" (the GGUF as shipped) or "torch" (the reference)
+    # ONNX's weight format; None: int8 MatMul weights (EDGE_WEIGHTS: about 2x faster on CPU; verification keeps
+    # lossless modes exact). llama.cpp runs its GGUF's own quantisation and refuses one.
+    draft_weights: str | None = None
     threads: int | None = None
     dtype: str = "bfloat16"  # of the torch runtime; ONNX runs float32
     uplink_mbps: float = 0.0  # the uplink's bandwidth, for placement auto (edge/decoding/placer.py); 0: unlimited
@@ -54,6 +57,7 @@ class EdgeNodeSettings:
     draft_cache_mb: int = 0
 
     def __post_init__(self) -> None:
+        runtime_weights(self.draft_runtime, self.draft_weights)  # a weight format llama.cpp cannot take: refused now
         if self.uplink_mbps < 0:
             raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
         if self.cloud_token and self.cloud and not self.cloud_ca and not self.insecure:
@@ -103,8 +107,9 @@ class EdgeNode:
                 self.cloud = await self._clouds.enter_async_context(
                     self._replica_set((self.settings.cloud or "").split(",")))
                 await self.check_cloud()
-            self._new_draft_lm = draft_lm_factory(self.draft, self.settings.draft_runtime, self.settings.threads,
-                                                  self.settings.draft_weights, self.draft_cache)
+            self._new_draft_lm = draft_lm_factory(
+                self.draft, self.settings.draft_runtime, self.settings.threads,
+                runtime_weights(self.settings.draft_runtime, self.settings.draft_weights), self.draft_cache)
             setup = self.prepare_verifier(self.settings.verifier)
         except BaseException:
             await self._clouds.aclose()

@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge.runtime.draft_choice import RUNTIMES
 from sim.broker import MosquittoBroker
 from sim.processes import CloudProcess, EdgeHandle, edge_daemon_process, free_port
 
@@ -109,7 +110,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser, clouds: int, edges: int) -> 
     p.add_argument("--target", default=LocalFleetSettings.target)
     p.add_argument("--draft", default=LocalFleetSettings.draft)
     p.add_argument("--dtype", default=LocalFleetSettings.dtype, choices=["bfloat16", "float32"])
-    p.add_argument("--draft-runtime", default=LocalFleetSettings.draft_runtime, choices=["onnx", "torch"])
+    p.add_argument("--draft-runtime", default=LocalFleetSettings.draft_runtime, choices=RUNTIMES)
 
 
 def settings_from_args(args: argparse.Namespace, mqtt: bool, out: Path) -> LocalFleetSettings:

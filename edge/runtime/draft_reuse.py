@@ -4,10 +4,11 @@ The cloud's prefix cache (cloud/prefix_cache.py) keeps whole pages under chained
 less: one process, one model, a few conversations. So an entry here is a whole context (the tokens a finished
 prefill or a finished generation left in the draft's KV) with an owned copy of that KV, and a lookup takes the
 entry sharing the longest token prefix with a new generation's context: any prefix, not whole pages, since the
-draft's KV is one contiguous tensor per layer that a copy may cut anywhere.
+draft's KV is one contiguous tensor per layer (or llama.cpp's cells of one sequence) that a copy may cut anywhere.
 
 Glossary
-    entry       tokens and a copy of the draft's KV for exactly them (`CachedLM`/`OnnxCachedLM.kv_snapshot`)
+    entry       tokens and a copy of the draft's KV for exactly them (`CachedLM`/`OnnxCachedLM`/`LlamaCppDraftLM`
+                `.kv_snapshot`)
     reuse       a new generation's runtime starts from a copy of an entry's first rows (`start_from`) and feeds
                 only the rest of its context; the last token is always fed, so its logits are computed
     claim       a prefill in flight: a generation whose context shares a longer prefix with it than with any
@@ -48,7 +49,7 @@ CLAIM_WAIT_S = 60.0  # a claimer that never settles (it would be a bug) delays t
 
 
 class ReusableLM(Protocol):
-    """What reuse needs of a draft runtime beyond `DraftLM`: both `CachedLM` and `OnnxCachedLM` fit."""
+    """What reuse needs of a draft runtime beyond `DraftLM`: `CachedLM`, `OnnxCachedLM` and `LlamaCppDraftLM` fit."""
 
     tokens: list[int]
     reusable: bool
@@ -64,7 +65,7 @@ class ReusableLM(Protocol):
 class CacheEntry:
     key: int  # its place in the cache's order
     tokens: np.ndarray  # int64: the context whose KV `kv` holds
-    kv: object  # the runtime's own copy (torch tensors per layer, numpy arrays or OrtValues)
+    kv: object  # the runtime's own copy (torch tensors per layer, numpy arrays or OrtValues, llama.cpp's state bytes)
     nbytes: int
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from common.arguments import DTYPE_NAMES, floats
 from common.lab.results_page import add_page_arguments, publish_if_asked
 from edge.onnx_export.quantize import WEIGHT_FORMATS
+from edge.runtime.draft_choice import DEFAULT_RUNTIME, EDGE_WEIGHTS, RUNTIMES, runtime_label, runtime_weights
 
 if TYPE_CHECKING:  # models load in the commands that run: `--help` imports no torch
     from common.model.cached_lm import DraftLM
@@ -128,10 +129,12 @@ def _add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="tiny-random-draft")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     p.add_argument("--prompts", type=Path, help="JSONL of prompts (default: the project's 320-prompt set)")
-    p.add_argument("--draft-runtime", default="onnx", choices=["onnx", "torch"],
+    p.add_argument("--draft-runtime", default=DEFAULT_RUNTIME, choices=RUNTIMES,
                    help="train on the hidden states of the runtime the edge will run")
-    p.add_argument("--draft-weights", default="int8", choices=WEIGHT_FORMATS)
-    p.add_argument("--threads", type=int, help="ONNX Runtime threads (default: every core)")
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS,
+                   help=f"ONNX draft weights (default {EDGE_WEIGHTS}); not with --draft-runtime llama.cpp")
+    p.add_argument("--threads", type=int, help="the draft runtime's threads, ONNX Runtime's or llama.cpp's "
+                                                "(default: every core)")
 
 
 def _add_collect_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,14 +157,16 @@ def _add_collect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _runtime_name(args: argparse.Namespace) -> str:
-    return "torch" if args.draft_runtime == "torch" else f"onnx-{args.draft_weights}"
+    """"onnx-int8", "torch", "llama.cpp": a --draft-weights llama.cpp cannot take is refused here, before any load."""
+    return runtime_label(args.draft_runtime, args.draft_weights)
 
 
 def _draft_lm_factory(draft: LoadedModel, args: argparse.Namespace) -> Callable[[bool], DraftLM]:
     """`with_hidden -> DraftLM` over the runtime the edge runs (one ONNX session shared by all caches)."""
     from edge.runtime.draft import draft_lm_factory  # ONNX Runtime loads only for the commands that draft
 
-    return draft_lm_factory(draft, args.draft_runtime, args.threads, args.draft_weights)
+    return draft_lm_factory(draft, args.draft_runtime, args.threads,
+                            runtime_weights(args.draft_runtime, args.draft_weights))
 
 
 def _prompts(args: argparse.Namespace):

@@ -1,4 +1,4 @@
-"""bench draft: per-token latency of the edge's draft runtime, ONNX Runtime vs torch (float32 and bf16).
+"""bench draft: per-token latency of the edge's draft runtime, ONNX Runtime vs llama.cpp vs torch (float32, bf16).
 
     sprinter bench draft --model qwen2.5-coder-0.5b --out results/bench-draft
 
@@ -7,7 +7,8 @@ Each configuration greedily decodes `--new-tokens` tokens after a `--prompt-toke
 `--rounds` passes over all configurations; the score is the median of decode time / tokens over all
 of them. Besides the default ONNX runtime it measures the levers that could matter on CPU: graph
 optimisation level, ORT op fusions at export, IO binding, one thread, int8 weights (lossy: a
-different draft, see "greedy agreement"), plus a probe of float16/bfloat16 MatMul in ONNX Runtime's
+different draft, see "greedy agreement"), llama.cpp on the model's GGUF as shipped (its own quantisation:
+a different draft too; needs a GGUF preset), plus a probe of float16/bfloat16 MatMul in ONNX Runtime's
 CPU provider. Writes `results.json` and `table.md` to `--out`.
 
 The host is shared: memory bandwidth drifts by tens of percent over minutes (rounds spread that over
@@ -30,11 +31,12 @@ import numpy as np
 import torch
 
 from common.model.cached_lm import CachedLM
-from common.model.loading import LoadedModel, load_model
+from common.model.loading import LoadedModel, gguf_file, load_model
+from edge.runtime.llama_cpp_draft import LlamaCppDraftLM, LlamaCppDraftModel
 from edge.runtime.onnx_draft import OnnxCachedLM
 from edge.onnx_export.export import export_draft
 from edge.runtime.ort_sessions import available_cores
-from sim.bench.prompts import load_bench_prompts
+from sim.bench.prompts import PROMPTS_FILE, PROPOSER_PROMPTS_FILE, load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.engines import CONFIGS, Config, DraftBenchSettings
 
@@ -63,15 +65,17 @@ class Result:
 
 
 def bench_prompt(loaded: LoadedModel, n_tokens: int) -> list[int]:
-    """The first `n_tokens` tokens of the bench prompts, concatenated (code first, as drafting sees it)."""
-    texts = [prompt["prompt"] for prompt in load_bench_prompts()]
+    """The first `n_tokens` tokens of the bench prompts, concatenated (code first, as drafting sees it), then of the
+    proposer suite's (the bench prompts alone hold about 100 tokens)."""
+    texts = [prompt["prompt"] for path in (PROMPTS_FILE, PROPOSER_PROMPTS_FILE) for prompt in load_bench_prompts(path)]
     ids = loaded.tokenizer("\n".join(texts))["input_ids"]
     if len(ids) < n_tokens:
         raise ValueError(f"the bench prompts hold only {len(ids)} tokens")
     return ids[:n_tokens]
 
 
-def greedy_decode(runtime: CachedLM | OnnxCachedLM, prompt: list[int], n_new: int) -> tuple[float, float, list[int]]:
+def greedy_decode(runtime: CachedLM | OnnxCachedLM | LlamaCppDraftLM, prompt: list[int],
+                  n_new: int) -> tuple[float, float, list[int]]:
     """Prefill, then `n_new` one-token steps. Returns (prefill ms, decode ms per token, new tokens)."""
     t0 = time.perf_counter()
     out = runtime.advance_to(prompt)
@@ -93,14 +97,17 @@ def export_all(spec: str, configs: list[Config]) -> dict[tuple[bool, str], Path]
     return {(fuse, weights): export_draft(loaded, fuse=fuse, weights=weights) for fuse, weights in variants}
 
 
-def make_runtime(config: Config, spec: str, threads: int,
-                 paths: dict[tuple[bool, str], Path]) -> tuple[Callable[[], CachedLM | OnnxCachedLM], float]:
+def make_runtime(config: Config, spec: str, threads: int, paths: dict[tuple[bool, str], Path]
+                 ) -> tuple[Callable[[], CachedLM | OnnxCachedLM | LlamaCppDraftLM], float]:
     """A factory of fresh (empty-cache) runtimes for `config`, and how long building it took."""
     t0 = time.perf_counter()
     if config.runtime == "torch":
         torch.set_num_threads(config.threads or threads)
         model = load_model(spec, getattr(torch, config.dtype)).model
         factory = lambda: CachedLM(model)  # noqa: E731
+    elif config.runtime == "llama.cpp":  # the edge's way: weights loaded once, a context per LM
+        gguf_model = LlamaCppDraftModel(gguf_file(spec), threads=config.threads or threads)
+        factory = gguf_model.new_lm
     else:
         session_lm = OnnxCachedLM(paths[config.fuse, config.weights], threads=config.threads or threads,
                                   optimization=config.optimization, io_binding=config.io_binding)

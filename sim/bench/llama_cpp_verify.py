@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from cloud.batcher import Batcher
 from cloud.engine import ForwardStats
 from cloud.llama_cpp_engine import LlamaCppEngine
-from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
+from common.model.llama_cpp_runtime import ContextShape, LlamaCppModel, Segment
 from common.model.loading import gguf_file
 
 log = logging.getLogger(__name__)

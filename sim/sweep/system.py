@@ -146,13 +146,13 @@ class SystemUnderTest:
 
 
 def draft_label(runtime: str = "onnx", dtype: str = "bfloat16") -> str:
-    """How an edge's draft ran, for a table's headline: "onnx-int8" (the edge daemon's runtime and weights) or
-    "torch-<dtype>"."""
+    """How an edge's draft ran, for a table's headline: "onnx-int8" (the edge daemon's runtime and weights),
+    "llama.cpp" (the GGUF as shipped) or "torch-<dtype>"."""
     if runtime == "torch":
         return f"torch-{dtype}"
-    from edge.node import EdgeNodeSettings
+    from edge.runtime.draft_choice import runtime_label
 
-    return f"{runtime}-{EdgeNodeSettings.draft_weights}"
+    return runtime_label(runtime, None)
 
 
 def measure_here(settings: SystemSettings, scenario: Callable[[SystemUnderTest], Awaitable[T]]) -> T:

@@ -21,7 +21,7 @@ import torch
 
 from cloud.batcher import Batcher
 from cloud.llama_cpp_engine import LlamaCppEngine
-from cloud.llama_cpp_runtime import ContextShape, LlamaCppModel, LlamaCppUnavailable, Segment, bindings
+from common.model.llama_cpp_runtime import ContextShape, LlamaCppModel, LlamaCppUnavailable, Segment, bindings
 from cloud.settings import CloudSettings
 from common.spec.modes import DecodeSettings
 from common.sampling.logits_processing import processor_for

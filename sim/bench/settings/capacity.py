@@ -104,7 +104,8 @@ class PrefixFleetSettings:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
-    draft_runtime: Literal["torch", "onnx"] = "torch"  # in --dtype (ONNX runs float32); 8 edges fit beside 2 replicas
+    # torch: in --dtype (ONNX runs float32); 8 edges fit beside 2 replicas
+    draft_runtime: Literal["torch", "onnx", "llama.cpp"] = "torch"
     parts: tuple[str, ...] = PREFIX_FLEET_PARTS
     history_tokens: int = 1000  # turn 1's message and its answer
     answer_tokens: int = 32  # turn 1's answer, at most

@@ -50,7 +50,7 @@ class LocalBenchSettings:
 @dataclass(frozen=True)
 class Config:
     name: str
-    runtime: str  # "torch" or "onnx"
+    runtime: str  # "torch", "onnx" or "llama.cpp" (the model's GGUF as shipped: no dtype, weights or ORT options)
     dtype: str = "float32"  # torch only: the onnx graph is float32
     optimization: str = "all"
     fuse: bool = True
@@ -70,6 +70,7 @@ CONFIGS = (
     Config("onnx-1-thread", "onnx", threads=1),
     Config("onnx-int8", "onnx", weights="int8"),
     Config("onnx-int4", "onnx", weights="int4"),
+    Config("llama.cpp", "llama.cpp"),
 )
 
 
@@ -80,8 +81,9 @@ class DraftBenchSettings:
     new_tokens: int = 64
     repeats: int = 2  # timed decodes per config per round
     rounds: int = 3  # passes over all configs (each rebuilds the runtime)
-    threads: int | None = None  # intra-op threads (torch and ORT); None: the cores ONNX Runtime may use
-    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS)
+    threads: int | None = None  # intra-op threads (torch, ORT, llama.cpp); None: the cores ONNX Runtime may use
+    # Every config but llama.cpp's, which needs llama-cpp-python (a build of its own): named, it runs beside them.
+    configs: tuple[str, ...] = tuple(c.name for c in CONFIGS if c.runtime != "llama.cpp")
     out: Path = Path("results/bench-draft")
 
 
@@ -241,12 +243,12 @@ CLOUD = Bench(
            "out": "unset: results/bench-cloud (--random-weights: results/bench-engine)"})
 
 DRAFT = Bench(
-    "draft", "per-token latency of the edge's draft runtime: ONNX Runtime vs torch", DraftBenchSettings,
+    "draft", "per-token latency of the edge's draft runtime: ONNX Runtime vs llama.cpp vs torch", DraftBenchSettings,
     "sim.bench.draft:bench_draft",
     helps={"repeats": "timed decodes per config per round", "rounds": "passes over all configs (each rebuilds the "
                                                                       "runtime)",
-           "threads": "intra-op threads, torch and ORT (unset: the cores it may use)",
-           "configs": "comma list of configs to run"})
+           "threads": "intra-op threads, torch, ORT and llama.cpp (unset: the cores it may use)",
+           "configs": "comma list of configs to run (llama.cpp, the draft's GGUF on llama-cpp-python, only when named)"})
 
 PREFILL = Bench(
     "prefill", "verify latency of busy sessions while a long prompt opens", PrefillBenchSettings,

@@ -25,7 +25,7 @@ class ProposerBenchSettings:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
-    draft_runtime: Literal["torch", "onnx"] = "onnx"  # the edge's own (int8 weights)
+    draft_runtime: Literal["torch", "onnx", "llama.cpp"] = "onnx"  # the edge's own (int8 weights)
     rtt_ms: float = 50.0
     modes: tuple[str, ...] = ("sd-block",)
     proposers: tuple[str, ...] = PROPOSERS
@@ -177,7 +177,7 @@ class AutoBenchSettings:
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
     engine: Literal["resident", "llama.cpp"] = "resident"
-    draft_runtime: Literal["onnx", "torch"] = "onnx"  # the edge's own
+    draft_runtime: Literal["onnx", "torch", "llama.cpp"] = "onnx"  # the edge's own
     verifier: str = "auto"
     baseline: Literal["llama-server", "off"] = "llama-server"  # what a user would run instead: the target's GGUF
     rtt_ms: tuple[float, ...] = (0.0, 50.0, 100.0, 200.0)

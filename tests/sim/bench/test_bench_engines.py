@@ -1,5 +1,6 @@
 """The engine, draft and local benches (`sprinter bench cloud|draft|local|prefill|prefix`) on their smallest
-scenarios with the tiny-random presets: the rows and the results.json each writes, never their timings.
+scenarios with the tiny-random presets (bench draft's llama.cpp config on SmolLM2-135M's GGUF): the rows and the
+results.json each writes, never their timings.
 bench cloud --random-weights is tests/test_devices.py's; bench llama-cpp's verify step tests/test_llama_cpp_engine.py's."""
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ def test_bench_draft_times_a_runtime_and_probes_matmul_dtypes(tmp_path, capsys, 
     assert [(r["config"], r["greedy_agreement"]) for r in results["summary"]] == [("torch-fp32", 1.0)]
     assert len(results["runs"][0]["tokens"]) == 4 and "float32" in results["matmul_dtype_probe_ms"]
     assert "ONNX Runtime CPU MatMul" in capsys.readouterr().out
+
+
+@pytest.mark.smollm2
+def test_bench_draft_times_the_llama_cpp_draft_beside_torch(smollm2, tmp_path, monkeypatch):
+    from common.model.llama_cpp_runtime import LlamaCppUnavailable, bindings
+    from sim.bench import draft
+
+    try:
+        bindings()
+    except LlamaCppUnavailable as missing:
+        pytest.skip(str(missing))
+    monkeypatch.setattr(draft, "probe_matmul_dtypes", functools.partial(draft.probe_matmul_dtypes, 8, 64, 1))
+    assert main(["bench", "draft", "--model", "smollm2-135m", "--configs", "torch-fp32,llama.cpp", "--rounds", "1",
+                 "--repeats", "1", "--prompt-tokens", "16", "--new-tokens", "4", "--threads", "1",
+                 "--out", str(tmp_path)]) == 0
+    summary = {r["config"]: r for r in _results(tmp_path)["summary"]}
+    assert summary["llama.cpp"]["runtime"] == "llama.cpp" and summary["llama.cpp"]["ms_per_token"] > 0
+    assert summary["llama.cpp"]["greedy_agreement"] is not None  # against torch-fp32's tokens
 
 
 def test_bench_local_runs_every_mode_and_assisted_generation(tmp_path, capsys):

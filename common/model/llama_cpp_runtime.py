@@ -1,5 +1,8 @@
 """llama.cpp in this process, through llama-cpp-python's low-level (ctypes) API: one model, one context.
 
+Both sides run llama.cpp through this module: the cloud's target engine (`LlamaCppModel`) and the edge's draft
+runtime (edge/runtime/llama_cpp_draft.py, which loads a model with `load_gguf` and makes its own contexts).
+
 The cloud's llama.cpp engine (cloud/llama_cpp_engine.py) asks this module for three things only:
 decode a batch of segments (each a sequence's new tokens at its positions) in one `llama_decode`,
 read the rows of the positions asked for, and edit a sequence's KV cells (remove a tail, copy a
@@ -27,15 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import SprinterError
+from common.errors import SprinterError, UsageError
 
 log = logging.getLogger(__name__)
 F16_BYTES = 2  # llama.cpp's default KV cell type (type_k, type_v) is f16
 GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4  # ggml_log_level
+# Warnings that only say llama.cpp did what it was asked: the edge's draft asks per-token embeddings (pooling none)
+# of a model that declares no pooling, on every new context. Logged at debug, not as warnings.
+ASKED_FOR = ("pooling_type is [-1], but [0] was specified",)
 
 
-class LlamaCppUnavailable(SprinterError, RuntimeError):
-    """llama-cpp-python is not installed (`make llama-cpp` builds it from source with native CPU flags)."""
+class LlamaCppUnavailable(UsageError, RuntimeError):
+    """llama-cpp-python is not installed (`make llama-cpp` builds it from source with native CPU flags). A
+    `UsageError`: `sprinter` says it in one line, whichever side asked for llama.cpp."""
 
 
 class LlamaCppModelError(SprinterError, ValueError):
@@ -51,7 +58,8 @@ def bindings():
     try:
         import llama_cpp
     except (ImportError, OSError, RuntimeError) as err:  # OSError/RuntimeError: the package without its libraries
-        raise LlamaCppUnavailable(f"--engine llama.cpp needs llama-cpp-python built for this CPU ({err}); run "
+        raise LlamaCppUnavailable(f"llama.cpp (--engine llama.cpp, --draft-runtime llama.cpp) needs llama-cpp-python "
+                                  f"built for this CPU ({err}); run "
                                   "`make llama-cpp` (builds it from source with native flags, a few minutes)") from err
     return llama_cpp
 
@@ -86,14 +94,8 @@ class LlamaCppModel:
 
     def __init__(self, path: Path, shape: ContextShape) -> None:
         lib = self.lib = bindings()
-        lib.llama_backend_init()
         self._log_callback = _quiet(lib)
-        model_params = lib.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
-        if not self.model:
-            raise LlamaCppModelError(f"llama.cpp could not load {path} (not a GGUF file, or an architecture this "
-                                     "build does not know)")
+        self.model = load_gguf(lib, path)
         self.path = path
         params = lib.llama_context_default_params()
         params.n_ctx = shape.kv_bytes // self.bytes_per_cell + shape.slack_cells
@@ -195,15 +197,36 @@ class LlamaCppModel:
             self.context = self.model = None
 
 
+def load_gguf(lib, path: Path):
+    """The model in the GGUF file `path`, its weights on the CPU (a `llama_model` pointer; `llama_model_free` it)."""
+    lib.llama_backend_init()
+    _quiet(lib)
+    model_params = lib.llama_model_default_params()
+    model_params.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise LlamaCppModelError(f"llama.cpp could not load {path} (not a GGUF file, or an architecture this "
+                                 "build does not know)")
+    return model
+
+
+_LOG_FORWARD: list = []  # the one callback set: llama.cpp keeps it as a bare pointer, so it lives as long as we do
+
+
 def _quiet(lib):
     """llama.cpp logs every load to stderr: keep its warnings and errors, through `logging`. Returns the callback,
-    which llama.cpp keeps as a bare pointer: its owner must hold it as long as the library lives."""
+    set once per process and held here: llama.cpp keeps a bare pointer to it, and both sides load models."""
+    if _LOG_FORWARD:
+        return _LOG_FORWARD[0]
 
     @lib.llama_log_callback
     def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if level in (GGML_LOG_WARN, GGML_LOG_ERROR):
-            log.log(logging.WARNING if level == GGML_LOG_WARN else logging.ERROR, "llama.cpp: %s",
-                    text.decode(errors="replace").rstrip())
+            message = text.decode(errors="replace").rstrip()
+            expected = level == GGML_LOG_WARN and any(phrase in message for phrase in ASKED_FOR)
+            log.log(logging.DEBUG if expected else logging.WARNING if level == GGML_LOG_WARN else logging.ERROR,
+                    "llama.cpp: %s", message)
 
     lib.llama_log_set(forward, ctypes.c_void_p())
+    _LOG_FORWARD.append(forward)
     return forward
