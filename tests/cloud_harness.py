@@ -20,10 +20,13 @@ class ServerThread:
     """Runs `CloudServer` on its own event loop in a background thread (port 0: any free port).
 
     With `wait_ready=False` it is usable as soon as the port is bound, before the model is loaded.
+    The cost table (cloud/cost_table.py: 36 forwards timed before serving, about 7 s for SmolLM2 on one core) is
+    timed only when a test asks for it (`cost_table=True`): only `--mode auto` reads it, and most tests start a cloud.
     """
 
     def __init__(self, settings: CloudSettings, target: LoadedModel | None, wait_ready: bool = True,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None, cost_table: bool = False) -> None:
+        settings = settings if cost_table else replace(settings, cost_table="off")
         self.settings = replace(settings, port=0) if settings.port == 50051 else settings
         self.target = target
         self.draft = draft  # the cloud's own (settings.draft names it): cloud-sd

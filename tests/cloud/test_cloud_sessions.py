@@ -54,7 +54,7 @@ def test_info_carries_the_cost_table_timed_at_start(tiny_target, attention):
     """The cloud times a decode step and blocks alone and beside other sessions before serving (cloud/cost_table.py),
     through its engine's own path, and leaves no KV behind."""
     settings = CloudSettings(target="tiny-random", attention=attention)
-    with ServerThread(settings, tiny_target) as server, grpc.insecure_channel(server.address) as channel:
+    with ServerThread(settings, tiny_target, cost_table=True) as server, grpc.insecure_channel(server.address) as channel:
         costs = wire.cloud_costs(pb_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest()))
         held = server.server.servicer.host.engine.kv_bytes_in_use()
     assert costs.context_tokens == 128

@@ -410,7 +410,8 @@ def test_cloud_sd_drafts_with_a_gguf_draft_in_the_same_engine(tmp_path, smollm2,
     """`--draft` on the llama.cpp engine (a .gguf path): the draft's GGUF in a context of its own, its forwards
     taking turns with the target's; cloud-sd keeps the target's greedy output where llama.cpp's rows do not round
     apart, and its sampled rounds reject and resample through rollbacks of both caches."""
-    cloud = _llama_cloud(tmp_path, "--draft", str(_sharper(engine_path, tmp_path / "sharper.gguf")))
+    # no cost table: the module's cloud times one on this engine, and only --mode auto reads it
+    cloud = _llama_cloud(tmp_path, "--draft", str(_sharper(engine_path, tmp_path / "sharper.gguf")), "--cost-table", "off")
     cloud.start()
     prompt = encode_prompt(smollm2.tokenizer, PROMPTS[2], chat=True)
     try:

@@ -122,7 +122,7 @@ def test_smollm2_greedy_verification_on_vllm_equals_vllm_alone_and_the_resident_
     # with vLLM's own draft-model speculation (`--draft`): cloud-sd is vLLM's, and the edges' blocks stay exact on it
     # Eager (no compile warm-up, about 80 s less here): the wide fixture's cloud runs vLLM's default, compiled.
     cloud = _vllm_cloud(tmp_path, "smollm2", "--target", "smollm2-135m", "--draft", "smollm2-135m:layers=4",
-                        "--draft-block", "4", "--vllm-eager")
+                        "--draft-block", "4", "--vllm-eager", "--cost-table", "off")  # the wide fixture's cloud times one
     cloud.start()
     try:
         modes = ["target", "sd-block", "sprinter-exact", "cloud-sd"]

@@ -76,7 +76,8 @@ def test_placement_alone_never_offers_the_target() -> None:
 
 
 def _plain_cloud(tiny_target) -> ServerThread:  # no draft of its own: auto chooses between the target and the edge
-    return ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1, dtype="float32"), tiny_target)
+    return ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1, dtype="float32"), tiny_target,
+                        cost_table=True)
 
 
 async def _through_link(cloud: ServerThread, draft, work):

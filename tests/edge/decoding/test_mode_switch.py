@@ -70,7 +70,7 @@ class SlowingTarget(Placer):
 @pytest.fixture(scope="module")
 def drafting_cloud(tiny_target):  # a cloud with a draft of its own: cloud-sd is an option
     settings = CloudSettings(target="tiny-random", draft="tiny-random", batch_window_ms=1, dtype="float32")
-    with ServerThread(settings, tiny_target, draft=near_draft(tiny_target, seed=11)) as cloud:
+    with ServerThread(settings, tiny_target, draft=near_draft(tiny_target, seed=11), cost_table=True) as cloud:
         yield cloud
 
 
@@ -192,7 +192,7 @@ def test_a_cloud_lost_mid_request_degrades_the_segment_running_and_ends_the_swit
     reference = LocalDecoder(tiny_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=40,
                                                                                  sampling=sampling))
     cloud = ServerThread(CloudSettings(target="tiny-random", batch_window_ms=1, dtype="float32", drain_s=0.2),
-                         tiny_target).__enter__()
+                         tiny_target, cost_table=True).__enter__()
     made: list[int] = []
     killed: list[int] = []
     degraded_at: list[int] = []
@@ -229,7 +229,7 @@ def test_the_placer_switches_on_its_own_when_the_target_turns_slow_mid_request(t
         node.decoder.cost_model.observe_rtt(50.0)
         return await node.decoder.generate(prompt, _auto(24))
 
-    with ServerThread(cloud_settings, tiny_target) as cloud:
+    with ServerThread(cloud_settings, tiny_target, cost_table=True) as cloud:
         result = asyncio.run(on_edge(cloud.address, tiny_draft, work))
     assert not result.degraded and result.token_ids == reference.token_ids
     first, switch, *rest = result.placed.switches()
