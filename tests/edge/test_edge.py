@@ -112,9 +112,11 @@ def _wait_http(base: str, process: subprocess.Popen, timeout_s: float = 120) -> 
     raise TimeoutError("edge daemon did not answer /healthz")
 
 
-@pytest.fixture()
-def system(tmp_path):
-    """A cloud process and an edge daemon process on loopback, tiny models."""
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    """A cloud process and an edge daemon process on loopback, tiny models; one pair for the module (the kill test
+    leaves a restarted cloud, reachable, behind it)."""
+    tmp_path = tmp_path_factory.mktemp("system")
     cloud_port, edge_port = free_port(), free_port()
     cloud_args = ["cloud", "serve", "--target", "tiny-random", "--dtype", "float32", "--port", str(cloud_port),
                   "--drain-s", "1"]
