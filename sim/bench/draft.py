@@ -9,7 +9,9 @@ of them. Besides the default ONNX runtime it measures the levers that could matt
 optimisation level, ORT op fusions at export, IO binding, one thread, int8 weights (lossy: a
 different draft, see "greedy agreement"), llama.cpp on the model's GGUF as shipped (its own quantisation:
 a different draft too; needs a GGUF preset), plus a probe of float16/bfloat16 MatMul in ONNX Runtime's
-CPU provider. Writes `results.json` and `table.md` to `--out`.
+CPU provider. Where a runtime batches (torch, ONNX), it also times one step of `--side-rows` rows side by side (a
+tree's branches at one point, drafted as one batched step per token) against one row's. Writes `results.json` and
+`table.md` to `--out`.
 
 The host is shared: memory bandwidth drifts by tens of percent over minutes (rounds spread that over
 all configs), and other work on the cores shows as `load avg` > 2 in the table (the bench itself
@@ -55,13 +57,17 @@ class Result:
     ms_per_token: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     load_average: list[float] = field(default_factory=list)  # 1-minute load when each round started
+    side_step_ms: list[float] = field(default_factory=list)  # one step of `side_rows` rows side by side
 
     def summary(self, reference: list[int] | None) -> dict:
         agree = None if reference is None else sum(a == b for a, b in zip(self.tokens, reference)) / len(reference)
-        return dict(config=self.config.name, runtime=self.config.runtime, ms_per_token=statistics.median(self.ms_per_token),
+        step = statistics.median(self.ms_per_token)
+        side = statistics.median(self.side_step_ms) if self.side_step_ms else None
+        return dict(config=self.config.name, runtime=self.config.runtime, ms_per_token=step,
                     ms_per_token_min=min(self.ms_per_token), prefill_ms=statistics.median(self.prefill_ms),
                     load_s=round(statistics.median(self.load_s), 2), greedy_agreement=agree,
-                    load_average=round(max(self.load_average), 2))
+                    load_average=round(max(self.load_average), 2), side_step_ms=side,
+                    side_over_one=None if side is None else side / step)
 
 
 def bench_prompt(loaded: LoadedModel, n_tokens: int) -> list[int]:
@@ -86,6 +92,20 @@ def greedy_decode(runtime: CachedLM | OnnxCachedLM | LlamaCppDraftLM, prompt: li
         out = runtime.advance_to(context)
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3 / n_new, context[len(prompt):]
+
+
+def side_by_side_step(runtime: CachedLM | OnnxCachedLM, prompt: list[int], rows: int, steps: int) -> float:
+    """ms of one batched draft step of `rows` rows (a tree's branches at one point after `prompt`), median of `steps`
+    steps grown in step, after the step that forks the rows."""
+    contexts = [list(prompt) + [token] for token in range(1, rows + 1)]
+    runtime.advance_batch(contexts)  # forks the prompt's KV into the rows: not a step of the kind timed
+    times = []
+    for token in range(steps):
+        contexts = [c + [token] for c in contexts]
+        t0 = time.perf_counter()
+        runtime.advance_batch(contexts)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def export_all(spec: str, configs: list[Config]) -> dict[tuple[bool, str], Path]:
@@ -132,6 +152,9 @@ def run_config(config: Config, result: Result, prompt: list[int], settings: Draf
         times.append(ms_per_token)
         result.tokens = tokens
     result.ms_per_token.extend(times)
+    runtime = factory()
+    if settings.side_rows > 1 and runtime.batches:
+        result.side_step_ms.append(side_by_side_step(runtime, prompt, settings.side_rows, settings.new_tokens))
     log.info("%s: %s ms/token", config.name, ", ".join(f"{x:.1f}" for x in times))
 
 
@@ -173,13 +196,14 @@ def format_table(rows: list[dict]) -> str:
     base = {r["config"]: r["ms_per_token"] for r in rows if r["runtime"] == "torch"}
     names = [name for name in BASELINES if name in base]
     lines = ["| config | ms/token (median) | min | " + " | ".join(f"vs {n}" for n in names)
-             + " | prefill ms | greedy agreement | load s | load avg |",
-             "|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
+             + " | prefill ms | greedy agreement | side-by-side step / one row | load s | load avg |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|"]
     for r in rows:
         speedups = " | ".join(f"{base[n] / r['ms_per_token']:.2f}x" for n in names)
         agree = "-" if r["greedy_agreement"] is None else f"{r['greedy_agreement']:.0%}"
+        side = "-" if r["side_over_one"] is None else f"{r['side_step_ms']:.3g} ms, {r['side_over_one']:.2f}x"
         lines.append(f"| {r['config']} | {r['ms_per_token']:.3g} | {r['ms_per_token_min']:.3g} | {speedups} "
-                     f"| {r['prefill_ms']:.0f} | {agree} | {r['load_s']:.1f} | {r['load_average']:.1f} |")
+                     f"| {r['prefill_ms']:.0f} | {agree} | {side} | {r['load_s']:.1f} | {r['load_average']:.1f} |")
     return "\n".join(lines)
 
 
@@ -221,6 +245,6 @@ def bench_draft(settings: DraftBenchSettings) -> str:
         settings, torch=torch.__version__, onnxruntime=ort.__version__,
         load_average={"before": load_before, "after": os.getloadavg()}, summary=rows, matmul_dtype_probe_ms=probe,
         runs=[dict(asdict(r.config), load_s=r.load_s, prefill_ms=r.prefill_ms, ms_per_token=r.ms_per_token,
-                   load_average=r.load_average, tokens=r.tokens) for r in results])
+                   side_step_ms=r.side_step_ms, load_average=r.load_average, tokens=r.tokens) for r in results])
     folder.write_table(table)
     return f"{table}\n\nONNX Runtime CPU MatMul [1,896]x[896,65536] ms by dtype: {probe}"

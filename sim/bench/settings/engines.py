@@ -84,6 +84,7 @@ class DraftBenchSettings:
     threads: int | None = None  # intra-op threads (torch, ORT, llama.cpp); None: the cores ONNX Runtime may use
     # Every config but llama.cpp's, which needs llama-cpp-python (a build of its own): named, it runs beside them.
     configs: tuple[str, ...] = tuple(c.name for c in CONFIGS if c.runtime != "llama.cpp")
+    side_rows: int = 3  # rows of a tree's side-by-side draft step, timed against one row where a runtime batches; 0: off
     out: Path = Path("results/bench-draft")
 
 
@@ -248,7 +249,9 @@ DRAFT = Bench(
     helps={"repeats": "timed decodes per config per round", "rounds": "passes over all configs (each rebuilds the "
                                                                       "runtime)",
            "threads": "intra-op threads, torch, ORT and llama.cpp (unset: the cores it may use)",
-           "configs": "comma list of configs to run (llama.cpp, the draft's GGUF on llama-cpp-python, only when named)"})
+           "configs": "comma list of configs to run (llama.cpp, the draft's GGUF on llama-cpp-python, only when named)",
+           "side_rows": "rows of a tree's side-by-side draft step (one batched step per token), timed against one row "
+                        "where the runtime batches (torch, ONNX); 0: not timed"})
 
 PREFILL = Bench(
     "prefill", "verify latency of busy sessions while a long prompt opens", PrefillBenchSettings,

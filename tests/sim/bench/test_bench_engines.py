@@ -54,6 +54,10 @@ def test_bench_draft_times_a_runtime_and_probes_matmul_dtypes(tmp_path, capsys, 
     results = _results(tmp_path)
     assert [(r["config"], r["greedy_agreement"]) for r in results["summary"]] == [("torch-fp32", 1.0)]
     assert len(results["runs"][0]["tokens"]) == 4 and "float32" in results["matmul_dtype_probe_ms"]
+    # torch batches: one step of 3 rows side by side is timed beside one row's
+    summary = results["summary"][0]
+    assert summary["side_step_ms"] > 0 and summary["side_over_one"] == pytest.approx(
+        summary["side_step_ms"] / summary["ms_per_token"])
     assert "ONNX Runtime CPU MatMul" in capsys.readouterr().out
 
 
