@@ -281,7 +281,7 @@ def run_bound(args: argparse.Namespace) -> int:
 
 def run_replay(args: argparse.Namespace) -> int:
     from edge.verifier_training.collect import load_dataset
-    from edge.verifier_training.compare import CompareSettings, fitted_estimator
+    from edge.verifier_training.compare import CompareSettings, fitted_estimator, verdicts_of
     from edge.verifier_training.plots import plot_replay
     from edge.verifier_training.replay import ReplaySettings, RoundCosts, held_out_traces, replay, write_report
     from edge.runtime.verifier import LearnedVerifier
@@ -289,7 +289,8 @@ def run_replay(args: argparse.Namespace) -> int:
     learned, dataset = LearnedVerifier.load(args.verifier), load_dataset(args.data)
     estimator = None
     if "runner_up_prob" in dataset.arrays:  # the margin: vLLM's adaptive verification is replayed beside goodput
-        estimator = fitted_estimator(dataset, learned, CompareSettings(block=args.block))
+        fit = CompareSettings(block=args.block)
+        estimator = fitted_estimator(verdicts_of(dataset, learned, fit), fit)
     else:
         log.warning("this data predates the runner-up probability: no margin-logistic policies (collect it again)")
     traces = held_out_traces(dataset, learned.metadata, learned.score_features, args.limit, estimator)

@@ -138,22 +138,37 @@ def by_position(scores: dict[str, np.ndarray], target: np.ndarray, position: np.
     return rows
 
 
-def fitted_estimator(dataset: VerifierDataset, verifier: LearnedVerifier, settings: CompareSettings) -> MarginLogistic:
-    """The estimator after hearing, block by block, the verdicts on every prompt the verifier does not hold out."""
+@dataclass(frozen=True)
+class Verdicts:
+    """Per token of the data: the training target, the acceptance event drawn from it, the draft's logit margin,
+    the block it was verified in, and whether its prompt is one the verifier holds out."""
+
+    target: np.ndarray
+    outcome: np.ndarray
+    margins: np.ndarray
+    blocks: Blocks
+    test: np.ndarray
+
+
+def verdicts_of(dataset: VerifierDataset, verifier: LearnedVerifier, settings: CompareSettings) -> Verdicts:
     check_pair(dataset, verifier)
-    outcome = events(labels_for(dataset, settings.label), settings.seed)
-    blocks = blocks_of(dataset, outcome, settings.block)
-    return fit_online(blocks, logit_margins(dataset), outcome, ~held_out_mask(dataset, verifier), settings.estimator)
+    target = labels_for(dataset, settings.label)
+    outcome = events(target, settings.seed)
+    return Verdicts(target, outcome, logit_margins(dataset), blocks_of(dataset, outcome, settings.block),
+                    held_out_mask(dataset, verifier))
+
+
+def fitted_estimator(verdicts: Verdicts, settings: CompareSettings) -> MarginLogistic:
+    """The estimator after hearing, block by block, the verdicts on every prompt the verifier does not hold out."""
+    return fit_online(verdicts.blocks, verdicts.margins, verdicts.outcome, ~verdicts.test, settings.estimator)
 
 
 def compare(dataset: VerifierDataset, verifier: LearnedVerifier, settings: CompareSettings) -> dict:
     """The comparison's JSON (see the module docstring)."""
-    estimator = fitted_estimator(dataset, verifier, settings)
-    target = labels_for(dataset, settings.label)
-    outcome = events(target, settings.seed)
-    margins = logit_margins(dataset)
-    blocks = blocks_of(dataset, outcome, settings.block)
-    test = held_out_mask(dataset, verifier)
+    verdicts = verdicts_of(dataset, verifier, settings)
+    estimator = fitted_estimator(verdicts, settings)
+    target, outcome, margins, blocks, test = (verdicts.target, verdicts.outcome, verdicts.margins, verdicts.blocks,
+                                              verdicts.test)
     features = tuple(verifier.metadata["features"])
     scores = {LEARNED: verifier.score_features(feature_matrix(dataset, features)[test]).astype(np.float64),
               ESTIMATOR: estimator_scores(estimator, blocks.position[test], margins[test]),
