@@ -195,15 +195,15 @@ def format_table(rows: list[dict]) -> str:
     """Markdown table; speedups against both torch baselines (bf16 is the faster one on CPUs with bf16 units)."""
     base = {r["config"]: r["ms_per_token"] for r in rows if r["runtime"] == "torch"}
     names = [name for name in BASELINES if name in base]
-    lines = ["| config | ms/token (median) | min | " + " | ".join(f"vs {n}" for n in names)
-             + " | prefill ms | greedy agreement | side-by-side step / one row | load s | load avg |",
+    lines = ["| config | ms/token (median) | min | " + "".join(f"vs {n} | " for n in names)
+             + "prefill ms | greedy agreement | side-by-side step / one row | load s | load avg |",
              "|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|"]
     for r in rows:
-        speedups = " | ".join(f"{base[n] / r['ms_per_token']:.2f}x" for n in names)
+        speedups = "".join(f"{base[n] / r['ms_per_token']:.2f}x | " for n in names)
         agree = "-" if r["greedy_agreement"] is None else f"{r['greedy_agreement']:.0%}"
         side = "-" if r["side_over_one"] is None else f"{r['side_step_ms']:.3g} ms, {r['side_over_one']:.2f}x"
-        lines.append(f"| {r['config']} | {r['ms_per_token']:.3g} | {r['ms_per_token_min']:.3g} | {speedups} "
-                     f"| {r['prefill_ms']:.0f} | {agree} | {side} | {r['load_s']:.1f} | {r['load_average']:.1f} |")
+        lines.append(f"| {r['config']} | {r['ms_per_token']:.3g} | {r['ms_per_token_min']:.3g} | {speedups}"
+                     f"{r['prefill_ms']:.0f} | {agree} | {side} | {r['load_s']:.1f} | {r['load_average']:.1f} |")
     return "\n".join(lines)
 
 
