@@ -59,6 +59,7 @@ from edge.cloud_link.cloud_target import CloudUse, CloudTarget, draft_sampling
 from edge.decoding.edge_settings import EdgeSettings
 from edge.decoding.mode_switch import ModeSwitch, segment_settings
 from edge.decoding.pipeline import PipelinedRounds
+from edge.decoding.placement import EDGE
 from edge.decoding.placer import Placed, Placer
 from edge.decoding.target_mode import CloudGenerate
 from edge.runtime.draft_reuse import GenerationDrafts
@@ -158,7 +159,8 @@ class EdgeDecoder:
                        emit: Callable[[Released], None] = lambda released: None,
                        on_degraded: Callable[[str], None] | None = None) -> EdgeResult:
         placed = self.placer.place(settings.decode.mode, settings.placement, settings.decode.k,
-                                   settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode)
+                                   settings.decode.max_new_tokens, self.cost_model, self.cloud, settings.chooses_mode,
+                                   len(prompt_ids))
         asked, settings = settings, segment_settings(settings, placed)
         mode = settings.decode.mode
         stop = StopSequences(settings.stop, self._decode) if settings.stop else None
@@ -183,7 +185,7 @@ class EdgeDecoder:
         tokens = generation.new_tokens
         text = self._decode(tokens)
         stats = generation.recorder.finish(len(tokens))
-        self._learn_placement(generation, stats, use, switch)
+        self._learn_placement(generation, stats, use, switch, placed)
         finish = "length" if use.error else use.finish_reason or generation.finish_reason
         # off the event loop: where no target scored the prompt, the draft's forward over it does
         prompt_logprobs = await asyncio.to_thread(self._prompt_logprobs, prompt_ids, settings.decode.sampling, use) \
@@ -208,11 +210,16 @@ class EdgeDecoder:
             segment = switch.begin(generation) if switch is not None else None
 
     def _learn_placement(self, generation: Generation, stats: DecodeStats, use: CloudUse,
-                         switch: ModeSwitch | None) -> None:
+                         switch: ModeSwitch | None, placed: Placed) -> None:
         """What placement learns of a finished request that ran as promised: the edge's tokens and uplink bytes a
-        round (`--mode auto` learned its rounds' tokens as they came, and may have run other modes besides)."""
+        round (`--mode auto` learned its rounds' tokens as they came, and may have run other modes besides), and
+        what its start cost where it began speculating on the edge and released its first token at a verdict."""
         if use.degraded_reason or use.error is not None:
             return
+        first = mode_of(placed.mode)
+        if placed.used == EDGE and first.placeable and not first.releases_passed and stats.ttft_ms is not None:
+            self.placer.observe_edge_start(stats.ttft_ms, len(generation.prompt_ids), generation.settings.k,
+                                           self.cost_model)
         if switch is not None:
             self.placer.observe_uplink(stats.uplink_bytes, switch.edge_rounds)
         elif generation.settings.traits.placeable:

@@ -4,17 +4,19 @@ cloud-sd: its placement), or, for `--mode auto`, not speculating at all (mode ta
 A pure decision over measured quantities, so that a response or a log can say why. Per user, in tokens/s, by the
 one cost model (common/spec/round_cost.py):
 
-    edge drafting   E_edge / (g * t_draft_edge + rtt + t_verify(g) + uplink_bytes * 8 / bandwidth)
-    cloud drafting  T / (rtt + (T / E_cloud) * t_round_cloud * load)        T = the request's max_tokens
-    target alone    T / (rtt + T * t_decode * load)
+    edge drafting   T / (s_edge + (T / E_edge) * (g * t_draft_edge + rtt + t_verify(g) + uplink_bytes * 8 / bandwidth))
+    cloud drafting  T / (s_cloud + rtt + (T / E_cloud) * t_round_cloud * load)        T = the request's max_tokens
+    target alone    T / (s_target + rtt + T * t_decode * load)
 
 where E is the tokens a round yields (accepted + the target's own), g the draft tokens an edge round sends as this
-edge's rounds have sent them (a call policy such as goodput grows blocks past k; gamma = k before any), t_round_cloud = gamma * t_draft_cloud +
-t_verify(gamma) (the cloud's round, as its GenerateChunks report it), t_decode the cloud's decode step, and the
-cloud's stream pays the round trip once at the start. `load` >= 1 stretches the cloud's steps when it announces a
-queue: cloud drafting spends
-the shared cloud's compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused
-us with RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at
+edge's rounds have sent them (a call policy such as goodput grows blocks past k; gamma = k before any),
+t_round_cloud = gamma * t_draft_cloud + t_verify(gamma) (the cloud's round, as its GenerateChunks report it),
+t_decode the cloud's decode step, and the cloud's stream pays the round trip once at the start. s is what an option
+pays once at a request's start beyond its rounds (the prompt's prefill; on the edge also the draft's, overlapped with
+the cloud's), learned per prompt token from earlier requests' first round or chunk (edge/decoding/placer.py); 0 at a
+round boundary. `load` >= 1 stretches the cloud's steps when it announces a queue: cloud drafting spends the shared
+cloud's compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused us with
+RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at
 all ("never the worse one under load").
 
 Hysteresis: a request keeps the previous request's placement unless the other side is predicted faster by
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.spec.round_cost import request_rate, edge_speculation_rate
+from common.spec.round_cost import request_rate
 
 EDGE, CLOUD, TARGET = "edge", "cloud", "target"  # TARGET: no speculation (`--mode auto` alone offers it)
 DEFAULT_MARGIN = 0.15
@@ -54,6 +56,11 @@ class PlacementInputs:
     cloud_decode_ms: float | None = None  # the target's decode step, offered as an option (`--mode auto`); None: not
     edge_drafted_per_round: float | None = None  # g: draft tokens an edge round sends, as observed; None: gamma
     open_stream: str | None = None  # CLOUD or TARGET: that option's stream is open already (mid-request: no RTT again)
+    # What each option pays once at a request's start before its rounds run (its prompt's prefill, and for the edge
+    # the draft's too), as learned per prompt token (edge/decoding/placer.py); 0 at a round boundary
+    edge_start_ms: float = 0.0
+    cloud_start_ms: float = 0.0
+    target_start_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gamma < 1 or self.max_tokens < 1:
@@ -89,15 +96,22 @@ def uplink_ms(bytes_: float, mbps: float) -> float:
     return bytes_ * 8.0 / (mbps * 1e3) if mbps > 0 else 0.0
 
 
-def edge_tokens_per_s(q: PlacementInputs) -> float:
+def edge_round_ms(q: PlacementInputs) -> float:
+    """One edge round: g draft steps, the round trip, t_verify(g) and the uplink's time for its bytes."""
     drafted = q.gamma if q.edge_drafted_per_round is None else q.edge_drafted_per_round
-    return edge_speculation_rate(q.edge_tokens_per_round, drafted, q.t_draft_edge_ms, q.rtt_ms, q.t_verify_ms,
-                                 uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps))
+    return drafted * q.t_draft_edge_ms + q.rtt_ms + q.t_verify_ms + uplink_ms(q.uplink_bytes_per_round, q.uplink_mbps)
+
+
+def edge_tokens_per_s(q: PlacementInputs) -> float:
+    return request_rate(q.max_tokens, q.edge_tokens_per_round, edge_round_ms(q), q.edge_start_ms)
 
 
 def stream_open_ms(q: PlacementInputs, option: str) -> float:
-    """What a cloud stream pays once before its rounds: the round trip, unless it is open already."""
-    return 0.0 if q.open_stream == option else q.rtt_ms
+    """What a cloud stream pays once before its rounds: its start (the prompt's prefill) and the round trip, unless
+    it is open already."""
+    if q.open_stream == option:
+        return 0.0
+    return q.rtt_ms + (q.cloud_start_ms if option == CLOUD else q.target_start_ms)
 
 
 def cloud_tokens_per_s(q: PlacementInputs) -> float:

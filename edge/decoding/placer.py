@@ -26,7 +26,8 @@ from common.spec.call_policy import CostModel, Ewma
 from common.spec.modes import (AUTO_MODE, AUTO_SPECULATION, CLOUD_DRAFTING, PLACEMENTS, TARGET_MODE, chooses_mode,
                                mode_of, placed_mode)
 from common.spec.round_cost import CloudCosts
-from edge.decoding.placement import CLOUD, DEFAULT_MARGIN, EDGE, TARGET, PlacementDecision, PlacementInputs, decide
+from edge.decoding.placement import (CLOUD, DEFAULT_MARGIN, EDGE, TARGET, PlacementDecision, PlacementInputs, decide,
+                                     edge_round_ms)
 from common.errors import SprinterError
 from common.stats import DecodeStats
 
@@ -100,22 +101,25 @@ class Placer:
     _cloud_tokens: Ewma | None = None  # tokens a cloud-sd round yields
     _cloud_round_ms: Ewma | None = None
     _cloud_decode_ms: Ewma | None = None  # the target's decode step, from mode target's GenerateChunks
+    # ms per prompt token each option pays at a request's start beyond its rounds (its prefill): EDGE, CLOUD, TARGET
+    _start_ms_per_token: dict[str, Ewma] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.uplink_mbps < 0:
             raise ValueError(f"--uplink-mbps must be >= 0 (0: unlimited), got {self.uplink_mbps:g}")
 
     def place(self, mode: str, placement: str, k: int, max_tokens: int, cost_model: CostModel,
-              cloud: object | None, chooses_mode: bool = False) -> Placed:
+              cloud: object | None, chooses_mode: bool = False, prompt_tokens: int = 0) -> Placed:
         """The mode a request runs in; PlacementRefused when the placement cannot be served. `cloud` is the
         decoder's ReplicaSet (read: drafts(), drafting_load(), costs()); `chooses_mode` (`--mode auto`): the target
-        alone is an option too."""
+        alone is an option too; `prompt_tokens` prices each option's start (its prefill)."""
         check_placement(placement)
         if chooses_mode:
             if cloud is None:
                 raise PlacementRefused("mode 'auto' chooses among ways of using a cloud, and this edge has none "
                                        "(--cloud)")
-            return self._count(self.choose_mode(mode, k, max_tokens, cost_model, cloud, self.previous_choice))
+            return self._count(self.choose_mode(mode, k, max_tokens, cost_model, cloud, self.previous_choice,
+                                                prompt_tokens=prompt_tokens))
         if placement == EDGE:
             return self._count(Placed(EDGE, EDGE, mode))
         if cloud is None:
@@ -130,23 +134,26 @@ class Placer:
                                        "(sprinter cloud serve --draft); none of this edge's has one")
             return self._count(Placed(CLOUD, CLOUD, placed_mode(mode, CLOUD)))
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
-        decision = decide(self.inputs(k, max_tokens, cost_model, load, busy, drafts), self.previous, self.margin)
+        decision = decide(self.inputs(k, max_tokens, cost_model, load, busy, drafts, prompt_tokens), self.previous,
+                          self.margin)
         self.previous = decision.placement
         log.debug("placement auto: %s", decision)
         return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
 
     def choose_mode(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object,
-                    current: str | None, at_token: int = 0) -> Placed:
+                    current: str | None, at_token: int = 0, prompt_tokens: int = 0) -> Placed:
         """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target), for
         the `max_tokens` left. At a request's start `current` is the last request's choice; at its round boundaries
         (`at_token` > 0: edge/decoding/mode_switch.py) the option running, whose cloud stream, if it has one, is
-        open already. Either wins unless another is predicted faster by more than the margin."""
+        open already. Either wins unless another is predicted faster by more than the margin. `prompt_tokens` (at a
+        request's start) prices each option's start."""
         costs: CloudCosts = cloud.costs()  # type: ignore[attr-defined]
         cost_model.seed_verify_prior(costs)
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
         decode_ms = self._cloud_decode_ms.value if self._cloud_decode_ms is not None else \
             costs.decode_ms() or cost_model.t_verify_ms(0)
-        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, cloud.drafts()),  # type: ignore[attr-defined]
+        drafts = cloud.drafts()  # type: ignore[attr-defined]
+        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, drafts, 0 if at_token else prompt_tokens),
                          cloud_decode_ms=decode_ms, open_stream=current if at_token else None)
         decision = decide(inputs, current, self.margin)
         self.previous_choice = decision.placement
@@ -158,7 +165,7 @@ class Placer:
         return placed
 
     def inputs(self, k: int, max_tokens: int, cost_model: CostModel, load: float = 1.0, busy: bool = False,
-               drafts: bool = True) -> PlacementInputs:
+               drafts: bool = True, prompt_tokens: int = 0) -> PlacementInputs:
         prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
         edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
         drafted = self._edge_drafted.value if self._edge_drafted is not None else None
@@ -168,7 +175,26 @@ class Placer:
                                cost_model.t_verify_ms(k if drafted is None else drafted),
                                self._uplink_bytes.value, self.uplink_mbps,
                                self._cloud_tokens.value if self._cloud_tokens is not None else edge_tokens,
-                               cloud_round, load, busy, drafts, edge_drafted_per_round=drafted)
+                               cloud_round, load, busy, drafts, edge_drafted_per_round=drafted,
+                               edge_start_ms=self.start_ms(EDGE, prompt_tokens),
+                               cloud_start_ms=self.start_ms(CLOUD, prompt_tokens),
+                               target_start_ms=self.start_ms(TARGET, prompt_tokens))
+
+    def start_ms(self, option: str, prompt_tokens: int) -> float:
+        """What `option` is expected to pay at the start of a request of `prompt_tokens` beyond its rounds; 0 before
+        any request of it was seen."""
+        learned = self._start_ms_per_token.get(option)
+        return learned.value * prompt_tokens if learned is not None else 0.0
+
+    def observe_start(self, option: str, extra_ms: float, prompt_tokens: int) -> None:
+        """A request's start in `option`: what its first round or chunk took beyond a steady one's (the prefill)."""
+        if prompt_tokens > 0:
+            learned = self._start_ms_per_token.get(option)
+            self._start_ms_per_token[option] = _update(learned, max(extra_ms, 0.0) / prompt_tokens)
+
+    def observe_edge_start(self, ttft_ms: float, prompt_tokens: int, k: int, cost_model: CostModel) -> None:
+        """An edge-speculating request's time to its first token, less one edge round as the model prices it now."""
+        self.observe_start(EDGE, ttft_ms - edge_round_ms(self.inputs(k, k, cost_model)), prompt_tokens)
 
     def observe_edge(self, stats: DecodeStats) -> None:
         """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round."""
@@ -188,19 +214,25 @@ class Placer:
         if rounds > 0:
             self._uplink_bytes.update(bytes_ / rounds)
 
-    def observe_cloud_round(self, tokens: int, drafted: int, step_ms: float, first: bool) -> None:
+    def observe_cloud_round(self, tokens: int, drafted: int, step_ms: float, first: bool,
+                            prompt_tokens: int = 0) -> None:
         """One cloud-sd round as its GenerateChunk reported it; the first also holds the prefill, so it teaches
-        tokens a round but not a round's time."""
+        tokens a round and, at a request's start (`prompt_tokens` > 0), the start's cost, but not a round's time."""
         if tokens == 0 or drafted == 0:
             return  # a chunk with no round (the last of a stream, or a round cut to no draft by the budget)
         self._cloud_tokens = _update(self._cloud_tokens, float(tokens))
         if not first:
             self._cloud_round_ms = _update(self._cloud_round_ms, step_ms)
+        elif self._cloud_round_ms is not None:
+            self.observe_start(CLOUD, step_ms - self._cloud_round_ms.value, prompt_tokens)
 
-    def observe_target_step(self, step_ms: float, first: bool) -> None:
-        """One decode step of mode target as its GenerateChunk reported it; the first also holds the prefill."""
+    def observe_target_step(self, step_ms: float, first: bool, prompt_tokens: int = 0) -> None:
+        """One decode step of mode target as its GenerateChunk reported it; the first also holds the prefill, the
+        start's cost of a request (`prompt_tokens` > 0) beyond a step."""
         if not first:
             self._cloud_decode_ms = _update(self._cloud_decode_ms, step_ms)
+        elif self._cloud_decode_ms is not None:
+            self.observe_start(TARGET, step_ms - self._cloud_decode_ms.value, prompt_tokens)
 
     def snapshot(self) -> dict[str, object]:
         return {"previous": self.previous, "uplink_mbps": self.uplink_mbps,

@@ -128,6 +128,7 @@ class CloudGenerate:
                                      proposer=generation.settings.proposer if speculates else None,
                                      admission=admission, on_ticket=self._told)
         started, first = time.perf_counter(), True
+        starting = 0 if generation.new_tokens else len(generation.prompt_ids)  # a request's start: its prompt to price
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if first:
@@ -138,11 +139,13 @@ class CloudGenerate:
                                                  chunk.copied_kept)
                     if first:  # the round trip, paid once: what the first round took here less what it took there
                         self.cost_model.observe_rtt((time.perf_counter() - started) * 1e3 - chunk.step_ms)
-                    self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first)
+                    self.placer.observe_cloud_round(len(chunk.token_ids), chunk.drafted, chunk.step_ms, first,
+                                                    starting)
                 else:  # a token of the target alone (a round with no room left to draft in is one too)
                     generation.recorder.target_calls += len(chunk.token_ids)
                     if not speculates:
-                        self.placer.observe_target_step(chunk.step_ms / max(len(chunk.token_ids), 1), first)
+                        self.placer.observe_target_step(chunk.step_ms / max(len(chunk.token_ids), 1), first,
+                                                        starting)
                 first = False
                 generation.commit(len(generation.new_tokens), list(chunk.token_ids),
                                   wire.logprobs_from_proto(chunk.logprobs, chunk.token_ids))

@@ -71,6 +71,23 @@ def test_the_edge_is_priced_at_the_blocks_its_rounds_send_not_at_k() -> None:
     assert Placer().inputs(4, 64, cost_model).edge_drafted_per_round is None  # before any round: k
 
 
+def test_each_option_is_priced_with_its_start_as_learned_per_prompt_token() -> None:
+    # a request's first round or chunk holds its prompt's prefill: learned per prompt token, charged once per request
+    cost_model = CostModel(prior_draft_ms=10.0, prior_rtt_ms=0.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=0.0)
+    placer = Placer()
+    placer.observe_target_step(20.0, first=False)
+    placer.observe_target_step(20.0 + 100.0, first=True, prompt_tokens=50)  # 100 ms of prefill for 50 tokens: 2 a token
+    placer.observe_edge_start(ttft_ms=4 * 10.0 + 20.0 + 300.0, prompt_tokens=100, k=4, cost_model=cost_model)
+    assert placer.start_ms("target", 200) == pytest.approx(400.0) and placer.start_ms("edge", 200) == pytest.approx(600.0)
+    assert placer.start_ms("cloud", 200) == 0.0  # no cloud-sd request seen: nothing charged
+    inputs = replace(placer.inputs(4, 64, cost_model, prompt_tokens=200), cloud_decode_ms=20.0)
+    decision = decide(inputs)
+    assert decision.target_tokens_per_s == pytest.approx(1e3 * 64 / (400.0 + 64 * 20.0))
+    rounds = 64 / inputs.edge_tokens_per_round
+    assert decision.edge_tokens_per_s == pytest.approx(1e3 * 64 / (600.0 + rounds * (4 * 10.0 + 20.0)))
+    assert placer.inputs(4, 64, cost_model).edge_start_ms == 0.0  # mid-request (no prompt): no start to pay
+
+
 def test_placement_alone_never_offers_the_target() -> None:
     assert decide(replace(NEAR, rtt_ms=200.0, cloud_decode_ms=None)).placement == "edge"
 

@@ -48,8 +48,8 @@ class Alternating(Placer):
     every: int = 3
 
     def choose_mode(self, mode: str, k: int, max_tokens: int, cost_model, cloud, current: str | None,
-                    at_token: int = 0) -> Placed:
-        real = super().choose_mode(mode, k, max_tokens, cost_model, cloud, current, at_token)
+                    at_token: int = 0, prompt_tokens: int = 0) -> Placed:
+        real = super().choose_mode(mode, k, max_tokens, cost_model, cloud, current, at_token, prompt_tokens)
         option = self.order[(at_token // self.every) % len(self.order)]
         return replace(real, used=option, mode=option_mode(mode, option),
                        decision=replace(real.decision, placement=option, reason="forced"))
@@ -62,9 +62,9 @@ class SlowingTarget(Placer):
     after: int = 4
     steps: int = 0
 
-    def observe_target_step(self, step_ms: float, first: bool) -> None:
+    def observe_target_step(self, step_ms: float, first: bool, prompt_tokens: int = 0) -> None:
         self.steps += 1
-        super().observe_target_step(1000.0 if self.steps > self.after else step_ms, first)
+        super().observe_target_step(1000.0 if self.steps > self.after else step_ms, first, prompt_tokens)
 
 
 @pytest.fixture(scope="module")
