@@ -177,9 +177,8 @@ def bench_local(settings: LocalBenchSettings) -> str:
     for temperature, index in tqdm(jobs, desc="bench-local (temperature, prompt)"):
         records += run_prompt(engine, target, draft, prompts[index], index, temperature, assisted, settings)
     rows = summarise(records)
-    table = format_table(rows)
     folder = RunFolder(settings.out)
     folder.write_results(settings, torch_threads=torch.get_num_threads(), summary=rows, runs=records)
-    folder.write_table(table)
+    table = folder.write_table(format_table(rows))
     plot(rows, folder.path("tokens_per_s.png"))
     return table

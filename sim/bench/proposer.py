@@ -70,8 +70,8 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), cores=cores,
                          lookup_us_median=lookup_us, lookups=len(lookups_us), calibration=calibration, rows=rows,
                          summary=summary)
-    text = table(settings, summary, lookup_us, cores) + tree_table(summary) + calibration_table(calibration)
-    folder.write_table(text)
+    text = folder.write_table(table(settings, summary, lookup_us, cores) + tree_table(summary)
+                              + calibration_table(calibration))
     plot(summary, folder.path("proposers.png"))
     if settings.fit_calibration is not None:
         fitted = fit_calibration(calibration, "greedy" if settings.greedy else "sampled",
