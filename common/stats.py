@@ -88,7 +88,8 @@ class DecodeStats:
                 "downlink_bytes_per_token": self.downlink_bytes_per_token}
 
 
-def _mean(values: list[int]) -> float | None:
+def mean(values: Sequence[float]) -> float | None:
+    """The arithmetic mean; None for no values."""
     return sum(values) / len(values) if values else None
 
 
@@ -198,8 +199,8 @@ class StatsRecorder:
             target_calls=self.target_calls,
             target_calls_per_token=self.target_calls / new_tokens if new_tokens else 0.0,
             tokens_per_call=new_tokens / self.target_calls if self.target_calls else None,
-            block_length_mean=_mean(self.block_lengths),
-            accepted_len_mean=_mean(self.accepted_lengths),
+            block_length_mean=mean(self.block_lengths),
+            accepted_len_mean=mean(self.accepted_lengths),
             accept_rate_by_position=accept_rate_by_position,
             drafted_tokens=sum(self.block_lengths),
             draft_forwards=self.draft_forwards,

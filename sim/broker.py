@@ -11,10 +11,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
-from sim.processes import free_port
+from sim.processes import free_port, wait_ready
 
 
 def mosquitto_binary() -> str:
@@ -60,16 +59,16 @@ class MosquittoBroker:
     def start(self) -> None:
         self.process = subprocess.Popen([self.binary, "-c", str(self._config())], stdout=subprocess.DEVNULL,
                                         stderr=open(self.directory / "mosquitto.log", "ab"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mosquitto exited: {(self.directory / 'mosquitto.log').read_text()[-500:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("mosquitto did not open its port")
+        wait_ready(self._listening, self.process, 10, 0.05,
+                   lambda code: f"mosquitto exited: {(self.directory / 'mosquitto.log').read_text()[-500:]}",
+                   "mosquitto did not open its port")
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
 
     def stop(self, kill: bool = False) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,24 +32,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(ready: Callable[[], bool], process: subprocess.Popen | None, timeout_s: float, interval_s: float,
+               exited: Callable[[int], str], timed_out: str) -> None:
+    """Ask `ready` every `interval_s` until it says yes; RuntimeError(exited(exit code)) if `process` ends first,
+    TimeoutError(timed_out) after `timeout_s`. `ready` says no, without raising, while the server is starting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(exited(process.returncode))
+        if ready():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(timed_out)
+
+
+def answers(url: str, timeout_s: float = 2) -> bool:
+    """Whether a GET of `url` succeeds now (a server still starting refuses it, or answers an error status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def wait_until_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
     """Poll standard gRPC health checking until the server says SERVING."""
     import grpc  # here, not at the top: command lines that import this module parse (and --help) without gRPC
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"cloud process exited with code {process.returncode} before serving")
+
+        def serving() -> bool:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} was not SERVING after {timeout_s:.0f} s")
+                return False
+        wait_ready(serving, process, timeout_s, 0.2, lambda code: f"cloud process exited with code {code} before serving",
+                   f"{address} was not SERVING after {timeout_s:.0f} s")
 
 
 def stop_process(process: subprocess.Popen, sig: int, grace_s: float) -> None:
@@ -154,11 +174,7 @@ def _start_edge(args: list[str], port: int, log_file: IO[str] | int, cpus: set[i
 def _answers_healthz(base: str, process: subprocess.Popen, log_path: Path) -> bool:
     if process.poll() is not None:
         raise RuntimeError(f"edge daemon exited with {process.returncode}; see {log_path}")
-    try:
-        urllib.request.urlopen(f"{base}/healthz", timeout=2).read()
-        return True
-    except OSError:
-        return False
+    return answers(f"{base}/healthz")
 
 
 @dataclass(frozen=True)
@@ -179,11 +195,9 @@ def edge_daemon_process(args: list[str], port: int, log_path: Path, timeout_s: f
         process = _start_edge(args, port, log_file, cpus, env)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout_s
-            while not _answers_healthz(base, process, log_path):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"edge daemon did not come up; see {log_path}")
-                time.sleep(0.5)
+            wait_ready(lambda: answers(f"{base}/healthz"), process, timeout_s, 0.5,
+                       lambda code: f"edge daemon exited with {code}; see {log_path}",
+                       f"edge daemon did not come up; see {log_path}")
             yield EdgeHandle(base, process)
         finally:
             stop_process(process, signal.SIGINT, 30)  # uvicorn stops on SIGINT

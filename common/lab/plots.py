@@ -36,3 +36,12 @@ def saved_figure(path: Path, rows: int = 1, columns: int = 1, dpi: int = 120,
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
+
+
+def grouped_bars(ax: Any, groups: list[str], bars: dict[str, list[float]], **ticks: Any) -> None:
+    """A bar per entry of `bars` (label -> a value per group) in each group, side by side, each group's name under its
+    middle (`ticks`: the tick labels' keywords: rotation, fontsize)."""
+    width = 0.8 / max(1, len(bars))
+    for i, (label, values) in enumerate(bars.items()):
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=label)
+    ax.set_xticks([x + width * (len(bars) - 1) / 2 for x in range(len(groups))], groups, **ticks)

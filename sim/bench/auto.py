@@ -55,9 +55,7 @@ def bench_auto(settings: AutoBenchSettings) -> str:
     rows = summarize(requests)
     folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), rows=rows,
                          requests=requests)
-    text = table(settings, rows)
-    folder.write_table(text)
-    return text
+    return folder.write_table(table(settings, rows))
 
 
 def methods(settings: AutoBenchSettings) -> tuple[str, ...]:

@@ -252,8 +252,7 @@ def bench_cloud(settings: CloudBenchSettings) -> str:
         for batching in settings.batchings:
             rows += measure_cloud(settings, target, batching, edges)
     rows.sort(key=lambda r: (r.target, r.context, r.edges, r.engine, not r.batching))
-    table = format_table(rows)
     folder.write_results(settings, rows=rows)
-    folder.write_table(table)
+    table = folder.write_table(format_table(rows))
     plot(rows, folder.path("verified_tokens_per_s.png"))
     return table

@@ -31,7 +31,7 @@ from sim.bench.run_folder import RunFolder
 from sim.bench.settings.operations import DashboardBenchSettings
 from sim.bench.soak import format_soak, soak
 from sim.bench.verdict import Judged
-from sim.processes import free_port
+from sim.processes import answers, free_port, wait_ready
 
 CAPTION = ("the dashboard's own PromQL over a recorded soak (Prometheus, scrape {scrape_s:g} s): "
            "a plot, not a Grafana render")
@@ -214,24 +214,14 @@ def prometheus_server(settings: DashboardBenchSettings) -> Iterator[str]:
                                    stdout=log_file, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base_url, process, data / "prometheus.log")
+        log_path = data / "prometheus.log"
+        wait_ready(lambda: answers(f"{base_url}/-/ready"), process, 60, 0.2,
+                   lambda code: f"prometheus exited ({code}): see {log_path}",
+                   f"prometheus was not ready after 60 s: see {log_path}")
         yield base_url
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def _wait_ready(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited ({process.returncode}): see {log_path}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/-/ready", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"prometheus was not ready after {timeout_s:.0f} s: see {log_path}")
 
 
 def recorded_window(base_url: str, settings: DashboardBenchSettings) -> tuple[float, float]:

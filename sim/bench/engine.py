@@ -219,9 +219,8 @@ def bench_engine(settings: EngineBenchSettings) -> str:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    table = format_table(rows)
     folder.write_results(settings, device_name=_device_name(device), rows=rows)
-    folder.write_table(table)
+    table = folder.write_table(format_table(rows))
     plot(rows, folder.path("verified_tokens_per_s.png"))
     return table
 

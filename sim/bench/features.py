@@ -76,9 +76,7 @@ def bench_features(settings: FeaturesBenchSettings) -> str:
     runs = measure_here(system, lambda sut: _drive(sut, settings))
     steps = grammar_step_us(settings.target, [r for r in runs if r.feature in ("json_schema", "tool_call")])
     folder.write_results(settings, grammar_step_us=steps, runs=runs)
-    table = format_table(runs, steps, settings)
-    folder.write_table(table)
-    return table
+    return folder.write_table(format_table(runs, steps, settings))
 
 
 async def _drive(system: SystemUnderTest, settings: FeaturesBenchSettings) -> list[Run]:

@@ -279,10 +279,9 @@ def bench_fleet(settings: FleetBenchSettings) -> str:
         recorded = record_edges(settings.target, draft, settings.k, n_tokens=settings.k * settings.rounds_per_session)
         rows = [measure_layout(settings, layout, recorded, vocab_fingerprint(tokenizer)) for layout in settings.layouts]
     projection = project(settings, rows, prompt_tokens)
-    table = report(settings, rows, projection)
     folder.write_results(replace(settings, draft=draft), measured_date=earlier["date"] if earlier else None,
                          loadavg=earlier.get("loadavg") if earlier else [load_before, os.getloadavg()],
                          prompt_tokens=prompt_tokens, measured=rows, projection=projection)
-    folder.write_table(table)
+    table = folder.write_table(report(settings, rows, projection))
     plot(projection, folder.path("projection.png"))
     return table

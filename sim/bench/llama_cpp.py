@@ -63,8 +63,7 @@ def bench_llama_cpp(settings: LlamaCppBenchSettings) -> str:
     if "turns" in settings.steps:
         result.turns = measure_turns(settings, gguf)
     folder.write_results(settings, verify=result.verify, decode=result.decode, turns=result.turns)
-    table = format_table(result)
-    folder.write_table(table)
+    table = folder.write_table(format_table(result))
     plot(result, folder.path("plot.png"))
     return table
 

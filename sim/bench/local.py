@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings, mode_of
 from common.model.loading import DTYPES, LoadedModel, load_pair
-from common.lab.plots import saved_figure
+from common.lab.plots import grouped_bars, saved_figure
 from common.model.prompting import encode_prompt
 from common.lab.quality import agreement
 from common.sampling.distributions import SamplingParams
@@ -120,13 +120,11 @@ def format_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     temperatures = sorted({r["temperature"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
+
+    def rate(method: str, temperature: float) -> float:
+        return next((r["tokens_per_s"] for r in rows if r["method"] == method and r["temperature"] == temperature), 0)
     with saved_figure(path, figsize=(9, 4)) as (fig, ax):
-        width = 0.8 / len(temperatures)
-        for i, temperature in enumerate(temperatures):
-            values = [next((r["tokens_per_s"] for r in rows if r["method"] == m and r["temperature"] == temperature), 0)
-                      for m in methods]
-            ax.bar([x + i * width for x in range(len(methods))], values, width, label=f"T={temperature:g}")
-        ax.set_xticks([x + width * (len(temperatures) - 1) / 2 for x in range(len(methods))], methods, rotation=20)
+        grouped_bars(ax, methods, {f"T={t:g}": [rate(m, t) for m in methods] for t in temperatures}, rotation=20)
         ax.set_ylabel("tokens/s")
         ax.set_title("bench-local: decoding speed, both models in one process")
         ax.legend()
@@ -179,9 +177,8 @@ def bench_local(settings: LocalBenchSettings) -> str:
     for temperature, index in tqdm(jobs, desc="bench-local (temperature, prompt)"):
         records += run_prompt(engine, target, draft, prompts[index], index, temperature, assisted, settings)
     rows = summarise(records)
-    table = format_table(rows)
     folder = RunFolder(settings.out)
     folder.write_results(settings, torch_threads=torch.get_num_threads(), summary=rows, runs=records)
-    folder.write_table(table)
+    table = folder.write_table(format_table(rows))
     plot(rows, folder.path("tokens_per_s.png"))
     return table

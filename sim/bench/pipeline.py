@@ -108,6 +108,4 @@ def bench_pipeline(settings: PipelineBenchSettings) -> str:
     folder = RunFolder(settings.out)
     folder.write_results(settings, costs_note=GPU_NOTE, rows=rows)
     plot(rows, folder.path("pipeline.png"))
-    table = GPU_NOTE + "\n\n" + table_of(rows)
-    folder.write_table(table)
-    return table
+    return folder.write_table(GPU_NOTE + "\n\n" + table_of(rows))

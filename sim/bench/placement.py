@@ -74,8 +74,7 @@ def bench_placement(settings: PlacementBenchSettings) -> str:
                                 advertise_link=True)
         rows = measure_here(system, lambda sut: _measure_all(settings, sut, draft, prompts, url))
     folder.write_results(settings, draft=draft_label(), broker=url, rows=rows, goal=goal(rows))
-    text = table(settings, rows)
-    folder.write_table(text)
+    text = folder.write_table(table(settings, rows))
     plot(rows, folder.path("tokens_per_s.png"))
     return text
 

@@ -32,5 +32,4 @@ def bench_policy(settings: PolicyBenchSettings) -> str:
                                             "rows": read_csv(sweep.out / "summary.csv")} for sweep in sweeps])
     text = "\n\n".join(f"T={sweep.temperature:g} (`{sweep.out}`):\n\n{format_summary(sweep.out).strip()}"
                        for sweep in sweeps)
-    folder.write_table(text)
-    return text
+    return folder.write_table(text)

@@ -226,9 +226,7 @@ def bench_prefix_fleet(s: PrefixFleetSettings) -> str:
         if part in s.parts:
             measure(s, result)
             folder.write_results(s, **asdict(result))
-    table = format_result(result, s)
-    folder.write_table(table)
-    return table
+    return folder.write_table(format_result(result, s))
 
 
 def _median(values: list[float]) -> float:

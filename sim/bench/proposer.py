@@ -27,7 +27,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from common.lab.plots import saved_figure
+from common.lab.plots import grouped_bars, saved_figure
 from common.lab.prompt_sets import PromptRecord, load_prompts
 from common.model.loading import DTYPES, load_model
 from common.model.prompting import encode_prompt
@@ -70,8 +70,8 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), cores=cores,
                          lookup_us_median=lookup_us, lookups=len(lookups_us), calibration=calibration, rows=rows,
                          summary=summary)
-    text = table(settings, summary, lookup_us, cores) + tree_table(summary) + calibration_table(calibration)
-    folder.write_table(text)
+    text = folder.write_table(table(settings, summary, lookup_us, cores) + tree_table(summary)
+                              + calibration_table(calibration))
     plot(summary, folder.path("proposers.png"))
     if settings.fit_calibration is not None:
         fitted = fit_calibration(calibration, "greedy" if settings.greedy else "sampled",
@@ -235,14 +235,12 @@ def plot(summary: list[dict], path: Path) -> None:
     rows = [r for r in summary if r["mode"] == mode]
     categories = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
     proposers = sorted({r["proposer"] for r in rows}, key=lambda p: (p != "model", p))
+
+    def value(metric: str, category: str, proposer: str) -> float:
+        return next((r[metric] for r in rows if r["category"] == category and r["proposer"] == proposer), 0.0)
     with saved_figure(path, 1, 2, figsize=(10, 4)) as (fig, axes):
-        width = 0.8 / max(1, len(proposers))
         for ax, metric, label in zip(axes, ("tokens_per_call", "tokens_per_s"), ("tokens per call", "tokens/s")):
-            for i, proposer in enumerate(proposers):
-                values = [next((r[metric] for r in rows if r["category"] == c and r["proposer"] == proposer), 0.0)
-                          for c in categories]
-                ax.bar([x + i * width for x in range(len(categories))], values, width, label=proposer)
-            ax.set_xticks([x + width * (len(proposers) - 1) / 2 for x in range(len(categories))])
-            ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
+            grouped_bars(ax, categories, {p: [value(metric, c, p) for c in categories] for p in proposers},
+                         rotation=30, ha="right", fontsize=8)
             ax.set_ylabel(f"{label} ({mode})")
             ax.legend(fontsize=8)

@@ -194,9 +194,8 @@ def bench_rollout(settings: RolloutSettings) -> str:
     """Every round's rollout and the telemetry pairs; writes OUT/results.json, table.md, rollout.png; the table."""
     result = asyncio.run(measure(settings))
     summary, folder = result.summary(), RunFolder(settings.out)
-    table = format_table(summary)
     folder.write_results(settings, summary=summary, rounds=result.rounds,
                          telemetry_tokens_per_s=result.telemetry_tokens_per_s)
-    folder.write_table(table)
+    table = folder.write_table(format_table(summary))
     plot(result, folder.path("rollout.png"))
     return table

@@ -2,7 +2,7 @@
 
     folder = RunFolder(settings.out)
     folder.write_results(settings, rows=rows, summary=summary)   # {"date", "machine", "commit", "settings", ...}
-    folder.write_table(markdown)                                   # table.md
+    table = folder.write_table(markdown)                           # table.md; returns the markdown
     earlier = folder.read_results()                                # None when the folder has none yet
 
 Every results.json opens with the same four keys: when it ran (`date`, local time to the second), where
@@ -65,10 +65,10 @@ class RunFolder:
         """An earlier run's results.json in this folder (a bench that keeps rows it does not measure again)."""
         return json.loads(self.results_path.read_text()) if self.results_path.exists() else None
 
-    def write_table(self, markdown: str, name: str = TABLE) -> Path:
-        path = self.out / name
-        path.write_text(markdown if markdown.endswith("\n") else markdown + "\n")
-        return path
+    def write_table(self, markdown: str, name: str = TABLE) -> str:
+        """table.md (or `name`); returns `markdown`, the table a bench prints."""
+        (self.out / name).write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+        return markdown
 
     def path(self, name: str) -> Path:
         """Where a plot or another artefact of this run goes."""

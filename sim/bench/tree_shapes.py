@@ -76,8 +76,7 @@ def bench_tree_shapes(settings: TreeShapesSettings) -> str:
     summary = summarize(traces, results, settings.budgets, settings.oracle_rank, bench)
     folder.write_results(settings, summary=summary,
                          prompts={shape.name: [asdict(r) for r in rs] for shape, rs in results.items()})
-    text = report_table(settings, summary)
-    folder.write_table(text)
+    text = folder.write_table(report_table(settings, summary))
     plot(summary, folder.path("tree_shapes.png"))
     return text
 

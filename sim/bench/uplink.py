@@ -44,9 +44,7 @@ def bench_uplink(settings: UplinkBenchSettings) -> str:
                             rtt_ms=settings.rtt_ms[0])
     rows = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
     folder.write_results(settings, draft=draft_label(), rows=rows)
-    text = table(settings, rows)
-    folder.write_table(text)
-    return text
+    return folder.write_table(table(settings, rows))
 
 
 async def _measure(settings: UplinkBenchSettings, system: SystemUnderTest, draft, prompts: list[list[int]]) -> list[dict]:

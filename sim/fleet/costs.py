@@ -69,21 +69,6 @@ def fit_forward_model(samples: list[tuple[int, int, float]]) -> ForwardModel:
     return ForwardModel(*(float(c) for c in best))
 
 
-def forward_samples_from_bench_cloud(results: dict, target: str, k: int | None = None,
-                                     engine: str = "resident") -> list[tuple[int, int, float]]:
-    """(b, n, ms) samples from `sprinter bench cloud` results.json (sim.bench.cloud): batched rows of `engine` at the
-    shortest context measured, every edge sending k + 1 tokens (rows from before engines had names count as any).
-
-    With full batches (mean batch == edges) the p50 verify latency is about one forward.
-    """
-    k = k or int((results.get("settings") or results["args"])["k"])  # "args": results from before RunFolder
-    rows = [row for row in results["rows"] if row["target"] == target and row["batching"]
-            and row.get("engine", engine) == engine]
-    shortest = min((row.get("context", 0) for row in rows), default=0)
-    return [(row["edges"], row["edges"] * (k + 1), row["verify_p50_ms"]) for row in rows
-            if row.get("context", 0) == shortest]
-
-
 @dataclass(frozen=True)
 class RttModel:
     """Round-trip time per call: mean and standard deviation (jitter), lognormal or shifted gamma."""

@@ -10,9 +10,6 @@ says why it captured nothing.
 from __future__ import annotations
 
 import random
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,27 +44,16 @@ def graphs_step(run: CheckRun, deadline: Deadline) -> dict[str, Any]:
         return row | {"captured": False, "reason": f"CUDA graphs need a CUDA device; this run is on {run.device} "
                                                    "(the bucket is planned only)"}
     with torch.inference_mode():
-        eager_ms = _timed(lambda: run_packed(model, inputs, inputs.host.to(run.device), caches, blocks)
-                          .argmax(-1).cpu(), run)
+        eager_ms = run.p50_ms(lambda: run_packed(model, inputs, inputs.host.to(run.device), caches, blocks)
+                             .argmax(-1).cpu(), REPEATS)
         try:
             graphs = GraphForwards(model, pool)
             graphs.replay(inputs)  # captures the bucket's graph
         except Exception as err:  # noqa: BLE001 - what stops a capture is the answer this step gives
             release(sessions)
             return row | {"captured": False, "reason": f"{type(err).__name__}: {err}"[:2000], "eager_p50_ms": eager_ms}
-        replay_ms = _timed(lambda: graphs.replay(inputs).argmax(-1).cpu(), run)
+        replay_ms = run.p50_ms(lambda: graphs.replay(inputs).argmax(-1).cpu(), REPEATS)
     release(sessions)
     return row | {"captured": True, "eager_p50_ms": eager_ms, "graph_p50_ms": replay_ms,
                   "graph_speedup": round(eager_ms / replay_ms, 3)}
 
-
-def _timed(step: Callable[[], object], run: CheckRun) -> float:
-    """p50 ms of `step` (inputs to the device, the forward, rows to the host) over REPEATS, after 3 untimed."""
-    times = []
-    for i in range(REPEATS + 3):
-        run.synchronize()
-        started = time.perf_counter()
-        step()
-        if i >= 3:
-            times.append((time.perf_counter() - started) * 1e3)
-    return round(statistics.median(times), 3)

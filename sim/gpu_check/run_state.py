@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,17 @@ class CheckRun:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def p50_ms(self, step: Callable[[], object], repeats: int, untimed: int = 3) -> float:
+        """p50 ms of `step` (inputs to the device, the forward, rows to the host) over `repeats`, after `untimed`."""
+        times = []
+        for i in range(repeats + untimed):
+            self.synchronize()
+            started = time.perf_counter()
+            step()
+            if i >= untimed:
+                times.append((time.perf_counter() - started) * 1e3)
+        return round(statistics.median(times), 3)
 
 
 def _plain(value: Any) -> Any:

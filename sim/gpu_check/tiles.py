@@ -10,8 +10,6 @@ bucket its tiled forward would pad to (cloud/graph_buckets.py), which the dry ru
 from __future__ import annotations
 
 import random
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -58,16 +56,10 @@ def _measured(run: CheckRun, model: torch.nn.Module, sessions: list[BenchSession
         def forward() -> torch.Tensor:
             return run_packed(model, inputs, inputs.host.to(run.device), caches, blocks).argmax(-1).cpu()
 
-        times = []
-        for i in range(REPEATS + 3):
-            run.synchronize()
-            started = time.perf_counter()
-            forward()
-            if i >= 3:
-                times.append((time.perf_counter() - started) * 1e3)
+        forward_ms = run.p50_ms(forward, REPEATS)
         kernel_ms = _kernel_ms_per_layer(run, model, forward) if run.device.type == "cuda" else None
     choice = bucket_for(len(caches), inputs.n)
-    return {f"{name}_forward_ms": round(statistics.median(times), 3), f"{name}_rows": inputs.n,
+    return {f"{name}_forward_ms": forward_ms, f"{name}_rows": inputs.n,
             f"{name}_attention_ms_per_layer": kernel_ms,
             f"{name}_graph_bucket": (f"{choice.bucket.sessions}x{choice.bucket.rows}" if choice.bucket
                                      else choice.reason)}

@@ -27,7 +27,7 @@ import httpx
 from common.model.loading import gguf_file, load_gguf_tokenizer
 from common.lab.prompt_sets import PromptRecord
 from common.model.prompting import encode_prompt
-from sim.processes import free_port, stop_process
+from sim.processes import answers, free_port, stop_process, wait_ready
 DRAFT_BLOCK = 5  # llama.cpp's --spec-draft-n-max, as the edge's block (k) defaults to
 STARTUP_S = 180.0
 
@@ -91,17 +91,10 @@ class LocalBaselines:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         log_file.close()
         self._stack.callback(stop_process, process, 15, 10)
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode} (see {self.out / f'{name}.log'})")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return port
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{name} did not come up within {STARTUP_S:.0f} s (see {self.out / f'{name}.log'})")
+        wait_ready(lambda: answers(f"http://127.0.0.1:{port}/health"), process, STARTUP_S, 0.5,
+                   lambda code: f"{name} exited with {code} (see {self.out / f'{name}.log'})",
+                   f"{name} did not come up within {STARTUP_S:.0f} s (see {self.out / f'{name}.log'})")
+        return port
 
     async def request(self, client: httpx.AsyncClient, prompt: PromptRecord, name: str, max_tokens: int,
                       temperature: float, seed: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.spec.modes import MODES, mode_of
-from common.stats import oracle_calls_per_token, percentile
+from common.stats import mean, oracle_calls_per_token, percentile
 from sim.sweep.quality import Quality
 from sim.sweep.results import pipeline_of, result_key
 from sim.sweep.settings import PIPELINES
@@ -88,10 +88,6 @@ def _engine(record: dict[str, Any]) -> str:
     return record.get("engine", "")
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def _pipeline_columns(group: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     """ahead_hit_rate, candidate_hits, uplink_bytes_per_token, pooled over the group's requests."""
     stats = [r["sprinter"].get("stats", {}) for r in group]
@@ -151,12 +147,12 @@ def summarize(records: list[dict[str, Any]], quality: dict[tuple, Quality]) -> l
             tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
             target_calls_per_token=calls / tokens if tokens else 0.0,
             tokens_per_call=tokens / calls if calls else None,
-            block_length_mean=_mean(blocks),
+            block_length_mean=mean(blocks),
             ttft_ms_p50=nearest_rank([r["ttft_ms"] for r in group if r["ttft_ms"] is not None], 0.5),
             itl_ms_p50=nearest_rank(gaps, 0.5), itl_ms_p99=nearest_rank(gaps, 0.99),
             target_nll_per_token=nll_sum / weight if weight else None,
-            agreement_with_target=_mean(agreements),
-            exact_match_rate=_mean(exact),
+            agreement_with_target=mean(agreements),
+            exact_match_rate=mean(exact),
             degraded=sum(bool(r["degraded"]) for r in group),
             oracle_calls_per_token=hindsight_calls_per_token(group, tokens), engine=_engine(group[0]),
             **_pipeline_columns(group, tokens)))
