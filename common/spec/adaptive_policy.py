@@ -8,8 +8,10 @@ each drafted token, before the next one's estimate exists: past the g drafted to
 the last estimate p_g (the running product continued). The block goes when g reaches the budget computed so.
 
 Beside goodput (same interface, same costs) it differs on purpose: it reads the estimates raw, with no keep model,
-no call price and the last estimate as the next one's; it is the budget rule of vLLM's adaptive verification, written
-from its description (issue 58), so that the two can be compared on one edge.
+no call price, no planned rate and the last estimate as the next one's; it is the budget rule of vLLM's adaptive
+verification, written from its description (issue 58), so that the two can be compared on one edge. (With the last
+estimate as its prediction, goodput's old one-step look-ahead made the same decisions as this whole-horizon budget on
+every replayed token: docs/benchmarks/verifier.md.)
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def apply_verdict(generation: Generation, context: list[int], block: PendingBloc
     if policy is not None:
         policy.observe_verdict(len(block), chain_kept)
     if cost_model is not None:  # every round: the first keeps too (a block drafted without a policy is skipped)
-        cost_model.keep.observe(block.accept_probs, chain_kept)
+        cost_model.observe_verdict(block.accept_probs, chain_kept)
         if not first_round and verdict.round_trip_ms is not None:  # the target verified every node of a tree
             cost_model.observe_round_trip(verdict.round_trip_ms, verdict.verify_ms,
                                           len(tree.nodes) if tree is not None else len(block))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.spec.call_policy import Ewma
+from common.spec.cost_model import Ewma
 
 PRIOR_ROUNDS = 4.0  # weight of the edge's hit rate in a generation's estimate, in rounds
 PROBE_EVERY = 8  # while drafting ahead does not pay, one round in this many still drafts ahead

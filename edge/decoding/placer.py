@@ -22,7 +22,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from common.spec.call_policy import CostModel, Ewma
+from common.spec.cost_model import CostModel, Ewma
 from common.spec.modes import (AUTO_MODE, AUTO_SPECULATION, CLOUD_DRAFTING, PLACEMENTS, TARGET_MODE, chooses_mode,
                                mode_of, placed_mode)
 from common.spec.round_cost import CloudCosts

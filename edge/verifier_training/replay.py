@@ -16,7 +16,11 @@ Glossary
 
 Policies (every block stops at the cap, 20, and at the trace's end):
     fixed:K             send every K tokens.
-    goodput             common.spec.call_policy.GoodputPolicy reading the verifier's scores s_i.
+    goodput             common.spec.call_policy.GoodputPolicy reading the verifier's scores s_i. Its cost model
+                        starts fresh on every trace and hears the plan of each block sent (the planned rate that
+                        prices a drafted token's time); the keep model hears no verdicts here, so rho stays 0
+                        (fed the trace's verdicts as on the edge, it lowers goodput's tokens/s on the Qwen data:
+                        docs/benchmarks/verifier.md).
     goodput exact-a     the same policy reading a_i itself: a perfectly sharp and calibrated verifier, the
                         best any verifier can do under this policy. The learned one's gap to it is what a
                         better verifier could still win.
@@ -122,22 +126,29 @@ def kept_run(kept: np.ndarray, pos: int, g: int) -> int:
     return int(failing[0]) if len(failing) else g
 
 
-def policy_chooser(policy: CallPolicy, scores: Sequence[float]) -> BlockChooser:
-    """Draft while the policy, asked after every token with the scores so far, says not to send."""
+def policy_chooser(policy: CallPolicy, scores: Sequence[float], costs: CostModel | None = None) -> BlockChooser:
+    """Draft while the policy, asked after every token with the scores so far, says not to send; `costs`: the cost
+    model the policy reads, which hears the plan of every block sent (`CostModel.observe_plan`; see the module
+    docstring for the keep model)."""
     def choose(pos: int, cap: int, kept: np.ndarray) -> int:
         g = 1
         while not policy.should_send(scores[pos:pos + g], cap):
             g += 1
+        if costs is not None:
+            costs.observe_plan(scores[pos:pos + g])
         return g
     return choose
 
 
-def block_position_chooser(policy: CallPolicy, block_scores: np.ndarray) -> BlockChooser:
+def block_position_chooser(policy: CallPolicy, block_scores: np.ndarray,
+                           costs: CostModel | None = None) -> BlockChooser:
     """As policy_chooser, with scores that depend on where a token sits in the block: block_scores[j, i] ([CAP, n])."""
     def choose(pos: int, cap: int, kept: np.ndarray) -> int:
         g = 1
         while not policy.should_send(block_scores[np.arange(g), pos + np.arange(g)].tolist(), cap):
             g += 1
+        if costs is not None:
+            costs.observe_plan(block_scores[np.arange(g), pos + np.arange(g)].tolist())
         return g
     return choose
 
@@ -182,17 +193,24 @@ def adaptive_policy(costs: RoundCosts, rtt_ms: float) -> AdaptivePolicy:
     return AdaptivePolicy(goodput_policy(costs, rtt_ms).cost_model, max_block=CAP)
 
 
+def _goodput_chooser(scores: Sequence[float], costs: RoundCosts, rtt_ms: float, price_ms: float = 0.0) -> BlockChooser:
+    policy = goodput_policy(costs, rtt_ms, price_ms)
+    return policy_chooser(policy, scores, policy.cost_model)
+
+
 def _choosers(trace: Trace, costs: RoundCosts, rtt_ms: float, settings: ReplaySettings) -> dict[str, BlockChooser]:
+    """Every policy replayed on this trace; each goodput policy with a fresh cost model that hears its blocks' plans."""
     choosers: dict[str, BlockChooser] = {HINDSIGHT: hindsight_chooser}
     choosers |= {f"fixed:{k}": policy_chooser(FixedPolicy(k), trace.score) for k in settings.fixed_ks}
     for name, scores in ((LEARNED, trace.score), (EXACT, trace.accept_prob)):
-        choosers[name] = policy_chooser(goodput_policy(costs, rtt_ms), scores)
+        choosers[name] = _goodput_chooser(scores, costs, rtt_ms)
         for price in settings.prices_ms:
-            choosers[f"{name} +price:{price:g}"] = policy_chooser(goodput_policy(costs, rtt_ms, price), scores)
+            choosers[f"{name} +price:{price:g}"] = _goodput_chooser(scores, costs, rtt_ms, price)
     choosers["adaptive + learned"] = policy_chooser(adaptive_policy(costs, rtt_ms), trace.score)
-    if trace.block_scores is not None:
+    if trace.block_scores is not None:  # adaptive reads no plans: only goodput's cost model hears them
+        goodput = goodput_policy(costs, rtt_ms)
         choosers[ESTIMATOR_BUDGET] = block_position_chooser(adaptive_policy(costs, rtt_ms), trace.block_scores)
-        choosers["goodput + margin-logistic"] = block_position_chooser(goodput_policy(costs, rtt_ms), trace.block_scores)
+        choosers["goodput + margin-logistic"] = block_position_chooser(goodput, trace.block_scores, goodput.cost_model)
     return choosers
 
 

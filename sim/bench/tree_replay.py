@@ -257,7 +257,7 @@ def decode(item: Scored, shape: TreeShape, cost_model: CostModel, max_tokens: in
         path = decide(Proposal(tree.tokens, parents=tree.parents), GREEDY, GREEDY_SAMPLING, argmax=argmax).path
         chain_kept = next((k for k, node in enumerate(path) if node != k), len(path))
         policy.observe_verdict(len(chain), chain_kept)
-        cost_model.keep.observe(accept_probs, chain_kept)
+        cost_model.observe_verdict(accept_probs, chain_kept)
         rounds.append(RoundRecord(s, len(chain), rejection, len(path), chain_kept, len(tree) - len(chain),
                                   sorted(range(len(chain)), key=lambda i: (accept_probs[i], i)),
                                   sorted(range(len(chain)), key=lambda i: (rows[i].probs[0], i)),

@@ -24,7 +24,7 @@ from cloud.suffix_memories import SuffixMemories
 from cloud.vllm_engine import check_vllm_speculation
 from cloud_harness import ServerThread
 from common import wire
-from common.spec.call_policy import Ewma
+from common.spec.cost_model import Ewma
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import PROPOSERS, DecodeSettings
 from common.spec.propose.suffix_proposer import SuffixCalibration

@@ -46,7 +46,8 @@ from typing import AsyncIterator, Iterator, Protocol
 
 import torch
 
-from common.spec.call_policy import CallPolicy, CostModel, Ewma
+from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.cost_model import Ewma
 from common.spec.propose.drafting import ModelProposer
 from common.spec.propose.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken
 from common.spec.propose.suffix_match import Continuation, OutputCache, TokenIndex, continuation

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from common.spec.call_policy import CostModel
 from common.spec.tree.branching import MAX_ALTERNATIVES, MAX_BRANCH_LENGTH, MIN_BRANCH_LENGTH
-from common.spec.keep_model import expected_accepted_length
+from common.spec.cost_model import expected_accepted_length
 
 AUTO_MAX_TOKENS = 24  # auto's own cap on branch tokens per round, where the verifier names none
 # Where the chain's token was rejected, how often the target's token was the draft's 2nd, 3rd and 4th best: the Qwen

@@ -270,3 +270,56 @@ def test_drafting_hidden_behind_a_round_trip_is_not_a_cost() -> None:
     assert block_length(pipelined) > block_length(plain)
     plain.observe_block_sent(0, 4)
     assert plain.effective_draft_ms == plain.t_draft_ms
+
+
+# --- the price of a drafted token's time: the planned rate ---
+
+def one_step_lookahead_length(costs: CostModel, accept_probs: Sequence[float]) -> int:
+    """The first g at which goodput with one more token (a_{g+1} predicted as the block's mean) is no higher."""
+    t_draft, rtt = costs.effective_draft_ms, costs.rtt_ms
+    for g in range(1, len(accept_probs)):
+        block = list(accept_probs[:g])
+        longer = goodput([*block, sum(block) / g], t_draft, rtt, costs.t_verify_ms(g + 1))
+        if longer <= goodput(block, t_draft, rtt, costs.t_verify_ms(g)):
+            return g
+    return len(accept_probs)
+
+
+def test_before_any_plan_goodput_is_the_one_step_lookahead() -> None:
+    rng = random.Random(2)
+    for _ in range(200):
+        scores = [rng.random() ** 0.3 for _ in range(20)]
+        costs = steady_cost_model(rng.choice((0.0, 50.0, 200.0)))
+        assert block_length(GoodputPolicy(costs), scores, cap=20) == one_step_lookahead_length(costs, scores), scores
+
+
+def test_planned_rate_is_the_plans_tokens_over_their_rounds_time() -> None:
+    costs = steady_cost_model(50.0)
+    assert costs.planned_rate() is None
+    costs.observe_plan([0.5, 0.5])  # E = 0.75: 1.75 tokens over 2 * 20 + 50 + 150 + 2 * 10 = 260 ms
+    assert costs.planned_rate() == pytest.approx(1.75 / 260.0)
+    assert costs.planned_rate(call_price_ms=100.0) == pytest.approx(1.75 / 360.0)
+    costs.observe_plan([])  # a block drafted without scores says nothing
+    assert costs.planned.rounds == 1.0
+    costs.observe_verdict([1.0, 1.0], 2)  # a verdict adds its plan and teaches the keep model
+    assert costs.planned.rounds == pytest.approx(1.9) and costs.keep.verdicts == 1
+
+
+def test_a_high_planned_rate_ends_a_block_at_a_dip_the_lookahead_drafts_through() -> None:
+    scores = [0.95, 0.7] + [0.95] * 10
+    # Early in the block its own goodput is low (150 ms of verify shared by two tokens): the dip is drafted through.
+    assert block_length(GoodputPolicy(steady_cost_model(0.0)), scores) == 8
+    costs = steady_cost_model(0.0)
+    for _ in range(10):
+        costs.observe_plan([0.99] * 10)  # recent rounds planned at about 23 tokens/s
+    assert block_length(GoodputPolicy(costs), scores) == 2
+
+
+def test_the_planned_rate_never_lengthens_a_block() -> None:
+    # The price is the max of the block's own goodput and the planned rate: a low planned rate changes nothing.
+    rng = random.Random(3)
+    slow = steady_cost_model(0.0)
+    slow.observe_plan([0.01])
+    for _ in range(100):
+        scores = [rng.random() ** 0.3 for _ in range(20)]
+        assert block_length(GoodputPolicy(slow), scores, cap=20) == one_step_lookahead_length(slow, scores)

@@ -1,4 +1,4 @@
-"""The keep model (common/spec/keep_model.py): what the verdicts say about how much of a block the cloud keeps.
+"""The keep model (common/spec/cost_model.py KeepModel): what the verdicts say about how much of a block the cloud keeps.
 
 Verdicts come from the real verification rules (common/spec/acceptance_rules.py) on synthetic distributions,
 with the exact a_i = min(1, p_target(x_i) / p_draft(x_i)): token verification keeps E(g) in
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.spec.call_policy import CostModel, GoodputPolicy
-from common.spec.keep_model import KeepModel, expected_accepted_length, rescued
+from common.spec.cost_model import KeepModel, expected_accepted_length, rescued
 from common.spec.acceptance_rules import AcceptanceRule, block_verify, token_verify
 
 VOCAB = 8

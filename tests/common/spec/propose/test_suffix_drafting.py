@@ -16,7 +16,8 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.model.cached_lm import CachedLM
-from common.spec.call_policy import Ewma, FixedPolicy, FlagPolicy
+from common.spec.call_policy import FixedPolicy, FlagPolicy
+from common.spec.cost_model import Ewma
 from common.spec.propose.drafting import Drafter, LocalDraft, ModelProposer
 from common.spec.propose.hybrid_proposer import ChainedRuns
 from common.spec.local_decoder import LocalDecoder
