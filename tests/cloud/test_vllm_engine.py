@@ -33,7 +33,7 @@ from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.load import scrape_metrics
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.processes import CloudProcess, free_port
+from sim.processes import CloudProcess, free_port, start_side_by_side
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -261,11 +261,10 @@ def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path
         return asyncio.run(work())
 
     first, second = resident(), resident()
-    first.start()
+    start_side_by_side(first, second)  # the second serves nobody until the second run names it
     try:
         # resident -> vllm: the resident replica dies under its sessions, which reopen on vLLM
         back = run([first, wide_vllm], victim=first)
-        second.start()
         # vllm -> resident: now vLLM dies, and the sessions move to a resident replica
         there = run([wide_vllm, second], victim=wide_vllm)
     finally:
