@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,20 @@ class CloudProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_side_by_side(*clouds: CloudProcess) -> None:
+    """Start every cloud at once and wait until each is SERVING: each loads its model, and side by side is sooner
+    than one after the other. If one fails, all are killed and its error raised."""
+    with ThreadPoolExecutor(len(clouds)) as pool:
+        started = [pool.submit(cloud.start) for cloud in clouds]
+    try:
+        for future in started:
+            future.result()
+    except BaseException:
+        for cloud in clouds:
+            cloud.kill()
+        raise
 
 
 def _start_edge(args: list[str], port: int, log_file: IO[str] | int, cpus: set[int] | None,

@@ -8,6 +8,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A KV budget breach raises in every cloud a test starts, in-process or as a process (cloud/sessions.py).
 os.environ.setdefault("SPRINTER_CHECK_INVARIANTS", "1")
+# Torch's OpenMP threads sleep between parallel regions instead of spinning (libgomp reads this when torch loads,
+# below; the clouds and edges a test starts inherit it). Many tests run an edge here beside a cloud process, more
+# threads than cores: a spinning thread burns the core its partner needs. Under load the SmolLM2 local decoder test
+# took 366 s spinning and 21 s passive (19 s on the quiet machine).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch

@@ -33,7 +33,7 @@ from edge.node import EdgeNode, EdgeNodeSettings
 from sim.bench.load import scrape_metrics
 from sim.link.proxy import LinkProxy
 from sim.link.shaping import LinkSettings
-from sim.processes import CloudProcess, free_port
+from sim.processes import CloudProcess, free_port, start_side_by_side
 from sprinter.v1 import decoding_pb2 as pb
 
 
@@ -186,9 +186,10 @@ def test_eight_concurrent_sessions_on_vllm_stay_exact(wide_vllm, wide_target, wi
     modes = ["sd", "sd-block", "sprinter-exact", "sd-block"] * 2
     bypasses = _metric(wide_vllm, "sprinter_cloud_engine_cache_bypasses_total")
     results = _generate(wide_vllm.address, wide_draft, prompts, modes, 48, k=3)
-    for prompt, mode, result in zip(prompts, modes, results):
-        target = LocalDecoder(wide_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=48))
-        assert result.token_ids == target.token_ids, mode
+    target = {text: LocalDecoder(wide_target, None).generate(prompt, DecodeSettings(mode="target", max_new_tokens=48))
+              for text, prompt in zip(texts, prompts)}  # once a text: the twins share it
+    for text, mode, result in zip(texts * 2, modes, results):
+        assert result.token_ids == target[text].token_ids, mode
         assert not result.degraded
     # twins compute the same contexts, but each session's cache salt keeps their blocks apart: no verify re-runs
     assert _metric(wide_vllm, "sprinter_cloud_engine_cache_bypasses_total") == bypasses
@@ -261,11 +262,10 @@ def test_a_killed_replica_fails_over_between_vllm_and_resident_and_back(tmp_path
         return asyncio.run(work())
 
     first, second = resident(), resident()
-    first.start()
+    start_side_by_side(first, second)  # the second serves nobody until the second run names it
     try:
         # resident -> vllm: the resident replica dies under its sessions, which reopen on vLLM
         back = run([first, wide_vllm], victim=first)
-        second.start()
         # vllm -> resident: now vLLM dies, and the sessions move to a resident replica
         there = run([wide_vllm, second], victim=wide_vllm)
     finally:

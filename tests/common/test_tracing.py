@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sim.processes import CloudProcess, edge_daemon_process, free_port
+from sim.processes import CloudProcess, edge_daemon_process, free_port, start_side_by_side
 
 # The collector serves opentelemetry-proto's OTLP stubs: the `otel` extra, which `make setup` installs.
 pytest.importorskip("opentelemetry.proto.collector.trace.v1", reason="the otel extra is not installed: pip install -e '.[otel]'")
@@ -129,8 +129,7 @@ def test_a_failover_is_one_trace_with_spans_on_two_replicas(tmp_path: Path) -> N
     with OtlpCollector() as collector:
         # a 20 ms batch window per verify: the generation runs long enough for the kill to land mid-request
         clouds = {name: _cloud(tmp_path, name, collector, "--batch-window-ms", "20") for name in "ab"}
-        for cloud in clouds.values():
-            cloud.start()
+        start_side_by_side(*clouds.values())
         by_instance = {f"cloud-{c.port}": c for c in clouds.values()}
         try:
             addresses = ",".join(c.address for c in clouds.values())

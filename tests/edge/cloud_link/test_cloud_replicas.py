@@ -24,7 +24,7 @@ from edge.cloud_link.prefix_key import rendezvous_order
 from edge.cloud_link.replicas import LOAD_FACTOR, Replica, ReplicaSet
 from edge_harness import EdgeDaemonThread, ScriptedCloud, Script, scripted
 from sim.fleet_demo import sessions_on
-from sim.processes import CloudProcess
+from sim.processes import CloudProcess, start_side_by_side
 
 LOSSLESS = ("sd", "sd-block", "sprinter-exact")
 PROMPTS = ("The quick brown fox", "Once upon a time", "def main():")
@@ -77,7 +77,7 @@ def test_replicas_fail_over_on_a_kill_and_a_drain_and_outputs_stay_the_targets(t
         tiny_target.tokenizer(p)["input_ids"], DecodeSettings(mode="target", max_new_tokens=MAX_TOKENS)).token_ids
         for p in PROMPTS}
     a, b, c = (_cloud(tmp_path, name) for name in "abc")
-    a.start(), b.start()
+    start_side_by_side(a, b)
     try:
         clouds = ",".join(cloud.address for cloud in (a, b, c))  # c is not up yet: it is tried later
         with _edge(tiny_draft, clouds) as e1, _edge(tiny_draft, clouds) as e2, _edge(tiny_draft, clouds) as e3:
