@@ -145,7 +145,7 @@ def _labels_from_collectors(registry: object) -> dict[str, tuple[str, ...]]:
 
 def side_metrics() -> dict[str, list[MetricDoc]]:
     from cloud.metrics import CloudMetrics
-    from common.spec.call_policy import CostModel
+    from common.spec.cost_model import CostModel
     from edge.api.metrics import EdgeMetrics
 
     sides = {"edge daemon (`sprinter edge serve`, `/metrics`)": EdgeMetrics(CostModel()).registry,

@@ -3,7 +3,7 @@
 A request's survival after j drafted tokens is the running product s_j = p_1 * ... * p_j of its acceptance estimates.
 The budget is the B that maximises
     rate(B) = (s_1 + ... + s_B + 1) / (B * t_draft + rtt + t_verify(B))     +1: the target's own token
-with t_draft, rtt and t_verify(B) from the edge's `CostModel` (common/spec/call_policy.py). The policy answers after
+with t_draft, rtt and t_verify(B) from the edge's `CostModel` (common/spec/cost_model.py). The policy answers after
 each drafted token, before the next one's estimate exists: past the g drafted tokens the survival goes on falling at
 the last estimate p_g (the running product continued). The block goes when g reaches the budget computed so.
 
@@ -22,7 +22,7 @@ from typing import Protocol
 
 
 class Costs(Protocol):
-    """What the budget reads of common/spec/call_policy.py CostModel (kept a protocol: that module imports this one)."""
+    """What the budget reads of common/spec/cost_model.py CostModel (kept a protocol: call_policy.py imports this module)."""
 
     @property
     def effective_draft_ms(self) -> float: ...

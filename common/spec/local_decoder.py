@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from common.model.cached_lm import CachedLM, DraftLM
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.companion import Companion
 from common.spec.propose.drafting import model_drafter, next_token
 from common.spec.generation import Generation

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.spec.call_policy import CallPolicy, CostModel, FlagPolicy, parse_policy
+from common.spec.call_policy import CallPolicy, FlagPolicy, parse_policy
+from common.spec.cost_model import CostModel
 from common.sampling.params import SamplingParams
 
 if TYPE_CHECKING:  # the verifier needs torch; the mode table must not (`sprinter --help` reads it)

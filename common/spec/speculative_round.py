@@ -42,7 +42,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from common.model.cached_lm import CachedLM
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.spec.tree.branch_budget import tree_budget
 from common.spec.tree.branching import TreeBlock, draft_branches, estimate
 from common.spec.tree.copy_branches import attach_copies, copy_offers

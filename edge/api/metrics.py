@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from edge.decoding.ahead_gauge import AheadRecord
 from edge.decoding.decoder import EdgeResult
 from edge.cloud_link.replicas import ReplicaSet

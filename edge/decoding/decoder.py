@@ -37,7 +37,8 @@ from typing import AsyncIterator, Callable
 import torch
 
 from common.model.cached_lm import DraftLM
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.spec.companion import Companion
 from common.spec.propose.drafting import Drafter, model_drafter
 from common.spec.propose.proposals import PendingBlock

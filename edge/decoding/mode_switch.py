@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.generation import Generation
 from common.spec.propose.drafting import Drafter
 from edge.decoding.edge_settings import EdgeSettings

@@ -54,7 +54,8 @@ from typing import Callable
 
 import torch
 
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.spec.propose.drafting import Drafter
 from common.spec.propose.proposals import PendingBlock
 from common.spec.generation import Generation

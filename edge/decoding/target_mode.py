@@ -26,7 +26,7 @@ import grpc
 
 from common import wire
 from common.admission import Admission, QueuePlace
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.propose.drafting import Drafter
 from common.spec.generation import Generation
 from common.spec.speculative_round import speculative_round

@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 
 from common.spec.adaptive_policy import AdaptivePolicy
-from common.spec.call_policy import CallPolicy, CostModel, FixedPolicy, GoodputPolicy
+from common.spec.call_policy import CallPolicy, FixedPolicy, GoodputPolicy
+from common.spec.cost_model import CostModel
 from common.spec.margin_logistic import MarginLogistic, sigmoid
 from common.lab.prompt_sets import interleave_categories
 from edge.verifier_training.collect import VerifierDataset

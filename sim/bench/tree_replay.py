@@ -40,7 +40,8 @@ from common.model.loading import DTYPES, LoadedModel, load_model
 from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
 from common.spec.acceptance_rules import GREEDY, Proposal, decide
-from common.spec.call_policy import CostModel, GoodputPolicy
+from common.spec.call_policy import GoodputPolicy
+from common.spec.cost_model import CostModel
 from common.spec.propose.proposals import ends_block
 from common.spec.tree.branching import MAX_ALTERNATIVES, alternative_lengths, branch_length
 from common.spec.tree.draft_tree import ROOT, DraftTree, depths

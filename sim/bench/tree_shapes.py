@@ -42,7 +42,7 @@ import numpy as np
 from common.errors import UsageError
 from common.lab.plots import saved_figure
 from common.lab.prompt_sets import load_prompts
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from sim.bench.proposer import chosen_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.trees import GRID_ALTERNATIVES, TreeShapesSettings

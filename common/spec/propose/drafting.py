@@ -19,7 +19,8 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from common.model.cached_lm import DraftLM, ForwardOutput, common_prefix_length, shared_prefix
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.spec.companion import Companion
 from common.spec.propose.proposals import MODEL, PendingBlock, ProposedToken, Proposer, ends_block
 from common.sampling.logits_processing import LogitsProcessor

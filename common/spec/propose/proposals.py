@@ -25,7 +25,8 @@ from typing import AsyncIterator, Protocol
 
 import torch
 
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.sampling.logits_processing import LogitsProcessor
 from common.sampling.logprobs import TokenLogprob, logprobs_of
 from common.sampling.distributions import SparseDistribution

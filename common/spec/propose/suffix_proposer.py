@@ -46,7 +46,8 @@ from typing import AsyncIterator, Iterator, Protocol
 
 import torch
 
-from common.spec.call_policy import CallPolicy, CostModel
+from common.spec.call_policy import CallPolicy
+from common.spec.cost_model import CostModel
 from common.spec.cost_model import Ewma
 from common.spec.propose.drafting import ModelProposer
 from common.spec.propose.proposals import CACHE, CONTEXT, PendingBlock, ProposedToken

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.tree.branching import MAX_ALTERNATIVES, MAX_BRANCH_LENGTH, MIN_BRANCH_LENGTH
 from common.spec.cost_model import expected_accepted_length
 

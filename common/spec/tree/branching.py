@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.tree.draft_tree import ROOT
 from common.spec.propose.proposals import MODEL, DraftModel, PendingBlock, ProposedToken
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from common.spec.adaptive_policy import AdaptivePolicy, adaptive_budget, round_rate, survival
-from common.spec.call_policy import CostModel, parse_policy
+from common.spec.call_policy import parse_policy
+from common.spec.cost_model import CostModel
 
 
 @dataclass

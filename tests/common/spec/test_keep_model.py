@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from common.spec.call_policy import CostModel, GoodputPolicy
+from common.spec.call_policy import GoodputPolicy
+from common.spec.cost_model import CostModel
 from common.spec.cost_model import KeepModel, expected_accepted_length, rescued
 from common.spec.acceptance_rules import AcceptanceRule, block_verify, token_verify
 

@@ -12,7 +12,8 @@ import torch
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
 from common.model.cached_lm import CachedLM
-from common.spec.call_policy import CostModel, FixedPolicy
+from common.spec.call_policy import FixedPolicy
+from common.spec.cost_model import CostModel
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings, call_policy
 from common.sampling.distributions import SamplingParams

@@ -18,7 +18,7 @@ import pytest
 
 from cloud.server import CloudSettings
 from cloud_harness import ServerThread
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
 from edge.api.app import ApiSettings, create_app

@@ -18,7 +18,7 @@ import torch
 from common.errors import UsageError
 from common.lab.prompt_sets import PromptRecord
 from common.model.cached_lm import CachedLM
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.tree.branching import MAX_ALTERNATIVES, branch_length
 from sim.bench import tree_replay
 from sim.bench.run_folder import RunFolder

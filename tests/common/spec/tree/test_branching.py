@@ -23,7 +23,7 @@ import torch
 from scipy.stats import chisquare
 
 from common.spec.tree.branch_budget import auto_budget, auto_copy_lengths, tree_budget
-from common.spec.call_policy import CostModel
+from common.spec.cost_model import CostModel
 from common.spec.cost_model import Ewma
 from common.spec.tree import branching
 from common.spec.tree.draft_tree import DraftTree
