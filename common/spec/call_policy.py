@@ -163,8 +163,8 @@ class GoodputPolicy:
     drafts on through tokens that are unlikely to survive. The renewal-reward optimum (Dinkelbach) prices a ms at the
     long-run rate the edge achieves: the planned rate of its recent rounds (`CostModel.planned_rate`), which takes
     over from the first verdict. A block already doing better than that is the freshest evidence of the local rate,
-    hence the max. A larger rtt
-    lowers both rates, which favours longer blocks: a slow link gets longer blocks with no retuning.
+    hence the max. A larger rtt lowers both rates, which favours longer blocks: a slow link gets longer blocks with
+    no retuning.
 
     call_price_ms puts a price on a cloud call: the policy plans as if each round took that much longer,
     so it drafts longer blocks and calls less, at some tokens/s (`sprinter verifier replay` traces the
