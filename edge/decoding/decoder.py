@@ -220,7 +220,7 @@ class EdgeDecoder:
         first = mode_of(placed.mode)
         if placed.used == EDGE and first.placeable and not first.releases_passed and stats.ttft_ms is not None:
             self.placer.observe_edge_start(stats.ttft_ms, len(generation.prompt_ids), generation.settings.k,
-                                           self.cost_model)
+                                           self.cost_model, first.first_token_from_open)
         if switch is not None:
             self.placer.observe_uplink(stats.uplink_bytes, switch.edge_rounds)
         elif generation.settings.traits.placeable:

@@ -71,8 +71,9 @@ class ModeSwitch:
     drafter: Drafter | None = None  # the edge segments' drafter, kept across them (its KV holds the context)
     edge_rounds: int = 0
     _tokens: int = 0  # completion tokens at the last boundary
-    _calls: int = 0  # target calls then
+    _rounds: int = 0  # verdicts then
     _drafted: int = 0  # draft tokens verified then
+    _opened: int = 0  # target calls then that were no verdict: first tokens from a session's open
 
     @property
     def current(self) -> Placed:
@@ -106,15 +107,20 @@ class ModeSwitch:
         self.pending = None
         settings = segment_settings(self.asked, self.current)
         generation.settings = settings.decode
-        self._tokens, self._calls = len(generation.new_tokens), generation.recorder.target_calls
-        self._drafted = sum(generation.recorder.block_lengths)
+        recorder = generation.recorder
+        self._tokens, self._rounds = len(generation.new_tokens), len(recorder.block_lengths)
+        self._drafted, self._opened = sum(recorder.block_lengths), recorder.target_calls - len(recorder.block_lengths)
         return settings
 
     def _learn(self, generation: Generation, at: int) -> None:
-        """An edge round's yield, as the placer weighs it: tokens per target call (the open's first token is one)."""
-        calls, drafted = generation.recorder.target_calls, sum(generation.recorder.block_lengths)
-        if self.current.used == EDGE and calls > self._calls and at > self._tokens:
-            self.placer.observe_edge_round((at - self._tokens) / (calls - self._calls),
-                                           (drafted - self._drafted) / (calls - self._calls))
-            self.edge_rounds += calls - self._calls
-        self._tokens, self._calls, self._drafted = at, calls, drafted
+        """An edge round's yield, as the placer weighs it: tokens per verdict. The target's first token from a
+        session's open is a target call but no round: its token is the start's (`Placer.observe_edge_start`)."""
+        recorder = generation.recorder
+        rounds, drafted = len(recorder.block_lengths), sum(recorder.block_lengths)
+        opened = recorder.target_calls - rounds
+        from_rounds = (at - self._tokens) - (opened - self._opened)  # since the last boundary, less the opens' tokens
+        if self.current.used == EDGE and rounds > self._rounds and from_rounds > 0:
+            self.placer.observe_edge_round(from_rounds / (rounds - self._rounds),
+                                           (drafted - self._drafted) / (rounds - self._rounds))
+            self.edge_rounds += rounds - self._rounds
+        self._tokens, self._rounds, self._drafted, self._opened = at, rounds, drafted, opened

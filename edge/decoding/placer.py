@@ -192,16 +192,26 @@ class Placer:
             learned = self._start_ms_per_token.get(option)
             self._start_ms_per_token[option] = _update(learned, max(extra_ms, 0.0) / prompt_tokens)
 
-    def observe_edge_start(self, ttft_ms: float, prompt_tokens: int, k: int, cost_model: CostModel) -> None:
-        """An edge-speculating request's time to its first token, less one edge round as the model prices it now."""
-        self.observe_start(EDGE, ttft_ms - edge_round_ms(self.inputs(k, k, cost_model)), prompt_tokens)
+    def observe_edge_start(self, ttft_ms: float, prompt_tokens: int, k: int, cost_model: CostModel,
+                           first_from_open: bool = True) -> None:
+        """An edge-speculating request's time to its first token, less what the model charges that token in rounds:
+        the request is priced s + (T / E) rounds, so s is the time to first token less 1 / E of a round where the
+        first token came from the session's open (the lossless modes), less a whole round where it came with the
+        first verdict (its E tokens all came then)."""
+        inputs = self.inputs(k, k, cost_model)
+        share = 1.0 / max(inputs.edge_tokens_per_round, 1.0) if first_from_open else 1.0
+        self.observe_start(EDGE, ttft_ms - share * edge_round_ms(inputs), prompt_tokens)
 
     def observe_edge(self, stats: DecodeStats) -> None:
-        """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round."""
-        if stats.target_calls == 0 or stats.new_tokens == 0:
+        """A finished generation that drafted on the edge and verified in the cloud: tokens and bytes per round.
+        A round is a verdict; the target's first token from the session's open (counted as a target call) is not
+        one, and its token is the start's, not a round's."""
+        rounds = len(stats.block_lengths)
+        from_rounds = stats.new_tokens - (stats.target_calls - rounds)
+        if rounds == 0 or from_rounds <= 0:
             return
-        self.observe_edge_round(stats.new_tokens / stats.target_calls, sum(stats.block_lengths) / stats.target_calls)
-        self._uplink_bytes.update(stats.uplink_bytes / stats.target_calls)
+        self.observe_edge_round(from_rounds / rounds, sum(stats.block_lengths) / rounds)
+        self._uplink_bytes.update(stats.uplink_bytes / rounds)
 
     def observe_edge_round(self, tokens: float, drafted: float) -> None:
         """The tokens one edge round of a `--mode auto` request yielded and the draft tokens it sent, learned as it

@@ -21,6 +21,7 @@ from cloud_harness import ServerThread
 from common.spec.cost_model import CostModel
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
+from common.stats import DecodeStats
 from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.decoding.placement import PlacementInputs, decide
@@ -77,7 +78,9 @@ def test_each_option_is_priced_with_its_start_as_learned_per_prompt_token() -> N
     placer = Placer()
     placer.observe_target_step(20.0, first=False)
     placer.observe_target_step(20.0 + 100.0, first=True, prompt_tokens=50)  # 100 ms of prefill for 50 tokens: 2 a token
-    placer.observe_edge_start(ttft_ms=4 * 10.0 + 20.0 + 300.0, prompt_tokens=100, k=4, cost_model=cost_model)
+    # a mode whose first token comes with the first verdict: that round is the first of the request's T / E
+    placer.observe_edge_start(ttft_ms=4 * 10.0 + 20.0 + 300.0, prompt_tokens=100, k=4, cost_model=cost_model,
+                              first_from_open=False)
     assert placer.start_ms("target", 200) == pytest.approx(400.0) and placer.start_ms("edge", 200) == pytest.approx(600.0)
     assert placer.start_ms("cloud", 200) == 0.0  # no cloud-sd request seen: nothing charged
     inputs = replace(placer.inputs(4, 64, cost_model, prompt_tokens=200), cloud_decode_ms=20.0)
@@ -86,6 +89,30 @@ def test_each_option_is_priced_with_its_start_as_learned_per_prompt_token() -> N
     rounds = 64 / inputs.edge_tokens_per_round
     assert decision.edge_tokens_per_s == pytest.approx(1e3 * 64 / (600.0 + rounds * (4 * 10.0 + 20.0)))
     assert placer.inputs(4, 64, cost_model).edge_start_ms == 0.0  # mid-request (no prompt): no start to pay
+
+
+def test_a_first_token_from_the_open_is_charged_a_tokens_share_of_a_round_not_a_round() -> None:
+    # the lossless modes take the target's first token from the session's open: the request is that token at its
+    # time to first token, then (T - 1) / E rounds; priced s + (T / E) rounds, s is the TTFT less 1 / E of a round
+    cost_model = CostModel(prior_draft_ms=10.0, prior_rtt_ms=0.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=0.0)
+    placer = Placer()
+    placer.observe_edge_round(5.0, 4.0)  # verdicts yield 5 tokens from 4 drafted: a round of 4 * 10 + 20 ms
+    placer.observe_edge_start(ttft_ms=500.0, prompt_tokens=100, k=4, cost_model=cost_model)
+    assert placer.start_ms("edge", 100) == pytest.approx(500.0 - 60.0 / 5.0)
+    inputs = placer.inputs(4, 64, cost_model, prompt_tokens=100)
+    assert 1e3 * 64 / decide(inputs).edge_tokens_per_s == pytest.approx(500.0 + (64 - 1) / 5.0 * 60.0)
+
+
+def test_an_edge_round_is_a_verdict_and_the_opens_first_token_no_rounds_yield() -> None:
+    # 32 tokens: the open's first (a target call, no verdict), then 4 verdicts on blocks of 2, 13, 20 and 4
+    stats = DecodeStats("sprinter-exact", "goodput", 32, 3.0, 10.7, 5, 5 / 32, 6.4, 9.75, 7.0, [], 39, 39, 700.0,
+                        None, None, block_lengths=[2, 13, 20, 4], accepted_lengths=[0, 4, 20, 4], uplink_bytes=4000)
+    placer = Placer()
+    placer.observe_edge(stats)
+    inputs = placer.inputs(5, 32, CostModel())
+    assert inputs.edge_tokens_per_round == pytest.approx(31 / 4)
+    assert inputs.edge_drafted_per_round == pytest.approx(39 / 4)
+    assert inputs.uplink_bytes_per_round == pytest.approx(1000.0)
 
 
 def test_placement_alone_never_offers_the_target() -> None:
