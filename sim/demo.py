@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.spec.modes import mode_of
+from common.spec.modes import chooses_mode, mode_of
 from common.arguments import DTYPE_NAMES, names
 from sim.cloud_under_test import CloudUnderTest
 from sim.processes import edge_daemon, free_port
@@ -44,7 +44,7 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "What is the difference between a list and a tuple in Python?",
 )
-MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/house/test_layout.py)
+MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact", "auto")  # a choice of what to show, not a trait (tests/house/test_layout.py)
 
 
 @dataclass
@@ -150,7 +150,9 @@ def ask_in_mode(client: OpenAI, mode: str, prompts: tuple[str, ...], max_tokens:
         answers.tokens += reply.usage.completion_tokens
         answers.target_calls += extension["target_calls"]
         answers.degraded += bool(extension["degraded"])
-        print(f"  {mode:15s} {reply.usage.completion_tokens:3d} tokens  {prompt[:48]}", flush=True)
+        chose = " -> ".join(s["mode"] for s in extension.get("decision", {}).get("switches", []))
+        print(f"  {mode:15s} {reply.usage.completion_tokens:3d} tokens  {prompt[:48]}"
+              + (f"  (ran {chose})" if chose else ""), flush=True)
     return answers
 
 
@@ -169,7 +171,7 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
     for a in answers:
         agreements = [agreement(ids, ref) for ids, ref in zip(a.token_ids, references)]
         nlls = [target_nll_per_token(target, p, ids) for p, ids in zip(prompt_ids, a.token_ids)]
-        rows.append(DemoRow(a.mode, is_baseline(a.mode) or mode_of(a.mode).lossless,
+        rows.append(DemoRow(a.mode, is_baseline(a.mode) or chooses_mode(a.mode) or mode_of(a.mode).lossless,
                             a.tokens / a.seconds if a.seconds else 0.0, a.target_calls / a.tokens if a.tokens else 0.0,
                             sum(agreements) / len(agreements), sum(nlls) / len(nlls), a.tokens, a.degraded, a.engine))
     return rows
@@ -177,7 +179,7 @@ def score(answers: list[ModeAnswers], prompts: tuple[str, ...], target_spec: str
 
 def _is_reference(mode: str) -> bool:
     """The row the others are compared with: the target mode (a baseline row is none of our modes)."""
-    return not is_baseline(mode) and mode_of(mode).reference
+    return not is_baseline(mode) and not chooses_mode(mode) and mode_of(mode).reference
 
 
 def format_table(rows: list[DemoRow], dtype: str) -> str:

@@ -44,7 +44,8 @@ class LoopbackSystem:
 
 def edge_arguments(settings: ServedSettings, clouds: Sequence[RunningCloud]) -> list[str]:
     return ["--draft", settings.draft, "--cloud", ",".join(r.address for r in clouds), "--dtype", settings.dtype,
-            "--pipeline", settings.pipeline, "--model-name", f"{settings.draft}+{settings.target}"]
+            "--pipeline", settings.pipeline, "--model-name", f"{settings.draft}+{settings.target}",
+            "--mode", "sprinter-exact"]  # the mode these benches load and break, whatever the daemon's default
 
 
 @contextmanager

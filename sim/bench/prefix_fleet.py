@@ -3,7 +3,7 @@
     sprinter bench prefix-fleet --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out results/bench-prefix-fleet
 
 Every request is a greedy streamed chat completion through an edge daemon's OpenAI API (`sprinter edge serve`,
-its default mode), to `sprinter cloud serve` processes; all processes are pinned to `--cpus`.
+in mode sprinter-exact), to `sprinter cloud serve` processes; all processes are pinned to `--cpus`.
 
 - conversation: turn 1 sends a user message of about `--history-tokens` minus `--answer-tokens` tokens and gets
   an answer of up to `--answer-tokens`; turn 2 sends that history, the answer and a new message of
@@ -103,7 +103,7 @@ def _edge_args(s: PrefixFleetSettings, clouds: list[str]) -> list[str]:
     # Everything shares the pinned cores, so a verdict may wait behind other processes' prefills: a generous
     # deadline keeps a slow answer from counting as a replica failure (which would move the session elsewhere).
     return ["--draft", s.draft, "--dtype", s.dtype, "--draft-runtime", s.draft_runtime, "--cloud", ",".join(clouds),
-            "--cloud-deadline-s", "600"]
+            "--cloud-deadline-s", "600", "--mode", "sprinter-exact"]
 
 
 def _start_edge(stack: ExitStack, s: PrefixFleetSettings, name: str, clouds: list[str], *extra: str) -> str:

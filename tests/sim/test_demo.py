@@ -29,7 +29,7 @@ def test_float32_demo_shows_lossless_modes_identical_and_the_nll_column(tmp_path
     header = next(line for line in out.splitlines() if line.startswith("| mode |"))
     assert "agreement with target" in header and "target NLL/token" in header
     rows = {r["mode"]: r for r in json.loads((tmp_path / "demo.json").read_text())["rows"]}
-    for mode in ("target", "cloud-sd", "sd-block", "sprinter-exact"):
+    for mode in ("target", "cloud-sd", "sd-block", "sprinter-exact", "auto"):  # auto: whichever it chose
         assert rows[mode]["lossless"] and rows[mode]["degraded"] == 0
         assert rows[mode]["agreement_with_target"] == 1.0, mode
         assert f"| {mode} | resident (float32) | yes |" in out
