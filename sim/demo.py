@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.spec.modes import chooses_mode, mode_of
+from common.spec.modes import AUTO_MODE, chooses_mode, mode_of
 from common.arguments import DTYPE_NAMES, names
 from sim.cloud_under_test import CloudUnderTest
 from sim.processes import edge_daemon, free_port
@@ -44,7 +44,7 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "What is the difference between a list and a tuple in Python?",
 )
-MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact", "auto")  # a choice of what to show, not a trait (tests/house/test_layout.py)
+MODES = ("target", "cloud-sd", "sd-block", "sprinter", "sprinter-exact")  # a choice of what to show, not a trait (tests/house/test_layout.py)
 
 
 @dataclass
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = PROMPTS[:args.prompts]
     args.out.mkdir(parents=True, exist_ok=True)
     llama = args.engine == "llama.cpp"
-    modes = MODES
+    modes = (*MODES, AUTO_MODE)  # and auto, the daemon's default with a cloud: whichever of them it predicts fastest
     engine = "llama.cpp" if llama else f"resident ({args.dtype})"
     baselines = baselines_to_run(args)
     print(f"starting the cloud ({args.target} on {engine}) and the edge daemon ({args.draft}, verifier "
