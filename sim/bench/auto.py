@@ -26,17 +26,14 @@ from typing import Any
 
 import httpx
 
-from common.model.loading import DTYPES, load_model
-from common.model.prompting import encode_prompt
 from common.spec.modes import AUTO_MODE, AUTO_SPECULATION, CLOUD_DRAFTING, TARGET_MODE, DecodeSettings, chooses_mode
 from common.table_cells import cell
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
-from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import AutoBenchSettings
 from sim.sweep.baselines import LocalBaselines
-from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +44,9 @@ LLAMA_SERVER = "llama-server"
 
 def bench_auto(settings: AutoBenchSettings) -> str:
     folder = RunFolder(settings.out)
-    draft = load_model(settings.draft, DTYPES[settings.dtype])
-    prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
     system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype,
                             engine=settings.engine, cloud_drafts=True, rtt_ms=settings.rtt_ms[0])
-    requests = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
+    requests = measure_edge_here(system, settings.prompts, lambda *run: _measure(settings, *run))
     rows = summarize(requests)
     folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), rows=rows,
                          requests=requests)
@@ -79,8 +74,7 @@ async def _measure(settings: AutoBenchSettings, sut: SystemUnderTest, draft: Any
                     return await _one_baseline(settings, baselines, client, ids, rtt, number)
                 return await _one(settings, node, ids, method, rtt, number)
 
-            for rtt in settings.rtt_ms:
-                sut.set_rtt(rtt)
+            for rtt in sut.at_rtts(settings.rtt_ms):
                 for method in every:  # untimed: the link's new RTT and each way's costs, learned as a daemon would
                     await one(prompts[0], method, rtt, -1)
                 for number in range(settings.passes):

@@ -41,18 +41,16 @@ from common import wire
 from common.fleet_plane.connection import BrokerSettings
 from common.fleet_plane.messages import CloudLoad
 from common.lab.plots import saved_figure
-from common.model.loading import DTYPES, LoadedModel, load_model
-from common.model.prompting import encode_prompt
+from common.model.loading import LoadedModel
 from common.sampling.distributions import SamplingParams
 from common.spec.modes import DecodeSettings
 from edge.decoding.decoder import EdgeSettings
 from edge.fleet_agent import EdgeIdentity, FleetAgent
 from edge.node import EdgeNode
-from sim.bench.prompts import load_bench_prompts
 from sim.bench.rollout import SimulatedEdge
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import PlacementBenchSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 from sim.sweep.telemetry import sweep_broker
 from sprinter.v1 import decoding_pb2_grpc as pb_grpc
 
@@ -65,14 +63,12 @@ GOAL_SHARE = 0.95  # auto within 5% of the better fixed placement
 def bench_placement(settings: PlacementBenchSettings) -> str:
     """Measure every (RTT, load) x placement; write OUT, return the table."""
     folder = RunFolder(settings.out)
-    draft = load_model(settings.draft, DTYPES[settings.dtype])
-    prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
     with sweep_broker(settings.mqtt, settings.out) as url:
         # the cloud announces the link's address: the replica the edges dial
         system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, cloud_drafts=True,
                                 cloud_flags=("--edge-max-generate", str(settings.load_streams + 4)), mqtt_url=url,
                                 advertise_link=True)
-        rows = measure_here(system, lambda sut: _measure_all(settings, sut, draft, prompts, url))
+        rows = measure_edge_here(system, settings.prompts, lambda *run: _measure_all(settings, *run, url))
     folder.write_results(settings, draft=draft_label(), broker=url, rows=rows, goal=goal(rows))
     text = folder.write_table(table(settings, rows))
     plot(rows, folder.path("tokens_per_s.png"))
@@ -106,11 +102,9 @@ async def _measure_all(settings: PlacementBenchSettings, system: SystemUnderTest
         controls = AnnouncedLoads(identity, nodes["auto"])
         await system.hold(FleetAgent(BrokerSettings.parse(url), identity, controls, telemetry_interval_s=60.0))
     rows = []
-    for rtt in settings.rtt_ms:
-        system.set_rtt(rtt)
+    for rtt in system.at_rtts(settings.rtt_ms):
         rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, None), controls)
-    for rtt in settings.load_rtt_ms:
-        system.set_rtt(rtt)
+    for rtt in system.at_rtts(settings.load_rtt_ms):
         async with BackgroundLoad(system.cloud_address, prompts, settings) as load:
             rows += _heard(await _at_rtt(settings, nodes, prompts, rtt, load), controls)
     return rows

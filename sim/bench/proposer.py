@@ -29,8 +29,6 @@ from pathlib import Path
 
 from common.lab.plots import grouped_bars, saved_figure
 from common.lab.prompt_sets import PromptRecord, load_prompts
-from common.model.loading import DTYPES, load_model
-from common.model.prompting import encode_prompt
 from common.sampling.params import SamplingParams
 from common.spec.modes import CLOUD_DRAFTING, DecodeSettings, parse_branch_tokens
 from common.spec.propose.suffix_match import OutputCache
@@ -41,7 +39,7 @@ from edge.node import EdgeNode
 from sim.bench.proposer_calibration import calibration_table, fit_calibration
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import SUITE, TREE_SUFFIX, ProposerBenchSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +54,13 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     folder = RunFolder(settings.out)
     records = chosen_prompts(load_prompts(settings.prompts or SUITE), settings.categories, settings.per_category,
                              settings.skip_per_category)
-    draft = load_model(settings.draft, DTYPES[settings.dtype])
-    prompts = [(r, encode_prompt(draft.tokenizer, r.prompt, r.chat)) for r in records]
     # cloud-sd: the cloud drafts; its copies come from each request's own text alone, since one identity's
     # cache there would let a proposer copy the same prompt's answer from another proposer's pass
     cloud_sd = CLOUD_DRAFTING in settings.modes
     system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, cloud_drafts=cloud_sd,
                             cloud_flags=("--suffix-cache", "off") if cloud_sd else (), rtt_ms=settings.rtt_ms)
-    rows, lookups_us, calibration = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
+    rows, lookups_us, calibration = measure_edge_here(
+        system, records, lambda sut, draft, ids: _measure(settings, sut, draft, list(zip(records, ids))))
     summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
     lookup_us = statistics.median(lookups_us) if lookups_us else None
     cores = {"cloud": sorted(system.cores.cloud), "edge": sorted(system.cores.edge)}

@@ -18,7 +18,8 @@ A round after output[:s] (s = 1 after the session's open, which brings the first
     a_i          x_i's acceptance estimate: the shipped verifier's score, or the draft's probability (`Scored`)
     branch       (position i, rank r, length L): the draft's r-th best token in x_i's row, continued by its argmax
                  for L - 1 tokens; rank 0 is the oracle path: the target's own tokens from the rejection
-    shape        where a round places its branch tokens (`TreeShape`); the edge's by its own plan (`_at_points`)
+    shape        where a round places its branch tokens (`TreeShape`); the edge's by its own budget and plan
+                 (common/spec/tree: `tree_budget`, `BranchPlan`), each alternative drafted to its planned length
 A round's tree is checked by the greedy tree rule itself (common.spec.acceptance_rules.decide); nodes off the
 target's text (never followed, so the trace need not hold them) carry a placeholder token.
 """
@@ -43,7 +44,8 @@ from common.spec.acceptance_rules import GREEDY, Proposal, decide
 from common.spec.call_policy import GoodputPolicy
 from common.spec.cost_model import CostModel
 from common.spec.propose.proposals import ends_block
-from common.spec.tree.branching import MAX_ALTERNATIVES, alternative_lengths, branch_length
+from common.spec.tree.branch_budget import tree_budget
+from common.spec.tree.branching import MAX_ALTERNATIVES, BranchPlan, alternative_lengths, branch_length, lowest_first
 from common.spec.tree.draft_tree import ROOT, DraftTree, depths
 
 log = logging.getLogger(__name__)
@@ -260,8 +262,7 @@ def decode(item: Scored, shape: TreeShape, cost_model: CostModel, max_tokens: in
         policy.observe_verdict(len(chain), chain_kept)
         cost_model.observe_verdict(accept_probs, chain_kept)
         rounds.append(RoundRecord(s, len(chain), rejection, len(path), chain_kept, len(tree) - len(chain),
-                                  sorted(range(len(chain)), key=lambda i: (accept_probs[i], i)),
-                                  sorted(range(len(chain)), key=lambda i: (rows[i].probs[0], i)),
+                                  lowest_first(accept_probs), lowest_first([row.probs[0] for row in rows]),
                                   sum(b.length for b in branches if b.position == rejection)))
         s += len(path) + 1
     return PromptResult(trace.prompt_id, trace.category, trace.tokens, 1 + len(rounds), rounds)
@@ -288,11 +289,12 @@ def draft_chain(item: Scored, s: int, limit: int,
 def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, room: int, limit: int,
           trace: PromptTrace, s: int, oracle_rank: int) -> list[Branch]:
     """The round's branches under `shape`, within `room` branch tokens and no deeper than the round's limit."""
-    lowest = sorted(range(len(accept_probs)), key=lambda i: (accept_probs[i], i))
+    lowest = lowest_first(accept_probs)
     budget = min(shape.budget, room)
     if shape.kind == "chain" or room <= 0:
         return []
-    if shape.kind == "edge":  # the budget (within the tree's room, as the edge's is) to the lowest estimate first
+    if shape.kind == "edge":  # the edge's own budget (within the tree's room) and plan: the lowest estimate first
+        budget = tree_budget(shape.budget, accept_probs, (), None, room, limit).budget
         return _at_points(lowest, budget, limit, branch_length(budget), MAX_ALTERNATIVES)
     if shape.kind == "round-robin":
         return _round_robin(lowest, budget, limit if shape.deep else len(accept_probs))
@@ -310,13 +312,12 @@ def place(shape: TreeShape, accept_probs: list[float], rejection: int | None, ro
 
 
 def _at_points(points: list[int], budget: int, depth_limit: int, length: int, count: int) -> list[Branch]:
-    """`count` alternatives of `length` tokens at each point in turn, within `budget` tokens in all: each point
-    planned by the edge's own `alternative_lengths` (common/spec/tree/branching.py)."""
-    branches, left = [], budget
-    for position in points:
-        for nth, planned in enumerate(alternative_lengths(position, left, depth_limit, length, count), start=2):
-            branches.append(Branch(position, nth, planned))
-            left -= planned
+    """`count` alternatives of `length` tokens at each point in turn, within `budget` tokens in all: the edge's own
+    `BranchPlan` (common/spec/tree/branching.py), every alternative drafted to its planned length."""
+    plan, branches = BranchPlan(points, budget, depth_limit, length, count), []
+    for position, lengths in plan:
+        branches += [Branch(position, nth, planned) for nth, planned in enumerate(lengths, start=2)]
+        plan.spend(sum(lengths))
     return branches
 
 

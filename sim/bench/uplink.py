@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import logging
 
-from common.model.loading import DTYPES, load_model
-from common.model.prompting import encode_prompt
 from common.sampling.distributions import SamplingParams
 from common.spec.modes import DRAFT_DISTS, DecodeSettings
 from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
-from sim.bench.prompts import load_bench_prompts
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import UplinkBenchSettings
 from sim.link.shaping import LinkSettings
-from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_here
+from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +34,10 @@ COUNTS = ("uplink_bytes", "downlink_bytes", "target_calls", "residual_queries")
 def bench_uplink(settings: UplinkBenchSettings) -> str:
     """Measure every (RTT, draft_dists) on the same prompts and seeds; write OUT, return the table."""
     folder = RunFolder(settings.out)
-    draft = load_model(settings.draft, DTYPES[settings.dtype])
-    prompts = [encode_prompt(draft.tokenizer, p["prompt"], p["chat"]) for p in load_bench_prompts()[: settings.prompts]]
     link = LinkSettings(bandwidth_mbps=settings.bandwidth_mbps or None)
     system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, link=link,
                             rtt_ms=settings.rtt_ms[0])
-    rows = measure_here(system, lambda sut: _measure(settings, sut, draft, prompts))
+    rows = measure_edge_here(system, settings.prompts, lambda *run: _measure(settings, *run))
     folder.write_results(settings, draft=draft_label(), rows=rows)
     return folder.write_table(table(settings, rows))
 
@@ -50,8 +45,7 @@ def bench_uplink(settings: UplinkBenchSettings) -> str:
 async def _measure(settings: UplinkBenchSettings, system: SystemUnderTest, draft, prompts: list[list[int]]) -> list[dict]:
     node = await system.edge_node(draft, verifier="confidence:0.3")
     rows = []
-    for rtt in settings.rtt_ms:
-        system.set_rtt(rtt)
+    for rtt in system.at_rtts(settings.rtt_ms):
         warm = SamplingParams(temperature=settings.temperature, seed=settings.seed)  # and the cost model learns the RTT
         await node.decoder.generate(prompts[0], EdgeSettings(DecodeSettings(mode="sd", max_new_tokens=8, k=settings.k,
                                                                             sampling=warm)))

@@ -2,6 +2,8 @@
 
     system = SystemSettings("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", out, rtt_ms=50)   # the edge in this process
     result = measure_here(system, scenario)     # `await scenario(sut)`: sut.edge_node(draft), sut.set_rtt(100), ...
+    rows = measure_edge_here(system, 3, scenario)   # `await scenario(sut, draft, prompt_ids)`: the draft loaded here
+    # a bench's scenario over RTTs:  for rtt in sut.at_rtts((0, 50, 200)): rows += await measure_at(node, rtt)
 
     SystemSettings(..., edge_flags=("--verifier", "auto"))   # the edge as a daemon: sut.base is its OpenAI API
 
@@ -19,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sim.bench.prompts import load_bench_prompts
 from sim.cloud_under_test import CloudUnderTest
 from sim.cores import CorePlan, thread_env
 from sim.link.proxy import LinkProxy
@@ -33,6 +36,7 @@ from sim.processes import edge_daemon_async, free_port
 from sim.sweep.telemetry import cloud_fleet_args, edge_fleet_args
 
 if TYPE_CHECKING:
+    from common.lab.prompt_sets import PromptRecord
     from common.model.loading import LoadedModel
     from edge.decoding.decoder import EdgeResult, EdgeSettings
     from edge.node import EdgeNode
@@ -135,6 +139,12 @@ class SystemUnderTest:
         self.rtt_ms = rtt_ms
         log.info("link: rtt %g ms", rtt_ms)
 
+    def at_rtts(self, rtts: Iterable[float]) -> Iterator[float]:
+        """Each of `rtts` in turn, the link set to it before the caller measures there (a bench's RTT sweep)."""
+        for rtt in rtts:
+            self.set_rtt(rtt)
+            yield rtt
+
     async def edge_node(self, draft: LoadedModel, **settings: Any) -> EdgeNode:
         """An edge in this process dialling the cloud through the link; it drafts as the edge daemon does (ONNX
         Runtime, int8 weights) unless `settings` say otherwise."""
@@ -161,6 +171,21 @@ def measure_here(settings: SystemSettings, scenario: Callable[[SystemUnderTest],
         async with SystemUnderTest(settings) as system:
             return await scenario(system)
     return asyncio.run(run())
+
+
+def measure_edge_here(settings: SystemSettings, prompts: int | Sequence[PromptRecord],
+                      scenario: Callable[[SystemUnderTest, LoadedModel, list[list[int]]], Awaitable[T]]) -> T:
+    """`measure_here` for a scenario whose edges run in this process: `scenario(system, draft, prompt_ids)`, the
+    draft loaded here once in the system's dtype (the scenario's edge nodes share it) and `prompts` in its tokens,
+    chat-encoded where a prompt is a chat (a count: the first bench prompts, sim/data/bench_prompts.jsonl)."""
+    from common.model.loading import DTYPES, load_model
+    from common.model.prompting import encode_prompt
+
+    draft = load_model(settings.draft, DTYPES[settings.dtype])
+    chosen = [(p["prompt"], p["chat"]) for p in load_bench_prompts()[:prompts]] if isinstance(prompts, int) \
+        else [(record.prompt, record.chat) for record in prompts]
+    ids = [encode_prompt(draft.tokenizer, text, chat) for text, chat in chosen]
+    return measure_here(settings, lambda system: scenario(system, draft, ids))
 
 
 async def generate(node: EdgeNode, ids: list[int], settings: EdgeSettings, what: str) -> tuple[EdgeResult, float]:

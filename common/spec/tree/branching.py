@@ -41,6 +41,7 @@ refeeding the kept tokens after the branch point.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -107,7 +108,13 @@ def branch_points(chain: PendingBlock, greedy: bool) -> list[int]:
     tokens with the row they came from (a copied token is a point mass: its draws would all be itself)."""
     usable = [i for i, d in enumerate(chain.drafted)
               if d.from_model and (d.step is not None if greedy else d.p_draft is not None)]
-    return sorted(usable, key=lambda i: (estimate(chain.drafted[i]), i))
+    return lowest_first([estimate(d) for d in chain.drafted], usable)
+
+
+def lowest_first(estimates: Sequence[float], among: Iterable[int] | None = None) -> list[int]:
+    """Positions (`among`, default all) by their estimate, lowest first, earlier first on a tie: the order the edge
+    spends a round's branch budget in."""
+    return sorted(range(len(estimates)) if among is None else among, key=lambda i: (estimates[i], i))
 
 
 def alternative(row: torch.Tensor, taken: list[int], greedy: bool,
@@ -176,6 +183,30 @@ def alternative_lengths(position: int, left: int, depth_limit: int, longest: int
     return lengths
 
 
+@dataclass
+class BranchPlan:
+    """The edge's plan of a round's branches: the branch `points` in turn, each shaped by `alternative_lengths`
+    within what is `left` of the budget, until it is spent. The caller `spend`s what each point's branches really
+    took (a point may get fewer alternatives, a branch may end at EOS), so that the next point gets the rest. Pure,
+    so that `sprinter bench tree-shapes` replays the very plan the edge drafts."""
+
+    points: Sequence[int]
+    left: int
+    depth_limit: int
+    longest: int
+    count: int | None = None  # alternatives per point; None: MAX_ALTERNATIVES
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        """(chain position, the length of each of its alternatives) for each point until the budget is spent."""
+        for position in self.points:
+            yield position, alternative_lengths(position, self.left, self.depth_limit, self.longest, self.count)
+            if self.left <= 0:
+                break
+
+    def spend(self, tokens: int) -> None:
+        self.left -= tokens
+
+
 async def draft_branches(model: DraftModel, context: list[int], chain: PendingBlock, budget: int, depth_limit: int,
                          points: list[int] | None = None, grown: TreeBlock | None = None, length: int | None = None,
                          cost_model: CostModel | None = None) -> TreeBlock:
@@ -190,29 +221,25 @@ async def draft_branches(model: DraftModel, context: list[int], chain: PendingBl
     nodes, parents = (list(grown.nodes.drafted), list(grown.parents)) if grown is not None else \
         (list(chain.drafted), list(range(-1, len(chain) - 1)))
     points = branch_points(chain, model.sampling.greedy) if points is None else points
-    left = budget
-    for position in points:
+    plan = BranchPlan(points, budget, depth_limit, length or branch_length(budget))
+    for position, planned in plan:
         parent = position - 1 if position > 0 else ROOT
         taken = [node.token for node, up in zip(nodes, parents) if up == parent]
-        starts, lengths = _alternatives(model, context, chain, position, taken, left, depth_limit,
-                                        length or branch_length(budget))
+        starts, lengths = _alternatives(model, context, chain, position, taken, planned)
         for branch in await _continue(model, context, chain, position, starts, lengths, cost_model):
             for k, node in enumerate(branch):
                 parents.append(parent if k == 0 else len(nodes) - 1)
                 nodes.append(node)
-            left -= len(branch)
-        if left <= 0:
-            break
+            plan.spend(len(branch))
     return TreeBlock(PendingBlock(nodes), parents, len(chain))
 
 
 def _alternatives(model: DraftModel, context: list[int], chain: PendingBlock, position: int, taken: list[int],
-                  left: int, depth_limit: int, longest: int) -> tuple[list[ProposedToken], list[int]]:
-    """The alternatives at chain `position` (each drawn without the tokens `taken` there before it) and each one's
-    branch length, within `left` tokens in all."""
+                  lengths: list[int]) -> tuple[list[ProposedToken], list[int]]:
+    """The alternatives at chain `position` (each drawn without the tokens `taken` there before it), up to one per
+    planned branch length in `lengths`, and each one's length."""
     greedy = model.sampling.greedy
     row = shaped_row(model, context, chain, position) if greedy else chain.drafted[position].p_draft
-    lengths = alternative_lengths(position, left, depth_limit, longest)
     starts: list[ProposedToken] = []
     for _ in lengths:
         drawn = alternative(row, taken + [s.token for s in starts], greedy, model.generator)

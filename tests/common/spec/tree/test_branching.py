@@ -173,6 +173,18 @@ def test_auto_prices_the_shape_the_edge_drafts():
     assert costs.extra_row_share > 0.3
 
 
+def test_the_plan_spends_the_budget_lowest_estimate_first_and_gives_what_a_point_left_to_the_next():
+    points = branching.lowest_first([0.9, 0.5, 0.2, 0.8], among=[0, 1, 2])
+    assert points == [2, 1, 0] and branching.lowest_first([0.5, 0.5]) == [0, 1]  # earlier first on a tie
+    plan = branching.BranchPlan(points, 10, depth_limit=6, longest=3)
+    first = next(iter_plan := iter(plan))
+    assert first == (2, [3] * branching.MAX_ALTERNATIVES)
+    plan.spend(3)  # one alternative only (say no token was left to draw): the next point gets the rest
+    assert next(iter_plan) == (1, [3, 3, 1])
+    plan.spend(7)
+    assert list(iter_plan) == []  # spent: no further point
+
+
 def test_budget_respects_the_verifiers_tree_limit():
     costs = CostModel(prior_rtt_ms=500.0)
     assert tree_budget(6, [0.5, 0.5], (), costs, room=0, depth_limit=8).budget == 0  # max_tree_tokens 0: chains only
