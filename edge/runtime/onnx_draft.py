@@ -144,11 +144,8 @@ class OnnxCachedLM:
                     else [np.repeat(p, len(contexts), axis=0) for p in self._past])
             fork = Fork(rows, [contexts[0][:shared]] * len(contexts))
         new_tokens = np.asarray([c[len(r):] for c, r in zip(contexts, fork.rows)], dtype=np.int64)
-        # One token per row per run: ORT's GroupQueryAttention (the export's attention) refuses several new tokens
-        # over a past in more than one row; causal attention makes column by column the same computation.
-        for column in range(new_tokens.shape[1]):
-            logits, _, fork.cache = self._run(new_tokens[:, column:column + 1], np.zeros(1, dtype=np.int64),
-                                              fork.cache)
+        logits, _, fork.cache = self._run(new_tokens, np.asarray([new_tokens.shape[1] - 1], dtype=np.int64),
+                                          fork.cache)
         fork.rows = [list(c) for c in contexts]
         self._fork = fork
         self.forward_calls += 1
