@@ -34,7 +34,9 @@ Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime s
   com.microsoft ops; CUDA has them too). Measured interleaved on CPU: SmolLM2-135M 15.8 -> 14.1
   ms/token (30 layers of small matrices: per-node overhead is a visible share), Qwen2.5-0.5B no
   change (~39.6 ms both: weight bandwidth dominates). Modest, but free at run time; `fuse=False`
-  skips it (and its ~10 s at export).
+  skips it (and its ~10 s at export). Then grouped-query attention becomes grouped MatMuls over the KV heads
+  (edge/onnx_export/gqa.py): the fused `MultiHeadAttention` had every row copy its past several times a step,
+  most of what a step's 2nd and 3rd row side by side cost.
 - Cache key: sha256 over the export format version, torch/transformers/onnxscript versions, the
   fusion flag, the model config (minus its dtype) and every state-dict entry (name, shape and all of
   its bytes as float32). Hashing every byte takes ~1.5 s for Qwen2.5-0.5B, cheap next to a 60 s
@@ -70,7 +72,8 @@ from edge.onnx_export.verify import DraftExportError, check_quantised, verify_ex
 log = logging.getLogger(__name__)
 
 # Bump when the graph interface or the export recipe changes: old cache entries then stop matching.
-EXPORT_FORMAT_VERSION = 2  # 2: a batch axis (a tree's branches side by side)
+# 2: a batch axis (a tree's branches side by side); 3: GroupQueryAttention; 4: grouped MatMuls instead (gqa.py)
+EXPORT_FORMAT_VERSION = 4
 MODEL_FILE = "model.onnx"
 INFO_FILE = "export.json"
 # Example sizes for tracing: all distinct and > 1, so torch.export specialises none of them.
@@ -264,7 +267,21 @@ def _export_to(model: PreTrainedModel, path: Path, fuse: bool) -> dict[str, floa
             log.info("fusions applied: %s", {k: v for k, v in counts.items() if v})
     with _stage("save", stages):
         ir.save(onnx_model, path, external_data=DATA_FILE)
+    if fuse:
+        with _stage("grouped-query attention as grouped MatMuls", stages):
+            _rewrite_attention(path)
     return stages
+
+
+def _rewrite_attention(path: Path) -> None:
+    """`edge.onnx_export.gqa` on the saved graph: it reads the graph alone, and saving it keeps the weights' file."""
+    import onnx
+
+    from edge.onnx_export.gqa import grouped_attention
+
+    model = onnx.load(str(path), load_external_data=False)
+    if grouped_attention(model):
+        onnx.save(model, str(path))
 
 
 def _example_inputs(model: PreTrainedModel) -> tuple[tuple, tuple]:

@@ -98,6 +98,8 @@ def test_export_layout_and_cache_location(tiny_target: LoadedModel, tiny_onnx: P
     n_layers = tiny_target.model.config.num_hidden_layers
     assert [i.name for i in graph.input] == onnx_export.input_names(n_layers)
     assert [o.name for o in graph.output] == onnx_export.output_names(n_layers)
+    ops = {node.op_type for node in graph.node}  # the tiny model has grouped-query attention, as Qwen2.5 does
+    assert "MultiHeadAttention" not in ops and "Expand" not in ops  # grouped MatMuls: no KV head is repeated
     past_dims = [d.dim_param or d.dim_value for d in graph.input[2].type.tensor_type.shape.dim]
     assert isinstance(past_dims[0], str) and isinstance(past_dims[2], str)  # batch and past length are symbolic
     info = read_export_info(tiny_onnx)
@@ -351,3 +353,29 @@ def test_branches_side_by_side_match_each_branch_alone(tiny_target: LoadedModel,
     assert lm.tokens == prefix and lm.forward_calls == 1 + 1 + 3  # the chain, the prefix's refeed, three steps
     assert relative_error(CachedLM(tiny_target.model).advance_to(prefix + [4]).logits[-1],
                           lm.advance_to(prefix + [4]).logits[-1]) < 1e-4
+
+
+@pytest.mark.parametrize("io_binding", [False, True], ids=["numpy", "io-binding"])
+def test_branches_fed_several_tokens_at_once(tiny_target: LoadedModel, tiny_onnx: Path, io_binding: bool) -> None:
+    """Rows that differ in more than their last token at the fork, then grow by two tokens a call: several new tokens
+    over a past in several rows go through the causal bias of the grouped attention (edge/onnx_export/gqa.py)."""
+    lm = OnnxDraftModel(tiny_onnx, threads=1, io_binding=io_binding).new_lm()
+    prefix = list(range(30, 50))
+    rows = [prefix + [7, 1, 2], prefix + [8, 3, 4], prefix + [9, 5, 6]]
+    for grown in ([], [11, 12], [21, 22]):
+        rows = [row + [token + i for token in grown] for i, row in enumerate(rows)]
+        for row, logits in zip(rows, lm.advance_batch(rows)):
+            assert relative_error(CachedLM(tiny_target.model).advance_to(row).logits[-1], logits) < 1e-4
+    assert lm.tokens == prefix
+
+
+def test_a_batched_step_is_each_row_alone_bit_for_bit(tiny_onnx: Path) -> None:
+    """One step of 3 rows over a shared past gives each row exactly the logits and presents it gets alone."""
+    lm = OnnxDraftModel(tiny_onnx, threads=1).new_lm()
+    lm.advance_to(list(range(30, 60)))
+    feed = lambda ids, past: lm._run(np.asarray(ids, dtype=np.int64), np.zeros(1, dtype=np.int64), past)  # noqa: E731
+    logits, _, presents = feed([[7], [8], [9]], [np.repeat(p, 3, axis=0) for p in lm._past])
+    for row, token in enumerate((7, 8, 9)):
+        alone_logits, _, alone_presents = feed([[token]], lm._past)
+        assert np.array_equal(alone_logits[0], logits[row])
+        assert all(np.array_equal(a[0], p[row]) for a, p in zip(alone_presents, presents))
