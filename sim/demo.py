@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = PROMPTS[:args.prompts]
     args.out.mkdir(parents=True, exist_ok=True)
     llama = args.engine == "llama.cpp"
-    modes = (*MODES, AUTO_MODE)  # and auto, the daemon's default with a cloud: whichever of them it predicts fastest
+    modes = (*MODES, AUTO_MODE)  # and auto: per request, whichever of them its cost model predicts fastest
     engine = "llama.cpp" if llama else f"resident ({args.dtype})"
     baselines = baselines_to_run(args)
     print(f"starting the cloud ({args.target} on {engine}) and the edge daemon ({args.draft}, verifier "
