@@ -222,6 +222,7 @@ class EdgeDecoder:
             self.placer.observe_edge_start(stats.ttft_ms, len(generation.prompt_ids), generation.settings.k,
                                            self.cost_model, first.first_token_from_open)
         if switch is not None:
+            switch.teach()
             self.placer.observe_uplink(stats.uplink_bytes, switch.edge_rounds)
         elif generation.settings.traits.placeable:
             self.placer.observe_edge(stats)

@@ -2,10 +2,11 @@
 
 A boundary is where the edge and the cloud agree on the context: a verdict applied (speculating on the edge), a
 chunk of a cloud stream committed (mode target's tokens, cloud-sd's rounds). There the runner asks `ModeSwitch.due`:
-the placer decides again (edge/decoding/placer.py `choose_mode`) over the tokens left, from what it has learned,
-this request's own rounds included (the edge's as they come here, the cloud's chunks in edge/decoding/target_mode.py,
-the round trip and verify times in the cost model). Only when another option is predicted faster by more than the
-margin does the runner stop there, cleanly; the next segment continues the same `Generation` from the prompt and
+the placer decides again (edge/decoding/placer.py `choose_mode`) over the tokens left, from what it has learned
+of earlier requests and of this one: the edge's rounds so far, weighed with earlier requests' yield (a few poor
+rounds are mostly noise about the rest of a request), the cloud's chunks (edge/decoding/target_mode.py), the round
+trip and verify times (the cost model). Another option pays its start over the context so far (its stream's
+prefill); only when it is still predicted faster by more than the margin does the runner stop there, cleanly; the next segment continues the same `Generation` from the prompt and
 the tokens committed so far (the cloud's prefix cache and the edge's draft KV keep the re-prefill small).
 
 Why the output stays the target's: every mode auto runs is lossless given its context, a segment starts only from
@@ -29,7 +30,7 @@ from common.spec.generation import Generation
 from common.spec.propose.drafting import Drafter
 from edge.decoding.edge_settings import EdgeSettings
 from edge.decoding.placement import EDGE
-from edge.decoding.placer import Placed, Placer
+from edge.decoding.placer import EdgeYield, Placed, Placer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class ModeSwitch:
     later: list[Placed] = field(default_factory=list)
     pending: Placed | None = None  # the switch a runner stopped for, not begun yet
     drafter: Drafter | None = None  # the edge segments' drafter, kept across them (its KV holds the context)
-    edge_rounds: int = 0
+    own: EdgeYield = EdgeYield()  # this request's edge rounds so far
     _tokens: int = 0  # completion tokens at the last boundary
     _rounds: int = 0  # verdicts then
     _drafted: int = 0  # draft tokens verified then
@@ -92,7 +93,7 @@ class ModeSwitch:
             return False
         decode = self.asked.decode
         choice = self.placer.choose_mode(decode.mode, decode.k, generation.budget, self.cost_model, self.cloud,
-                                         self.current.used, at)
+                                         self.current.used, at, len(generation.prompt_ids) + at, self.own)
         if choice.used == self.current.used:
             return False
         self.pending = replace(choice, at_token=at)
@@ -112,15 +113,23 @@ class ModeSwitch:
         self._drafted, self._opened = sum(recorder.block_lengths), recorder.target_calls - len(recorder.block_lengths)
         return settings
 
+    @property
+    def edge_rounds(self) -> int:
+        return self.own.rounds
+
+    def teach(self) -> None:
+        """At the request's end: its edge rounds' yield, one request's worth of what later requests weigh theirs with."""
+        if self.own.rounds:
+            self.placer.observe_edge_round(self.own.tokens / self.own.rounds, self.own.drafted / self.own.rounds)
+
     def _learn(self, generation: Generation, at: int) -> None:
-        """An edge round's yield, as the placer weighs it: tokens per verdict. The target's first token from a
-        session's open is a target call but no round: its token is the start's (`Placer.observe_edge_start`)."""
+        """An edge segment's rounds since the last boundary: tokens per verdict, as the placer weighs them. The
+        target's first token from a session's open is a target call but no round: its token is the start's
+        (`Placer.observe_edge_start`)."""
         recorder = generation.recorder
         rounds, drafted = len(recorder.block_lengths), sum(recorder.block_lengths)
         opened = recorder.target_calls - rounds
         from_rounds = (at - self._tokens) - (opened - self._opened)  # since the last boundary, less the opens' tokens
         if self.current.used == EDGE and rounds > self._rounds and from_rounds > 0:
-            self.placer.observe_edge_round(from_rounds / (rounds - self._rounds),
-                                           (drafted - self._drafted) / (rounds - self._rounds))
-            self.edge_rounds += rounds - self._rounds
+            self.own = self.own.plus(rounds - self._rounds, from_rounds, drafted - self._drafted)
         self._tokens, self._rounds, self._drafted, self._opened = at, rounds, drafted, opened

@@ -13,11 +13,12 @@ edge's rounds have sent them (a call policy such as goodput grows blocks past k;
 t_round_cloud = gamma * t_draft_cloud + t_verify(gamma) (the cloud's round, as its GenerateChunks report it),
 t_decode the cloud's decode step, and the cloud's stream pays the round trip once at the start. s is what an option
 pays once at a request's start beyond its rounds (the prompt's prefill; on the edge also the draft's, overlapped with
-the cloud's), learned per prompt token from earlier requests' first round or chunk (edge/decoding/placer.py); 0 at a
-round boundary. `load` >= 1 stretches the cloud's steps when it announces a queue: cloud drafting spends the shared
-cloud's compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused us with
-RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at
-all ("never the worse one under load").
+the cloud's), learned per prompt token from earlier requests' first round or chunk (edge/decoding/placer.py); at a
+round boundary the option running pays none and the others theirs over the context so far (a switch opens a
+stream). `load` >= 1 stretches the cloud's steps when it announces a queue: cloud drafting spends the shared cloud's
+compute that edge drafting saves, so a cloud that says it is busy (announced a queue, or refused us with
+RESOURCE_EXHAUSTED, lately: edge/cloud_link/replicas.py holds either for a while) gets no cloud drafting at all
+("never the worse one under load").
 
 Hysteresis: a request keeps the previous request's placement unless the other side is predicted faster by
 more than `margin` (a share), so that a request-by-request decision does not flap on noise. `--mode auto` decides
@@ -57,7 +58,8 @@ class PlacementInputs:
     edge_drafted_per_round: float | None = None  # g: draft tokens an edge round sends, as observed; None: gamma
     open_stream: str | None = None  # CLOUD or TARGET: that option's stream is open already (mid-request: no RTT again)
     # What each option pays once at a request's start before its rounds run (its prompt's prefill, and for the edge
-    # the draft's too), as learned per prompt token (edge/decoding/placer.py); 0 at a round boundary
+    # the draft's too), as learned per prompt token (edge/decoding/placer.py); at a round boundary, over the context
+    # so far for the options not running, 0 for the one running
     edge_start_ms: float = 0.0
     cloud_start_ms: float = 0.0
     target_start_ms: float = 0.0

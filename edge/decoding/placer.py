@@ -36,6 +36,29 @@ log = logging.getLogger(__name__)
 PRIOR_ACCEPT = 0.6  # a drafted token's chance to be kept, before this edge has seen a verdict
 PRIOR_CLOUD_DRAFT_MS = 5.0  # one draft step in the cloud (an accelerator's), before its first cloud-sd round
 ALPHA = 0.25
+# Mid-request, a `--mode auto` request's own edge rounds weigh against what earlier requests' rounds yielded as if
+# those were this many rounds: a few poor rounds of a request (a stretch of prose) are mostly noise about what the
+# rest of it yields, and leaving the edge costs a stream's start; a request that keeps yielding little takes over.
+REQUEST_PRIOR_ROUNDS = 8.0
+
+
+@dataclass(frozen=True)
+class EdgeYield:
+    """What a request's own edge rounds yielded so far: verdicts, the tokens they gave and the draft tokens sent."""
+
+    rounds: int = 0
+    tokens: float = 0.0
+    drafted: float = 0.0
+
+    def plus(self, rounds: int, tokens: float, drafted: float) -> EdgeYield:
+        return EdgeYield(self.rounds + rounds, self.tokens + tokens, self.drafted + drafted)
+
+    def blended(self, prior: float, prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> float:
+        """Tokens a round: `prior` (earlier requests'), as `prior_rounds` rounds of evidence, with this request's."""
+        return (prior_rounds * prior + self.tokens) / (prior_rounds + self.rounds)
+
+    def blended_drafted(self, prior: float, prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> float:
+        return (prior_rounds * prior + self.drafted) / (prior_rounds + self.rounds)
 
 
 class PlacementRefused(SprinterError, ValueError):
@@ -141,22 +164,28 @@ class Placer:
         return self._count(Placed(placement, decision.placement, placed_mode(mode, decision.placement), decision))
 
     def choose_mode(self, mode: str, k: int, max_tokens: int, cost_model: CostModel, cloud: object,
-                    current: str | None, at_token: int = 0, prompt_tokens: int = 0) -> Placed:
+                    current: str | None, at_token: int = 0, prompt_tokens: int = 0,
+                    own: EdgeYield = EdgeYield()) -> Placed:
         """`--mode auto`: speculate on the edge in `mode`, in the cloud (cloud-sd), or not at all (mode target), for
-        the `max_tokens` left. At a request's start `current` is the last request's choice; at its round boundaries
-        (`at_token` > 0: edge/decoding/mode_switch.py) the option running, whose cloud stream, if it has one, is
-        open already. Either wins unless another is predicted faster by more than the margin. `prompt_tokens` (at a
-        request's start) prices each option's start."""
+        the `max_tokens` left. At a request's start `current` is the last request's first choice and `prompt_tokens`
+        its prompt. At its round boundaries (`at_token` > 0: edge/decoding/mode_switch.py) `current` is the option
+        running, which pays no start again (its stream, if it has one, is open), `prompt_tokens` the context so far,
+        which any other option's start prefills, and `own` the request's own edge rounds so far, which weigh with
+        earlier requests' (`EdgeYield.blended`). The option running wins unless another is predicted faster by more
+        than the margin."""
         costs: CloudCosts = cloud.costs()  # type: ignore[attr-defined]
         cost_model.seed_verify_prior(costs)
         load, busy = cloud.drafting_load()  # type: ignore[attr-defined]
         decode_ms = self._cloud_decode_ms.value if self._cloud_decode_ms is not None else \
             costs.decode_ms() or cost_model.t_verify_ms(0)
         drafts = cloud.drafts()  # type: ignore[attr-defined]
-        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, drafts, 0 if at_token else prompt_tokens),
+        inputs = replace(self.inputs(k, max_tokens, cost_model, load, busy, drafts, prompt_tokens, own),
                          cloud_decode_ms=decode_ms, open_stream=current if at_token else None)
+        if at_token and current == EDGE:
+            inputs = replace(inputs, edge_start_ms=0.0)  # its session is open, its draft's KV holds the context
         decision = decide(inputs, current, self.margin)
-        self.previous_choice = decision.placement
+        if not at_token:  # a request's own switches answer its own rounds: the next request starts from this choice
+            self.previous_choice = decision.placement
         log.debug("mode auto at token %d: %s", at_token, decision)
         return Placed(AUTO_MODE, decision.placement, option_mode(mode, decision.placement), decision, at_token=at_token)
 
@@ -165,10 +194,12 @@ class Placer:
         return placed
 
     def inputs(self, k: int, max_tokens: int, cost_model: CostModel, load: float = 1.0, busy: bool = False,
-               drafts: bool = True, prompt_tokens: int = 0) -> PlacementInputs:
+               drafts: bool = True, prompt_tokens: int = 0, own: EdgeYield = EdgeYield()) -> PlacementInputs:
         prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
         edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
         drafted = self._edge_drafted.value if self._edge_drafted is not None else None
+        if own.rounds:  # mid-request: what this request's rounds yielded, weighed with earlier requests'
+            edge_tokens, drafted = own.blended(edge_tokens), own.blended_drafted(k if drafted is None else drafted)
         cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
             k * self.prior_cloud_draft_ms + cost_model.t_verify_ms(k)
         return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms,
@@ -214,9 +245,10 @@ class Placer:
         self._uplink_bytes.update(stats.uplink_bytes / rounds)
 
     def observe_edge_round(self, tokens: float, drafted: float) -> None:
-        """The tokens one edge round of a `--mode auto` request yielded and the draft tokens it sent, learned as it
-        goes (observe_edge, at the end of a request, would mix its other modes' calls in); its uplink bytes come
-        with `observe_uplink`."""
+        """The tokens a request's edge rounds yielded and the draft tokens they sent, a round on average: one
+        request's worth of evidence (a `--mode auto` request's edge segments tell it at its end, edge/decoding/
+        mode_switch.py; observe_edge would mix its other modes' calls in); its uplink bytes come with
+        `observe_uplink`."""
         self._edge_tokens = _update(self._edge_tokens, tokens)
         self._edge_drafted = _update(self._edge_drafted, drafted)
 

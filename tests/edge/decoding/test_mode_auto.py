@@ -21,11 +21,13 @@ from cloud_harness import ServerThread
 from common.spec.cost_model import CostModel
 from common.spec.local_decoder import LocalDecoder
 from common.spec.modes import DecodeSettings
+from common.spec.round_cost import CloudCosts
 from common.stats import DecodeStats
 from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.decoding.placement import PlacementInputs, decide
-from edge.decoding.placer import Placer
+from edge.decoding.mode_switch import ModeSwitch
+from edge.decoding.placer import EdgeYield, Placer
 from edge.node import EdgeNode, EdgeNodeSettings
 from edge_harness import EdgeDaemonThread
 from sim.link.proxy import LinkProxy
@@ -113,6 +115,67 @@ def test_an_edge_round_is_a_verdict_and_the_opens_first_token_no_rounds_yield() 
     assert inputs.edge_tokens_per_round == pytest.approx(31 / 4)
     assert inputs.edge_drafted_per_round == pytest.approx(39 / 4)
     assert inputs.uplink_bytes_per_round == pytest.approx(1000.0)
+
+
+class _Cloud:  # what the placer reads of the decoder's ReplicaSet: no cost table, no draft, no queue
+    def costs(self) -> CloudCosts:
+        return CloudCosts()
+
+    def drafting_load(self) -> tuple[float, bool]:
+        return 1.0, False
+
+    def drafts(self) -> bool:
+        return False
+
+
+def _slow_target_placer() -> tuple[Placer, CostModel]:
+    """Earlier requests' edge rounds yielded 5 tokens from 5 drafted, a round of 5 * 24 + 100 + 300 ms (9.6 tokens/s);
+    the target decodes a token in 240 ms (4.2 tokens/s) and prefilled 2 ms a prompt token."""
+    cost_model = CostModel(prior_draft_ms=24.0, prior_rtt_ms=100.0, prior_verify_base_ms=300.0,
+                           prior_verify_per_token_ms=0.0)
+    placer = Placer()
+    placer.observe_edge_round(5.0, 5.0)
+    placer.observe_target_step(240.0, first=False)
+    placer.observe_target_step(240.0 + 100.0, first=True, prompt_tokens=50)
+    return placer, cost_model
+
+
+def test_a_few_poor_rounds_of_a_request_weigh_against_earlier_requests_and_many_take_over() -> None:
+    placer, cost_model = _slow_target_placer()
+    few = EdgeYield(rounds=3, tokens=4.5, drafted=15.0)  # a stretch of prose: 1.5 tokens a round
+    kept = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), "edge", 10, 110, few)
+    assert kept.used == "edge" and kept.decision.reason != "kept"
+    blended = (8 * 5.0 + 4.5) / (8 + 3)  # the request's 3 rounds against earlier requests' as 8
+    assert kept.decision.edge_tokens_per_s == pytest.approx(1e3 * 64 / (64 / blended * (5 * 24.0 + 400.0)))
+    many = EdgeYield(rounds=40, tokens=40.0, drafted=200.0)  # a request that keeps yielding one token a round
+    left = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), "edge", 50, 150, many)
+    assert left.used == "target"
+    # the switch pays the target's start over the context so far: a fresh stream prefills 150 tokens at 2 ms each
+    assert left.decision.target_tokens_per_s == pytest.approx(1e3 * 64 / (100.0 + 300.0 + 64 * 240.0))
+
+
+def test_the_option_running_pays_no_start_and_a_requests_own_switches_do_not_steer_the_next_one() -> None:
+    placer, cost_model = _slow_target_placer()
+    placer.observe_edge_start(ttft_ms=1000.0, prompt_tokens=100, k=5, cost_model=cost_model)
+    first = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), None, prompt_tokens=100)
+    assert first.used == "edge" and placer.previous_choice == "edge"
+    running = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), "edge", 10, 110)
+    assert running.decision.edge_tokens_per_s == pytest.approx(1e3 * 64 / (64 / 5.0 * (5 * 24.0 + 400.0)))
+    slow = EdgeYield(rounds=400, tokens=400.0, drafted=2000.0)
+    assert placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), "edge", 20, 120, slow).used == "target"
+    assert placer.previous_choice == "edge"  # the next request starts from this one's first choice
+
+
+def test_a_requests_edge_rounds_teach_the_placer_once_at_its_end_as_one_requests_worth() -> None:
+    placer, cost_model = _slow_target_placer()
+    asked = EdgeSettings(DecodeSettings(mode="sprinter-exact", max_new_tokens=64, k=5), chooses_mode=True)
+    first = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), None)
+    switch = ModeSwitch(placer, asked, first, cost_model, _Cloud(), lambda: False,
+                        own=EdgeYield(rounds=10, tokens=20.0, drafted=50.0))
+    switch.teach()
+    inputs = placer.inputs(5, 64, cost_model)
+    assert inputs.edge_tokens_per_round == pytest.approx(0.75 * 5.0 + 0.25 * 2.0)  # one EWMA step, not ten
+    assert inputs.edge_drafted_per_round == pytest.approx(5.0) and switch.edge_rounds == 10
 
 
 def test_placement_alone_never_offers_the_target() -> None:

@@ -31,7 +31,7 @@ from common.spec.modes import DecodeSettings
 from edge.api.app import ApiSettings, create_app
 from edge.decoding.decoder import EdgeSettings
 from edge.decoding.mode_switch import segment_seed, segment_settings
-from edge.decoding.placer import Placed, Placer, option_mode
+from edge.decoding.placer import EdgeYield, Placed, Placer, option_mode
 from edge.node import EdgeNode
 from edge_harness import EdgeDaemonThread, on_edge
 from exact_distributions import chi_square_pvalue, first_tokens_distribution, near_draft, seeded_generations
@@ -48,8 +48,8 @@ class Alternating(Placer):
     every: int = 3
 
     def choose_mode(self, mode: str, k: int, max_tokens: int, cost_model, cloud, current: str | None,
-                    at_token: int = 0, prompt_tokens: int = 0) -> Placed:
-        real = super().choose_mode(mode, k, max_tokens, cost_model, cloud, current, at_token, prompt_tokens)
+                    at_token: int = 0, prompt_tokens: int = 0, own: EdgeYield = EdgeYield()) -> Placed:
+        real = super().choose_mode(mode, k, max_tokens, cost_model, cloud, current, at_token, prompt_tokens, own)
         option = self.order[(at_token // self.every) % len(self.order)]
         return replace(real, used=option, mode=option_mode(mode, option),
                        decision=replace(real.decision, placement=option, reason="forced"))
