@@ -115,12 +115,11 @@ class ModeSwitch:
 
     @property
     def edge_rounds(self) -> int:
-        return self.own.rounds
+        return int(self.own.rounds)
 
     def teach(self) -> None:
-        """At the request's end: its edge rounds' yield, one request's worth of what later requests weigh theirs with."""
-        if self.own.rounds:
-            self.placer.observe_edge_round(self.own.tokens / self.own.rounds, self.own.drafted / self.own.rounds)
+        """At the request's end: its edge rounds, which later requests' choices weigh theirs with."""
+        self.placer.observe_edge_rounds(self.own)
 
     def _learn(self, generation: Generation, at: int) -> None:
         """An edge segment's rounds since the last boundary: tokens per verdict, as the placer weighs them. The

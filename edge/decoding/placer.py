@@ -44,14 +44,31 @@ REQUEST_PRIOR_ROUNDS = 8.0
 
 @dataclass(frozen=True)
 class EdgeYield:
-    """What a request's own edge rounds yielded so far: verdicts, the tokens they gave and the draft tokens sent."""
+    """Edge rounds: verdicts, the tokens they gave and the draft tokens sent; one request's so far, or earlier
+    requests' decayed (`decayed`). E, the tokens a round yields, is tokens / rounds: a ratio of sums, so that a
+    request is weighed by its rounds, as its time is (an average of each request's own E would overrate: the
+    requests that yield little take the most rounds)."""
 
-    rounds: int = 0
+    rounds: float = 0.0
     tokens: float = 0.0
     drafted: float = 0.0
 
     def plus(self, rounds: int, tokens: float, drafted: float) -> EdgeYield:
         return EdgeYield(self.rounds + rounds, self.tokens + tokens, self.drafted + drafted)
+
+    def decayed(self, request: EdgeYield, alpha: float = ALPHA) -> EdgeYield:
+        """Earlier requests' sums with `request`'s added at weight `alpha` (each older request's shrinks by 1 - alpha)."""
+        keep = 1.0 - alpha
+        return EdgeYield(keep * self.rounds + alpha * request.rounds, keep * self.tokens + alpha * request.tokens,
+                         keep * self.drafted + alpha * request.drafted)
+
+    @property
+    def per_round(self) -> float:
+        return self.tokens / self.rounds
+
+    @property
+    def drafted_per_round(self) -> float:
+        return self.drafted / self.rounds
 
     def blended(self, prior: float, prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> float:
         """Tokens a round: `prior` (earlier requests'), as `prior_rounds` rounds of evidence, with this request's."""
@@ -118,8 +135,7 @@ class Placer:
     previous: str | None = None
     previous_choice: str | None = None  # `--mode auto`'s last choice: its own hysteresis, apart from placement's
     decisions: Counter = field(default_factory=Counter)  # (asked, used) -> requests
-    _edge_tokens: Ewma | None = None  # tokens an edge round yields
-    _edge_drafted: Ewma | None = None  # draft tokens an edge round sends: the call policy's blocks, not k
+    _edge: EdgeYield | None = None  # earlier requests' edge rounds, decayed by request; their drafted: the blocks
     _uplink_bytes: Ewma = field(default_factory=lambda: Ewma(0.0, ALPHA))  # per edge round
     _cloud_tokens: Ewma | None = None  # tokens a cloud-sd round yields
     _cloud_round_ms: Ewma | None = None
@@ -196,8 +212,8 @@ class Placer:
     def inputs(self, k: int, max_tokens: int, cost_model: CostModel, load: float = 1.0, busy: bool = False,
                drafts: bool = True, prompt_tokens: int = 0, own: EdgeYield = EdgeYield()) -> PlacementInputs:
         prior_tokens = 1.0 + sum(PRIOR_ACCEPT ** j for j in range(1, k + 1))
-        edge_tokens = self._edge_tokens.value if self._edge_tokens is not None else prior_tokens
-        drafted = self._edge_drafted.value if self._edge_drafted is not None else None
+        edge_tokens = self._edge.per_round if self._edge is not None else prior_tokens
+        drafted = self._edge.drafted_per_round if self._edge is not None else None  # the policy's blocks, not k
         if own.rounds:  # mid-request: what this request's rounds yielded, weighed with earlier requests'
             edge_tokens, drafted = own.blended(edge_tokens), own.blended_drafted(k if drafted is None else drafted)
         cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
@@ -241,16 +257,15 @@ class Placer:
         from_rounds = stats.new_tokens - (stats.target_calls - rounds)
         if rounds == 0 or from_rounds <= 0:
             return
-        self.observe_edge_round(from_rounds / rounds, sum(stats.block_lengths) / rounds)
+        self.observe_edge_rounds(EdgeYield(rounds, from_rounds, sum(stats.block_lengths)))
         self._uplink_bytes.update(stats.uplink_bytes / rounds)
 
-    def observe_edge_round(self, tokens: float, drafted: float) -> None:
-        """The tokens a request's edge rounds yielded and the draft tokens they sent, a round on average: one
-        request's worth of evidence (a `--mode auto` request's edge segments tell it at its end, edge/decoding/
-        mode_switch.py; observe_edge would mix its other modes' calls in); its uplink bytes come with
-        `observe_uplink`."""
-        self._edge_tokens = _update(self._edge_tokens, tokens)
-        self._edge_drafted = _update(self._edge_drafted, drafted)
+    def observe_edge_rounds(self, request: EdgeYield) -> None:
+        """A request's edge rounds: their verdicts, the tokens they yielded and the draft tokens they sent (a
+        `--mode auto` request's edge segments tell theirs at its end, edge/decoding/mode_switch.py; observe_edge
+        would mix its other modes' calls in); its uplink bytes come with `observe_uplink`."""
+        if request.rounds > 0:
+            self._edge = request if self._edge is None else self._edge.decayed(request)
 
     def observe_uplink(self, bytes_: int, rounds: int) -> None:
         if rounds > 0:
@@ -278,8 +293,8 @@ class Placer:
 
     def snapshot(self) -> dict[str, object]:
         return {"previous": self.previous, "uplink_mbps": self.uplink_mbps,
-                "edge_tokens_per_round": self._edge_tokens.value if self._edge_tokens else None,
-                "edge_drafted_per_round": self._edge_drafted.value if self._edge_drafted else None,
+                "edge_tokens_per_round": self._edge.per_round if self._edge else None,
+                "edge_drafted_per_round": self._edge.drafted_per_round if self._edge else None,
                 "uplink_bytes_per_round": self._uplink_bytes.value,
                 "cloud_tokens_per_round": self._cloud_tokens.value if self._cloud_tokens else None,
                 "cloud_round_ms": self._cloud_round_ms.value if self._cloud_round_ms else None,

@@ -66,7 +66,7 @@ def test_the_edge_is_priced_at_the_blocks_its_rounds_send_not_at_k() -> None:
     # a goodput policy sends 10-token blocks where k is 4: the rounds' 3 tokens cost 10 draft steps and a verify of 10
     cost_model = CostModel(prior_draft_ms=10.0, prior_rtt_ms=0.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=1.0)
     placer = Placer()
-    placer.observe_edge_round(3.0, 10.0)
+    placer.observe_edge_rounds(EdgeYield(1, 3.0, 10.0))
     inputs = placer.inputs(4, 64, cost_model)
     assert inputs.edge_drafted_per_round == pytest.approx(10.0)
     assert inputs.t_verify_ms == pytest.approx(cost_model.t_verify_ms(10.0))
@@ -98,7 +98,7 @@ def test_a_first_token_from_the_open_is_charged_a_tokens_share_of_a_round_not_a_
     # time to first token, then (T - 1) / E rounds; priced s + (T / E) rounds, s is the TTFT less 1 / E of a round
     cost_model = CostModel(prior_draft_ms=10.0, prior_rtt_ms=0.0, prior_verify_base_ms=20.0, prior_verify_per_token_ms=0.0)
     placer = Placer()
-    placer.observe_edge_round(5.0, 4.0)  # verdicts yield 5 tokens from 4 drafted: a round of 4 * 10 + 20 ms
+    placer.observe_edge_rounds(EdgeYield(1, 5.0, 4.0))  # verdicts yield 5 tokens from 4 drafted: a round of 4 * 10 + 20 ms
     placer.observe_edge_start(ttft_ms=500.0, prompt_tokens=100, k=4, cost_model=cost_model)
     assert placer.start_ms("edge", 100) == pytest.approx(500.0 - 60.0 / 5.0)
     inputs = placer.inputs(4, 64, cost_model, prompt_tokens=100)
@@ -134,7 +134,7 @@ def _slow_target_placer() -> tuple[Placer, CostModel]:
     cost_model = CostModel(prior_draft_ms=24.0, prior_rtt_ms=100.0, prior_verify_base_ms=300.0,
                            prior_verify_per_token_ms=0.0)
     placer = Placer()
-    placer.observe_edge_round(5.0, 5.0)
+    placer.observe_edge_rounds(EdgeYield(10, 50.0, 50.0))
     placer.observe_target_step(240.0, first=False)
     placer.observe_target_step(240.0 + 100.0, first=True, prompt_tokens=50)
     return placer, cost_model
@@ -166,16 +166,19 @@ def test_the_option_running_pays_no_start_and_a_requests_own_switches_do_not_ste
     assert placer.previous_choice == "edge"  # the next request starts from this one's first choice
 
 
-def test_a_requests_edge_rounds_teach_the_placer_once_at_its_end_as_one_requests_worth() -> None:
-    placer, cost_model = _slow_target_placer()
+def test_a_requests_edge_rounds_teach_the_placer_once_at_its_end_weighed_by_their_rounds() -> None:
+    placer, cost_model = _slow_target_placer()  # earlier: 10 rounds, 50 tokens, 50 drafted
     asked = EdgeSettings(DecodeSettings(mode="sprinter-exact", max_new_tokens=64, k=5), chooses_mode=True)
     first = placer.choose_mode("sprinter-exact", 5, 64, cost_model, _Cloud(), None)
     switch = ModeSwitch(placer, asked, first, cost_model, _Cloud(), lambda: False,
-                        own=EdgeYield(rounds=10, tokens=20.0, drafted=50.0))
+                        own=EdgeYield(rounds=30, tokens=40.0, drafted=150.0))
     switch.teach()
     inputs = placer.inputs(5, 64, cost_model)
-    assert inputs.edge_tokens_per_round == pytest.approx(0.75 * 5.0 + 0.25 * 2.0)  # one EWMA step, not ten
-    assert inputs.edge_drafted_per_round == pytest.approx(5.0) and switch.edge_rounds == 10
+    # one step of the decay by request, as ratios of sums: (0.75 * 50 + 0.25 * 40) / (0.75 * 10 + 0.25 * 30)
+    assert inputs.edge_tokens_per_round == pytest.approx(47.5 / 15.0)
+    assert inputs.edge_drafted_per_round == pytest.approx(75.0 / 15.0) and switch.edge_rounds == 30
+    # an average of each request's own E would say (0.75 * 5 + 0.25 * 1.33) = 4.08: the poor request's 30 rounds
+    # take 3x the time of the other's 10, and the ratio of sums weighs them so
 
 
 def test_placement_alone_never_offers_the_target() -> None:
