@@ -38,9 +38,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--verifier", default="auto", help="auto (the shipped verifier for this pair, else confidence:0.5), confidence:T, "
                                                        "margin-logistic[:T] (fitted online) or a verifier.json")
     add_companion_argument(p)
-    p.add_argument("--mode", default="sprinter-exact", choices=MODE_CHOICES,
-                   help="default mode; a request may set its own. auto: per request, the target alone, speculating "
-                        "here or in the cloud, whichever the cost model predicts fastest (needs --cloud)")
+    p.add_argument("--mode", choices=MODE_CHOICES,
+                   help="default mode; a request may set its own (default: auto with --cloud, else sprinter-exact). "
+                        "auto: per request, the target alone, speculating here or in the cloud, whichever the cost "
+                        "model predicts fastest (needs --cloud)")
     add_policy_argument(p, " (default for requests; a request may set its own)")
     add_proposer_arguments(p, " (default for requests; a request may set its own: proposer)")
     add_branch_argument(p, " (default for requests in modes that take trees; a request may set its own: branch_tokens)")
@@ -95,6 +96,13 @@ def listen_problem(listen: str, api_key: str | None, allow_unauthenticated: bool
     return None
 
 
+def default_mode(cloud: object) -> str:
+    """The daemon's mode when --mode is not given: with a cloud, `auto`, which streams the target alone where
+    speculating would not pay (docs/benchmarks/auto.md: within 0.97x of the best fixed mode on both cloud engines);
+    without one, sprinter-exact, which drafts here and verifies once a cloud is found (--mqtt)."""
+    return AUTO_MODE if cloud else "sprinter-exact"
+
+
 def fleet_problem(args: argparse.Namespace) -> str | None:
     if not args.mqtt:
         return None
@@ -112,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from edge.node import EdgeNodeSettings
 
     args.api_key = args.api_key or os.environ.get("SPRINTER_API_KEY")
+    args.mode = args.mode or default_mode(args.cloud)
     problem = listen_problem(args.listen, args.api_key, args.allow_unauthenticated) or fleet_problem(args)
     try:
         node_settings = EdgeNodeSettings.from_args(args)
