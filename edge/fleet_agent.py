@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -208,11 +210,18 @@ class FleetAgent:
         onnx_name = str(metadata.get("onnx", "verifier.onnx"))
         if "/" in onnx_name or onnx_name.startswith("."):
             raise ValueError(f"verifier metadata names the ONNX file {onnx_name!r}: a plain file name is required")
-        (directory / onnx_name).write_bytes(onnx)
-        (directory / "verifier.json").write_text(json.dumps(metadata))
+        # each file written aside and renamed in: another edge on this machine may store the same digest meanwhile
+        _write_atomically(directory / onnx_name, onnx)
+        _write_atomically(directory / "verifier.json", json.dumps(metadata).encode())
         return self.controls.load_verifier(directory / "verifier.json")
 
     async def _answer(self, config: FleetConfig, ok: bool, reason: str | None, correlation: bytes | None) -> None:
         applied = ConfigApplied(self.identity.edge_id, config.group, config.version, ok, reason, time.time())
         await self.connection.publish(topics.edge_applied(self.identity.edge_id), encode(applied), qos=1,
                                       properties=publish_properties(correlation=correlation))
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
