@@ -61,6 +61,11 @@ class DecodeStats:
     copy_path_wins: int = 0
 
     @property
+    def calls_without_verdict(self) -> int:
+        """Target calls that verified no block: a session's open (its first token) or a step of the target alone."""
+        return self.target_calls - len(self.block_lengths)
+
+    @property
     def paths_per_round(self) -> float | None:
         """Root-to-leaf paths per tree round (1 would be a chain)."""
         return self.tree_paths / self.tree_rounds if self.tree_rounds else None
@@ -141,6 +146,11 @@ class StatsRecorder:
     side_path_wins: int = 0
     copy_branch_tokens: int = 0
     copy_path_wins: int = 0
+
+    @property
+    def calls_without_verdict(self) -> int:
+        """Target calls that verified no block: a session's open (its first token) or a step of the target alone."""
+        return self.target_calls - len(self.block_lengths)
 
     def proposed(self, tokens: list) -> None:
         """New proposals (common/spec/propose/proposals.py ProposedToken): a draft step for each of the draft's own."""

@@ -110,7 +110,7 @@ class ModeSwitch:
         generation.settings = settings.decode
         recorder = generation.recorder
         self._tokens, self._rounds = len(generation.new_tokens), len(recorder.block_lengths)
-        self._drafted, self._opened = sum(recorder.block_lengths), recorder.target_calls - len(recorder.block_lengths)
+        self._drafted, self._opened = sum(recorder.block_lengths), recorder.calls_without_verdict
         return settings
 
     @property
@@ -127,7 +127,7 @@ class ModeSwitch:
         (`Placer.observe_edge_start`)."""
         recorder = generation.recorder
         rounds, drafted = len(recorder.block_lengths), sum(recorder.block_lengths)
-        opened = recorder.target_calls - rounds
+        opened = recorder.calls_without_verdict
         from_rounds = (at - self._tokens) - (opened - self._opened)  # since the last boundary, less the opens' tokens
         if self.current.used == EDGE and rounds > self._rounds and from_rounds > 0:
             self.own = self.own.plus(rounds - self._rounds, from_rounds, drafted - self._drafted)

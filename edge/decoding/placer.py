@@ -254,7 +254,7 @@ class Placer:
         A round is a verdict; the target's first token from the session's open (counted as a target call) is not
         one, and its token is the start's, not a round's."""
         rounds = len(stats.block_lengths)
-        from_rounds = stats.new_tokens - (stats.target_calls - rounds)
+        from_rounds = stats.new_tokens - stats.calls_without_verdict
         if rounds == 0 or from_rounds <= 0:
             return
         self.observe_edge_rounds(EdgeYield(rounds, from_rounds, sum(stats.block_lengths)))
