@@ -6,8 +6,9 @@ the placer decides again (edge/decoding/placer.py `choose_mode`) over the tokens
 of earlier requests and of this one: the edge's rounds so far, weighed with earlier requests' yield (a few poor
 rounds are mostly noise about the rest of a request), the cloud's chunks (edge/decoding/target_mode.py), the round
 trip and verify times (the cost model). Another option pays its start over the context so far (its stream's
-prefill); only when it is still predicted faster by more than the margin does the runner stop there, cleanly; the next segment continues the same `Generation` from the prompt and
-the tokens committed so far (the cloud's prefix cache and the edge's draft KV keep the re-prefill small).
+prefill); only when it is still predicted faster by more than the margin does the runner stop there, cleanly; the
+next segment continues the same `Generation` from the prompt and the tokens committed so far (the cloud's prefix
+cache and the edge's draft KV keep the re-prefill small).
 
 Why the output stays the target's: every mode auto runs is lossless given its context, a segment starts only from
 committed tokens, and nothing uncommitted crosses a boundary (drafted-ahead blocks and tokens the cloud streamed

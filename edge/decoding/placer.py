@@ -57,7 +57,7 @@ class EdgeYield:
         return EdgeYield(self.rounds + rounds, self.tokens + tokens, self.drafted + drafted)
 
     def decayed(self, request: EdgeYield, alpha: float = ALPHA) -> EdgeYield:
-        """Earlier requests' sums with `request`'s added at weight `alpha` (each older request's shrinks by 1 - alpha)."""
+        """Earlier requests' sums with `request`'s added at weight `alpha` (each older one's shrinks by 1 - alpha)."""
         keep = 1.0 - alpha
         return EdgeYield(keep * self.rounds + alpha * request.rounds, keep * self.tokens + alpha * request.tokens,
                          keep * self.drafted + alpha * request.drafted)
