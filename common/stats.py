@@ -7,8 +7,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
+class _TargetCalls:
+    """What a generation's target calls say, for its stats and its recorder alike (both have these fields)."""
+
+    target_calls: int
+    block_lengths: list[int]
+
+    @property
+    def calls_without_verdict(self) -> int:
+        """Target calls that verified no block: a session's open (its first token) or a step of the target alone."""
+        return self.target_calls - len(self.block_lengths)
+
+
 @dataclass
-class DecodeStats:
+class DecodeStats(_TargetCalls):
     mode: str
     policy: str | None  # the call policy's spec, e.g. "fixed:5"; None in modes draft and target
     new_tokens: int
@@ -61,11 +73,6 @@ class DecodeStats:
     copy_path_wins: int = 0
 
     @property
-    def calls_without_verdict(self) -> int:
-        """Target calls that verified no block: a session's open (its first token) or a step of the target alone."""
-        return self.target_calls - len(self.block_lengths)
-
-    @property
     def paths_per_round(self) -> float | None:
         """Root-to-leaf paths per tree round (1 would be a chain)."""
         return self.tree_paths / self.tree_rounds if self.tree_rounds else None
@@ -113,7 +120,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 @dataclass
-class StatsRecorder:
+class StatsRecorder(_TargetCalls):
     """Collects one generation's events; `finish()` turns them into DecodeStats."""
 
     mode: str
@@ -146,11 +153,6 @@ class StatsRecorder:
     side_path_wins: int = 0
     copy_branch_tokens: int = 0
     copy_path_wins: int = 0
-
-    @property
-    def calls_without_verdict(self) -> int:
-        """Target calls that verified no block: a session's open (its first token) or a step of the target alone."""
-        return self.target_calls - len(self.block_lengths)
 
     def proposed(self, tokens: list) -> None:
         """New proposals (common/spec/propose/proposals.py ProposedToken): a draft step for each of the draft's own."""

@@ -53,7 +53,7 @@ class EdgeYield:
     tokens: float = 0.0
     drafted: float = 0.0
 
-    def plus(self, rounds: int, tokens: float, drafted: float) -> EdgeYield:
+    def plus(self, rounds: float, tokens: float, drafted: float) -> EdgeYield:
         return EdgeYield(self.rounds + rounds, self.tokens + tokens, self.drafted + drafted)
 
     def decayed(self, request: EdgeYield, alpha: float = ALPHA) -> EdgeYield:
@@ -70,12 +70,10 @@ class EdgeYield:
     def drafted_per_round(self) -> float:
         return self.drafted / self.rounds
 
-    def blended(self, prior: float, prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> float:
-        """Tokens a round: `prior` (earlier requests'), as `prior_rounds` rounds of evidence, with this request's."""
-        return (prior_rounds * prior + self.tokens) / (prior_rounds + self.rounds)
-
-    def blended_drafted(self, prior: float, prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> float:
-        return (prior_rounds * prior + self.drafted) / (prior_rounds + self.rounds)
+    def with_prior(self, per_round: float, drafted_per_round: float,
+                   prior_rounds: float = REQUEST_PRIOR_ROUNDS) -> EdgeYield:
+        """These rounds with earlier requests' yield (`per_round`, `drafted_per_round`) as `prior_rounds` more."""
+        return self.plus(prior_rounds, prior_rounds * per_round, prior_rounds * drafted_per_round)
 
 
 class PlacementRefused(SprinterError, ValueError):
@@ -187,7 +185,7 @@ class Placer:
         its prompt. At its round boundaries (`at_token` > 0: edge/decoding/mode_switch.py) `current` is the option
         running, which pays no start again (its stream, if it has one, is open), `prompt_tokens` the context so far,
         which any other option's start prefills, and `own` the request's own edge rounds so far, which weigh with
-        earlier requests' (`EdgeYield.blended`). The option running wins unless another is predicted faster by more
+        earlier requests' (`EdgeYield.with_prior`). The option running wins unless another is predicted faster by more
         than the margin."""
         costs: CloudCosts = cloud.costs()  # type: ignore[attr-defined]
         cost_model.seed_verify_prior(costs)
@@ -215,7 +213,8 @@ class Placer:
         edge_tokens = self._edge.per_round if self._edge is not None else prior_tokens
         drafted = self._edge.drafted_per_round if self._edge is not None else None  # the policy's blocks, not k
         if own.rounds:  # mid-request: what this request's rounds yielded, weighed with earlier requests'
-            edge_tokens, drafted = own.blended(edge_tokens), own.blended_drafted(k if drafted is None else drafted)
+            blended = own.with_prior(edge_tokens, k if drafted is None else drafted)
+            edge_tokens, drafted = blended.per_round, blended.drafted_per_round
         cloud_round = self._cloud_round_ms.value if self._cloud_round_ms is not None else \
             k * self.prior_cloud_draft_ms + cost_model.t_verify_ms(k)
         return PlacementInputs(k, max_tokens, edge_tokens, cost_model.effective_draft_ms, cost_model.rtt_ms,
