@@ -206,15 +206,18 @@ $(VENV)/.models-qwen: $(VENV)/.project
 	touch $@
 
 # llama.cpp for `sprinter cloud serve --engine llama.cpp`, built here from source with native CPU flags (AVX-512,
-# bf16, AMX where the CPU has them), as a user of this machine would build it: one cmake build of the llama.cpp that
+# bf16), as a user of this machine would build it, less AMX: on the Intel kind of this machine the CPU reports AMX but
+# ggml's AMX kernels die of SIGILL (`tilezero` in tinygemm_kernel_amx) on the first batch of a prompt or a verify, so
+# they are compiled out (-mno-amx-*, which -march=native does not override). One cmake build of the llama.cpp that
 # llama-cpp-python $(LLAMA_CPP_PYTHON) vendors gives its shared libraries, which the Python bindings (installed
 # without building a second copy) load, and the baselines' programs: llama-server and llama-bench in $(VENV)/bin.
 # About 5 minutes on 2 cores; `make test` needs it (the engine's tests), `make demo` and the benches too.
 LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_CPP_DIR    := .cache/llama-cpp-$(LLAMA_CPP_PYTHON)
+NO_AMX           := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_CMAKE  := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
                     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
-                    -DLLAMA_BUILD_SERVER=ON
+                    -DLLAMA_BUILD_SERVER=ON -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
 llama-cpp: $(VENV)/.llama-cpp
 $(VENV)/.llama-cpp: $(VENV)/.project | cmake
 	@mkdir -p $(LLAMA_CPP_DIR)
