@@ -255,10 +255,12 @@ def call_policy(settings: DecodeSettings, verifier: Verifier, cost_model: CostMo
     Defaults (each mode's `default_policy`): sd and sd-block fixed:k, sprinter flag at the verifier's threshold,
     sprinter-exact goodput.
     """
+    from common.spec.verifier import learns_from_verdicts  # here: the verifier's module loads torch
+
     traits = settings.traits
     if traits.default_policy is None:
         raise ValueError(f"mode {settings.mode!r} drafts no blocks for a target: it has no call policy")
-    if traits.releases_passed and getattr(verifier, "learns_from_verdicts", False):
+    if traits.releases_passed and learns_from_verdicts(verifier):
         raise ValueError(f"mode {settings.mode!r} releases the tokens its verifier passes unchecked, so no verdict "
                          "judges them: a verifier that learns from verdicts (margin-logistic) needs a lossless mode")
     spec = (settings.policy if traits.takes_policy else None) or traits.default_policy.format(k=settings.k)

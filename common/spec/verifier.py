@@ -56,6 +56,18 @@ def draft_margin(step: DraftStep) -> float:
     return float(top[0] - top[1])
 
 
+def learns_from_verdicts(verifier: Verifier | None) -> bool:
+    """True when the verifier refits from the verdicts it hears (margin-logistic): only a lossless mode has them all."""
+    return bool(getattr(verifier, "learns_from_verdicts", False))
+
+
+def teach_verdict(verifier: Verifier | None, steps: list[DraftStep], n_accepted: int) -> None:
+    """Tell a verifier that learns online (`observe_verdict`, optional on a verifier) how a block it scored fared."""
+    learn = getattr(verifier, "observe_verdict", None)
+    if learn is not None and steps:
+        learn(steps, n_accepted)
+
+
 def reads_history(verifier: Verifier | None) -> bool:
     """True when the verifier reads the previous drafted token's features (`DraftStep.previous`)."""
     return bool(getattr(verifier, "needs_history", False))

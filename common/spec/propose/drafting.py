@@ -25,7 +25,7 @@ from common.spec.companion import Companion
 from common.spec.propose.proposals import MODEL, PendingBlock, ProposedToken, Proposer, ends_block
 from common.sampling.logits_processing import LogitsProcessor
 from common.sampling.distributions import SamplingParams, logits_to_probs, sample
-from common.spec.verifier import DraftStep, Verifier, draft_confidence_features, reads_history
+from common.spec.verifier import DraftStep, Verifier, draft_confidence_features, reads_history, teach_verdict
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -191,9 +191,7 @@ class ModelProposer:
 
     def observe_verdict(self, block: PendingBlock, n_accepted: int) -> None:
         """The draft learns nothing from verdicts; a verifier that learns online (margin-logistic) hears them."""
-        learn = getattr(self.verifier, "observe_verdict", None)
-        if learn is not None and block.drafted:
-            learn([proposed.step for proposed in block.drafted], n_accepted)
+        teach_verdict(self.verifier, [proposed.step for proposed in block.drafted], n_accepted)
 
     def observe_output(self, output: list[int]) -> None:
         """The draft learns nothing from outputs."""
