@@ -81,7 +81,7 @@ async def _measure(settings: AutoBenchSettings, sut: SystemUnderTest, draft: Any
                     for method in every[number % len(every):] + every[:number % len(every)]:
                         for ids in prompts:
                             requests.append(await one(ids, method, rtt, number))
-                log.info("bench auto: RTT %g ms done", rtt)
+                    log.info("bench auto: RTT %g ms, pass %d of %d done", rtt, number + 1, settings.passes)
     return requests
 
 
