@@ -19,8 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Protocol
 
 import aiomqtt
 
+from common.atomic_files import written_aside
 from common.fleet_plane import topics
 from common.fleet_plane.connection import BrokerSettings, FleetConnection, publish_properties
 from common.fleet_plane.messages import (BadMessage, CloudLoad, ConfigApplied, EdgeState, EdgeTelemetry, FleetConfig,
@@ -211,17 +210,12 @@ class FleetAgent:
         if "/" in onnx_name or onnx_name.startswith("."):
             raise ValueError(f"verifier metadata names the ONNX file {onnx_name!r}: a plain file name is required")
         # each file written aside and renamed in: another edge on this machine may store the same digest meanwhile
-        _write_atomically(directory / onnx_name, onnx)
-        _write_atomically(directory / "verifier.json", json.dumps(metadata).encode())
+        for name, data in ((onnx_name, onnx), ("verifier.json", json.dumps(metadata).encode())):
+            with written_aside(directory / name) as partial:
+                partial.write_bytes(data)
         return self.controls.load_verifier(directory / "verifier.json")
 
     async def _answer(self, config: FleetConfig, ok: bool, reason: str | None, correlation: bytes | None) -> None:
         applied = ConfigApplied(self.identity.edge_id, config.group, config.version, ok, reason, time.time())
         await self.connection.publish(topics.edge_applied(self.identity.edge_id), encode(applied), qos=1,
                                       properties=publish_properties(correlation=correlation))
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)

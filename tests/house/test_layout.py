@@ -148,8 +148,8 @@ def test_packages_import_only_what_the_house_rules_allow() -> None:
 
 # common/ by concept (docs/architecture.md): its top level is the plumbing every process shares; what a
 # round does lives in common/spec/, what it computes with in common/model/ and common/sampling/.
-COMMON_TOP = {"addresses", "admission", "arguments", "cli", "errors", "otel_tracing", "prefix_digests", "stats",
-              "table_cells", "tracing"}
+COMMON_TOP = {"addresses", "admission", "arguments", "atomic_files", "cli", "errors", "otel_tracing", "prefix_digests",
+              "stats", "table_cells", "tracing"}
 LAB = "common.lab"  # measurement only
 MEASUREMENT = ("sim", "common.lab", "edge.verifier_training")  # who may import it
 
