@@ -94,6 +94,7 @@ class Batcher:
 
     async def __aenter__(self) -> "Batcher":
         self._task = asyncio.create_task(self._run(), name="batcher")
+        self._task.add_done_callback(self._fail_waiting)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -103,12 +104,23 @@ class Batcher:
         if self._own_worker:
             self._worker.shutdown(wait=True)
 
+    def _fail_waiting(self, task: asyncio.Task) -> None:
+        """If the scheduling loop itself died (a bug, not a failed forward), fail every waiting request with its
+        error instead of leaving callers to wait forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("the batcher's loop died", exc_info=task.exception())
+        for request in (*self._verifies, *self._prefills):
+            if not request.future.done():
+                request.future.set_exception(task.exception())
+
     async def forward(self, cache: ResidentKV, new_tokens: list[int], n_logits: int,
                       abandoned: Callable[[], bool] | None = None, full_logits: bool = True,
                       tree: list[int] | None = None) -> ForwardResult:
         """Append `new_tokens` to `cache` (in place) and return the rows of the last `n_logits` positions; `tree`:
         the block's parents, when it is a tree of tokens (common/spec/tree/draft_tree.py)."""
         request = ForwardRequest(cache, new_tokens, n_logits, abandoned, full_logits, tree)
+        self._raise_if_stopped()
         self._verifies.append(request)
         self._arrived.set()
         return await request.future
@@ -122,10 +134,15 @@ class Batcher:
         result = None
         for start in range(0, len(tokens), self.max_prefill_chunk):
             request = ForwardRequest(cache, tokens[start:start + self.max_prefill_chunk], 1, abandoned, full_logits)
+            self._raise_if_stopped()
             self._prefills.append(request)
             self._arrived.set()
             result = await request.future
         return result
+
+    def _raise_if_stopped(self) -> None:
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            raise RuntimeError("the batcher's loop has stopped") from self._task.exception()
 
     @property
     def worker(self) -> ThreadPoolExecutor:

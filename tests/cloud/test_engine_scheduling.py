@@ -33,13 +33,20 @@ def _caches(model, n: int) -> list[ResidentKV]:
 
 
 def test_a_lone_verify_on_an_idle_engine_waits_for_nothing(tiny_target, forwards):
+    # A hold would last a full second here (the budgets are raised), so "no hold" reads as far under
+    # it however loaded the machine is.
     async def run() -> float:
-        async with Batcher(packed_forward_of(tiny_target.model), demand=lambda: 8) as batcher:  # 8 open streams, 1 request
-            result = await batcher.forward(_caches(tiny_target.model, 1)[0], [1, 2, 3], n_logits=2)
+        async with Batcher(packed_forward_of(tiny_target.model), demand=lambda: 8,  # 8 open streams, 1 request
+                           straggler_share=1e6, max_hold_s=1.0) as batcher:
+            cache = _caches(tiny_target.model, 1)[0]
+            started = time.perf_counter()
+            await batcher.forward(cache, [1, 2, 3], n_logits=2)
+            await asyncio.sleep(2 * (time.perf_counter() - started) + 0.01)  # idle for longer than a forward
+            result = await batcher.forward(cache, [4], n_logits=1)
             return result.queue_ms
 
-    assert asyncio.run(run()) < 5.0
-    assert forwards == [[3]]
+    assert asyncio.run(run()) < 500.0
+    assert forwards == [[3], [1]]
 
 
 def test_requests_waiting_during_a_forward_all_join_the_next_within_the_budgets(tiny_target, forwards):
@@ -104,3 +111,20 @@ def test_after_a_forward_stragglers_are_held_for_a_share_of_it(tiny_target, forw
 async def _after(delay_s: float, coroutine):
     await asyncio.sleep(delay_s)
     return await coroutine
+
+
+def test_a_dead_scheduling_loop_fails_its_callers_instead_of_leaving_them_waiting(tiny_target, monkeypatch):
+    def broken(self) -> list:
+        raise KeyError("a bug in the scheduler")
+
+    monkeypatch.setattr(Batcher, "_next_batch", broken)
+
+    async def run() -> None:
+        async with Batcher(packed_forward_of(tiny_target.model)) as batcher:
+            cache = _caches(tiny_target.model, 1)[0]
+            with pytest.raises(KeyError):
+                await asyncio.wait_for(batcher.forward(cache, [1, 2, 3], n_logits=1), 30)
+            with pytest.raises(RuntimeError, match="stopped"):
+                await batcher.forward(cache, [4], n_logits=1)
+
+    asyncio.run(run())

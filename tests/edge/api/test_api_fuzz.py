@@ -51,6 +51,9 @@ def test_no_input_gets_a_server_error(edge_api_schema):
                 assert response.status_code < 500, (case.body, response.text[:500])
 
             call()
-    accepted = sum(n for (label, _, status), n in statuses.items() if label.startswith("POST") and status == 200)
-    refused = sum(n for (label, _, status), n in statuses.items() if label.startswith("POST") and status == 400)
-    assert accepted >= 40 and refused >= 200, statuses  # both paths were exercised
+    for label in ("POST /v1/completions", "POST /v1/chat/completions"):  # both paths were exercised
+        # How many schema-valid cases fit the 48-token context varies from run to run (about 20 of
+        # 100 per operation, 38-41 in all): hypothesis is derandomized, but the schema's set
+        # iteration follows the hash seed. A tenth of them is enough to show the 200 path runs.
+        assert statuses[label, "positive", 200] >= 8, statuses
+        assert statuses[label, "negative", 400] >= 50, statuses
