@@ -144,7 +144,7 @@ bench-auto: $(VENV)/.models-qwen $(VENV)/.llama-cpp $(STUBS)
 	    --engine $$engine --prompts 2 --max-new-tokens 32 --out results/bench-auto-$$engine \
 	    --page docs/benchmarks/auto.md --section auto-$$(echo $$engine | tr . -) || exit 1; done
 
-bench-proposer: $(VENV)/.models-qwen $(STUBS)
+bench-proposer: $(VENV)/.models-qwen $(VENV)/.llama-cpp $(STUBS)
 	$(VENV)/bin/sprinter bench proposer --target $(TARGET) --draft $(DRAFT) --dtype bfloat16 --rtt-ms 50 --repeats 3 \
 	    --out results/bench-proposer --page docs/benchmarks/proposers.md
 

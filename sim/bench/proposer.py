@@ -25,7 +25,10 @@ import json
 import logging
 import statistics
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
+
+import httpx
 
 from common.lab.plots import grouped_bars, saved_figure
 from common.lab.prompt_sets import PromptRecord, load_prompts
@@ -39,9 +42,12 @@ from edge.node import EdgeNode
 from sim.bench.proposer_calibration import calibration_table, fit_calibration
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import SUITE, TREE_SUFFIX, ProposerBenchSettings
+from sim.sweep.baselines import LocalBaselines
 from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
+
+LLAMA_SERVER = "llama-server"  # the baseline's row: its mode and its proposer
 
 TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins",
                "copy_branch_tokens", "copy_path_wins")
@@ -57,8 +63,9 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     # cloud-sd: the cloud drafts; its copies come from each request's own text alone, since one identity's
     # cache there would let a proposer copy the same prompt's answer from another proposer's pass
     cloud_sd = CLOUD_DRAFTING in settings.modes
-    system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, cloud_drafts=cloud_sd,
-                            cloud_flags=("--suffix-cache", "off") if cloud_sd else (), rtt_ms=settings.rtt_ms)
+    system = SystemSettings(settings.target, settings.draft, settings.out, dtype=settings.dtype, engine=settings.engine,
+                            cloud_drafts=cloud_sd, cloud_flags=("--suffix-cache", "off") if cloud_sd else (),
+                            rtt_ms=settings.rtt_ms)
     rows, lookups_us, calibration = measure_edge_here(
         system, records, lambda sut, draft, ids: _measure(settings, sut, draft, list(zip(records, ids))))
     summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
@@ -98,20 +105,48 @@ async def _measure(settings: ProposerBenchSettings, system: SystemUnderTest, dra
                                   suffix_cache=settings.suffix_cache == "on")
     rows: list[dict] = []
     lookups_us: list[float] = []
-    for proposer in settings.variants:  # warm every path (and the cloud) before timing
-        await node.decoder.generate(prompts[0][1], _edge_settings(settings, settings.modes[0], proposer, 8))
-    for run in range(settings.repeats):
-        order = settings.variants if run % 2 == 0 else tuple(reversed(settings.variants))
-        for proposer in order:
-            # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
-            memory = node.decoder.suffix_memory
-            memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache == "on" else None
-            memory.match_us.clear()
-            for mode in settings.modes:
-                for record, ids in prompts:
-                    rows.append(await _request(node, settings, run, proposer, mode, record, ids))
-            lookups_us += memory.match_us
+    variants = settings.variants + ((LLAMA_SERVER,) if settings.baseline == LLAMA_SERVER else ())
+    with ExitStack() as stack:
+        baseline = None
+        if settings.baseline == LLAMA_SERVER:  # on the cloud's cores, which sit idle while it serves
+            cloud_cpus = set(system.settings.cores.cloud) if system.settings.cores else None
+            baseline = stack.enter_context(LocalBaselines((LLAMA_SERVER,), settings.target, settings.draft,
+                                                          settings.out, cloud_cpus, None))
+        async with httpx.AsyncClient(timeout=600) as client:
+            for variant in variants:  # warm every path (the cloud, llama-server) before timing
+                if variant == LLAMA_SERVER:
+                    await baseline.stream(client, LLAMA_SERVER, prompts[0][1], 8)
+                else:
+                    await node.decoder.generate(prompts[0][1], _edge_settings(settings, settings.modes[0], variant, 8))
+            for run in range(settings.repeats):
+                for variant in variants if run % 2 == 0 else tuple(reversed(variants)):
+                    if variant == LLAMA_SERVER:
+                        rows += [await _baseline_request(baseline, client, settings, run, record, ids)
+                                 for record, ids in prompts]
+                        continue
+                    # no copies of a past pass's outputs; the scores' calibration is the edge's and goes on learning
+                    memory = node.decoder.suffix_memory
+                    memory.cache = OutputCache(DEFAULT_CACHE_TOKENS) if settings.suffix_cache == "on" else None
+                    memory.match_us.clear()
+                    for mode in settings.modes:
+                        for record, ids in prompts:
+                            rows.append(await _request(node, settings, run, variant, mode, record, ids))
+                    lookups_us += memory.match_us
     return rows, lookups_us, node.decoder.suffix_memory.calibration_for(settings.greedy).report()
+
+
+async def _baseline_request(baseline: LocalBaselines, client: httpx.AsyncClient, settings: ProposerBenchSettings,
+                            run: int, record: PromptRecord, ids: list[int]) -> dict:
+    """llama-server alone for the same token ids, sampled with the pass's seed (it has no link): a target forward per
+    token, so a call per token."""
+    streamed = await baseline.stream(client, LLAMA_SERVER, ids, settings.max_tokens, settings.temperature, run)
+    tokens = len(streamed["token_ids"])
+    log.info("pass %d llama-server on %s: %d tokens, %.2f tokens/s", run, record.id, tokens,
+             tokens / streamed["wall_s"])
+    return {"run": run, "proposer": LLAMA_SERVER, "mode": LLAMA_SERVER, "category": record.category,
+            "prompt_id": record.id, "tokens": tokens, "wall_s": streamed["wall_s"], "target_calls": tokens,
+            "draft_forwards": 0, "draft_fed_tokens": 0, "suffix_tokens": 0, "suffix_kept": 0,
+            "block_lengths": [], "accepted_lengths": [], **dict.fromkeys(TREE_COUNTS, 0)}
 
 
 def _edge_settings(settings: ProposerBenchSettings, mode: str, variant: str, max_tokens: int,
@@ -174,6 +209,8 @@ def summarize(rows: list[dict], cap: int = 20) -> list[dict]:
                      == (row["mode"], row["category"])), None)
         row["tokens_per_call_x"] = row["tokens_per_call"] / base["tokens_per_call"] if base else None
         row["tokens_per_s_x"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        alone = next((b for b in summary if b["proposer"] == LLAMA_SERVER and b["category"] == row["category"]), None)
+        row["tokens_per_s_x_llama_server"] = row["tokens_per_s"] / alone["tokens_per_s"] if alone else None
     return sorted(summary, key=lambda r: (r["mode"], r["category"] == "all", r["category"], r["proposer"]))
 
 
@@ -190,15 +227,17 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
              + (f"; a suffix lookup costs {lookup_us:.0f} us (median)" if lookup_us is not None else "") + pinned,
              "",
              "| mode | category | proposer | tokens/call | calls/token | calls/token x oracle | tokens/s | suffix share "
-             "| copies kept | tokens/call x | tokens/s x |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| copies kept | tokens/call x | tokens/s x | tokens/s x llama-server |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary:
+        over_alone = r.get("tokens_per_s_x_llama_server")
         ratio = (f"{r['tokens_per_call_x']:.2f} | {r['tokens_per_s_x']:.2f}" if r["proposer"] != "model"
                  and r["tokens_per_call_x"] is not None else "- | -")
         lines.append(f"| {r['mode']} | {r['category']} | {r['proposer']} | {r['tokens_per_call']:.2f} | "
                      f"{r['calls_per_token']:.3f} | {_x(r['calls_per_token'], r.get('oracle_calls_per_token'))} | "
                      f"{r['tokens_per_s']:.2f} | {r['suffix_share']:.2f} | "
-                     f"{r['suffix_kept_share']:.2f} | {ratio} |")
+                     f"{r['suffix_kept_share']:.2f} | {ratio} | "
+                     + (f"{over_alone:.2f} |" if over_alone is not None else "- |"))
     return "\n".join(lines)
 
 

@@ -75,7 +75,9 @@ class SystemUnderTest:
 
     def __init__(self, settings: SystemSettings) -> None:
         self.settings = settings
-        self.link_port = free_port()
+        # The link listens where the OS puts it (no port picked here and bound seconds later, which another
+        # process may take meanwhile), except when the cloud must announce it before the link is up.
+        self.link_port = free_port() if settings.advertise_link else 0
         self.link: LinkProxy | None = None
         self.rtt_ms = settings.rtt_ms
         self.cloud_address = ""
@@ -118,6 +120,7 @@ class SystemUnderTest:
             host, _, port = self.cloud_address.rpartition(":")
             self.link = await self.hold(LinkProxy(replace(s.link, delay_ms=s.rtt_ms / 2), (host, int(port)),
                                                   listen=("127.0.0.1", self.link_port)))
+            self.link_port = int(self.link.address.rpartition(":")[2])
         if s.edge_flags is not None:
             threads = s.threads_on(cores.edge if cores else None)
             flags = ["--draft", s.draft, "--dtype", s.dtype, "--cloud", self.edge_dials,

@@ -26,6 +26,8 @@ class ProposerBenchSettings:
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
     draft_runtime: Literal["torch", "onnx", "llama.cpp"] = "onnx"  # the edge's own (int8 weights)
+    engine: Literal["resident", "llama.cpp"] = "resident"  # the cloud's
+    baseline: Literal["llama-server", "off"] = "llama-server"  # what a user would run instead: the target's GGUF
     rtt_ms: float = 50.0
     modes: tuple[str, ...] = ("sd-block",)
     proposers: tuple[str, ...] = PROPOSERS
@@ -133,7 +135,10 @@ class PolicyBenchSettings:
 PROPOSER = Bench(
     "proposer", "tokens per round trip: the draft model, suffix and hybrid drafting, per category",
     ProposerBenchSettings, "sim.bench.proposer:bench_proposer", plots=("proposers.png",), quiet_http=True,
-    helps={"draft_runtime": "the edge's draft runtime", "modes": "comma list", "proposers": "comma list",
+    helps={"draft_runtime": "the edge's draft runtime", "engine": "the cloud's engine",
+           "baseline": "llama-server: llama.cpp's server alone on the cloud's core, the same prompts as the same token "
+                       "ids, one more row per category (needs the target's GGUF preset); off: our variants only",
+           "modes": "comma list", "proposers": "comma list",
            "branch_tokens": "comma list of branch budgets (0, a count, auto): each proposer runs with each, labelled "
                             "`model+tree:auto`; 0 is one path",
            "temperature": "0: greedy; else sampled, a seed per pass",

@@ -77,3 +77,19 @@ def test_branch_budgets_make_variants_and_their_trees_are_tabled():
     assert "| sprinter-exact | math | model+tree:auto | 4 | 2.50 | 3.00 | 0.75 | 0.50 | 1.00 | 0.25 |" in \
         tree_table(summary)
     assert tree_table([s for s in summary if s["proposer"] == "model"]) == ""
+
+
+def test_llama_server_alone_is_a_row_of_its_own_and_every_row_is_timed_against_it():
+    from sim.bench.proposer import LLAMA_SERVER
+    row = {"category": "math", "prompt_id": "m", "tokens": 40, "block_lengths": [5] * 8, "accepted_lengths": [4] * 8}
+    rows = [{**row, "run": r, "proposer": "model", "mode": "sprinter-exact", "wall_s": 4.0, "target_calls": 8}
+            for r in range(3)]
+    rows += [{**row, "run": r, "proposer": LLAMA_SERVER, "mode": LLAMA_SERVER, "wall_s": 5.0 + r, "target_calls": 40,
+              "block_lengths": [], "accepted_lengths": []} for r in range(3)]
+    summary = {(s["category"], s["proposer"]): s for s in summarize(rows)}
+    alone = summary[("math", LLAMA_SERVER)]
+    assert alone["tokens_per_s"] == pytest.approx(40 / 6) and alone["calls_per_token"] == 1.0  # a forward a token
+    assert summary[("math", "model")]["tokens_per_s_x_llama_server"] == pytest.approx(10 / (40 / 6))
+    text = table(ProposerBenchSettings(), summarize(rows), None)
+    assert "| sprinter-exact | math | model | 5.00 | 0.200 | 0.99 | 10.00 | 0.00 | 0.00 | - | - | 1.50 |" in text
+    assert "| llama-server | all | llama-server | 1.00 | 1.000 | 1.00 | 6.67 |" in text
