@@ -51,8 +51,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * self.kv_heads * self.head_dim * element
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def bytes_per_page(self) -> int:
