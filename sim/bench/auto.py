@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter, defaultdict
-from contextlib import ExitStack
+from contextlib import nullcontext
 from typing import Any
 
 import httpx
@@ -32,14 +32,13 @@ from edge.decoding.decoder import EdgeSettings
 from edge.node import EdgeNode
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import AutoBenchSettings
-from sim.sweep.baselines import LocalBaselines
+from sim.sweep.baselines import LLAMA_SERVER, LocalBaselines, llama_server_alone
 from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
 
 FIXED = (TARGET_MODE, AUTO_SPECULATION, CLOUD_DRAFTING)
 METHODS = (*FIXED, AUTO_MODE)
-LLAMA_SERVER = "llama-server"
 
 
 def bench_auto(settings: AutoBenchSettings) -> str:
@@ -62,12 +61,10 @@ async def _measure(settings: AutoBenchSettings, sut: SystemUnderTest, draft: Any
     node = await sut.edge_node(draft, draft_runtime=settings.draft_runtime, verifier=settings.verifier)
     every = methods(settings)
     requests = []
-    with ExitStack() as stack:
-        baselines = None
-        if settings.baseline == LLAMA_SERVER:  # on the cloud's cores, which sit idle while it serves
-            cloud_cpus = set(sut.settings.cores.cloud) if sut.settings.cores else None
-            baselines = stack.enter_context(LocalBaselines((LLAMA_SERVER,), settings.target, settings.draft,
-                                                           settings.out, cloud_cpus, None))
+    cores = sut.settings.cores
+    alone = llama_server_alone(settings.target, settings.draft, settings.out, cores.cloud if cores else None) \
+        if settings.baseline == LLAMA_SERVER else nullcontext()
+    with alone as baselines:
         async with httpx.AsyncClient(timeout=600) as client:
             async def one(ids: list[int], method: str, rtt: float, number: int) -> dict[str, Any]:
                 if method == LLAMA_SERVER:

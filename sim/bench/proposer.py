@@ -25,7 +25,7 @@ import json
 import logging
 import statistics
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -42,12 +42,10 @@ from edge.node import EdgeNode
 from sim.bench.proposer_calibration import calibration_table, fit_calibration
 from sim.bench.run_folder import RunFolder
 from sim.bench.settings.sweeps import SUITE, TREE_SUFFIX, ProposerBenchSettings
-from sim.sweep.baselines import LocalBaselines
+from sim.sweep.baselines import LLAMA_SERVER, LocalBaselines, llama_server_alone
 from sim.sweep.system import SystemSettings, SystemUnderTest, draft_label, generate, measure_edge_here
 
 log = logging.getLogger(__name__)
-
-LLAMA_SERVER = "llama-server"  # the baseline's row: its mode and its proposer
 
 TREE_COUNTS = ("tree_paths", "tree_rounds", "branch_tokens_sent", "branch_tokens_kept", "side_path_wins",
                "copy_branch_tokens", "copy_path_wins")
@@ -106,12 +104,10 @@ async def _measure(settings: ProposerBenchSettings, system: SystemUnderTest, dra
     rows: list[dict] = []
     lookups_us: list[float] = []
     variants = settings.variants + ((LLAMA_SERVER,) if settings.baseline == LLAMA_SERVER else ())
-    with ExitStack() as stack:
-        baseline = None
-        if settings.baseline == LLAMA_SERVER:  # on the cloud's cores, which sit idle while it serves
-            cloud_cpus = set(system.settings.cores.cloud) if system.settings.cores else None
-            baseline = stack.enter_context(LocalBaselines((LLAMA_SERVER,), settings.target, settings.draft,
-                                                          settings.out, cloud_cpus, None))
+    cores = system.settings.cores
+    alone = llama_server_alone(settings.target, settings.draft, settings.out, cores.cloud if cores else None) \
+        if settings.baseline == LLAMA_SERVER else nullcontext()
+    with alone as baseline:  # the baseline's rows: LLAMA_SERVER their mode and their proposer
         async with httpx.AsyncClient(timeout=600) as client:
             for variant in variants:  # warm every path (the cloud, llama-server) before timing
                 if variant == LLAMA_SERVER:

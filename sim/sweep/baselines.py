@@ -28,11 +28,12 @@ from common.model.loading import gguf_file, load_gguf_tokenizer
 from common.lab.prompt_sets import PromptRecord
 from common.model.prompting import encode_prompt
 from sim.processes import answers, free_port, stop_process, wait_ready
+LLAMA_SERVER = "llama-server"  # llama.cpp's server alone: the baseline a bench measures beside its own rows
 DRAFT_BLOCK = 5  # llama.cpp's --spec-draft-n-max, as the edge's block (k) defaults to
 STARTUP_S = 180.0
 
 
-def server_command(name: str, target: Path, draft: Path, port: int, cloud_cpus: set[int] | None,
+def server_command(name: str, target: Path, draft: Path | None, port: int, cloud_cpus: set[int] | None,
                    edge_cpus: set[int] | None) -> list[str]:
     """llama-server's command line for a baseline: one thread for the target (and one for the draft), pinned."""
     program = llama_program("llama-server")
@@ -66,7 +67,10 @@ class LocalBaselines:
     def __init__(self, names: tuple[str, ...], target: str, draft: str, out: Path,
                  cloud_cpus: set[int] | None, edge_cpus: set[int] | None) -> None:
         self.names = names
-        self.target, self.draft = gguf_file(target), gguf_file(draft)
+        # the draft's GGUF only where llama.cpp's own speculation drafts with it: llama-server alone needs none, so a
+        # draft with no GGUF (a truncated model) does not keep the target's baseline from running
+        self.target = gguf_file(target)
+        self.draft = gguf_file(draft) if "llama-server-sd" in names else None
         self.tokenizer = load_gguf_tokenizer(self.target)
         self.out, self.cloud_cpus, self.edge_cpus = out, cloud_cpus, edge_cpus
         self.ports: dict[str, int] = {}
@@ -136,3 +140,10 @@ class LocalBaselines:
                     break
         return {"token_ids": tokens, "text": "".join(text), "event_ms": event_ms, "first_s": first_s,
                 "wall_s": time.perf_counter() - started, "finish_reason": stop}
+
+
+def llama_server_alone(target: str, draft: str, out: Path, cloud_cpus: frozenset[int] | None) -> LocalBaselines:
+    """llama-server alone, serving the target's GGUF on the cloud's cores (which sit idle while it serves): what a
+    bench measures its own rows against, in the same run. Enter it to start the server."""
+    return LocalBaselines((LLAMA_SERVER,), target, draft, out, set(cloud_cpus) if cloud_cpus else None, None)
+

@@ -80,7 +80,7 @@ def test_branch_budgets_make_variants_and_their_trees_are_tabled():
 
 
 def test_llama_server_alone_is_a_row_of_its_own_and_every_row_is_timed_against_it():
-    from sim.bench.proposer import LLAMA_SERVER
+    from sim.sweep.baselines import LLAMA_SERVER
     row = {"category": "math", "prompt_id": "m", "tokens": 40, "block_lengths": [5] * 8, "accepted_lengths": [4] * 8}
     rows = [{**row, "run": r, "proposer": "model", "mode": "sprinter-exact", "wall_s": 4.0, "target_calls": 8}
             for r in range(3)]
