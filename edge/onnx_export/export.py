@@ -24,12 +24,13 @@ Choices (see the module docstring of `edge.runtime.onnx_draft` for the runtime s
   float16 MatMul is slower than float32 on this x86 CPU (a [1,896]x[896,65536] MatMul: ~5 ms float32,
   ~6 ms float16; see `sprinter bench draft`), so half precision would cost accuracy and Casts for
   nothing. A bf16-loaded model is upcast (exactly) to a float32 copy for export and verification.
-- Optional weight-only quantisation (`weights="int8"` or `"int4"`, edge/onnx_export/quantize.py): MatMul
-  weights become ORT MatMulNBits blocks with int8 compute. A draft step reads every weight once, so it is
+- Optional quantisation (`weights="int8"`, `"int4"` or `"w8a8"`, edge/onnx_export/quantize.py): MatMul
+  weights become ORT MatMulNBits blocks with int8 compute, or (w8a8) per-channel int8 on ORT's integer GEMM. A draft step reads every weight once, so it is
   memory-bandwidth bound and smaller weights are the only big lever left; but the logits then differ from the
   torch model (a different draft, not a faster copy of the same one), so a quantised export is checked by
   greedy agreement with torch rather than by a logit bound (edge/onnx_export/verify.py). Derived from the
-  float32 export, cached next to it as `<key>-int8` or `<key>-int4-r<recipe version>`.
+  float32 export, cached next to it as `<key>-int8` or `<key>-int4-r<recipe version>`; w8a8 from an export of a
+  SmoothQuant copy (edge/onnx_export/smooth.py), as `<key>-w8a8-r<recipe version>`.
 - Post-processing: onnxscript's ORT fusions (RMSNorm, skip-RMSNorm, rotary, attention ->
   com.microsoft ops; CUDA has them too). Measured interleaved on CPU: SmolLM2-135M 15.8 -> 14.1
   ms/token (30 layers of small matrices: per-node overhead is a visible share), Qwen2.5-0.5B no
@@ -66,7 +67,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common.model.loading import LoadedModel, cache_root
-from edge.onnx_export.quantize import DATA_FILE, INT4_RECIPE, INT4_RECIPE_VERSION, WEIGHT_FORMATS, quantize_weights
+from edge.onnx_export.quantize import DATA_FILE, RECIPES, WEIGHT_FORMATS, quantize_weights
+from edge.onnx_export.smooth import smoothed_copy
 from edge.onnx_export.verify import DraftExportError, check_quantised, verify_export
 
 log = logging.getLogger(__name__)
@@ -177,19 +179,30 @@ def export_draft(loaded: LoadedModel, fuse: bool = True, verify: bool = True, we
 
 
 def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: str) -> Path:
-    """The float32 export with its MatMul weights quantised to `weights`, made on first use."""
-    source = export_draft(loaded, fuse, verify)
-    suffix = f"{weights}-r{INT4_RECIPE_VERSION}" if weights == "int4" else weights
-    target = source.parent.with_name(f"{source.parent.name}-{suffix}")
+    """The float32 export with its MatMul weights quantised to `weights`, made on first use (w8a8: from an export of
+    the SmoothQuant copy, made in the staging directory and dropped there)."""
+    recipe = RECIPES.get(weights)
+    suffix = f"{weights}-r{recipe[1]}" if recipe else weights
+    source = None if weights == "w8a8" else export_draft(loaded, fuse, verify)
+    float32_dir = source.parent if source else export_dir(loaded.model, fuse)
+    target = float32_dir.with_name(f"{float32_dir.name}-{suffix}")
     path = target / MODEL_FILE
     if path.exists():
         log.info("ONNX draft for %s (%s weights): cached at %s", loaded.spec, weights, path)
         return path
     log.info("quantising the ONNX draft of %s to %s weights once; cached in %s", loaded.spec, weights, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
     with _staging_dir(target) as staging, _quiet_exporter_logs():
+        if source is None:
+            with _stage("fold SmoothQuant's scales into a float32 copy", stages):
+                smoothed = smoothed_copy(loaded.model, loaded.tokenizer)
+            (staging / "smoothed").mkdir()
+            _export_to(smoothed, staging / "smoothed" / MODEL_FILE, fuse, stages)
+            del smoothed
         with _stage(f"quantise MatMul weights to {weights}", stages):
-            quantize_weights(source, staging / MODEL_FILE, weights)
+            quantize_weights(source or staging / "smoothed" / MODEL_FILE, staging / MODEL_FILE, weights)
+        shutil.rmtree(staging / "smoothed", ignore_errors=True)
         errors = None
         if verify:
             with _stage("check greedy agreement with torch", stages):
@@ -225,6 +238,10 @@ def _quiet_exporter_logs() -> Iterator[None]:
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
+    # ORT's dynamic quantiser logs a line per tensor through the root logger itself; a filter on the root logger
+    # sees only those records (ours reach its handlers by propagation, past it).
+    root_quiet = _BelowError()
+    logging.getLogger().addFilter(root_quiet)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=UserWarning)
@@ -232,8 +249,14 @@ def _quiet_exporter_logs() -> Iterator[None]:
             warnings.simplefilter("ignore", category=DeprecationWarning)
             yield
     finally:
+        logging.getLogger().removeFilter(root_quiet)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 @contextmanager
@@ -246,10 +269,12 @@ def _stage(name: str, timings: dict[str, float]) -> Iterator[None]:
     log.info("ONNX export [%d] %s done in %.1f s", len(timings), name, timings[name])
 
 
-def _export_to(model: PreTrainedModel, path: Path, fuse: bool) -> dict[str, float]:
+def _export_to(model: PreTrainedModel, path: Path, fuse: bool, stages: dict[str, float] | None = None
+               ) -> dict[str, float]:
+    """Export `model` to `path`; returns `stages` (a new dict if None) with each stage's seconds added."""
     import onnx_ir as ir
 
-    stages: dict[str, float] = {}
+    stages = {} if stages is None else stages
     wrapper = _FlatCacheLM(model).eval()
     args, dynamic_shapes = _example_inputs(model)
     n_layers = wrapper.n_layers
@@ -305,7 +330,7 @@ def _write_info(path: Path, loaded: LoadedModel, fuse: bool, stages: dict[str, f
         n_layers=loaded.model.config.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
         hidden_size=loaded.model.config.hidden_size, vocab_size=loaded.vocab_size, export_seconds=stages,
         verify=errors,
-        recipe=INT4_RECIPE if weights == "int4" else None,
+        recipe=RECIPES[weights][0] if weights in RECIPES else None,
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     path.write_text(json.dumps(info, indent=2))

@@ -1,12 +1,17 @@
-"""Weight-only quantisation of the draft's float32 ONNX export: MatMul weights become ORT MatMulNBits blocks.
+"""Quantisation of the draft's float32 ONNX export's MatMul weights, in one of three formats.
 
 A draft step reads every weight once, so it is memory-bandwidth bound and smaller weights are the
-one big lever left on CPU. Both formats keep 32 weights per scale and set accuracy_level 4, which
-lets the CPU kernel quantise activations to int8 and use integer dot products (VNNI); without it
-the kernels dequantise the weights on every call and lose most of the gain.
+one big lever left on CPU.
 
-- int8: symmetric round-to-nearest (ORT's default quantiser).
-- int4: see `INT4_RECIPE`, chosen by acceptance against the target and speed (docs/edge.md has the tables).
+- int8 and int4: ORT MatMulNBits blocks, 32 weights per scale, accuracy_level 4, which lets the CPU kernel
+  quantise activations to int8 per block and use integer dot products (VNNI); without it the kernels dequantise
+  the weights on every call and lose most of the gain. int8: symmetric round-to-nearest (ORT's default
+  quantiser); int4: see `INT4_RECIPE`, chosen by acceptance against the target and speed (docs/edge.md).
+- w8a8: int8 weights with a scale per output channel and activations quantised at run time with one scale per
+  input (ORT's `DynamicQuantizeMatMul`, on MLAS's integer GEMM), made from a SmoothQuant copy of the model
+  (edge/onnx_export/smooth.py). MatMulNBits runs a step's rows one after another: on the Intel Xeon this project
+  measures on, 3 rows side by side cost 1.4x one row there and 1.2-1.3x on the integer GEMM, whose prompt
+  prefill is also ~3x as fast (docs/edge.md). CPU only: the CUDA provider has no such kernel.
 
 Only this module's functions import onnx and ORT's quantisers, so the CLI can read `WEIGHT_FORMATS`
 without loading them.
@@ -19,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("float32", "int8", "int4")
+WEIGHT_FORMATS = ("float32", "int8", "int4", "w8a8")
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)
@@ -33,15 +38,21 @@ DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is
 INT4_RECIPE = "rtn-asym int4; int8 down, key, value"
 # Part of the int4 export's cache directory name (`<key>-int4-r2`): an export made by an earlier recipe is not reused.
 INT4_RECIPE_VERSION = 2
-
+W8A8_RECIPE = "SmoothQuant alpha 0.5 (norms, up rows); int8 weights per channel, int8 activations per tensor"
+W8A8_RECIPE_VERSION = 1
+RECIPES = {"int4": (INT4_RECIPE, INT4_RECIPE_VERSION), "w8a8": (W8A8_RECIPE, W8A8_RECIPE_VERSION)}
 
 
 def quantize_weights(source: Path, destination: Path, weights: str) -> None:
-    """Write `source` (a float32 export) to `destination` with its constant MatMul weights as `weights` blocks."""
+    """Write `source` (a float32 export; for w8a8, of the smoothed model) to `destination` with its constant MatMul
+    weights in the `weights` format."""
     import onnx
 
-    if weights not in ("int8", "int4"):
-        raise ValueError(f"weights must be 'int8' or 'int4' to quantise, not {weights!r}")
+    if weights not in ("int8", "int4", "w8a8"):
+        raise ValueError(f"weights must be 'int8', 'int4' or 'w8a8' to quantise, not {weights!r}")
+    if weights == "w8a8":
+        _dynamic_int8(source, destination)
+        return
     model = onnx.load(str(source))
     if weights == "int4":
         model = _matmul_nbits(model, bits=4, symmetric=False, exclude=kept_at_int8(model))
@@ -57,6 +68,15 @@ def _matmul_nbits(model, bits: int, symmetric: bool, exclude: list[str] | None =
                                      accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=exclude or [])
     quantizer.process()
     return quantizer.model.model
+
+
+def _dynamic_int8(source: Path, destination: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # MatMulConstBOnly: the weights only; the attention's activation x activation products stay float.
+    quantize_dynamic(source, destination, weight_type=QuantType.QInt8, per_channel=True,
+                     op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                     extra_options={"MatMulConstBOnly": True})  # weights beside it, as <name>.data (DATA_FILE)
 
 
 def kept_at_int8(model) -> list[str]:

@@ -47,8 +47,10 @@ class ExportCheck:
 # which kept tokens per call within 1.7% of int8's; SmolLM2-135M (from a Q4_1 GGUF) int8 0.953 and int4 0.818, refused.
 # At 96 positions, RTN 4-bit everywhere agreed 0.83-0.84 and lost 5-7% of tokens per call. A graph of wrong weights
 # agrees on almost nothing. int8's bound is lower: the tiny random test models agree only 0.92-0.94 at int8 (their
-# flat distributions turn on small differences), and int8 never lost acceptance on a trained model.
-QUANTISED_CHECKS = {"int8": ExportCheck(min_agreement=0.8), "int4": ExportCheck(min_agreement=0.85)}
+# flat distributions turn on small differences), and int8 never lost acceptance on a trained model. w8a8 (Qwen) 0.885,
+# within 0.4% of int8's tokens per call; without SmoothQuant 0.906 here yet -4.6%: agreement is a coarse gate.
+QUANTISED_CHECKS = {"int8": ExportCheck(min_agreement=0.8), "int4": ExportCheck(min_agreement=0.85),
+                    "w8a8": ExportCheck(min_agreement=0.85)}
 
 
 def verify_export(model: PreTrainedModel, path: Path, tolerance: float = 1e-3) -> dict[str, float]:

@@ -48,7 +48,7 @@ def load_draft_runtime(loaded: LoadedModel, runtime: str = "onnx", threads: int 
 
     `threads`: ONNX Runtime's intra-op pool or llama.cpp's threads (default every core); for torch, when given,
     it calls `torch.set_num_threads`, which is process-wide. `weights` (ONNX only; default float32, the exact
-    export): `"int8"` or `"int4"` selects a quantised export (faster, but a slightly different draft);
+    export): `"int8"`, `"int4"` or `"w8a8"` selects a quantised export (faster, but a slightly different draft);
     llama.cpp refuses any (`DraftWeightsNotApplicable`). `onnx_options` go to `OnnxDraftModel`.
     """
     weights = runtime_weights(runtime, weights, onnx_default="float32")

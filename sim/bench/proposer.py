@@ -69,7 +69,7 @@ def bench_proposer(settings: ProposerBenchSettings) -> str:
     summary = summarize(rows, DecodeSettings(proposer="hybrid", k=settings.k).round_cap)
     lookup_us = statistics.median(lookups_us) if lookups_us else None
     cores = {"cloud": sorted(system.cores.cloud), "edge": sorted(system.cores.edge)}
-    folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype), cores=cores,
+    folder.write_results(settings, draft=draft_label(settings.draft_runtime, settings.dtype, settings.runtime_weights), cores=cores,
                          lookup_us_median=lookup_us, lookups=len(lookups_us), calibration=calibration, rows=rows,
                          summary=summary)
     text = folder.write_table(table(settings, summary, lookup_us, cores) + tree_table(summary)
@@ -99,8 +99,8 @@ def chosen_prompts(records: list[PromptRecord], categories: tuple[str, ...], per
 
 async def _measure(settings: ProposerBenchSettings, system: SystemUnderTest, draft,
                    prompts: list[tuple[PromptRecord, list[int]]]) -> tuple[list[dict], list[float], list[dict]]:
-    node = await system.edge_node(draft, draft_runtime=settings.draft_runtime, verifier="auto",
-                                  suffix_cache=settings.suffix_cache == "on")
+    node = await system.edge_node(draft, draft_runtime=settings.draft_runtime, draft_weights=settings.runtime_weights,
+                                  verifier="auto", suffix_cache=settings.suffix_cache == "on")
     rows: list[dict] = []
     lookups_us: list[float] = []
     variants = settings.variants + ((LLAMA_SERVER,) if settings.baseline == LLAMA_SERVER else ())
@@ -219,7 +219,7 @@ def table(settings: ProposerBenchSettings, summary: list[dict], lookup_us: float
     regime = "greedy" if settings.greedy else f"T={settings.temperature:g}"
     lines = [f"{regime}, {settings.target} <- {settings.draft} ({settings.dtype}), RTT {settings.rtt_ms:g} ms, k={settings.k}, "
              f"up to {settings.max_tokens} tokens, medians of {settings.repeats} interleaved passes; suffix cache "
-             f"{settings.suffix_cache}; draft {draft_label(settings.draft_runtime, settings.dtype)}"
+             f"{settings.suffix_cache}; draft {draft_label(settings.draft_runtime, settings.dtype, settings.runtime_weights)}"
              + (f"; a suffix lookup costs {lookup_us:.0f} us (median)" if lookup_us is not None else "") + pinned,
              "",
              "| mode | category | proposer | tokens/call | calls/token | calls/token x oracle | tokens/s | suffix share "

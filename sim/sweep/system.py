@@ -158,14 +158,14 @@ class SystemUnderTest:
         return await self.hold(EdgeNode(node_settings, draft))
 
 
-def draft_label(runtime: str = "onnx", dtype: str = "bfloat16") -> str:
-    """How an edge's draft ran, for a table's headline: "onnx-int8" (the edge daemon's runtime and weights),
-    "llama.cpp" (the GGUF as shipped) or "torch-<dtype>"."""
+def draft_label(runtime: str = "onnx", dtype: str = "bfloat16", weights: str | None = None) -> str:
+    """How an edge's draft ran, for a table's headline: "onnx-int8" (the edge daemon's runtime and weights; ONNX with
+    other `weights`, "onnx-<weights>"), "llama.cpp" (the GGUF as shipped) or "torch-<dtype>"."""
     if runtime == "torch":
         return f"torch-{dtype}"
     from edge.runtime.draft_choice import runtime_label
 
-    return runtime_label(runtime, None)
+    return runtime_label(runtime, weights)
 
 
 def measure_here(settings: SystemSettings, scenario: Callable[[SystemUnderTest], Awaitable[T]]) -> T:

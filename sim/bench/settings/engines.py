@@ -56,7 +56,7 @@ class Config:
     fuse: bool = True
     io_binding: bool | None = None  # None: the runtime's default (binding on CUDA only)
     threads: int | None = None  # None: --threads
-    weights: str = "float32"  # onnx only: "int8" and "int4" are lossy weight-only quantisations (MatMulNBits)
+    weights: str = "float32"  # onnx only: "int8", "int4" (MatMulNBits) and "w8a8" (integer GEMM) are lossy
 
 
 CONFIGS = (
@@ -70,6 +70,7 @@ CONFIGS = (
     Config("onnx-1-thread", "onnx", threads=1),
     Config("onnx-int8", "onnx", weights="int8"),
     Config("onnx-int4", "onnx", weights="int4"),
+    Config("onnx-w8a8", "onnx", weights="w8a8"),
     Config("llama.cpp", "llama.cpp"),
 )
 

@@ -26,6 +26,7 @@ class ProposerBenchSettings:
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
     draft_runtime: Literal["torch", "onnx", "llama.cpp"] = "onnx"  # the edge's own (int8 weights)
+    draft_weights: Literal["int8", "int4", "w8a8", "float32"] = "int8"  # ONNX only: the edge's default
     engine: Literal["resident", "llama.cpp"] = "resident"  # the cloud's
     baseline: Literal["llama-server", "off"] = "llama-server"  # what a user would run instead: the target's GGUF
     rtt_ms: float = 50.0
@@ -43,6 +44,16 @@ class ProposerBenchSettings:
     suffix_cache: Literal["on", "off"] = "on"
     prompts: Path | None = None  # None: SUITE
     out: Path = Path("results/bench-proposer")
+
+    def __post_init__(self) -> None:
+        if self.draft_runtime != "onnx" and self.draft_weights != "int8":
+            raise UsageError(f"--draft-weights {self.draft_weights} is for --draft-runtime onnx, not "
+                             f"{self.draft_runtime}")
+
+    @property
+    def runtime_weights(self) -> str | None:
+        """The ONNX draft's weights; None for the other runtimes, whose weights are not ours to choose."""
+        return self.draft_weights if self.draft_runtime == "onnx" else None
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -136,6 +147,7 @@ PROPOSER = Bench(
     "proposer", "tokens per round trip: the draft model, suffix and hybrid drafting, per category",
     ProposerBenchSettings, "sim.bench.proposer:bench_proposer", plots=("proposers.png",), quiet_http=True,
     helps={"draft_runtime": "the edge's draft runtime", "engine": "the cloud's engine",
+           "draft_weights": "the ONNX draft's weights (docs/edge.md); other runtimes refuse any but the default",
            "baseline": "llama-server: llama.cpp's server alone on the cloud's core, the same prompts as the same token "
                        "ids, one more row per category (needs the target's GGUF preset); off: our variants only",
            "modes": "comma list", "proposers": "comma list",
