@@ -123,7 +123,7 @@ def add_cloud_arguments(p: argparse.ArgumentParser) -> None:
                         "tree branches) or on torch (the reference)")
     p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS,
                    help=f"ONNX draft weights (default {EDGE_WEIGHTS}): int8 is about 2x faster than float32 on CPU, "
-                        "int4 faster again with a slightly different draft, w8a8 (CPU only) prefills faster and drafts "
+                        "int4 faster again with a slightly different draft, w8a8 (for CPUs) prefills faster and drafts "
                         "tree branches side by side more cheaply (docs/edge.md); lossless modes stay exact either way. "
                         "Not with --draft-runtime llama.cpp (the GGUF's own quantisation)")
     p.add_argument("--threads", type=int, help="the draft runtime's threads (ONNX Runtime's intra-op pool, "

@@ -194,14 +194,9 @@ def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: st
     target.parent.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
     with _staging_dir(target) as staging, _quiet_exporter_logs():
-        if source is None:
-            with _stage("fold SmoothQuant's scales into a float32 copy", stages):
-                smoothed = smoothed_copy(loaded.model, loaded.tokenizer)
-            (staging / "smoothed").mkdir()
-            _export_to(smoothed, staging / "smoothed" / MODEL_FILE, fuse, stages)
-            del smoothed
+        source = source or _smoothed_export(loaded, fuse, staging / "smoothed", stages)
         with _stage(f"quantise MatMul weights to {weights}", stages):
-            quantize_weights(source or staging / "smoothed" / MODEL_FILE, staging / MODEL_FILE, weights)
+            quantize_weights(source, staging / MODEL_FILE, weights)
         shutil.rmtree(staging / "smoothed", ignore_errors=True)
         errors = None
         if verify:
@@ -210,6 +205,16 @@ def _quantized_export(loaded: LoadedModel, fuse: bool, verify: bool, weights: st
         _write_info(staging / INFO_FILE, loaded, fuse, stages, weights, errors)
         _publish(staging, target)
     return path
+
+
+def _smoothed_export(loaded: LoadedModel, fuse: bool, folder: Path, stages: dict[str, float]) -> Path:
+    """The float32 export of a SmoothQuant copy of the model in `folder` (w8a8's source; not cached)."""
+    _check_supported(loaded.model)
+    with _stage("fold SmoothQuant's scales into a float32 copy", stages):
+        smoothed = smoothed_copy(loaded.model, loaded.tokenizer)
+    folder.mkdir()
+    _export_to(smoothed, folder / MODEL_FILE, fuse, stages)
+    return folder / MODEL_FILE
 
 
 def float32_model(model: PreTrainedModel) -> PreTrainedModel:

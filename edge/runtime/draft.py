@@ -8,6 +8,7 @@ never exports.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -18,8 +19,10 @@ from common.model.loading import LoadedModel, gguf_file
 from edge.runtime.draft_choice import RUNTIMES, runtime_weights
 from edge.runtime.draft_reuse import DraftKVCache, ReusingDraftLM
 from edge.runtime.llama_cpp_draft import LlamaCppDraftLM, LlamaCppDraftModel
-from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel
+from edge.runtime.onnx_draft import OnnxCachedLM, OnnxDraftModel, session_device
 from edge.onnx_export.export import export_draft
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RUNTIMES", "draft_lm_factory", "exported_draft", "llama_cpp_draft", "load_draft_runtime"]
 
@@ -27,7 +30,11 @@ __all__ = ["RUNTIMES", "draft_lm_factory", "exported_draft", "llama_cpp_draft", 
 def exported_draft(loaded: LoadedModel, threads: int | None = None, weights: str = "float32",
                    **options: object) -> OnnxDraftModel:
     """The model's export (made on first use, then cached on disk) in a new session."""
-    return OnnxDraftModel(export_draft(loaded, weights=weights), threads=threads, **options)
+    model = OnnxDraftModel(export_draft(loaded, weights=weights), threads=threads, **options)
+    if weights == "w8a8" and session_device(model.session) == "cuda":
+        log.warning("--draft-weights w8a8 is made for the CPU's integer GEMM (ONNX Runtime's DynamicQuantizeMatMul) "
+                    "and is not measured on a GPU, where its ops may fall back to the CPU; there take int8 or int4")
+    return model
 
 
 def llama_cpp_draft(loaded: LoadedModel, threads: int | None = None) -> LlamaCppDraftModel:

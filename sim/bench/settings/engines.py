@@ -9,6 +9,7 @@ from typing import Literal
 
 from common.errors import UsageError
 from common.model.devices import DEVICE_HELP
+from edge.onnx_export.quantize import WEIGHT_FORMATS  # import-light: its quantisers load inside its functions
 from sim.bench.prompts import PROMPTS_FILE
 from sim.bench.registry import Bench, require_at_least
 
@@ -87,6 +88,28 @@ class DraftBenchSettings:
     configs: tuple[str, ...] = tuple(c.name for c in CONFIGS if c.runtime != "llama.cpp")
     side_rows: int = 3  # rows of a tree's side-by-side draft step, timed against one row where a runtime batches; 0: off
     out: Path = Path("results/bench-draft")
+
+
+@dataclass(frozen=True)
+class DraftAcceptanceBenchSettings:
+    """`bench draft-acceptance` (sim/bench/draft_acceptance.py): greedy tokens per call of each draft weight format."""
+
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the target's
+    weights: tuple[str, ...] = ("int8", "float32", "int4", "w8a8")  # the first is what the others are held against
+    prompts: Path | None = None  # None: the proposer suite
+    per_category: int = 2
+    skip_per_category: int = 0  # leave out the first N of each category (held out of what chose a recipe)
+    max_tokens: int = 64
+    k: int = 5
+    out: Path = Path("results/bench-draft-acceptance")
+
+    def __post_init__(self) -> None:
+        require_at_least(self, 1, ("per_category", "max_tokens", "k"))
+        unknown = [w for w in self.weights if w not in WEIGHT_FORMATS]
+        if not self.weights or unknown:
+            raise UsageError(f"--weights must name formats of {list(WEIGHT_FORMATS)}, got {list(self.weights)}")
 
 
 @dataclass(frozen=True)
@@ -278,4 +301,14 @@ LLAMA_CPP = Bench(
            "core": "the core every measured process is pinned to",
            "steps": "verify, decode, turns (a conversation's second turn, prefix cache on and off)"})
 
-BENCHES = (LOCAL, CLOUD, DRAFT, PREFILL, PREFIX, LLAMA_CPP)
+DRAFT_ACCEPTANCE = Bench(
+    "draft-acceptance", "greedy tokens per call each draft weight format keeps, along the target's own text",
+    DraftAcceptanceBenchSettings, "sim.bench.draft_acceptance:bench_draft_acceptance",
+    helps={"weights": "comma list of ONNX weight formats; the first is the reference",
+           "dtype": "the target's dtype (the drafts run as exported)",
+           "prompts": "a prompt file (JSONL with prompt, chat, category); default the proposer suite",
+           "per_category": "N prompts of each category", "max_tokens": "target tokens per prompt",
+           "skip_per_category": "leave out the first N prompts of each category",
+           "k": "the block: draft tokens a call may keep"})
+
+BENCHES = (LOCAL, CLOUD, DRAFT, DRAFT_ACCEPTANCE, PREFILL, PREFIX, LLAMA_CPP)

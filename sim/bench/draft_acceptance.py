@@ -1,0 +1,121 @@
+"""bench draft-acceptance: what each draft weight format keeps of greedy speculation, judged by acceptance.
+
+    sprinter bench draft-acceptance --weights int8,float32,int4,w8a8 --out results/bench-draft-acceptance
+
+A quantised draft is a slightly different draft. What matters is how many tokens a call keeps, not how far its
+logits move. The target greedily continues each prompt once (`--max-tokens` tokens, cached in OUT/targets.json).
+Each draft then reads prompt and continuation in one forward (teacher forcing) and proposes its top-1 at every
+position. Greedy speculative decoding with blocks of `--k` keeps, per call, the proposed tokens up to the first
+miss and then the target's token. So the walk along the text gives exactly the calls a greedy run would make and
+its tokens per call, with no cloud and no timing. Columns: top-1 agreement with the target, tokens per call, and
+both against the first format listed. Writes `results.json` and `table.md` to `--out`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.lab.prompt_sets import load_prompts
+from common.model.cached_lm import CachedLM
+from common.model.loading import load_model
+from common.model.prompting import encode_prompt
+from sim.bench.proposer import chosen_prompts
+from sim.bench.run_folder import RunFolder
+from sim.bench.settings.engines import DraftAcceptanceBenchSettings
+from sim.bench.settings.sweeps import SUITE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    prompt_id: str
+    prompt_length: int
+    tokens: list[int]  # the prompt's ids, then the target's greedy continuation
+
+
+def calls_along(matches: list[bool], k: int) -> int:
+    """Calls greedy speculation with blocks of `k` makes along a text whose positions the draft's top-1 matches
+    (`matches`): each call keeps the matched run up to `k`, then the target's own token."""
+    calls, position = 0, 0
+    while position < len(matches):
+        run = 0
+        while run < k and position + run < len(matches) and matches[position + run]:
+            run += 1
+        calls += 1
+        position += run + 1
+    return calls
+
+
+def target_continuations(settings: DraftAcceptanceBenchSettings, folder: RunFolder) -> list[Continuation]:
+    """The target's greedy continuation of each chosen prompt, from OUT/targets.json when an earlier run made it."""
+    cached = folder.out / "targets.json"
+    if cached.exists():
+        saved = json.loads(cached.read_text())
+        if saved["key"] == _continuations_key(settings):
+            return [Continuation(**c) for c in saved["continuations"]]
+    records = chosen_prompts(load_prompts(settings.prompts or SUITE), (), settings.per_category,
+                             settings.skip_per_category)
+    target = load_model(settings.target, getattr(torch, settings.dtype))
+    continuations = []
+    for number, record in enumerate(records, start=1):
+        ids = encode_prompt(target.tokenizer, record.prompt, record.chat)
+        lm, tokens = CachedLM(target.model), list(ids)
+        for _ in range(settings.max_tokens):
+            tokens.append(int(lm.advance_to(tokens, 1).logits[-1].argmax()))
+        continuations.append(Continuation(record.id, len(ids), tokens))
+        log.info("target continuation %d/%d (%s)", number, len(records), record.id)
+    cached.write_text(json.dumps(dict(key=_continuations_key(settings),
+                                      continuations=[c.__dict__ for c in continuations])))
+    return continuations
+
+
+def _continuations_key(settings: DraftAcceptanceBenchSettings) -> list:
+    """What the target's continuations depend on: a saved file made under another key is made again."""
+    return [settings.target, settings.dtype, str(settings.prompts or SUITE), settings.per_category,
+            settings.skip_per_category, settings.max_tokens]
+
+
+def score_weights(settings: DraftAcceptanceBenchSettings, weights: str, continuations: list[Continuation]) -> dict:
+    """One draft format's agreement and tokens per call over every continuation."""
+    from edge.runtime.draft import load_draft_runtime
+
+    draft = load_draft_runtime(load_model(settings.draft, torch.float32), "onnx", weights=weights)
+    matched = positions = calls = 0
+    for continuation in continuations:
+        draft.reset()
+        start, tokens = continuation.prompt_length, continuation.tokens
+        proposed = draft.advance_to(tokens[:-1], len(tokens) - start).logits.argmax(-1).tolist()
+        matches = [p == t for p, t in zip(proposed, tokens[start:])]
+        matched, positions = matched + sum(matches), positions + len(matches)
+        calls += calls_along(matches, settings.k)
+    return dict(weights=weights, positions=positions, agreement=matched / positions, calls=calls,
+                tokens_per_call=positions / calls)
+
+
+def format_table(rows: list[dict]) -> str:
+    first = rows[0]
+    lines = [f"| draft weights | top-1 agreement with the target | tokens per call | vs {first['weights']} |",
+             "| --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row['weights']} | {row['agreement']:.3f} | {row['tokens_per_call']:.3f} | "
+                     f"{row['tokens_per_call'] / first['tokens_per_call'] - 1:+.1%} |")
+    return "\n".join(lines)
+
+
+def bench_draft_acceptance(settings: DraftAcceptanceBenchSettings) -> str:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = RunFolder(settings.out)
+    continuations = target_continuations(settings, folder)
+    rows = [score_weights(settings, weights, continuations) for weights in settings.weights]
+    table = format_table(rows)
+    headline = (f"{settings.draft} drafting for {settings.target} ({settings.dtype}), greedy, blocks of {settings.k}: "
+                f"{len(continuations)} prompts x {settings.max_tokens} target tokens")
+    folder.write_results(settings, summary=rows)
+    folder.write_table(f"{headline}\n\n{table}")
+    return f"{headline}\n\n{table}"
