@@ -5,21 +5,23 @@ per output channel, and activations quantised to int8 at run time with one scale
 inputs to its projections hold a few channels tens of times larger than the rest, and one scale for all of them
 leaves the others a handful of levels. SmoothQuant (Xiao et al., 2023) divides input channel j by
 
-    s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)      X: the input's calibration values, W: the weights' row j
+    s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)      X_j: channel j's calibration values, W_j: the weights
+                                                            that multiply channel j (a column of torch's [out, in])
 
-and multiplies the weights' row j by s_j: the product is the same in exact arithmetic, the activations flatter and
-the weights a little less so. The division folds into the op before each projection, so the graph gains no op:
+and multiplies those weights by s_j: the product is the same in exact arithmetic, the activations flatter and the
+weights a little less so. The division folds into the op before each projection, so the graph gains no op:
 
-    input RMSNorm's weight      / s  ->  query, key, value rows    * s
-    post-attention RMSNorm's    / s  ->  gate, up rows             * s
-    up projection's output rows / s  ->  down projection's rows    * s   (act(gate) * up is linear in up)
+    input RMSNorm's weight      / s  ->  query, key, value columns    * s
+    post-attention RMSNorm's    / s  ->  gate, up columns             * s
+    up projection's output rows / s  ->  down projection's columns    * s   (act(gate) * up is linear in up)
 
 The attention's output projection is left as is: its input comes from value heads shared by 7 query heads
 (grouped-query attention), so its scales could not fold into one value row each.
 
 Measured (Qwen2.5-Coder-0.5B drafting for the 1.5B, 14 prompts x 64 greedy target tokens, blocks of 5, tokens per
 call from the draft's top-1 along the target's text): MatMulNBits int8 3.896, float32 3.879; this format without
-smoothing 3.718 (-4.6% against int8), with it at alpha 0.5 3.765, 0.65 3.930 and 0.8 3.913.
+smoothing 3.718 (-4.6% against int8), with it at alpha 0.5 3.765, 0.65 3.930 and 0.8 3.913. On 7 prompts held out of
+that choice: int8 4.110, w8a8 4.036 (-1.8%) (`sprinter bench draft-acceptance`, docs/edge.md).
 """
 
 from __future__ import annotations
