@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from common.cli import build_parser
+from common.errors import UsageError
 from common.lab.prompt_sets import load_prompts
 from sim.bench.proposer import chosen_prompts, summarize, table, tree_table
 from sim.bench.settings.sweeps import SUITE, ProposerBenchSettings
@@ -93,3 +94,10 @@ def test_llama_server_alone_is_a_row_of_its_own_and_every_row_is_timed_against_i
     text = table(ProposerBenchSettings(), summarize(rows), None)
     assert "| sprinter-exact | math | model | 5.00 | 0.200 | 0.99 | 10.00 | 0.00 | 0.00 | - | - | 1.50 |" in text
     assert "| llama-server | all | llama-server | 1.00 | 1.000 | 1.00 | 6.67 |" in text
+
+
+def test_draft_weights_are_the_onnx_drafts_and_refused_with_another_runtime() -> None:
+    assert ProposerBenchSettings(draft_weights="w8a8").runtime_weights == "w8a8"
+    assert ProposerBenchSettings(draft_runtime="torch").runtime_weights is None  # torch runs --dtype
+    with pytest.raises(UsageError, match="--draft-weights w8a8 is for --draft-runtime onnx, not llama.cpp"):
+        ProposerBenchSettings(draft_runtime="llama.cpp", draft_weights="w8a8")
