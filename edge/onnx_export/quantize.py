@@ -11,7 +11,7 @@ one big lever left on CPU.
   input (ORT's `DynamicQuantizeMatMul`, on MLAS's integer GEMM), made from a SmoothQuant copy of the model
   (edge/onnx_export/smooth.py). MatMulNBits runs a step's rows one after another: on the Intel Xeon this project
   measures on, 3 rows side by side cost 1.4x one row there and 1.2-1.3x on the integer GEMM, whose prompt
-  prefill is also ~3x as fast (docs/edge.md). Made for CPUs: not measured on a GPU.
+  prefill was also 2.7x as fast (docs/edge.md). Made for CPUs: not measured on a GPU.
 
 Only this module's functions import onnx and ORT's quantisers, so the CLI can read `WEIGHT_FORMATS`
 without loading them.

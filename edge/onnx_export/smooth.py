@@ -128,8 +128,7 @@ def _sites(model: PreTrainedModel) -> dict[tuple[int, str], _Site]:
                                         (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight))
         sites[(i, "mlp")] = _Site(layer.post_attention_layernorm.weight, None,
                                   (mlp.gate_proj.weight, mlp.up_proj.weight))
-        up_bias = mlp.up_proj.bias if mlp.up_proj.bias is not None else None
-        sites[(i, "down")] = _Site(mlp.up_proj.weight, up_bias, (mlp.down_proj.weight,))
+        sites[(i, "down")] = _Site(mlp.up_proj.weight, mlp.up_proj.bias, (mlp.down_proj.weight,))
     return sites
 
 

@@ -22,7 +22,7 @@ import torch
 
 from common.lab.prompt_sets import load_prompts
 from common.model.cached_lm import CachedLM
-from common.model.loading import load_model
+from common.model.loading import LoadedModel, load_model
 from common.model.prompting import encode_prompt
 from sim.bench.proposer import chosen_prompts
 from sim.bench.run_folder import RunFolder
@@ -81,11 +81,12 @@ def _continuations_key(settings: DraftAcceptanceBenchSettings) -> list:
             settings.skip_per_category, settings.max_tokens]
 
 
-def score_weights(settings: DraftAcceptanceBenchSettings, weights: str, continuations: list[Continuation]) -> dict:
+def score_weights(settings: DraftAcceptanceBenchSettings, loaded_draft: LoadedModel, weights: str,
+                  continuations: list[Continuation]) -> dict:
     """One draft format's agreement and tokens per call over every continuation."""
     from edge.runtime.draft import load_draft_runtime
 
-    draft = load_draft_runtime(load_model(settings.draft, torch.float32), "onnx", weights=weights)
+    draft = load_draft_runtime(loaded_draft, "onnx", weights=weights)
     matched = positions = calls = 0
     for continuation in continuations:
         draft.reset()
@@ -112,7 +113,8 @@ def bench_draft_acceptance(settings: DraftAcceptanceBenchSettings) -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = RunFolder(settings.out)
     continuations = target_continuations(settings, folder)
-    rows = [score_weights(settings, weights, continuations) for weights in settings.weights]
+    loaded_draft = load_model(settings.draft, torch.float32)  # once: every format's export is keyed by its weights
+    rows = [score_weights(settings, loaded_draft, weights, continuations) for weights in settings.weights]
     table = format_table(rows)
     headline = (f"{settings.draft} drafting for {settings.target} ({settings.dtype}), greedy, blocks of {settings.k}: "
                 f"{len(continuations)} prompts x {settings.max_tokens} target tokens")
