@@ -8,7 +8,7 @@ import json
 import pytest
 
 from common.cli import main
-from sim.bench.draft_acceptance import calls_along
+from sim.bench.draft_acceptance import calls_along, paired_interval
 
 
 @pytest.mark.parametrize("matches, k, calls", [
@@ -20,6 +20,15 @@ from sim.bench.draft_acceptance import calls_along
 ])
 def test_a_call_keeps_the_matched_run_up_to_the_block_then_the_targets_token(matches, k, calls) -> None:
     assert calls_along(matches, k) == calls
+
+
+def test_the_interval_resamples_prompts_for_both_formats_together() -> None:
+    assert paired_interval([10, 20, 30], [10, 20, 30]) == (0.0, 0.0)
+    assert paired_interval([10, 20, 30], [20, 40, 60]) == (-0.5, -0.5)  # twice the calls on every prompt
+    reference, calls = [12, 9, 15, 11, 10, 14], [13, 9, 17, 11, 12, 14]
+    low, high = paired_interval(reference, calls)
+    assert low < sum(reference) / sum(calls) - 1 < high <= 0  # never more calls than the reference
+    assert paired_interval(reference, calls) == (low, high)  # seeded
 
 
 def test_every_format_is_scored_along_one_target_text(tmp_path, monkeypatch, capsys) -> None:
@@ -35,6 +44,7 @@ def test_every_format_is_scored_along_one_target_text(tmp_path, monkeypatch, cap
         json.loads((out / "targets.json").read_text())["continuations"])
     for row in rows.values():
         assert 0 <= row["agreement"] <= 1 and 1 <= row["tokens_per_call"] <= 6
+        assert sum(row["calls_per_prompt"]) == row["calls"] and row["interval"][0] <= row["interval"][1]
     assert "| float32 |" in capsys.readouterr().out
     assert main(argv) == 0  # the target's continuations are read back, not generated again
 
