@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Literal, get_args
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("float32", "int8", "int4", "w8a8")
+DraftWeights = Literal["float32", "int8", "int4", "w8a8"]  # a settings field of this type offers them as choices
+WEIGHT_FORMATS: tuple[str, ...] = get_args(DraftWeights)
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is 2 GB)

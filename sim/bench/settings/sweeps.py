@@ -12,6 +12,7 @@ from typing import Literal
 
 from common.errors import UsageError
 from common.spec.modes import PROPOSERS, mode_of
+from edge.onnx_export.quantize import DraftWeights  # import-light: its quantisers load inside its functions
 from sim.bench.registry import Bench, require_at_least
 from sim.sweep.settings import SimulateSettings
 
@@ -26,7 +27,7 @@ class ProposerBenchSettings:
     draft: str = "qwen2.5-coder-0.5b"
     dtype: Dtype = "bfloat16"
     draft_runtime: Literal["torch", "onnx", "llama.cpp"] = "onnx"  # the edge's own (int8 weights)
-    draft_weights: Literal["int8", "int4", "w8a8", "float32"] = "int8"  # ONNX only: the edge's default
+    draft_weights: DraftWeights = "int8"  # ONNX only: the edge's default
     engine: Literal["resident", "llama.cpp"] = "resident"  # the cloud's
     baseline: Literal["llama-server", "off"] = "llama-server"  # what a user would run instead: the target's GGUF
     rtt_ms: float = 50.0
