@@ -36,7 +36,8 @@ DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is
 # int8 (key and value are narrow under grouped-query attention, so cheap to keep). Tokens per call against int8's,
 # 14 prompts: this recipe -1.7% at 1.35x int8's decode speed; the LM head at int8 too -0.4% at 1.21x; RTN 4-bit
 # everywhere but an int8 head -3.4%; HQQ 4-bit everywhere -2.7% (its float zero points miss the fast kernel);
-# RTN 4-bit everywhere -5.6% (6 prompts).
+# RTN 4-bit everywhere -5.6% (6 prompts). On two sets of 96 prompts that chose nothing (with 95% intervals, docs/
+# benchmarks/index.md): this recipe -2.1% and -2.8%; the head at int8 too -1.2%; AWQ-style scales first -3.0%.
 INT4_RECIPE = "rtn-asym int4; int8 down, key, value"
 # Part of the int4 export's cache directory name (`<key>-int4-r2`): an export made by an earlier recipe is not reused.
 INT4_RECIPE_VERSION = 2

@@ -21,7 +21,8 @@ The attention's output projection is left as is: its input comes from value head
 Measured (Qwen2.5-Coder-0.5B drafting for the 1.5B, 14 prompts x 64 greedy target tokens, blocks of 5, tokens per
 call from the draft's top-1 along the target's text): MatMulNBits int8 3.896, float32 3.879; this format without
 smoothing 3.718 (-4.6% against int8), with it at alpha 0.5 3.765, 0.65 3.930 and 0.8 3.913. On 7 prompts held out of
-that choice: int8 4.110, w8a8 4.036 (-1.8%) (`sprinter bench draft-acceptance`, docs/edge.md).
+that choice: int8 4.110, w8a8 4.036 (-1.8%) (`sprinter bench draft-acceptance`, docs/edge.md); on two sets of 96,
+-1.9% and -2.0%. An alpha chosen per site by the simulated w8a8 error (0.4-0.7) did no better there (-2.2%).
 """
 
 from __future__ import annotations
