@@ -30,6 +30,21 @@ class DraftLM(Protocol):
     def advance_to(self, context: list[int], n_logits: int = 1) -> ForwardOutput: ...
 
 
+def greedy_continuation(lm: DraftLM, context: list[int], new_tokens: int) -> list[int]:
+    """`context` followed by `lm`'s `new_tokens` greedy tokens, one forward each (no stop at end of text)."""
+    tokens = list(context)
+    for _ in range(new_tokens):
+        tokens.append(int(lm.advance_to(tokens, 1).logits[-1].argmax()))
+    return tokens
+
+
+def top1_matches(lm: DraftLM, tokens: list[int], start: int) -> list[bool]:
+    """Whether `lm`'s top-1 is the token there, at each position of `tokens` from `start` on: one forward over the
+    text (teacher forcing), as a greedy speculative round would see each position."""
+    proposed = lm.advance_to(tokens[:-1], len(tokens) - start).logits.argmax(-1).tolist()
+    return [p == t for p, t in zip(proposed, tokens[start:])]
+
+
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):

@@ -41,7 +41,11 @@ DATA_FILE = "model.onnx.data"  # weights live outside the protobuf (its limit is
 INT4_RECIPE = "rtn-asym int4; int8 down, key, value"
 # Part of the int4 export's cache directory name (`<key>-int4-r2`): an export made by an earlier recipe is not reused.
 INT4_RECIPE_VERSION = 2
-W8A8_RECIPE = "SmoothQuant alpha 0.65 (norms, up rows); int8 weights per channel, int8 activations per tensor"
+# How much of an input channel's range SmoothQuant moves into the weights (edge/onnx_export/smooth.py has the
+# measurements that chose it); here because the recipe names it.
+SMOOTHQUANT_ALPHA = 0.65
+W8A8_RECIPE = (f"SmoothQuant alpha {SMOOTHQUANT_ALPHA} (norms, up rows); int8 weights per channel, int8 activations "
+               "per tensor")
 W8A8_RECIPE_VERSION = 1
 RECIPES = {"int4": (INT4_RECIPE, INT4_RECIPE_VERSION), "w8a8": (W8A8_RECIPE, W8A8_RECIPE_VERSION)}
 

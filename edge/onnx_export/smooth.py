@@ -35,11 +35,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.model.prompting import encode_prompt
+from edge.onnx_export.quantize import SMOOTHQUANT_ALPHA
 from edge.onnx_export.verify import DraftExportError
 
 log = logging.getLogger(__name__)
 
-ALPHA = 0.65  # how much of an input's range moves into the weights (measured above: 0.5 and 0.8 did worse)
 # Calibration: a few varied texts of our own (not the export check's prompts, edge/onnx_export/verify.py), read once
 # for each input channel's largest magnitude. The maxima come from a handful of outlier channels that any text shows.
 CALIBRATION_TEXTS = (
@@ -69,7 +69,8 @@ class _Site:
     projections: tuple[torch.Tensor, ...]  # each [out, in]: its columns (input channels) are scaled up
 
 
-def smoothed_copy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, alpha: float = ALPHA) -> PreTrainedModel:
+def smoothed_copy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                  alpha: float = SMOOTHQUANT_ALPHA) -> PreTrainedModel:
     """A float32 copy of `model` with SmoothQuant's scales folded in: the same function, flatter MatMul inputs."""
     _layers(model)  # refused before anything is copied
     smoothed = copy.deepcopy(model).float().eval()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from common.lab.prompt_sets import load_prompts
-from common.model.cached_lm import CachedLM
+from common.model.cached_lm import CachedLM, greedy_continuation, top1_matches
 from common.model.loading import LoadedModel, load_model
 from common.model.prompting import encode_prompt
 from sim.bench.proposer import chosen_prompts
@@ -69,9 +69,7 @@ def target_continuations(settings: DraftAcceptanceBenchSettings, folder: RunFold
     continuations = []
     for number, record in enumerate(records, start=1):
         ids = encode_prompt(target.tokenizer, record.prompt, record.chat)
-        lm, tokens = CachedLM(target.model), list(ids)
-        for _ in range(settings.max_tokens):
-            tokens.append(int(lm.advance_to(tokens, 1).logits[-1].argmax()))
+        tokens = greedy_continuation(CachedLM(target.model), ids, settings.max_tokens)
         continuations.append(Continuation(record.id, len(ids), tokens))
         log.info("target continuation %d/%d (%s)", number, len(records), record.id)
     cached.write_text(json.dumps(dict(key=_continuations_key(settings),
@@ -95,9 +93,7 @@ def score_weights(settings: DraftAcceptanceBenchSettings, loaded_draft: LoadedMo
     calls_per_prompt = []
     for continuation in continuations:
         draft.reset()
-        start, tokens = continuation.prompt_length, continuation.tokens
-        proposed = draft.advance_to(tokens[:-1], len(tokens) - start).logits.argmax(-1).tolist()
-        matches = [p == t for p, t in zip(proposed, tokens[start:])]
+        matches = top1_matches(draft, continuation.tokens, continuation.prompt_length)
         matched, positions = matched + sum(matches), positions + len(matches)
         calls_per_prompt.append(calls_along(matches, settings.k))
     calls = sum(calls_per_prompt)
